@@ -1,0 +1,5 @@
+# Copyright (c) xcit_mm contributors. All rights reserved.
+"""Built-in data: the deterministic "shapes" world in COCO and ADE20k layouts."""
+from .shapes import CLASSES, PALETTE, generate_shapes, load_samples, make_mosaic
+
+__all__ = ['CLASSES', 'PALETTE', 'generate_shapes', 'load_samples', 'make_mosaic']

@@ -1,0 +1,534 @@
+# Copyright (c) xcit_mm contributors. All rights reserved.
+"""A deterministic, self-contained "shapes" world for detection and segmentation.
+
+Every image shows a few flat-coloured circles, squares and triangles (3 classes) of varied
+size, colour and rotation on a varied background (two-colour gradients, smooth colour noise,
+flat colour), with pixel noise and JPEG compression. Objects overlap: they are painted one
+after the other and every annotation describes the *visible* part of its object. An object
+is only kept when at least ``min_visible`` of it stays visible once all later objects are
+painted, so no annotation is a sliver.
+
+The world is written in the real on-disk layouts of the two benchmarks so that the stock
+OpenMMLab datasets, transforms and metrics read it unchanged:
+
+* ``task='coco'`` (mmdet ``CocoDataset`` + ``CocoMetric``)::
+
+      root/train/000001.jpg ...            root/val/000001.jpg ...
+      root/annotations/instances_train.json
+      root/annotations/instances_val.json
+
+  Standard COCO instance json: ``images`` (id, file_name, width, height), ``annotations``
+  (id, image_id, category_id, compressed-RLE ``segmentation`` of the visible pixels, tight
+  ``bbox`` [x, y, w, h] of those pixels, ``area`` = their count, ``iscrowd`` = 0) and
+  ``categories`` 1 circle, 2 square, 3 triangle.
+
+* ``task='ade'`` (mmseg ``BaseSegDataset`` with ADE20k's conventions + ``IoUMetric``)::
+
+      root/images/training/shapes_train_000001.jpg ...
+      root/annotations/training/shapes_train_000001.png ...
+      root/images/validation/...           root/annotations/validation/...
+
+  Label maps are single-channel uint8 PNGs with ADE20k's ``reduce_zero_label`` convention:
+  0 = background ("other", ignored), 1 = circle, 2 = square, 3 = triangle. With
+  ``reduce_zero_label=True`` mmseg's ``LoadAnnotations`` turns them into 255 (ignore), 0, 1, 2.
+
+Each image is drawn from its own random stream seeded by ``(seed, split, index)``, so the
+same arguments always give byte-identical files, and a larger ``num_train`` only appends
+images. Training and validation images come from different streams (held out).
+
+Example:
+    >>> from xcit_mm.datasets import generate_shapes
+    >>> generate_shapes('data/shapes_coco', task='coco', num_train=800, num_val=100,
+    ...                 image_size=160, seed=0)
+"""
+import json
+import os
+import os.path as osp
+import shutil
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+from PIL import Image
+
+CLASSES = ('circle', 'square', 'triangle')
+PALETTE = [(220, 20, 60), (0, 130, 255), (20, 200, 60)]
+TASKS = ('coco', 'ade')
+META_FILE = 'shapes_world.json'
+_FORMAT_VERSION = 1
+_SPLITS = {'train': 0, 'val': 1}
+_ADE_SPLIT_DIRS = {'train': 'training', 'val': 'validation'}
+
+
+# --------------------------------------------------------------------------------------------
+# drawing
+# --------------------------------------------------------------------------------------------
+def _resize_bilinear(grid: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Resize a small (h, w, c) float grid to (height, width, c), bilinear, align corners.
+
+    Implemented in numpy so that the result does not depend on an image library's version.
+    """
+    h, w = grid.shape[:2]
+    ys = np.linspace(0, h - 1, height)
+    xs = np.linspace(0, w - 1, width)
+    y0 = np.floor(ys).astype(int)
+    x0 = np.floor(xs).astype(int)
+    y1 = np.minimum(y0 + 1, h - 1)
+    x1 = np.minimum(x0 + 1, w - 1)
+    wy = (ys - y0)[:, None, None]
+    wx = (xs - x0)[None, :, None]
+    top = grid[y0][:, x0] * (1 - wx) + grid[y0][:, x1] * wx
+    bottom = grid[y1][:, x0] * (1 - wx) + grid[y1][:, x1] * wx
+    return top * (1 - wy) + bottom * wy
+
+
+def _random_colour(rng: np.random.Generator) -> np.ndarray:
+    """A random RGB colour (float, 0-255)."""
+    return rng.uniform(0, 255, size=3)
+
+
+def _background(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
+    """A random background: linear two-colour gradient, smooth colour noise or flat colour."""
+    kind = rng.choice(3, p=[0.45, 0.4, 0.15])
+    if kind == 0:  # linear gradient in a random direction
+        c0, c1 = _random_colour(rng), _random_colour(rng)
+        angle = rng.uniform(0, 2 * np.pi)
+        yy, xx = np.mgrid[0:height, 0:width].astype(np.float64)
+        t = np.cos(angle) * xx / max(width - 1, 1) + np.sin(angle) * yy / max(height - 1, 1)
+        t = (t - t.min()) / max(t.max() - t.min(), 1e-6)
+        img = c0[None, None] * (1 - t[..., None]) + c1[None, None] * t[..., None]
+    elif kind == 1:  # smooth low-frequency colour noise
+        cells = int(rng.integers(2, 6))
+        grid = rng.uniform(0, 255, size=(cells, cells, 3))
+        img = _resize_bilinear(grid, height, width)
+    else:  # flat colour
+        img = np.broadcast_to(_random_colour(rng), (height, width, 3)).copy()
+    return img
+
+
+def _convex_polygon_mask(vertices: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Boolean mask of the pixels whose centres lie inside a convex polygon.
+
+    Args:
+        vertices (np.ndarray): (K, 2) polygon vertices (x, y) in pixel units, any orientation.
+        height (int): Mask height.
+        width (int): Mask width.
+
+    Returns:
+        np.ndarray: (height, width) bool mask.
+    """
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float64) + 0.5
+    inside_pos = np.ones((height, width), dtype=bool)
+    inside_neg = np.ones((height, width), dtype=bool)
+    k = len(vertices)
+    for i in range(k):
+        x0, y0 = vertices[i]
+        x1, y1 = vertices[(i + 1) % k]
+        cross = (x1 - x0) * (yy - y0) - (y1 - y0) * (xx - x0)
+        inside_pos &= cross >= 0
+        inside_neg &= cross <= 0
+    return inside_pos | inside_neg
+
+
+def _shape_mask(label: int, cx: float, cy: float, radius: float, angle: float, height: int,
+                width: int) -> np.ndarray:
+    """Full (un-occluded) mask of one shape.
+
+    Args:
+        label (int): 0 circle, 1 square, 2 triangle.
+        cx (float): Centre x in pixels.
+        cy (float): Centre y in pixels.
+        radius (float): Size parameter: circle radius; the square's half side is 0.85 * radius
+            and the triangle's circumradius 1.2 * radius, so the three have similar extents.
+        angle (float): Rotation in radians (ignored for circles).
+        height (int): Image height.
+        width (int): Image width.
+
+    Returns:
+        np.ndarray: (height, width) bool mask.
+    """
+    if label == 0:
+        yy, xx = np.mgrid[0:height, 0:width].astype(np.float64) + 0.5
+        return (xx - cx) ** 2 + (yy - cy) ** 2 <= radius ** 2
+    if label == 1:
+        circum = 0.85 * radius * np.sqrt(2.0)
+        thetas = angle + np.pi / 4 + np.arange(4) * np.pi / 2
+    else:
+        circum = 1.2 * radius
+        thetas = angle + np.arange(3) * 2 * np.pi / 3
+    vertices = np.stack([cx + circum * np.cos(thetas), cy + circum * np.sin(thetas)], axis=1)
+    return _convex_polygon_mask(vertices, height, width)
+
+
+def draw_shapes_image(rng: np.random.Generator,
+                      image_size: Union[int, Tuple[int, int]],
+                      objects_per_image: Tuple[int, int] = (2, 6),
+                      size_range: Tuple[float, float] = (0.08, 0.25),
+                      min_visible: float = 0.6,
+                      min_contrast: float = 60.0,
+                      max_tries: int = 30) -> Tuple[np.ndarray, List[Dict]]:
+    """Draw one image of the shapes world.
+
+    Args:
+        rng (np.random.Generator): The image's own random stream.
+        image_size (int | tuple[int, int]): Side, or (height, width), in pixels.
+        objects_per_image (tuple[int, int]): Inclusive range of the number of objects tried.
+        size_range (tuple[float, float]): Range of the shape radius as a fraction of the
+            shorter image side.
+        min_visible (float): A placement is rejected if it leaves an earlier object with less
+            than this fraction of its full area visible (or covers it to under 16 pixels).
+        min_contrast (float): Minimum RGB distance between an object colour and both the mean
+            background colour under it and the colour of every object it overlaps.
+        max_tries (int): Placement attempts per object before it is skipped.
+
+    Returns:
+        tuple[np.ndarray, list[dict]]: The (H, W, 3) uint8 RGB image and one dict per visible
+        object, bottom to top, with ``label`` (0-based class index) and ``mask`` ((H, W) bool,
+        visible pixels only).
+    """
+    height, width = _size_hw(image_size)
+    short = min(height, width)
+    img = _background(rng, height, width)
+    background = img.copy()
+    n_obj = int(rng.integers(objects_per_image[0], objects_per_image[1] + 1))
+    objects: List[Dict] = []  # dicts with label, visible, area, colour
+    for _ in range(n_obj):
+        label = int(rng.integers(len(CLASSES)))
+        for _ in range(max_tries):
+            radius = rng.uniform(*size_range) * short
+            margin = 0.9 * radius
+            cx = rng.uniform(margin, width - margin)
+            cy = rng.uniform(margin, height - margin)
+            angle = rng.uniform(0, 2 * np.pi)
+            full = _shape_mask(label, cx, cy, radius, angle, height, width)
+            if full.sum() < 16:
+                continue
+            ok = True
+            for obj in objects:
+                left = obj['visible'] & ~full
+                n_left = int(left.sum())
+                if n_left < 16 or n_left < min_visible * obj['area']:
+                    ok = False
+                    break
+            if not ok:
+                continue
+            # contrast against the background under the new shape and against every object
+            # it overlaps, so that every visible boundary is visible in the image
+            under = [background[full].mean(axis=0)]
+            under += [obj['colour'] for obj in objects if (obj['visible'] & full).any()]
+            colour = None
+            for _ in range(max_tries):
+                cand = _random_colour(rng)
+                if min(np.linalg.norm(cand - u) for u in under) >= min_contrast:
+                    colour = cand
+                    break
+            if colour is None:
+                continue
+            for obj in objects:
+                obj['visible'] = obj['visible'] & ~full
+            # flat colour with a faint linear shading across the object
+            shade = rng.uniform(-20, 20, size=2)
+            yy, xx = np.nonzero(full)
+            ramp = (shade[0] * (xx - cx) + shade[1] * (yy - cy)) / max(radius, 1.0)
+            img[full] = colour[None] + ramp[:, None]
+            objects.append(dict(label=label, visible=full, area=int(full.sum()), colour=colour))
+            break
+    sigma = rng.uniform(0, 12)
+    img = img + rng.normal(0, 1, size=img.shape) * sigma
+    img = np.clip(np.rint(img), 0, 255).astype(np.uint8)
+    return img, [dict(label=o['label'], mask=o['visible']) for o in objects]
+
+
+# --------------------------------------------------------------------------------------------
+# writing
+# --------------------------------------------------------------------------------------------
+def _size_hw(image_size: Union[int, Sequence[int]]) -> Tuple[int, int]:
+    """Normalise ``image_size`` to (height, width)."""
+    if isinstance(image_size, (int, np.integer)):
+        height = width = int(image_size)
+    else:
+        size = tuple(int(s) for s in image_size)
+        if len(size) != 2:
+            raise ValueError(f'image_size must be an int or (height, width), got {image_size!r}')
+        height, width = size
+    if height < 32 or width < 32:
+        raise ValueError(f'image_size must be at least 32 px per side (the XCiT stride-32 '
+                         f'level), got {(height, width)}')
+    return height, width
+
+
+def _image_rng(seed: int, split: str, index: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([int(seed), _SPLITS[split], index]))
+
+
+def _save_jpg(img: np.ndarray, path: str) -> None:
+    Image.fromarray(img).save(path, format='JPEG', quality=92)
+
+
+def _rle(mask: np.ndarray) -> Dict:
+    from pycocotools import mask as mask_utils
+    rle = mask_utils.encode(np.asfortranarray(mask.astype(np.uint8)))
+    rle['counts'] = rle['counts'].decode('ascii')
+    return rle
+
+
+def _write_coco_split(root: str, split: str, num: int, size: Tuple[int, int], seed: int,
+                      gen_kwargs: Dict, progress) -> Dict:
+    img_dir = osp.join(root, split)
+    os.makedirs(img_dir, exist_ok=True)
+    images, annotations = [], []
+    ann_id = 1
+    for idx in _iterate(range(num), progress, f'shapes coco {split}'):
+        img, objects = draw_shapes_image(_image_rng(seed, split, idx), size, **gen_kwargs)
+        file_name = f'{idx + 1:06d}.jpg'
+        _save_jpg(img, osp.join(img_dir, file_name))
+        images.append(dict(id=idx + 1, file_name=file_name, height=size[0], width=size[1]))
+        for obj in objects:
+            ys, xs = np.nonzero(obj['mask'])
+            x0, y0 = int(xs.min()), int(ys.min())
+            w, h = int(xs.max()) - x0 + 1, int(ys.max()) - y0 + 1
+            annotations.append(
+                dict(id=ann_id, image_id=idx + 1, category_id=obj['label'] + 1,
+                     segmentation=_rle(obj['mask']), area=float(obj['mask'].sum()),
+                     bbox=[float(x0), float(y0), float(w), float(h)], iscrowd=0))
+            ann_id += 1
+    coco = dict(
+        info=dict(description=f'xcit_mm shapes world ({split})', version=str(_FORMAT_VERSION)),
+        licenses=[],
+        images=images,
+        annotations=annotations,
+        categories=[dict(id=i + 1, name=name, supercategory='shape')
+                    for i, name in enumerate(CLASSES)])
+    ann_file = osp.join(root, 'annotations', f'instances_{split}.json')
+    with open(ann_file, 'w') as f:
+        json.dump(coco, f, separators=(',', ':'))
+    return dict(images=len(images), instances=len(annotations))
+
+
+def _write_ade_split(root: str, split: str, num: int, size: Tuple[int, int], seed: int,
+                     gen_kwargs: Dict, progress) -> Dict:
+    sub = _ADE_SPLIT_DIRS[split]
+    img_dir = osp.join(root, 'images', sub)
+    ann_dir = osp.join(root, 'annotations', sub)
+    os.makedirs(img_dir, exist_ok=True)
+    os.makedirs(ann_dir, exist_ok=True)
+    n_obj = 0
+    for idx in _iterate(range(num), progress, f'shapes ade {split}'):
+        img, objects = draw_shapes_image(_image_rng(seed, split, idx), size, **gen_kwargs)
+        label_map = np.zeros(size, dtype=np.uint8)
+        for obj in objects:  # visible masks are disjoint
+            label_map[obj['mask']] = obj['label'] + 1
+        stem = f'shapes_{split}_{idx + 1:06d}'
+        _save_jpg(img, osp.join(img_dir, stem + '.jpg'))
+        Image.fromarray(label_map).save(osp.join(ann_dir, stem + '.png'))
+        n_obj += len(objects)
+    return dict(images=num, instances=n_obj)
+
+
+def _iterate(items: Iterable, progress, desc: str) -> Iterable:
+    if not progress:
+        return items
+    from tqdm import tqdm
+    return tqdm(items, desc=desc, unit='img', dynamic_ncols=True)
+
+
+def generate_shapes(root: str,
+                    task: str = 'coco',
+                    num_train: int = 800,
+                    num_val: int = 100,
+                    image_size: Union[int, Tuple[int, int]] = 160,
+                    seed: int = 0,
+                    objects_per_image: Tuple[int, int] = (2, 6),
+                    size_range: Tuple[float, float] = (0.08, 0.25),
+                    min_visible: float = 0.6,
+                    overwrite: bool = False,
+                    progress: bool = False) -> Dict:
+    """Generate the shapes world in the real COCO or ADE20k layout.
+
+    Files are written to a temporary sibling directory which is renamed to ``root`` at the
+    end, so an interrupted run never leaves a half-written ``root`` behind.
+
+    Args:
+        root (str): Output directory.
+        task (str): ``'coco'`` (instance detection/segmentation, COCO json) or ``'ade'``
+            (semantic segmentation, ADE20k directory layout). Defaults to ``'coco'``.
+        num_train (int): Number of training images. Defaults to 800.
+        num_val (int): Number of held-out validation images. Defaults to 100.
+        image_size (int | tuple[int, int]): Side, or (height, width), in pixels (>= 32).
+            Defaults to 160.
+        seed (int): World seed; equal arguments give byte-identical files. Defaults to 0.
+        objects_per_image (tuple[int, int]): Inclusive range of objects tried per image.
+        size_range (tuple[float, float]): Shape radius range, as a fraction of the shorter side.
+        min_visible (float): Minimum visible fraction of every annotated object.
+        overwrite (bool): Replace an existing ``root``. If False (default) and ``root`` holds a
+            world generated with the same arguments, nothing is done; any other existing
+            ``root`` raises FileExistsError.
+        progress (bool): Show tqdm progress bars. Defaults to False.
+
+    Returns:
+        dict: The generation arguments plus per-split ``images`` / ``instances`` counts (also
+        written to ``root/shapes_world.json``).
+
+    Raises:
+        ValueError: On an unknown task or invalid sizes/counts.
+        FileExistsError: If ``root`` exists with other contents and ``overwrite`` is False.
+    """
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    for name, value in (('num_train', num_train), ('num_val', num_val)):
+        if int(value) != value or value < 0:
+            raise ValueError(f'{name} must be a non-negative int, got {value!r}')
+    size = _size_hw(image_size)
+    lo, hi = (int(v) for v in objects_per_image)
+    if not 1 <= lo <= hi:
+        raise ValueError(f'objects_per_image must be (min, max) with 1 <= min <= max, '
+                         f'got {objects_per_image!r}')
+    smin, smax = (float(v) for v in size_range)
+    if not 0 < smin <= smax <= 0.5:
+        raise ValueError(f'size_range must satisfy 0 < min <= max <= 0.5, got {size_range!r}')
+    if not 0 < min_visible <= 1:
+        raise ValueError(f'min_visible must be in (0, 1], got {min_visible!r}')
+    args = dict(format_version=_FORMAT_VERSION, task=task, num_train=int(num_train),
+                num_val=int(num_val), image_size=list(size), seed=int(seed),
+                objects_per_image=[lo, hi], size_range=[smin, smax],
+                min_visible=float(min_visible))
+
+    root = osp.abspath(osp.expanduser(str(root)))
+    if osp.exists(root):
+        if not overwrite:
+            meta = _read_meta(root)
+            if meta is not None and {k: meta.get(k) for k in args} == args:
+                return meta
+            raise FileExistsError(
+                f'{root} already exists and was not generated by generate_shapes with these '
+                f'arguments ({args}); remove it or pass overwrite=True')
+    tmp = f'{root}.tmp-{os.getpid()}'
+    if osp.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(osp.join(tmp, 'annotations'), exist_ok=True)
+    gen_kwargs = dict(objects_per_image=(lo, hi), size_range=(smin, smax),
+                      min_visible=float(min_visible))
+    writer = _write_coco_split if task == 'coco' else _write_ade_split
+    try:
+        summary = dict(args)
+        for split, num in (('train', int(num_train)), ('val', int(num_val))):
+            summary[split] = writer(tmp, split, num, size, int(seed), gen_kwargs, progress)
+        with open(osp.join(tmp, META_FILE), 'w') as f:
+            json.dump(summary, f, indent=2)
+        if osp.exists(root):  # overwrite=True
+            shutil.rmtree(root)
+        os.makedirs(osp.dirname(root), exist_ok=True)
+        os.replace(tmp, root)
+    finally:
+        if osp.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return summary
+
+
+def _read_meta(root: str) -> Optional[Dict]:
+    path = osp.join(root, META_FILE)
+    if not osp.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# looking at it
+# --------------------------------------------------------------------------------------------
+def load_samples(root: str, split: str = 'val',
+                 num: int = 4) -> List[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Read back the first ``num`` images of a generated world with per-pixel labels.
+
+    Works for both layouts: COCO masks are decoded with pycocotools, ADE label maps are read
+    as they are.
+
+    Args:
+        root (str): A directory written by :func:`generate_shapes`.
+        split (str): ``'train'`` or ``'val'``.
+        num (int): Number of images.
+
+    Returns:
+        list[tuple[np.ndarray, np.ndarray, np.ndarray]]: (RGB uint8 image, uint8 class map
+        with 0 = background and 1..3 = circle, square, triangle, int32 instance map with
+        0 = background; for ADE, which has no instances, the class map again).
+    """
+    if split not in _SPLITS:
+        raise ValueError(f'split must be one of {tuple(_SPLITS)}, got {split!r}')
+    meta = _read_meta(root)
+    if meta is None:
+        raise FileNotFoundError(f'{root} holds no {META_FILE}: not a generated shapes world')
+    out = []
+    if meta['task'] == 'coco':
+        from pycocotools import mask as mask_utils
+        with open(osp.join(root, 'annotations', f'instances_{split}.json')) as f:
+            coco = json.load(f)
+        by_image: Dict[int, List[Dict]] = {}
+        for ann in coco['annotations']:
+            by_image.setdefault(ann['image_id'], []).append(ann)
+        for info in coco['images'][:num]:
+            img = np.asarray(Image.open(osp.join(root, split, info['file_name'])).convert('RGB'))
+            label = np.zeros(img.shape[:2], dtype=np.uint8)
+            inst = np.zeros(img.shape[:2], dtype=np.int32)
+            for ann in by_image.get(info['id'], []):
+                m = mask_utils.decode(ann['segmentation']).astype(bool)
+                label[m] = ann['category_id']
+                inst[m] = ann['id']
+            out.append((img, label, inst))
+    else:
+        sub = _ADE_SPLIT_DIRS[split]
+        names = sorted(os.listdir(osp.join(root, 'images', sub)))[:num]
+        for name in names:
+            stem = osp.splitext(name)[0]
+            img = np.asarray(Image.open(osp.join(root, 'images', sub, name)).convert('RGB'))
+            label = np.asarray(Image.open(osp.join(root, 'annotations', sub, stem + '.png')))
+            out.append((img, label, label.astype(np.int32)))
+    return out
+
+
+def make_mosaic(samples: Sequence[Tuple[np.ndarray, np.ndarray, np.ndarray]], path: str,
+                columns: int = 4, scale: int = 2) -> np.ndarray:
+    """Save a PNG mosaic: each sample's image above its annotation.
+
+    The annotation tile paints every pixel in its class colour (:data:`PALETTE`: circle red,
+    square blue, triangle green; background black) and outlines every instance in white.
+
+    Args:
+        samples (Sequence[tuple]): (image, class map, instance map) triples as returned by
+            :func:`load_samples`.
+        path (str): Output PNG path.
+        columns (int): Samples per row.
+        scale (int): Integer upscaling factor (nearest neighbour).
+
+    Returns:
+        np.ndarray: The mosaic (H, W, 3) uint8.
+    """
+    if not samples:
+        raise ValueError('make_mosaic needs at least one sample')
+    colours = np.array([(0, 0, 0)] + [list(c) for c in PALETTE], dtype=np.uint8)
+    tiles = []
+    for img, label, inst in samples:
+        ann = colours[label].copy()
+        edge = np.zeros(inst.shape, dtype=bool)
+        diff_v = inst[:-1] != inst[1:]
+        diff_h = inst[:, :-1] != inst[:, 1:]
+        edge[:-1] |= diff_v
+        edge[1:] |= diff_v
+        edge[:, :-1] |= diff_h
+        edge[:, 1:] |= diff_h
+        ann[edge & (inst > 0)] = 255
+        tile = np.concatenate([img, ann], axis=0)
+        tiles.append(np.pad(tile, ((2, 2), (2, 2), (0, 0)), constant_values=255))
+    h, w = tiles[0].shape[:2]
+    rows = (len(tiles) + columns - 1) // columns
+    canvas = np.full((rows * h, min(columns, len(tiles)) * w, 3), 255, dtype=np.uint8)
+    for i, tile in enumerate(tiles):
+        r, c = divmod(i, columns)
+        canvas[r * h:(r + 1) * h, c * w:(c + 1) * w] = tile
+    if scale > 1:
+        canvas = canvas.repeat(scale, axis=0).repeat(scale, axis=1)
+    os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
+    Image.fromarray(canvas).save(path)
+    return canvas
