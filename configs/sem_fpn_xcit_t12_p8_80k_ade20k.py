@@ -1,0 +1,17 @@
+# XCiT-T12/8 + Semantic FPN, 80k iterations, ADE20k (150 classes), 512x512 crops.
+# Paper-reported (Table 6): mIoU 39.9 (single scale, val).
+# Released weights: https://dl.fbaipublicfiles.com/xcit/ade/sem_fpn_xcit_tiny_12_p8.pth
+_base_ = ['./_base_/xcit_sem_fpn_80k_ade20k.py']
+
+# ImageNet-1k weights of XCiT-T12/8 (224 px) from the official model zoo.
+pretrained = 'https://dl.fbaipublicfiles.com/xcit/xcit_tiny_12_p8_224.pth'
+
+model = dict(
+    backbone=dict(
+        arch='t12',
+        patch_size=8,
+        drop_path_rate=0.0,
+        init_cfg=dict(type='Pretrained', checkpoint=pretrained)),
+    # FPN width 192 as released (T12: 192).
+    neck=dict(in_channels=[192] * 4, out_channels=192),
+    decode_head=dict(in_channels=[192] * 4))

@@ -1,0 +1,16 @@
+# XCiT-S12/16 + UperNet, 160k iterations, ADE20k (150 classes), 512x512 crops.
+# Paper-reported (Table 6): mIoU 45.9 (single scale, val).
+# Released weights: https://dl.fbaipublicfiles.com/xcit/ade/upernet_xcit_small_12_p16.pth
+_base_ = ['./_base_/xcit_upernet_160k_ade20k.py']
+
+# ImageNet-1k weights of XCiT-S12/16 (224 px) from the official model zoo.
+pretrained = 'https://dl.fbaipublicfiles.com/xcit/xcit_small_12_p16_224.pth'
+
+model = dict(
+    backbone=dict(
+        arch='s12',
+        patch_size=16,
+        drop_path_rate=0.05,
+        init_cfg=dict(type='Pretrained', checkpoint=pretrained)),
+    decode_head=dict(in_channels=[384] * 4),
+    auxiliary_head=dict(in_channels=384))

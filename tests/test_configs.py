@@ -1,0 +1,250 @@
+"""The 24 paper configs: they load, build, match the paper's sizes and recipes, and run.
+
+Models are built with ``init_cfg=None`` for the backbone (no download of ImageNet weights) on the
+``meta`` device where only shapes matter (parameter counts, head widths), which keeps building all
+24 models, M24 included, to a few seconds.
+"""
+import glob
+import math
+import os.path as osp
+
+import pytest
+import torch
+from mmengine.config import Config
+from mmengine.model import revert_sync_batchnorm
+from mmengine.registry import init_default_scope
+
+import xcit_mm  # noqa: F401  (registers XCiTBackbone)
+
+CONFIG_DIR = osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'configs')
+ARCHS = ('t12', 's12', 's24', 'm24')
+PATCHES = (16, 8)
+EMBED_DIMS = {'t12': 192, 's12': 384, 's24': 384, 'm24': 512}
+OFFICIAL_NAMES = {'t12': 'tiny_12', 's12': 'small_12', 's24': 'small_24', 'm24': 'medium_24'}
+DROP_PATH = {'t12': 0.0, 's12': 0.05, 's24': 0.1, 'm24': 0.15}
+SEM_FPN_DROP_PATH = dict(DROP_PATH, m24=0.2)
+SEM_FPN_WIDTH = {'t12': 192, 's12': 384, 's24': 384, 'm24': 512}
+
+# Paper Table 5: parameters of the whole Mask R-CNN, in millions, as printed.
+PAPER_PARAMS_M = {
+    ('t12', 16): 26.1, ('t12', 8): 25.8, ('s12', 16): 44.3, ('s12', 8): 43.1,
+    ('s24', 16): 65.8, ('s24', 8): 64.5, ('m24', 16): 101.1, ('m24', 8): 98.9,
+}
+# Exact counts of the released architecture (XCiT trunk + dense adapter + mmdet's Mask R-CNN FPN
+# heads, 80 classes), worked out layer by layer from the official detection backbone; the paper
+# prints these truncated to 0.1M (e.g. 26,177,400 -> "26.1M"). See docs/configs.md.
+EXACT_PARAMS = {
+    ('t12', 16): 26_177_400, ('t12', 8): 25_871_952, ('s12', 16): 44_386_560,
+    ('s12', 8): 43_165_104, ('s24', 16): 65_804_640, ('s24', 8): 64_583_184,
+    ('m24', 16): 101_152_240, ('m24', 8): 98_980_912,
+}
+
+
+def _cfg_path(task, arch, patch):
+    name = {'mask_rcnn': f'mask_rcnn_xcit_{arch}_p{patch}_3x_coco.py',
+            'sem_fpn': f'sem_fpn_xcit_{arch}_p{patch}_80k_ade20k.py',
+            'upernet': f'upernet_xcit_{arch}_p{patch}_160k_ade20k.py'}[task]
+    return osp.join(CONFIG_DIR, name)
+
+
+ALL = [(task, arch, patch) for task in ('mask_rcnn', 'sem_fpn', 'upernet') for arch in ARCHS
+       for patch in PATCHES]
+
+
+def _load(task, arch, patch):
+    return Config.fromfile(_cfg_path(task, arch, patch))
+
+
+def _build(cfg, device='meta'):
+    """Build ``cfg.model`` in its scope without pretrained weights."""
+    init_default_scope(cfg.default_scope)
+    from mmengine.registry import MODELS
+    model_cfg = cfg.model.copy()
+    model_cfg.backbone.init_cfg = None
+    with torch.device(device):
+        return MODELS.build(model_cfg)
+
+
+def test_exactly_the_paper_configs_exist():
+    found = sorted(osp.basename(p) for p in glob.glob(osp.join(CONFIG_DIR, '*.py')))
+    expected = sorted(osp.basename(_cfg_path(*key)) for key in ALL)
+    assert found == expected
+
+
+@pytest.mark.parametrize('task,arch,patch', ALL)
+def test_config_recipe(task, arch, patch):
+    cfg = _load(task, arch, patch)
+    assert cfg.custom_imports == dict(imports=['xcit_mm'], allow_failed_imports=False)
+    backbone = cfg.model.backbone
+    assert backbone.type == 'XCiTBackbone'
+    assert (backbone.arch, backbone.patch_size) == (arch, patch)
+    expected_dpr = SEM_FPN_DROP_PATH[arch] if task == 'sem_fpn' else DROP_PATH[arch]
+    assert backbone.drop_path_rate == expected_dpr
+    assert backbone.norm_cfg == dict(type='SyncBN', requires_grad=True)
+    assert backbone.init_cfg == dict(
+        type='Pretrained',
+        checkpoint=f'https://dl.fbaipublicfiles.com/xcit/xcit_{OFFICIAL_NAMES[arch]}_p{patch}_224.pth')
+    assert 'depth' not in backbone and 'pretrained' not in backbone  # ResNet leftovers deleted
+    assert cfg.train_dataloader.batch_size == 2
+    assert cfg.auto_scale_lr == dict(enable=False, base_batch_size=16)
+    optim = cfg.optim_wrapper
+    assert optim.optimizer.type == 'AdamW'
+    assert set(optim.optimizer) == {'type', 'lr', 'betas', 'weight_decay'}  # no SGD momentum
+    assert optim.paramwise_cfg.norm_decay_mult == 0.0
+    D = EMBED_DIMS[arch]
+    if task == 'mask_rcnn':
+        assert cfg.default_scope == 'mmdet'
+        assert (optim.optimizer.lr, optim.optimizer.weight_decay) == (1e-4, 0.05)
+        assert cfg.train_cfg.max_epochs == 36
+        warmup, steps = cfg.param_scheduler
+        assert (warmup.type, warmup.end, warmup.by_epoch) == ('LinearLR', 500, False)
+        assert (steps.type, steps.milestones, steps.end) == ('MultiStepLR', [27, 33], 36)
+        assert cfg.model.neck.in_channels == [D] * 4
+        assert cfg.model.neck.out_channels == 256 and cfg.model.neck.num_outs == 5
+        assert cfg.model.roi_head.bbox_roi_extractor.featmap_strides == [4, 8, 16, 32]
+        train = cfg.train_dataloader.dataset
+        assert train.data_root == 'data/coco/'
+        assert [t.type for t in train.pipeline][2:4] == ['RandomFlip', 'RandomChoice']
+        small, crop = train.pipeline[3].transforms
+        assert [s[0] for s in small[0].scales] == list(range(480, 801, 32))
+        assert [t.type for t in crop] == ['RandomChoiceResize', 'RandomCrop', 'RandomChoiceResize']
+        assert crop[1].crop_size == (384, 600)
+        assert cfg.test_dataloader.dataset.pipeline[1].scale == (1333, 800)
+        assert cfg.val_evaluator.type == 'CocoMetric'
+        assert cfg.val_evaluator.metric == ['bbox', 'segm']
+        assert cfg.val_evaluator.ann_file == 'data/coco/annotations/instances_val2017.json'
+    else:
+        assert cfg.default_scope == 'mmseg'
+        assert (optim.optimizer.lr, optim.optimizer.weight_decay) == (6e-5, 0.01)
+        iters = 80000 if task == 'sem_fpn' else 160000
+        assert cfg.train_cfg.max_iters == iters
+        warmup, poly = cfg.param_scheduler
+        assert (warmup.type, warmup.end) == ('LinearLR', 1500)
+        assert (poly.type, poly.power, poly.eta_min, poly.begin, poly.end) == (
+            'PolyLR', 1.0, 0.0, 1500, iters)
+        assert cfg.model.pretrained is None
+        assert cfg.model.data_preprocessor.size == (512, 512)
+        assert cfg.model.data_preprocessor.type == 'SegDataPreProcessor'  # upstream kept
+        assert cfg.model.test_cfg == dict(mode='whole')
+        assert cfg.train_dataloader.dataset.data_root == 'data/ade/ADEChallengeData2016'
+        crop = [t for t in cfg.train_dataloader.dataset.pipeline if t.type == 'RandomCrop'][0]
+        assert crop.crop_size == (512, 512) and crop.cat_max_ratio == 0.75
+        assert cfg.test_dataloader.dataset.pipeline[1].scale == (2048, 512)
+        assert cfg.test_evaluator.type == 'IoUMetric'
+        assert cfg.test_evaluator.iou_metrics == ['mIoU']
+
+
+@pytest.mark.parametrize('arch,patch', [(a, p) for a in ARCHS for p in PATCHES])
+def test_mask_rcnn_parameter_count_matches_paper(arch, patch):
+    model = _build(_load('mask_rcnn', arch, patch))
+    count = sum(p.numel() for p in model.parameters())
+    assert count == EXACT_PARAMS[(arch, patch)]
+    # The paper prints the count truncated to 0.1M.
+    assert math.floor(count / 1e5) / 10 == PAPER_PARAMS_M[(arch, patch)]
+    assert model.roi_head.bbox_head.num_classes == 80
+    assert model.backbone.out_channels == [EMBED_DIMS[arch]] * 4
+
+
+@pytest.mark.parametrize('task,arch,patch',
+                         [k for k in ALL if k[0] in ('sem_fpn', 'upernet')])
+def test_segmentor_heads_use_official_dims(task, arch, patch):
+    model = _build(_load(task, arch, patch))
+    D = EMBED_DIMS[arch]
+    head = model.decode_head
+    assert head.num_classes == 150
+    assert head.conv_seg.out_channels == 150
+    assert head.in_index == [0, 1, 2, 3]
+    if task == 'sem_fpn':
+        width = SEM_FPN_WIDTH[arch]
+        assert [c.conv.in_channels for c in model.neck.lateral_convs] == [D] * 4
+        assert [c.conv.out_channels for c in model.neck.fpn_convs] == [width] * 4
+        assert head.in_channels == [width] * 4
+        assert head.channels == 128
+        assert head.feature_strides == [4, 8, 16, 32]
+        assert not model.with_auxiliary_head
+    else:
+        assert not model.with_neck
+        assert head.in_channels == [D] * 4
+        assert head.channels == 512
+        assert head.pool_scales == (1, 2, 3, 6)
+        aux = model.auxiliary_head
+        assert (aux.in_channels, aux.in_index, aux.channels) == (D, 2, 256)
+        assert aux.num_classes == 150 and aux.conv_seg.out_channels == 150
+        assert aux.loss_decode.loss_weight == 0.4
+
+
+def test_no_weight_decay_on_norms_temperature_and_gamma():
+    """The paramwise rules reach the backbone's real parameter names."""
+    from mmengine.optim import build_optim_wrapper
+    cfg = _load('mask_rcnn', 't12', 16)
+    model = revert_sync_batchnorm(_build(cfg, device='cpu'))
+    init_default_scope('mmdet')
+    wrapper = build_optim_wrapper(model, cfg.optim_wrapper)
+    decay = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in wrapper.optimizer.param_groups:
+        for p in group['params']:
+            decay[names[id(p)]] = group['weight_decay']
+    assert len(decay) == len(names)
+    no_decay = {n for n, wd in decay.items() if wd == 0}
+    temperature = [n for n in names.values() if n.endswith('temperature')]
+    gammas = [n for n in names.values() if '.gamma' in n]
+    norms = [n for n, m in model.named_modules()
+             if isinstance(m, (torch.nn.LayerNorm, torch.nn.modules.batchnorm._BatchNorm))]
+    assert len(temperature) == 12 and len(gammas) == 36 and len(norms) > 36
+    assert set(temperature) <= no_decay and set(gammas) <= no_decay
+    for norm in norms:
+        assert {f'{norm}.weight', f'{norm}.bias'} <= no_decay
+    qkv = [n for n in names.values() if n.endswith('qkv.weight')]
+    assert qkv and all(decay[n] == 0.05 for n in qkv)
+    assert decay['neck.fpn_convs.0.conv.weight'] == 0.05
+
+
+def test_small_detector_trains_one_step_and_predicts():
+    from mmdet.testing import demo_mm_inputs
+    cfg = _load('mask_rcnn', 't12', 16)
+    model = revert_sync_batchnorm(_build(cfg, device='cpu'))
+    model.init_weights()
+    data = demo_mm_inputs(batch_size=1, image_shapes=(3, 96, 128), num_items=[2],
+                          num_classes=80, with_mask=True)
+    data = model.data_preprocessor(data, True)
+    losses = model(**data, mode='loss')
+    total = sum(v for k, v in losses.items() if 'loss' in k and isinstance(v, torch.Tensor)) + \
+        sum(sum(v) for k, v in losses.items() if 'loss' in k and isinstance(v, list))
+    assert torch.isfinite(total)
+    total.backward()
+    assert model.backbone.patch_embed is not None
+    model.eval()
+    with torch.no_grad():
+        data = model.data_preprocessor(
+            demo_mm_inputs(batch_size=1, image_shapes=(3, 96, 128), num_classes=80), False)
+        results = model(**data, mode='predict')
+    assert results[0].pred_instances.bboxes.shape[-1] == 4
+
+
+def test_small_segmentor_trains_one_step_and_predicts():
+    from mmengine.structures import PixelData
+    from mmseg.structures import SegDataSample
+    cfg = _load('sem_fpn', 't12', 16)
+    assert cfg.model.data_preprocessor.size == (512, 512)
+    # Keep the step cheap: no padding to the 512x512 training crop for this tiny batch.
+    cfg.model.data_preprocessor.size = None
+    model = revert_sync_batchnorm(_build(cfg, device='cpu'))
+    model.init_weights()
+    h, w = 64, 96
+    samples = []
+    for _ in range(2):
+        sample = SegDataSample(metainfo=dict(img_shape=(h, w), ori_shape=(h, w), pad_shape=(h, w)))
+        sample.gt_sem_seg = PixelData(data=torch.randint(0, 150, (1, h, w)))
+        samples.append(sample)
+    data = dict(inputs=[torch.randint(0, 255, (3, h, w), dtype=torch.uint8) for _ in range(2)],
+                data_samples=samples)
+    data = model.data_preprocessor(data, True)
+    losses = model(**data, mode='loss')
+    loss = losses['decode.loss_ce']
+    assert torch.isfinite(loss)
+    loss.backward()
+    model.eval()
+    with torch.no_grad():
+        pred = model.predict(data['inputs'][:1], data['data_samples'][:1])
+    assert pred[0].pred_sem_seg.data.shape == (1, h, w)

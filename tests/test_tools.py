@@ -1,0 +1,257 @@
+"""tools/train.py, tools/test.py and their helpers in xcit_mm.utils (CPU only, no real data).
+
+Training and resuming on the built-in shapes data are covered by tests/test_shapes.py; here the
+tools are exercised up to the point where they hand over to mmengine's Runner, plus the CPU
+distributed pieces in a one-process gloo group.
+"""
+import importlib.util
+import os
+import os.path as osp
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from mmengine.config import Config
+
+from xcit_mm.utils import (CPUDistributedDataParallel, DatasetNotFoundError, check_data,
+                           ensure_shapes_world, find_missing_data, init_cpu_dist,
+                           init_distributed, prepare_cpu_distributed_cfg)
+
+REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
+COCO_CFG = osp.join(REPO, 'configs', 'mask_rcnn_xcit_t12_p16_3x_coco.py')
+ADE_CFG = osp.join(REPO, 'configs', 'upernet_xcit_t12_p16_160k_ade20k.py')
+
+
+def _load_tool(name):
+    spec = importlib.util.spec_from_file_location(f'xcit_tool_{name}',
+                                                  osp.join(REPO, 'tools', f'{name}.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope='module')
+def train_tool():
+    return _load_tool('train')
+
+
+@pytest.fixture(scope='module')
+def test_tool():
+    return _load_tool('test')
+
+
+def _coco_overrides(root):
+    root = str(root).rstrip('/') + '/'
+    return {
+        'train_dataloader.dataset.data_root': root,
+        'val_dataloader.dataset.data_root': root,
+        'test_dataloader.dataset.data_root': root,
+        'val_evaluator.ann_file': root + 'annotations/instances_val2017.json',
+        'test_evaluator.ann_file': root + 'annotations/instances_val2017.json',
+    }
+
+
+def _make_coco(root):
+    for d in ('annotations', 'train2017', 'val2017'):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    for split in ('train', 'val'):
+        (root / 'annotations' / f'instances_{split}2017.json').write_text('{}')
+
+
+# ----------------------------------------------------------------------------- data check
+def test_missing_coco_gives_download_instructions(tmp_path):
+    cfg = Config.fromfile(COCO_CFG)
+    root = tmp_path / 'coco'
+    cfg.merge_from_dict(_coco_overrides(root))
+    with pytest.raises(DatasetNotFoundError) as info:
+        check_data(cfg, splits=('train', 'val'), config_name='coco.py')
+    message = str(info.value)
+    assert 'Dataset not found for coco.py' in message
+    assert f'{root}/annotations/instances_train2017.json' in message
+    assert f'{root}/train2017' in message and f'{root}/val2017' in message
+    assert 'http://images.cocodataset.org/zips/train2017.zip' in message
+    assert 'annotations_trainval2017.zip' in message
+    assert '--cfg-options' in message and 'val_evaluator.ann_file=' in message
+    wheres = {where for where, _, _ in info.value.missing}
+    assert wheres == {'train_dataloader', 'val_dataloader'}  # evaluator file == val ann file
+
+    _make_coco(root)
+    check_data(cfg, splits=('train', 'val', 'test'))  # complete -> no error
+    (root / 'annotations' / 'instances_val2017.json').unlink()
+    missing = find_missing_data(cfg, splits=('test', ))
+    assert [(w, k) for w, k, _ in missing] == [('test_dataloader', 'annotation file')]
+
+
+def test_missing_ade_gives_download_instructions(tmp_path):
+    cfg = Config.fromfile(ADE_CFG)
+    root = tmp_path / 'ade' / 'ADEChallengeData2016'
+    cfg.merge_from_dict({'train_dataloader.dataset.data_root': str(root),
+                         'val_dataloader.dataset.data_root': str(root)})
+    with pytest.raises(DatasetNotFoundError) as info:
+        check_data(cfg)
+    message = str(info.value)
+    assert 'ADEChallengeData2016.zip' in message
+    assert f'{root}/images/training' in message and f'{root}/annotations/validation' in message
+    assert 'train_dataloader.dataset.data_root=/path/to/ADEChallengeData2016' in message
+    for sub in ('images/training', 'images/validation', 'annotations/training',
+                'annotations/validation'):
+        (root / sub).mkdir(parents=True)
+    check_data(cfg)
+
+
+def test_data_check_skips_disabled_loops_and_remote_paths(tmp_path):
+    cfg = Config.fromfile(COCO_CFG)
+    cfg.merge_from_dict(_coco_overrides(tmp_path / 'nowhere'))
+    cfg.val_cfg = None  # no validation during training -> val data not needed
+    assert {w for w, _, _ in find_missing_data(cfg)} == {'train_dataloader'}
+    cfg.train_dataloader.dataset.data_root = 's3://bucket/coco/'
+    assert find_missing_data(cfg) == []
+    # Wrapped datasets (RepeatDataset / ConcatDataset) are looked through.
+    inner = cfg.val_dataloader.dataset
+    cfg.train_dataloader.dataset = dict(type='ConcatDataset', datasets=[
+        dict(type='RepeatDataset', times=2, dataset=inner)])
+    assert {w for w, _, _ in find_missing_data(cfg)} == {'train_dataloader'}
+
+
+def test_train_tool_exits_with_the_message(tmp_path, train_tool):
+    options = [f'{k}={v}' for k, v in _coco_overrides(tmp_path / 'coco').items()]
+    with pytest.raises(SystemExit) as info:
+        train_tool.main([COCO_CFG, '--work-dir', str(tmp_path / 'w'), '--cfg-options', *options])
+    assert 'cocodataset.org' in str(info.value.code)
+    assert not (tmp_path / 'w').exists()  # nothing was built
+
+
+def test_cli_reports_missing_ade_data(tmp_path):
+    """The real command line (script imports, sys.path set-up, exit status)."""
+    root = tmp_path / 'ADEChallengeData2016'
+    proc = subprocess.run(
+        [sys.executable, osp.join(REPO, 'tools', 'test.py'), ADE_CFG,
+         'https://example.invalid/ckpt.pth', '--cfg-options',
+         f'test_dataloader.dataset.data_root={root}'],
+        cwd=str(tmp_path), capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS='1'))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert 'ADEChallengeData2016.zip' in proc.stderr
+    assert f'{root}/images/validation' in proc.stderr
+
+
+# ----------------------------------------------------------------------------- tool options
+def test_train_options(train_tool, tmp_path):
+    args = train_tool.parse_args([COCO_CFG, '--resume', '--amp', '--auto-scale-lr'])
+    cfg = train_tool.build_cfg(args)
+    assert cfg.resume is True and cfg.load_from is None
+    assert cfg.optim_wrapper.type == 'AmpOptimWrapper'
+    assert cfg.auto_scale_lr.enable is True
+    assert cfg.work_dir == osp.join('./work_dirs', 'mask_rcnn_xcit_t12_p16_3x_coco')
+    args = train_tool.parse_args([ADE_CFG, '--resume', 'ckpt.pth', '--work-dir', str(tmp_path),
+                                  '--cfg-options', 'train_cfg.max_iters=10'])
+    cfg = train_tool.build_cfg(args)
+    assert (cfg.resume, cfg.load_from, cfg.work_dir) == (True, 'ckpt.pth', str(tmp_path))
+    assert cfg.train_cfg.max_iters == 10
+    assert train_tool.build_cfg(train_tool.parse_args([ADE_CFG])).resume is False
+
+
+def test_test_options(test_tool, tmp_path):
+    det = test_tool.build_cfg(test_tool.parse_args(
+        [COCO_CFG, 'ckpt.pth', '--show-dir', 'vis', '--out', 'res.pkl']))
+    assert det.load_from == 'ckpt.pth'
+    hook = det.default_hooks.visualization
+    assert hook.draw is True and hook.test_out_dir == osp.abspath('vis')
+    with pytest.raises(SystemExit):
+        test_tool.build_cfg(test_tool.parse_args([COCO_CFG, 'ckpt.pth', '--out', 'dir']))
+
+    seg = test_tool.build_cfg(test_tool.parse_args(
+        [ADE_CFG, 'ckpt.pth', '--show-dir', 'vis', '--out', str(tmp_path / 'png')]))
+    assert seg.default_hooks.visualization.draw is True
+    assert seg.default_hooks.visualization.interval == 1
+    assert seg.visualizer.save_dir == osp.abspath('vis')
+    assert seg.test_evaluator.output_dir == str(tmp_path / 'png')
+
+    with pytest.raises(SystemExit) as info:
+        test_tool.main([ADE_CFG, str(tmp_path / 'missing.pth')])
+    assert 'checkpoint not found' in str(info.value.code)
+
+
+# ----------------------------------------------------------------------------- shapes data
+def test_shapes_world_generated_only_when_missing(tmp_path, monkeypatch):
+    import xcit_mm.datasets as datasets
+    calls = []
+    monkeypatch.setattr(datasets, 'generate_shapes', lambda **kw: calls.append(kw))
+    root = tmp_path / 'shapes'
+    cfg = Config(dict(shapes_world=dict(root=str(root), task='coco', num_train=4)))
+    assert ensure_shapes_world(cfg) is True
+    assert calls == [dict(root=str(root), task='coco', num_train=4)]
+    root.mkdir()
+    assert ensure_shapes_world(cfg) is False and len(calls) == 1
+    assert ensure_shapes_world(Config(dict(model=dict()))) is False
+
+
+def test_shapes_world_without_generator_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, 'xcit_mm.datasets', None)  # as if the module did not exist
+    cfg = Config(dict(shapes_world=dict(root=str(tmp_path / 'shapes'))))
+    with pytest.raises(RuntimeError, match='generate_shapes'):
+        ensure_shapes_world(cfg)
+
+
+# ----------------------------------------------------------------------------- CPU distributed
+def _free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def test_prepare_cpu_distributed_cfg():
+    cfg = Config.fromfile(ADE_CFG)
+    assert cfg.env_cfg.dist_cfg.backend == 'nccl'
+    prepare_cpu_distributed_cfg(cfg)
+    assert cfg.env_cfg.dist_cfg.backend == 'gloo'
+    assert cfg.model_wrapper_cfg == dict(type='CPUDistributedDataParallel',
+                                         broadcast_buffers=False, find_unused_parameters=False)
+    cfg.model_wrapper_cfg = dict(type='MMDistributedDataParallel', find_unused_parameters=True)
+    prepare_cpu_distributed_cfg(cfg)
+    assert cfg.model_wrapper_cfg == dict(type='CPUDistributedDataParallel',
+                                         find_unused_parameters=True)
+    cfg.model_wrapper_cfg = dict(type='MMFullyShardedDataParallel')
+    with pytest.raises(ValueError, match='cannot run on CPU'):
+        prepare_cpu_distributed_cfg(cfg)
+    assert init_distributed(cfg, 'none') is False
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='CPU-only code path')
+def test_cpu_ddp_in_a_gloo_group(monkeypatch):
+    import torch.distributed as dist
+    from mmengine.registry import MODEL_WRAPPERS
+    for key, value in dict(OMPI_COMM_WORLD_RANK='0', OMPI_COMM_WORLD_SIZE='1',
+                           OMPI_COMM_WORLD_LOCAL_RANK='0', MASTER_ADDR='127.0.0.1',
+                           MASTER_PORT=str(_free_port())).items():
+        monkeypatch.setenv(key, value)
+    for key in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK'):
+        monkeypatch.delenv(key, raising=False)
+    assert not dist.is_initialized()
+    init_cpu_dist('mpi', timeout=60)
+    try:
+        assert dist.get_backend() == 'gloo' and dist.get_world_size() == 1
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.conv = torch.nn.Conv2d(3, 4, 3)
+                self.bn = torch.nn.SyncBatchNorm(4)
+
+            def forward(self, x):
+                return self.bn(self.conv(x))
+
+        net = Net()
+        weight = net.bn.weight
+        # As mmengine's Runner.wrap_model builds it: device_ids is always passed.
+        ddp = MODEL_WRAPPERS.build(dict(type='CPUDistributedDataParallel'),
+                                   default_args=dict(module=net, device_ids=[0]))
+        assert isinstance(ddp, CPUDistributedDataParallel) and ddp.device_ids is None
+        assert not any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.modules())
+        assert ddp.module.bn.weight is weight  # same Parameter: optimizer/ckpt unaffected
+        ddp(torch.randn(2, 3, 8, 8)).sum().backward()
+        assert weight.grad is not None
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,170 @@
+"""Test (and evaluate) a detector (mmdet) or a segmentor (mmseg) with an XCiT backbone.
+
+One script for both tasks; the config's ``default_scope`` decides. Modelled on mmdet's and mmseg's
+tools/test.py, with the same dataset check, CPU-distributed support and checkpoint allow-listing
+as tools/train.py.
+
+``--out`` dumps the predictions:
+
+- mmdet configs: a ``.pkl`` file (mmdet's ``DumpDetResults``; boxes, scores, labels, RLE masks),
+  which ``mmdet``'s ``tools/analysis_tools/eval_metric.py`` can evaluate offline;
+- mmseg configs: a directory that receives one PNG label map per image (mmseg's ``IoUMetric``
+  ``output_dir``; ADE20k ids 0..150 with 0 = "other", like the official annotations), or, if the
+  value ends with ``.pkl``, a pickle of the predicted data samples (mmengine ``DumpResults``).
+
+``--show-dir DIR`` saves images with the predictions drawn on them (mmdet: ``DIR/<image name>``;
+mmseg: ``DIR/vis_data/vis_image/``).
+
+Examples::
+
+    python tools/test.py configs/mask_rcnn_xcit_s12_p16_3x_coco.py \\
+        https://dl.fbaipublicfiles.com/xcit/coco/maskrcnn_xcit_small_12_p16.pth --out results.pkl
+    tools/dist_test.sh configs/upernet_xcit_s12_p16_160k_ade20k.py ckpt.pth 8 --show-dir vis
+"""
+import argparse
+import os
+import os.path as osp
+import sys
+
+_REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
+
+from mmengine.config import Config, DictAction  # noqa: E402
+from mmengine.registry import RUNNERS  # noqa: E402
+from mmengine.runner import Runner  # noqa: E402
+
+from xcit_mm.checkpoint import allow_runner_checkpoints  # noqa: E402
+from xcit_mm.utils import (DatasetNotFoundError, check_data, ensure_shapes_world,  # noqa: E402
+                           init_distributed)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description='Test (and evaluate) an XCiT model')
+    parser.add_argument('config', help='test config file path')
+    parser.add_argument('checkpoint', help='checkpoint file (path or URL)')
+    parser.add_argument(
+        '--work-dir', help='directory for logs and the file with the evaluation metrics')
+    parser.add_argument(
+        '--out',
+        help='dump predictions: a .pkl file (detection, or segmentation samples), or a '
+        'directory of PNG label maps (segmentation)')
+    parser.add_argument(
+        '--show-dir', help='directory where images with drawn predictions are saved')
+    parser.add_argument(
+        '--cfg-options',
+        nargs='+',
+        action=DictAction,
+        help='override settings in the config, key=value pairs (e.g. '
+        'test_dataloader.dataset.data_root=/data/coco/); lists as key="[a,b]" or key=a,b; '
+        'quotes are needed and no white space is allowed')
+    parser.add_argument(
+        '--launcher',
+        choices=['none', 'pytorch', 'slurm', 'mpi'],
+        default='none',
+        help='job launcher')
+    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
+    args = parser.parse_args(argv)
+    if 'LOCAL_RANK' not in os.environ:
+        os.environ['LOCAL_RANK'] = str(args.local_rank)
+    return args
+
+
+def _scope(cfg) -> str:
+    return cfg.get('default_scope') or 'mmengine'
+
+
+def enable_visualization(cfg, show_dir: str) -> None:
+    """Turn on the visualization hook so that predictions are drawn into ``show_dir``.
+
+    The path is made absolute: mmdet 3.3's ``DetVisualizationHook`` re-joins a relative
+    ``test_out_dir`` with the work dir on every iteration, nesting it deeper each time.
+    mmseg's ``SegVisualizationHook`` draws every ``interval``-th image (50 by default); all images
+    are drawn here.
+    """
+    hooks = cfg.get('default_hooks', {})
+    if 'visualization' not in hooks:
+        raise SystemExit('error: --show-dir needs default_hooks.visualization in the config '
+                         '(the mmdet/mmseg default_runtime bases provide it)')
+    show_dir = osp.abspath(show_dir)
+    hook = hooks['visualization']
+    hook['draw'] = True
+    if _scope(cfg) == 'mmdet':
+        hook['test_out_dir'] = show_dir
+    else:
+        hook['interval'] = 1
+        cfg.visualizer['save_dir'] = show_dir
+
+
+def add_output_dump(cfg, runner, out: str) -> None:
+    """Make the test loop also write the predictions to ``out`` (see the module docstring).
+
+    For mmseg's directory output the evaluator config is changed, which must happen before the
+    Runner builds it; call with ``runner=None`` first (config stage), then with the runner.
+    """
+    scope = _scope(cfg)
+    is_pickle = out.endswith(('.pkl', '.pickle'))
+    if scope == 'mmseg' and not is_pickle:
+        if runner is None:
+            evaluator = cfg.test_evaluator
+            if not isinstance(evaluator, dict):
+                raise SystemExit('error: --out DIR needs a single test_evaluator (IoUMetric)')
+            evaluator['output_dir'] = osp.abspath(out)
+            evaluator['keep_results'] = True
+        return
+    if runner is None:
+        if not is_pickle:
+            raise SystemExit(f'error: --out must be a .pkl file for {scope} configs, got {out}')
+        return
+    if scope == 'mmdet':
+        from mmdet.evaluation import DumpDetResults
+        runner.test_evaluator.metrics.append(DumpDetResults(out_file_path=out))
+    else:
+        from mmengine.evaluator import DumpResults
+        runner.test_evaluator.metrics.append(DumpResults(out_file_path=out))
+
+
+def build_cfg(args) -> Config:
+    cfg = Config.fromfile(args.config)
+    cfg.launcher = args.launcher
+    if args.cfg_options is not None:
+        cfg.merge_from_dict(args.cfg_options)
+    if args.work_dir is not None:
+        cfg.work_dir = args.work_dir
+    elif cfg.get('work_dir', None) is None:
+        cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(args.config))[0])
+    cfg.load_from = args.checkpoint
+    if args.show_dir:
+        enable_visualization(cfg, args.show_dir)
+    if args.out:
+        add_output_dump(cfg, None, args.out)
+    return cfg
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # Evaluating a checkpoint written by our own training needs mmengine's classes allow-listed
+    # for torch's weights_only loading (torch >= 2.6).
+    allow_runner_checkpoints()
+    cfg = build_cfg(args)
+    if '://' not in args.checkpoint and not osp.isfile(args.checkpoint):
+        raise SystemExit(f'error: checkpoint not found: {osp.abspath(args.checkpoint)}')
+
+    init_distributed(cfg, args.launcher)
+    ensure_shapes_world(cfg, splits=('test', ))
+    try:
+        check_data(cfg, splits=('test', ), config_name=args.config)
+    except DatasetNotFoundError as e:
+        raise SystemExit(f'error: {e}')
+
+    if 'runner_type' not in cfg:
+        runner = Runner.from_cfg(cfg)
+    else:
+        runner = RUNNERS.build(cfg)
+    if args.out:
+        add_output_dump(cfg, runner, args.out)
+    runner.test()
+
+
+if __name__ == '__main__':
+    main()

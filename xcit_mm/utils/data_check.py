@@ -1,0 +1,316 @@
+"""Check, before anything is built, that the data a config points at is really there.
+
+Without this check a missing COCO / ADE20k copy surfaces deep inside dataset construction (for
+example as ``FileNotFoundError: data/coco/annotations/instances_train2017.json`` raised from a
+dataloader worker, or as an empty ADE20k dataset that fails on the first iteration), possibly
+minutes after start-up on every rank of a multi-GPU job. :func:`check_data` walks the dataloader and
+evaluator settings of a config the same way mmengine's ``BaseDataset`` resolves them and raises one
+:class:`DatasetNotFoundError` that lists every missing path and says what to download and where to
+put it, or how to point the config elsewhere with ``--cfg-options``.
+
+:func:`ensure_shapes_world` creates the small built-in shapes dataset (``xcit_mm.datasets``) when a
+config carries a ``shapes_world`` dict and the data does not exist yet.
+"""
+import os
+import os.path as osp
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+# Split name -> (dataloader key, evaluator key, loop key that enables it).
+_SPLITS = {
+    'train': ('train_dataloader', None, 'train_cfg'),
+    'val': ('val_dataloader', 'val_evaluator', 'val_cfg'),
+    'test': ('test_dataloader', 'test_evaluator', 'test_cfg'),
+}
+
+_COCO_HELP = """\
+COCO 2017 is needed. Download these three archives from https://cocodataset.org/#download
+    http://images.cocodataset.org/zips/train2017.zip
+    http://images.cocodataset.org/zips/val2017.zip
+    http://images.cocodataset.org/annotations/annotations_trainval2017.zip
+and unzip them into {root} so that it contains
+    annotations/instances_train2017.json, annotations/instances_val2017.json
+    train2017/*.jpg
+    val2017/*.jpg
+(or link an existing copy there: ln -s /path/to/coco {root})."""
+
+_ADE_HELP = """\
+ADE20k (the SceneParsing ADEChallengeData2016 release, 150 classes) is needed. Download
+    http://data.csail.mit.edu/places/ADEchallenge/ADEChallengeData2016.zip
+and unzip it into {parent} so that {root} contains
+    images/training/*.jpg, images/validation/*.jpg
+    annotations/training/*.png, annotations/validation/*.png
+(or link an existing copy there: ln -s /path/to/ADEChallengeData2016 {root})."""
+
+_SHAPES_HELP = """\
+This config uses the built-in shapes dataset (cfg.shapes_world). tools/train.py and tools/test.py
+generate it automatically; to create it by hand run
+    python -c "from mmengine import Config; from xcit_mm.datasets import generate_shapes; \
+generate_shapes(**Config.fromfile('CONFIG').shapes_world)\""""
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    """Raised by :func:`check_data` when files a config needs do not exist.
+
+    ``str(error)`` is the full user-facing message. ``error.missing`` keeps the machine-readable
+    list of ``(where, kind, path)`` tuples, for callers that want to react to specific paths.
+    """
+
+    def __init__(self, message: str, missing: List[Tuple[str, str, str]]):
+        super().__init__(message)
+        self.missing = missing
+
+    def __str__(self) -> str:  # FileNotFoundError would prefix errno fields otherwise
+        return self.args[0]
+
+
+def _is_remote(path: str) -> bool:
+    """Paths such as ``s3://bucket/coco`` live behind a file backend and cannot be checked."""
+    return '://' in str(path)
+
+
+def _join(root: str, path: str) -> str:
+    """Join like mmengine's ``BaseDataset._join_prefix``: absolute paths and an empty root win."""
+    if not root or osp.isabs(path) or _is_remote(path):
+        return path
+    return osp.join(root, path)
+
+
+def _leaf_datasets(dataset_cfg) -> Iterable[dict]:
+    """Yield the real datasets below wrappers (RepeatDataset, ConcatDataset, ClassBalanced...)."""
+    if dataset_cfg is None:
+        return
+    if isinstance(dataset_cfg, (list, tuple)):
+        for item in dataset_cfg:
+            yield from _leaf_datasets(item)
+        return
+    if not isinstance(dataset_cfg, dict):
+        return
+    if 'datasets' in dataset_cfg:
+        yield from _leaf_datasets(dataset_cfg['datasets'])
+    elif isinstance(dataset_cfg.get('dataset'), dict):
+        yield from _leaf_datasets(dataset_cfg['dataset'])
+    else:
+        yield dataset_cfg
+
+
+def _dataset_paths(dataset_cfg: dict) -> List[Tuple[str, str]]:
+    """The ``(kind, path)`` pairs a dataset config will read, resolved against ``data_root``."""
+    data_root = dataset_cfg.get('data_root') or ''
+    paths = []
+    ann_file = dataset_cfg.get('ann_file')
+    if ann_file:
+        paths.append(('annotation file', _join(data_root, ann_file)))
+    prefixes = dataset_cfg.get('data_prefix') or {}
+    if isinstance(prefixes, dict):
+        for key, prefix in prefixes.items():
+            if prefix is None:
+                continue
+            kind = 'annotation directory' if 'seg' in key or 'ann' in key else 'image directory'
+            paths.append((kind, _join(data_root, prefix) if prefix else data_root))
+    if not paths and data_root:
+        paths.append(('data root', data_root))
+    return paths
+
+
+def _evaluator_paths(evaluator_cfg) -> List[Tuple[str, str]]:
+    """Annotation files read directly by metrics (e.g. ``CocoMetric.ann_file``)."""
+    cfgs = evaluator_cfg if isinstance(evaluator_cfg, (list, tuple)) else [evaluator_cfg]
+    paths = []
+    for cfg in cfgs:
+        if isinstance(cfg, dict) and 'metrics' in cfg:  # Evaluator(metrics=[...])
+            paths.extend(_evaluator_paths(cfg['metrics']))
+        elif isinstance(cfg, dict) and cfg.get('ann_file'):
+            paths.append(('annotation file', cfg['ann_file']))
+    return paths
+
+
+def _split_enabled(cfg, split: str) -> bool:
+    """Mirror the Runner: a val/test loop only runs when loader, evaluator and loop cfg exist."""
+    loader_key, evaluator_key, loop_key = _SPLITS[split]
+    if cfg.get(loader_key) is None or cfg.get(loop_key) is None:
+        return False
+    return evaluator_key is None or cfg.get(evaluator_key) is not None
+
+
+def find_missing_data(cfg, splits: Sequence[str] = ('train', 'val')) -> List[Tuple[str, str, str]]:
+    """List the files and directories of ``splits`` that do not exist.
+
+    Args:
+        cfg (mmengine.Config | dict): The full config (after ``--cfg-options`` are merged).
+        splits (Sequence[str]): Any of ``'train'``, ``'val'``, ``'test'``. Splits whose loop is
+            disabled in the config (e.g. ``val_cfg=None``) are skipped, as the Runner skips them.
+
+    Returns:
+        list[tuple[str, str, str]]: ``(where, kind, path)`` for every missing path, where ``where``
+        is the config key (``'train_dataloader'``, ``'val_evaluator'``...). Remote paths
+        (``s3://...``) are not checked. Relative paths are relative to the current directory,
+        which is also how mmengine resolves them.
+    """
+    missing, seen = [], set()
+    for split in splits:
+        if split not in _SPLITS:
+            raise ValueError(f'Unknown split {split!r}; expected one of {sorted(_SPLITS)}')
+        if not _split_enabled(cfg, split):
+            continue
+        loader_key, evaluator_key, _ = _SPLITS[split]
+        checks = [(loader_key, kind, path)
+                  for dataset in _leaf_datasets(cfg[loader_key].get('dataset'))
+                  for kind, path in _dataset_paths(dataset)]
+        if evaluator_key is not None:
+            checks += [(evaluator_key, kind, path)
+                       for kind, path in _evaluator_paths(cfg[evaluator_key])]
+        for where, kind, path in checks:
+            if _is_remote(path) or path in seen:
+                continue
+            seen.add(path)
+            if not osp.exists(path):
+                missing.append((where, kind, path))
+    return missing
+
+
+def _dataset_types(cfg, splits: Sequence[str]) -> List[str]:
+    types = []
+    for split in splits:
+        if _split_enabled(cfg, split):
+            for dataset in _leaf_datasets(cfg[_SPLITS[split][0]].get('dataset')):
+                dataset_type = dataset.get('type')
+                dataset_type = getattr(dataset_type, '__name__', dataset_type)
+                if dataset_type not in types:
+                    types.append(str(dataset_type))
+    return types
+
+
+def _first_data_root(cfg, splits: Sequence[str]) -> Optional[str]:
+    for split in splits:
+        if _split_enabled(cfg, split):
+            for dataset in _leaf_datasets(cfg[_SPLITS[split][0]].get('dataset')):
+                if dataset.get('data_root'):
+                    return dataset['data_root']
+    return None
+
+
+def _override_hint(cfg, splits: Sequence[str], example_root: str) -> str:
+    """The ``--cfg-options`` line that moves every checked path of ``splits`` elsewhere."""
+    options, root = [], None
+    for split in splits:
+        if not _split_enabled(cfg, split):
+            continue
+        loader_key, evaluator_key, _ = _SPLITS[split]
+        dataset = cfg[loader_key].get('dataset') or {}
+        prefix = f'{loader_key}.dataset'
+        while isinstance(dataset, dict) and isinstance(dataset.get('dataset'), dict):
+            dataset, prefix = dataset['dataset'], prefix + '.dataset'
+        if isinstance(dataset, dict) and dataset.get('data_root'):
+            root = root or dataset['data_root']
+            options.append(f'{prefix}.data_root={example_root}')
+        evaluator = cfg[evaluator_key] if evaluator_key else None
+        if isinstance(evaluator, dict) and evaluator.get('ann_file'):
+            ann_file = evaluator['ann_file']
+            if root and ann_file.startswith(root):
+                ann_file = osp.join(example_root, ann_file[len(root):].lstrip('/'))
+            else:
+                ann_file = '/path/to/' + osp.basename(ann_file)
+            options.append(f'{evaluator_key}.ann_file={ann_file}')
+    if not options:
+        return ''
+    return ('To use data stored elsewhere, point the config at it, e.g.\n    --cfg-options ' +
+            ' \\\n        '.join(options))
+
+
+def check_data(cfg, splits: Sequence[str] = ('train', 'val'), config_name: str = None) -> None:
+    """Raise :class:`DatasetNotFoundError` with download instructions if data is missing.
+
+    The message names every missing path (absolute, so a wrong working directory is obvious),
+    explains how to obtain the dataset the config uses (COCO 2017 for ``CocoDataset``, ADE20k
+    ``ADEChallengeData2016`` for ``ADE20KDataset``, the generator for the built-in shapes data)
+    and gives the ``--cfg-options`` overrides that point the config at another location.
+
+    Args:
+        cfg (mmengine.Config | dict): The full config (after ``--cfg-options`` are merged).
+        splits (Sequence[str]): The splits that will be used: ``('train', 'val')`` for training,
+            ``('test',)`` for testing.
+        config_name (str, optional): Shown in the message (e.g. the config path).
+
+    Raises:
+        DatasetNotFoundError: If any path is missing.
+    """
+    missing = find_missing_data(cfg, splits)
+    if not missing:
+        return
+    lines = [f'Dataset not found{" for " + config_name if config_name else ""} '
+             f'(working directory: {os.getcwd()}). Missing:']
+    for where, kind, path in missing:
+        lines.append(f'    {kind}: {osp.abspath(path)}   [{where}]')
+    types = _dataset_types(cfg, splits)
+    root = _first_data_root(cfg, splits)
+    helps = []
+    if cfg.get('shapes_world'):
+        helps.append(_SHAPES_HELP)
+    if 'CocoDataset' in types:
+        helps.append(_COCO_HELP.format(root=(root or 'data/coco/').rstrip('/')))
+    if 'ADE20KDataset' in types:
+        ade_root = (root or 'data/ade/ADEChallengeData2016').rstrip('/')
+        helps.append(_ADE_HELP.format(root=ade_root, parent=osp.dirname(ade_root) or '.'))
+    if not helps:
+        helps.append(f'Prepare the data of {", ".join(types) or "the dataset"} at the paths above.')
+    example = {'CocoDataset': '/path/to/coco/',
+               'ADE20KDataset': '/path/to/ADEChallengeData2016'}.get(
+                   types[0] if types else '', '/path/to/data')
+    hint = _override_hint(cfg, splits, example)
+    message = '\n'.join(lines + helps + ([hint] if hint else []))
+    raise DatasetNotFoundError(message, missing)
+
+
+def _shapes_root(world: Dict) -> Optional[str]:
+    for key in ('root', 'data_root', 'out_dir', 'output_dir'):
+        if world.get(key):
+            return world[key]
+    return None
+
+
+def ensure_shapes_world(cfg, splits: Sequence[str] = ('train', 'val', 'test')) -> bool:
+    """Generate the built-in shapes dataset if the config asks for it and it is missing.
+
+    A config opts in with a ``shapes_world`` dict: the keyword arguments of
+    ``xcit_mm.datasets.generate_shapes``. The data is (re)generated when the dict's root
+    (``root`` / ``data_root`` / ``out_dir`` key) does not exist, or, for a dict without such a key,
+    when any path the ``splits`` need is missing. In a distributed run only global rank 0 writes and
+    the other ranks wait at a barrier (the root must be on a file system all ranks share).
+
+    Args:
+        cfg (mmengine.Config | dict): The full config.
+        splits (Sequence[str]): Splits whose paths decide whether data is missing.
+
+    Returns:
+        bool: True if data was generated (on this or another rank).
+
+    Raises:
+        RuntimeError: If the config needs the shapes data but ``xcit_mm.datasets`` (or its
+            ``generate_shapes``) is not available in this installation. Any other error raised while
+            importing or generating is propagated unchanged.
+    """
+    world = cfg.get('shapes_world')
+    if not world:
+        return False
+    root = _shapes_root(world)
+    needed = (not osp.exists(root)) if root else bool(find_missing_data(cfg, splits))
+    if not needed:
+        return False
+
+    from mmengine.dist import barrier, get_rank, is_distributed
+    if get_rank() == 0:
+        try:
+            from xcit_mm.datasets import generate_shapes
+        except ImportError as e:
+            # Only "this module / name does not exist" is translated; an ImportError raised *inside*
+            # xcit_mm.datasets for another module (e.name != 'xcit_mm.datasets') propagates.
+            if e.name not in ('xcit_mm.datasets', 'xcit_mm'):
+                raise
+            raise RuntimeError(
+                'This config generates the built-in shapes dataset (cfg.shapes_world), but '
+                f'`from xcit_mm.datasets import generate_shapes` failed ({e}). Update/reinstall '
+                'xcit_mm (pip install -e .) or point the config at existing data.') from e
+        generate_shapes(**dict(world))
+    if is_distributed():
+        barrier()
+    return True
