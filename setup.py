@@ -1,0 +1,26 @@
+"""Install xcit_mm: ``pip install -e .`` (dependencies: see tools/install.sh)."""
+from setuptools import find_packages, setup
+
+
+def read_version():
+    scope = {}
+    with open('xcit_mm/version.py') as f:
+        exec(f.read(), scope)
+    return scope['__version__']
+
+
+setup(
+    name='xcit_mm',
+    version=read_version(),
+    description='XCiT (Cross-Covariance Image Transformer) backbone for '
+    'mmdetection and mmsegmentation',
+    long_description=open('README.md').read() if __import__('os').path.exists('README.md') else '',
+    long_description_content_type='text/markdown',
+    packages=find_packages(include=['xcit_mm', 'xcit_mm.*']),
+    python_requires='>=3.8',
+    # torch/mmcv are installed by tools/install.sh: a bare `torch` requirement would pull the CUDA
+    # build and mmcv needs a source build with ops. Only what pip can safely resolve is listed.
+    install_requires=['mmengine>=0.10,<0.11', 'numpy'],
+    license='Apache-2.0',
+    zip_safe=False,
+)

@@ -1,0 +1,48 @@
+"""Shared pytest fixtures.
+
+mmpretrain's XCiT port is the numerical reference. ``import mmpretrain.models`` pulls in modules
+that import torchvision (box utils, dataset transforms), which has no CPU build here. The fixture
+below installs a TEST-ONLY stand-in for those unused torchvision imports before importing the
+port; xcit_mm itself never imports torchvision.
+"""
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+
+import pytest
+
+
+class _UnusedTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves empty ``torchvision.*`` modules whose attributes are inert placeholders."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == 'torchvision' or name.startswith('torchvision.'):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = types.ModuleType(spec.name)
+        module.__path__ = []
+
+        def __getattr__(attr):
+            if attr.startswith('__'):
+                raise AttributeError(attr)
+            return type(attr, (), {})  # a placeholder class: importable, never used by XCiT
+
+        module.__getattr__ = __getattr__
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+@pytest.fixture(scope='session')
+def mmpretrain_xcit():
+    """``mmpretrain.models.backbones.xcit.XCiT`` (the reference port)."""
+    try:
+        importlib.import_module('torchvision')
+    except ImportError:
+        sys.meta_path.append(_UnusedTorchvision())
+    return importlib.import_module('mmpretrain.models.backbones.xcit').XCiT

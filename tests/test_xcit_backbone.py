@@ -1,0 +1,288 @@
+"""XCiTBackbone behaviour an mmdet/mmseg user relies on: shapes, options, errors, registries."""
+import math
+import os
+import tempfile
+from unittest import TestCase
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from xcit_mm import XCiTBackbone
+from xcit_mm.models.xcit import arch_zoo
+
+TINY = dict(embed_dims=64, depth=4, num_heads=4)
+
+
+def tiny(**kwargs):
+    kwargs.setdefault('arch', TINY)
+    kwargs.setdefault('out_indices', (0, 1, 2, 3))
+    model = XCiTBackbone(**kwargs)
+    model.init_weights()
+    return model
+
+
+def randomise_bn(model, seed=0):
+    """Give BNs non-trivial running statistics so eval-mode tests see them."""
+    g = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, _BatchNorm):
+            m.running_mean.copy_(torch.randn(m.num_features, generator=g) * 0.1)
+            m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+    return model
+
+
+class TestShapes(TestCase):
+
+    def test_output_shapes_any_size(self):
+        for patch_size in (8, 16):
+            model = tiny(patch_size=patch_size).eval()
+            self.assertEqual(model.out_channels, [64] * 4)
+            self.assertEqual(tuple(model.strides), (4, 8, 16, 32))
+            for H, W in [(64, 64), (32, 32), (97, 131), (224, 160), (33, 250)]:
+                with torch.no_grad():
+                    outs = model(torch.randn(2, 3, H, W))
+                self.assertEqual(len(outs), 4)
+                for out, stride in zip(outs, model.strides):
+                    self.assertEqual(tuple(out.shape),
+                                     (2, 64, math.ceil(H / stride), math.ceil(W / stride)),
+                                     f'p{patch_size} {H}x{W} stride {stride}')
+                trunk = model.forward_trunk(torch.randn(1, 3, H, W))
+                for feat in trunk:
+                    self.assertEqual(tuple(feat.shape), (1, 64, math.ceil(H / patch_size),
+                                                         math.ceil(W / patch_size)))
+
+    def test_published_archs_build_with_paper_widths(self):
+        for name, arch in arch_zoo.items():
+            model = XCiTBackbone(arch=name, patch_size=16)
+            self.assertEqual(model.embed_dims, arch['embed_dims'])
+            self.assertEqual(len(model.layers), arch['depth'])
+            self.assertEqual(model.layers[0].attn.num_heads, arch['num_heads'])
+            expected = (3, 5, 7, 11) if arch['depth'] == 12 else (7, 11, 15, 23)
+            self.assertEqual(model.out_indices, expected)
+            gamma = model.layers[0].gamma1.detach()
+            self.assertTrue(torch.all(gamma == (1.0 if arch['depth'] == 12 else 1e-5)))
+
+    def test_out_indices_order_is_respected(self):
+        model = tiny(out_indices=(3, 0, -1, 1)).eval()
+        self.assertEqual(model.out_indices, (3, 0, 3, 1))
+        x = torch.randn(1, 3, 64, 64)
+        feats = model.forward_trunk(x)
+        ref = tiny(out_indices=(0, 1, 2, 3))
+        ref.load_state_dict(model.state_dict())
+        ref_feats = ref.eval().forward_trunk(x)
+        torch.testing.assert_close(feats[0], ref_feats[3])
+        torch.testing.assert_close(feats[1], ref_feats[0])
+        torch.testing.assert_close(feats[3], ref_feats[1])
+
+    def test_padding_does_not_leak_into_valid_region_shape(self):
+        # 100 px is not a multiple of 16: padded to 112, cropped back to ceil(100/s).
+        model = tiny(patch_size=16).eval()
+        outs = model(torch.randn(1, 3, 100, 100))
+        self.assertEqual([o.shape[-1] for o in outs], [25, 13, 7, 4])
+
+
+class TestErrors(TestCase):
+
+    def test_bad_arch(self):
+        with self.assertRaisesRegex(ValueError, r"Unknown XCiT arch 'x99'.*s12"):
+            XCiTBackbone(arch='x99')
+        with self.assertRaisesRegex(ValueError, 'num_heads'):
+            XCiTBackbone(arch=dict(embed_dims=64, depth=4))
+        with self.assertRaisesRegex(ValueError, 'divisible by num_heads'):
+            XCiTBackbone(arch=dict(embed_dims=64, depth=2, num_heads=3), out_indices=(0, 0, 1, 1))
+
+    def test_bad_patch_size(self):
+        with self.assertRaisesRegex(ValueError, 'patch_size must be 8 or 16'):
+            XCiTBackbone(arch='n12', patch_size=14)
+
+    def test_bad_out_indices(self):
+        with self.assertRaisesRegex(ValueError, 'out of range for a 12-layer'):
+            XCiTBackbone(arch='n12', out_indices=(3, 5, 7, 12))
+        with self.assertRaisesRegex(ValueError, 'exactly 4'):
+            XCiTBackbone(arch='n12', out_indices=(3, 5, 7))
+
+    def test_bad_frozen_stages(self):
+        with self.assertRaisesRegex(ValueError, r'frozen_stages must be in \[-1, 12\]'):
+            XCiTBackbone(arch='n12', frozen_stages=13)
+
+    def test_bad_inputs(self):
+        model = tiny().eval()
+        with self.assertRaisesRegex(ValueError, 'in_channels=3 but the image has 1 channels'):
+            model(torch.randn(1, 1, 64, 64))
+        with self.assertRaisesRegex(ValueError, r'20x64 px is too small.*at least 32'):
+            model(torch.randn(1, 3, 20, 64))
+        with self.assertRaisesRegex(ValueError, 'empty batch'):
+            model(torch.randn(0, 3, 64, 64))
+        with self.assertRaisesRegex(ValueError, r'\(B, C, H, W\)'):
+            model(torch.randn(3, 64, 64))
+
+    def test_in_channels_other_than_rgb(self):
+        model = tiny(in_channels=4).eval()
+        self.assertEqual(model(torch.randn(1, 4, 64, 64))[0].shape[1], 64)
+
+
+class TestTrainingOptions(TestCase):
+
+    def test_frozen_stages(self):
+        model = tiny(frozen_stages=2)
+        model.train()
+        frozen = [model.patch_embed, model.pos_embed, model.layers[0], model.layers[1]]
+        for module in frozen:
+            self.assertTrue(all(not p.requires_grad for p in module.parameters()))
+            self.assertTrue(all(not m.training for m in module.modules()))
+        for module in [model.layers[2], model.layers[3], model.fpn1]:
+            self.assertTrue(all(p.requires_grad for p in module.parameters()))
+            self.assertTrue(module.training)
+        # frozen BN statistics must not move during a training forward
+        bn = model.patch_embed.proj[0].bn
+        before = bn.running_mean.clone()
+        model(torch.randn(2, 3, 64, 64))
+        torch.testing.assert_close(bn.running_mean, before)
+        # frozen_stages=0 freezes only the embeddings
+        model0 = tiny(frozen_stages=0).train()
+        self.assertFalse(any(p.requires_grad for p in model0.patch_embed.parameters()))
+        self.assertTrue(all(p.requires_grad for p in model0.layers[0].parameters()))
+
+    def test_norm_eval(self):
+        model = tiny(norm_eval=True)
+        randomise_bn(model)
+        model.train()
+        norms = [m for m in model.modules() if isinstance(m, (_BatchNorm, nn.LayerNorm))]
+        self.assertTrue(any(isinstance(m, _BatchNorm) for m in norms))
+        self.assertTrue(any(isinstance(m, nn.LayerNorm) for m in norms))
+        self.assertTrue(all(not m.training for m in norms))
+        self.assertTrue(model.layers[0].ffn.training)
+        stats = {n: b.clone() for n, b in model.named_buffers() if 'running' in n}
+        model(torch.randn(2, 3, 64, 64))
+        for name, value in model.named_buffers():
+            if 'running' in name:
+                torch.testing.assert_close(value, stats[name], msg=name)
+
+    def test_with_cp_same_outputs_and_gradients(self):
+        torch.manual_seed(0)
+        plain = tiny(patch_size=16)
+        ckpt = tiny(patch_size=16, with_cp=True)
+        ckpt.load_state_dict(plain.state_dict())
+        x = torch.randn(2, 3, 64, 80)
+        results = []
+        for model in (plain, ckpt):
+            model.train()
+            inp = x.clone().requires_grad_(True)
+            outs = model(inp)
+            sum(o.square().mean() for o in outs).backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            results.append(([o.detach() for o in outs], grads, inp.grad))
+        for a, b in zip(results[0][0], results[1][0]):
+            torch.testing.assert_close(a, b)
+        for name in results[0][1]:
+            torch.testing.assert_close(results[0][1][name], results[1][1][name], msg=name,
+                                       rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(results[0][2], results[1][2], rtol=1e-4, atol=1e-7)
+
+    def test_every_parameter_gets_a_gradient(self):
+        for patch_size in (8, 16):
+            model = tiny(patch_size=patch_size).train()
+            outs = model(torch.randn(2, 3, 64, 64))
+            sum(o.mean() for o in outs).backward()
+            for name, param in model.named_parameters():
+                self.assertIsNotNone(param.grad, name)
+                self.assertTrue(torch.isfinite(param.grad).all(), name)
+                self.assertGreater(param.grad.abs().sum().item(), 0, name)
+
+    def test_drop_path_is_stochastic_in_train_only(self):
+        model = tiny(drop_path_rate=0.5)
+        x = torch.randn(4, 3, 64, 64)
+        model.eval()
+        torch.testing.assert_close(model(x)[2], model(x)[2])
+        model.train()
+        torch.manual_seed(1)
+        a = model(x)[2]
+        torch.manual_seed(2)
+        b = model(x)[2]
+        self.assertFalse(torch.allclose(a, b))
+
+    def test_learns_a_simple_target(self):
+        """A few SGD steps reduce a regression loss on the stride-8 map: gradients are usable."""
+        torch.manual_seed(0)
+        model = tiny(patch_size=8).train()
+        x = torch.randn(4, 3, 64, 64)
+        target = torch.randn(4, 64, 8, 8)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(15):
+            loss = (model(x)[1] - target).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        self.assertLess(losses[-1], 0.7 * losses[0])
+
+    def test_state_dict_round_trip(self):
+        model = randomise_bn(tiny()).eval()
+        x = torch.randn(1, 3, 64, 96)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, 'xcit.pth')
+            torch.save(model.state_dict(), path)
+            other = tiny().eval()
+            other.load_state_dict(torch.load(path, weights_only=True))
+        for a, b in zip(model(x), other(x)):
+            torch.testing.assert_close(a, b)
+
+    def test_autocast_bf16_keeps_attention_in_float32(self):
+        model = tiny().eval()
+        x = torch.randn(1, 3, 64, 64)
+        with torch.autocast('cpu', dtype=torch.bfloat16), model.capture_xca([1]) as xca:
+            outs = model(x)
+        self.assertEqual(xca[1]['attn'].dtype, torch.float32)
+        self.assertEqual(xca[1]['q'].dtype, torch.float32)
+        ref = model(x)
+        for a, b in zip(outs, ref):
+            self.assertTrue(torch.isfinite(a).all())
+            self.assertLess((a.float() - b).abs().mean() / b.abs().mean(), 0.05)
+
+
+class TestCaptureXCA(TestCase):
+
+    def test_captured_tensors(self):
+        model = tiny(patch_size=16).eval()
+        with model.capture_xca([0, -1]) as xca:
+            model(torch.randn(2, 3, 50, 70))
+        self.assertEqual(sorted(xca), [0, 3])
+        rec = xca[3]
+        self.assertEqual(rec['grid'], (4, 5))
+        self.assertEqual(tuple(rec['q'].shape), (2, 4, 16, 20))
+        self.assertEqual(tuple(rec['attn'].shape), (2, 4, 16, 16))
+        # q and k are L2-normalised along the tokens; attention rows are distributions
+        torch.testing.assert_close(rec['q'].norm(dim=-1), torch.ones(2, 4, 16))
+        torch.testing.assert_close(rec['k'].norm(dim=-1), torch.ones(2, 4, 16))
+        torch.testing.assert_close(rec['attn'].sum(-1), torch.ones(2, 4, 16))
+        # hooks are gone after the block
+        self.assertEqual(len(model.layers[3].attn.probe._forward_hooks), 0)
+
+    def test_bad_layer(self):
+        model = tiny()
+        with self.assertRaisesRegex(ValueError, 'out of range'):
+            with model.capture_xca([9]):
+                pass
+
+
+@pytest.mark.parametrize('scope', ['mmdet', 'mmseg'])
+def test_registered_for_mmdet_and_mmseg(scope):
+    from mmengine.registry import init_default_scope
+    registry = __import__(f'{scope}.registry', fromlist=['MODELS']).MODELS
+    init_default_scope(scope)
+    model = registry.build(dict(type='XCiTBackbone', arch=TINY, patch_size=8,
+                                out_indices=(0, 1, 2, 3)))
+    assert isinstance(model, XCiTBackbone)
+    assert registry.get('XCiTBackbone') is XCiTBackbone
+
+
+def test_package_never_imports_torchvision():
+    """No CPU torchvision exists: importing xcit_mm (and building a model) must not need it."""
+    import subprocess
+    import sys
+    code = ('import sys, xcit_mm, torch; m = xcit_mm.XCiTBackbone(arch="n12"); '
+            'm(torch.randn(1, 3, 32, 32)); assert "torchvision" not in sys.modules, "imported"')
+    subprocess.run([sys.executable, '-c', code], check=True)

@@ -1,0 +1,65 @@
+#!/usr/bin/env python
+"""Convert any published XCiT checkpoint to xcit_mm's backbone layout.
+
+    python tools/convert_checkpoint.py xcit_small_12_p8_224.pth xcit_s12_p8_xcit_mm.pth
+
+Reads official/DINO (``{'model': ...}``), timm, mmpretrain and xcit_mm/mmengine files with
+``torch.load(weights_only=True)``; ``--trust`` unpickles a file you trust (e.g. a full mmengine
+training checkpoint). Writes ``{'state_dict': ..., 'meta': {...}}`` loadable with
+``init_cfg=dict(type='Pretrained', checkpoint=DST)``. Pass ``--arch/--patch-size`` to also check
+that the result loads into that backbone.
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from xcit_mm.checkpoint import (CheckpointError, convert_state_dict,  # noqa: E402
+                                extract_state_dict, load_converted, read_checkpoint)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('src', help='checkpoint to convert (path or URL)')
+    parser.add_argument('dst', help='where to write the xcit_mm checkpoint')
+    parser.add_argument('--prefix', default=None,
+                        help="sub-module to take, e.g. 'backbone.' (default: auto)")
+    parser.add_argument('--trust', action='store_true',
+                        help='unpickle SRC (weights_only=False): only for files you trust')
+    parser.add_argument('--arch', default=None, help='check the result loads into this arch')
+    parser.add_argument('--patch-size', type=int, default=16)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        raw = extract_state_dict(read_checkpoint(args.src, weights_only=not args.trust))
+        converted, info = convert_state_dict(raw, args.prefix)
+        if args.arch:
+            from xcit_mm import XCiTBackbone
+            load_converted(XCiTBackbone(arch=args.arch, patch_size=args.patch_size), converted,
+                           source=args.src)
+    except CheckpointError as e:
+        sys.exit(f'error: {e}')
+    os.makedirs(os.path.dirname(os.path.abspath(args.dst)), exist_ok=True)
+    torch.save({'state_dict': converted,
+                'meta': dict(source=os.path.basename(str(args.src)), layout=info['layout'])},
+               args.dst)
+    n_params = sum(v.numel() for k, v in converted.items() if 'num_batches' not in k)
+    print(f'{args.src}: {info["layout"]} layout, {len(raw)} tensors')
+    print(f'  kept      {len(converted)} backbone tensors ({n_params / 1e6:.2f}M values)')
+    print(f'  dropped   {len(info["classifier"])} classification-only keys '
+          f'(cls token, class attention, norm, head)')
+    if info['outside']:
+        print(f'  dropped   {len(info["outside"])} keys outside the backbone')
+    if args.arch:
+        print(f'  verified  loads into XCiTBackbone(arch={args.arch!r}, '
+              f'patch_size={args.patch_size})')
+    print(f'wrote {args.dst}')
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Install xcit_mm and everything it needs into the active Python, on a fresh CPU machine.
+# Safe to run again: every step is skipped or is a no-op when already satisfied.
+#
+#   bash tools/install.sh
+#
+# Why the pins:
+#   torch==2.13.0        the CPU wheel that ships on this machine; a bare `torch` pulls GBs of CUDA.
+#   setuptools<82        mmcv's setup.py and mmengine's `mmdet::`/`mmseg::` config lookup import
+#                        pkg_resources, which setuptools 82 removed.
+#   numpy<2              mmcv 2.1 / mmdet 3.3 / mmseg 1.2 were written and tested against numpy 1.x.
+#   mmcv==2.1.0          mmdet 3.3.0 and mmseg 1.2.2 need mmcv>=2.0,<2.2; no CPU wheel exists, so it
+#                        is built from source with its ops (RoIAlign, NMS; ~15 min on 2 cores, then
+#                        cached by pip).
+#   mmpretrain --no-deps its requirements name `modelindex`; the package that works is `model-index`,
+#                        and its extras would pull torchvision (no CPU build exists).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+step() { printf '\n[install %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+pipi() { "$PY" -m pip install --disable-pip-version-check "$@"; }
+
+step "1/6 build tools (setuptools>=77.0.3,<82, wheel, ninja)"
+pipi "setuptools>=77.0.3,<82" wheel ninja
+
+step "2/6 torch (keeps an installed torch, else the local CPU wheel torch==2.13.0)"
+if "$PY" -c "import torch" 2>/dev/null; then
+    echo "torch $("$PY" -c 'import torch; print(torch.__version__)') already installed: kept"
+else
+    pipi torch==2.13.0
+fi
+
+step "3/6 runtime dependencies of mmengine/mmcv/mmdet/mmseg/mmpretrain"
+pipi "numpy<2" "opencv-python-headless>=4.8,<4.11" mmengine==0.10.7 \
+    pycocotools shapely scipy terminaltables tqdm six prettytable ftfy regex \
+    einops importlib-metadata mat4py matplotlib model-index rich \
+    scikit-image pytest
+
+step "4/6 mmcv 2.1.0 with ops (skipped when mmcv.ops already imports)"
+if "$PY" -c "import mmcv, mmcv.ops; assert mmcv.__version__ == '2.1.0'" 2>/dev/null; then
+    echo "mmcv 2.1.0 with ops already installed: kept"
+else
+    echo "building mmcv 2.1.0 from source; this takes ~15 minutes on 2 cores the first time"
+    MMCV_WITH_OPS=1 MAX_JOBS=${MAX_JOBS:-$(nproc)} pipi --no-build-isolation mmcv==2.1.0
+fi
+
+step "5/6 mmdet 3.3.0, mmsegmentation 1.2.2, mmpretrain 1.2.0"
+pipi --no-deps mmdet==3.3.0 mmsegmentation==1.2.2 mmpretrain==1.2.0
+
+step "6/6 xcit_mm (editable)"
+pipi --no-deps --no-build-isolation -e .
+
+"$PY" - <<'PY'
+import torch, mmcv, mmcv.ops, mmengine, mmdet, mmseg, mmpretrain, xcit_mm
+print('installed: torch', torch.__version__, '| mmengine', mmengine.__version__,
+      '| mmcv', mmcv.__version__, '| mmdet', mmdet.__version__, '| mmseg', mmseg.__version__,
+      '| mmpretrain', mmpretrain.__version__, '| xcit_mm', xcit_mm.__version__)
+PY

@@ -1,0 +1,498 @@
+"""XCiT backbone for dense prediction (El-Nouby et al., NeurIPS 2021).
+
+The trunk is columnar: a conv patch embedding brings the image to stride ``patch_size`` and every
+XCiT layer keeps that resolution. Cross-covariance attention (XCA) attends over channels instead of
+tokens, so time and memory grow linearly with the number of pixels. For detection and
+segmentation the features of four layers are rescaled by transposed convolutions / max-pooling to
+strides 4, 8, 16 and 32 (paper appendix B.2), which is what FPN-style necks consume.
+
+State-dict keys (xcit_mm's layout; ``xcit_mm.checkpoint`` converts the official, timm and
+mmpretrain layouts to it)::
+
+    patch_embed.proj.{i}.{conv,bn}.*      conv stem, 3x3 stride 2 each
+    pos_embed.proj.*                      1x1 projection of the 64-d Fourier code
+    layers.{i}.{norm1,attn.{qkv,temperature,proj},norm3,lpi.{conv1,bn,conv2},norm2,
+               ffn.{fc1,fc2},gamma1,gamma2,gamma3}
+    fpn1 .. fpn4                          the stride adapter (same keys as the official detectors)
+"""
+import math
+from contextlib import contextmanager
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint as cp
+from mmcv.cnn import ConvModule, build_norm_layer
+from mmcv.cnn.bricks import DropPath
+from mmengine.model import BaseModule
+from mmengine.model.weight_init import trunc_normal_
+from mmengine.registry import MODELS
+from torch.nn.modules.batchnorm import _BatchNorm
+
+# Published sizes (paper Table 1). mlp ratio is 4 for all of them.
+arch_zoo = {
+    'n12': dict(embed_dims=128, depth=12, num_heads=4),
+    't12': dict(embed_dims=192, depth=12, num_heads=4),
+    't24': dict(embed_dims=192, depth=24, num_heads=4),
+    's12': dict(embed_dims=384, depth=12, num_heads=8),
+    's24': dict(embed_dims=384, depth=24, num_heads=8),
+    'm24': dict(embed_dims=512, depth=24, num_heads=8),
+    'l24': dict(embed_dims=768, depth=24, num_heads=16),
+}
+
+# Output stride of each adapter level, and the smallest image side that reaches the last level.
+STRIDES = (4, 8, 16, 32)
+MIN_INPUT_SIZE = STRIDES[-1]
+
+
+class FourierPositionEncoding(nn.Module):
+    """2-D sine/cosine position code of the patch grid, projected to the embedding width.
+
+    Computed on the fly for any grid, so no interpolation is needed when the image size changes.
+    The 64-d code (16 frequencies x sin/cos x 2 axes, DETR style) goes through a 1x1 conv.
+
+    Args:
+        embed_dims (int): Output width.
+        hidden_dims (int): Code width per axis. Defaults to 32.
+        temperature (float): Frequency base. Defaults to 10000.
+    """
+
+    def __init__(self, embed_dims: int, hidden_dims: int = 32, temperature: float = 10000.):
+        super().__init__()
+        self.proj = nn.Conv2d(hidden_dims * 2, embed_dims, kernel_size=1)
+        self.hidden_dims = hidden_dims
+        self.temperature = temperature
+        self.eps = 1e-6
+
+    def _axis_code(self, length: int, device: torch.device) -> torch.Tensor:
+        """Code of coordinates 1..length normalised to (0, 2*pi]: (length, hidden_dims)."""
+        coords = torch.arange(1, length + 1, device=device, dtype=torch.float32)
+        coords = coords / (length + self.eps) * (2 * math.pi)
+        dim_t = torch.arange(self.hidden_dims, device=device, dtype=torch.float32)
+        dim_t = self.temperature**(2 * torch.div(dim_t, 2, rounding_mode='floor') / self.hidden_dims)
+        angles = coords[:, None] / dim_t
+        return torch.stack([angles[:, 0::2].sin(), angles[:, 1::2].cos()], dim=2).flatten(1)
+
+    def forward(self, grid_hw: Tuple[int, int]) -> torch.Tensor:
+        """Return the position embedding as tokens, shape (1, H*W, embed_dims)."""
+        H, W = grid_hw
+        device = self.proj.weight.device
+        code_y = self._axis_code(H, device)[:, None, :].expand(H, W, self.hidden_dims)
+        code_x = self._axis_code(W, device)[None, :, :].expand(H, W, self.hidden_dims)
+        code = torch.cat([code_y, code_x], dim=2).reshape(1, H * W, 2 * self.hidden_dims)
+        # A 1x1 conv is a linear map over channels: apply it to the tokens directly.
+        return F.linear(code.to(self.proj.weight.dtype), self.proj.weight.flatten(1), self.proj.bias)
+
+
+class ConvPatchEmbed(nn.Module):
+    """LeViT-style stem: log2(patch_size) 3x3 stride-2 convs with BN, GELU between them.
+
+    Channels grow as in_channels -> D/8 -> D/4 -> D/2 -> D (p16) or in_channels -> D/4 -> D/2 -> D (p8).
+    """
+
+    def __init__(self, in_channels: int, embed_dims: int, patch_size: int, norm_cfg: dict):
+        super().__init__()
+        num_convs = int(math.log2(patch_size))
+        widths = [in_channels] + [embed_dims // 2**i for i in range(num_convs - 1, -1, -1)]
+        self.proj = nn.Sequential(*[
+            ConvModule(
+                widths[i], widths[i + 1], 3, stride=2, padding=1, norm_cfg=norm_cfg,
+                act_cfg=dict(type='GELU') if i < num_convs - 1 else None)
+            for i in range(num_convs)
+        ])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+class XCAProbe(nn.Module):
+    """Identity point inside XCA where forward hooks can read the attention.
+
+    It receives ``(q, k, attn, grid_hw)``: L2-normalised queries and keys (B, heads, d, N), the
+    softmaxed channel attention (B, heads, d, d) and the patch grid. Nothing is stored unless a
+    hook is registered (see :meth:`XCiTBackbone.capture_xca`), so it costs nothing otherwise.
+    """
+
+    def forward(self, q, k, attn, grid_hw):
+        return attn
+
+
+class XCA(nn.Module):
+    """Cross-covariance attention: a (d x d) attention between channels, per head.
+
+    q and k are L2-normalised along the tokens, so ``q^T k`` is a cross-covariance whose cost is
+    linear in the number of tokens. The normalisation, the product and the softmax run in float32
+    even under autocast: the normalised entries are small and bf16 would lose them.
+    """
+
+    def __init__(self, embed_dims: int, num_heads: int):
+        super().__init__()
+        if embed_dims % num_heads:
+            raise ValueError(f'embed_dims={embed_dims} must be divisible by num_heads={num_heads}')
+        self.num_heads = num_heads
+        self.temperature = nn.Parameter(torch.ones(num_heads, 1, 1))
+        self.qkv = nn.Linear(embed_dims, embed_dims * 3)
+        self.proj = nn.Linear(embed_dims, embed_dims)
+        self.probe = XCAProbe()
+
+    def _channel_attention(self, q: torch.Tensor, k: torch.Tensor,
+                           grid_hw: Tuple[int, int]) -> torch.Tensor:
+        q = F.normalize(q.float(), dim=-2)  # (B, h, N, d): normalise each channel over tokens
+        k = F.normalize(k.float(), dim=-2)
+        attn = (q.transpose(-2, -1) @ k) * self.temperature  # (B, h, d, d)
+        attn = attn.softmax(dim=-1)
+        return self.probe(q.transpose(-2, -1), k.transpose(-2, -1), attn, grid_hw)
+
+    def forward(self, x: torch.Tensor, grid_hw: Tuple[int, int]) -> torch.Tensor:
+        B, N, C = x.shape
+        # (B, N, 3, h, d) -> 3 x (B, h, N, d); views, no copy.
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(
+            2, 0, 3, 1, 4).unbind(0)
+        if torch.is_autocast_enabled(x.device.type):
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                attn = self._channel_attention(q, k, grid_hw)
+        else:
+            attn = self._channel_attention(q, k, grid_hw)
+        # out^T = (attn @ v^T)^T = v @ attn^T keeps tokens leading: (B, h, N, d)
+        out = v @ attn.transpose(-2, -1).to(v.dtype)
+        return self.proj(out.transpose(1, 2).reshape(B, N, C))
+
+
+class LPI(nn.Module):
+    """Local patch interaction: depthwise 3x3 conv -> GELU -> BN -> depthwise 3x3 conv.
+
+    XCA mixes tokens only through channel statistics; LPI adds explicit exchange between
+    neighbouring patches. Tokens (B, N, C) are viewed as a channels-last image, so no copy is made
+    and the depthwise convs run on their fast channels-last path.
+    """
+
+    def __init__(self, embed_dims: int, norm_cfg: dict):
+        super().__init__()
+        self.conv1 = nn.Conv2d(embed_dims, embed_dims, 3, padding=1, groups=embed_dims)
+        self.act = nn.GELU()
+        self.bn = build_norm_layer(norm_cfg, embed_dims)[1]
+        self.conv2 = nn.Conv2d(embed_dims, embed_dims, 3, padding=1, groups=embed_dims)
+
+    def forward(self, x: torch.Tensor, grid_hw: Tuple[int, int]) -> torch.Tensor:
+        B, N, C = x.shape
+        x = x.reshape(B, *grid_hw, C).permute(0, 3, 1, 2)
+        x = self.conv2(self.bn(self.act(self.conv1(x))))
+        return x.permute(0, 2, 3, 1).reshape(B, N, C)
+
+
+class FFN(nn.Module):
+    """Linear(D, rD) -> GELU -> Linear(rD, D)."""
+
+    def __init__(self, embed_dims: int, mlp_ratio: float = 4.):
+        super().__init__()
+        hidden = int(embed_dims * mlp_ratio)
+        self.fc1 = nn.Linear(embed_dims, hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden, embed_dims)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class XCiTLayer(nn.Module):
+    """One XCiT layer: pre-norm XCA, LPI and FFN, each scaled by a learned gamma (layer scale).
+
+    The order XCA -> LPI (norm3, gamma3) -> FFN (norm2, gamma2) is the released code's, which the
+    published weights expect.
+    """
+
+    def __init__(self, embed_dims: int, num_heads: int, mlp_ratio: float, drop_path: float,
+                 layer_scale_init_value: float, norm_cfg: dict):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(embed_dims, eps=1e-6)
+        self.attn = XCA(embed_dims, num_heads)
+        self.norm3 = nn.LayerNorm(embed_dims, eps=1e-6)
+        self.lpi = LPI(embed_dims, norm_cfg)
+        self.norm2 = nn.LayerNorm(embed_dims, eps=1e-6)
+        self.ffn = FFN(embed_dims, mlp_ratio)
+        self.gamma1 = nn.Parameter(layer_scale_init_value * torch.ones(embed_dims))
+        self.gamma3 = nn.Parameter(layer_scale_init_value * torch.ones(embed_dims))
+        self.gamma2 = nn.Parameter(layer_scale_init_value * torch.ones(embed_dims))
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor, grid_hw: Tuple[int, int]) -> torch.Tensor:
+        x = x + self.drop_path(self.gamma1 * self.attn(self.norm1(x), grid_hw))
+        x = x + self.drop_path(self.gamma3 * self.lpi(self.norm3(x), grid_hw))
+        x = x + self.drop_path(self.gamma2 * self.ffn(self.norm2(x)))
+        return x
+
+
+def _build_adapter(embed_dims: int, patch_size: int, norm_cfg: dict) -> List[nn.Module]:
+    """Modules taking the stride-``patch_size`` trunk maps to strides 4, 8, 16, 32 (paper B.2)."""
+
+    def up2():
+        return nn.ConvTranspose2d(embed_dims, embed_dims, kernel_size=2, stride=2)
+
+    def pool(k):  # ceil_mode: a ceil(H/p) grid pools to ceil(H/s), so any image size works
+        return nn.MaxPool2d(kernel_size=k, stride=k, ceil_mode=True)
+
+    if patch_size == 16:
+        return [
+            nn.Sequential(up2(), build_norm_layer(norm_cfg, embed_dims)[1], nn.GELU(), up2()),
+            up2(), nn.Identity(), pool(2)
+        ]
+    return [up2(), nn.Identity(), pool(2), pool(4)]
+
+
+def _default_out_indices(depth: int) -> Tuple[int, ...]:
+    """Layers depth/3, depth/2, 2*depth/3 and depth (1-based): (3, 5, 7, 11) / (7, 11, 15, 23)."""
+    return (depth // 3 - 1, depth // 2 - 1, 2 * depth // 3 - 1, depth - 1)
+
+
+@MODELS.register_module()
+class XCiTBackbone(BaseModule):
+    """XCiT trunk with the multi-scale adapter, for mmdet and mmseg.
+
+    Args:
+        arch (str | dict): One of ``arch_zoo`` (n12, t12, t24, s12, s24, m24, l24) or a dict with
+            ``embed_dims``, ``depth``, ``num_heads`` (and optionally ``mlp_ratio``).
+        patch_size (int): 8 or 16: the stride of the trunk.
+        in_channels (int): Image channels. Defaults to 3.
+        out_indices (Sequence[int], optional): Four 0-based layer indices whose outputs feed the
+            stride 4/8/16/32 levels. Defaults to the paper's (3, 5, 7, 11) / (7, 11, 15, 23).
+        drop_path_rate (float): Stochastic depth, the same for every layer as in the reference
+            code. Defaults to 0.
+        layer_scale_init_value (float, optional): Initial gamma. Defaults to 1.0 for up to 12
+            layers and 1e-5 for deeper models, as in the paper.
+        mlp_ratio (float): FFN width ratio. Defaults to 4.
+        norm_cfg (dict): Norm of the BatchNorms (patch embed, LPI, adapter). ``dict(type='BN')``
+            for one device, ``dict(type='SyncBN')`` for multi-GPU training.
+        frozen_stages (int): -1 freezes nothing; 0 freezes the patch and position embeddings;
+            k >= 1 also the first k layers (parameters stop requiring grad, modules stay in eval).
+        norm_eval (bool): Keep every norm layer (BN and LN) in eval mode during training, so BN
+            statistics stay those of the pretrained weights.
+        with_cp (bool): Gradient checkpointing per layer: trades compute for activation memory.
+        init_cfg (dict, optional): ``dict(type='Pretrained', checkpoint=PATH_OR_URL)`` loads any
+            published layout (official / DINO ``{'model': ...}``, timm, mmpretrain, xcit_mm or
+            mmengine checkpoints; ``prefix`` selects a sub-module, ``weights_only=False`` opts in
+            to unpickling a file you trust). See :mod:`xcit_mm.checkpoint`.
+    """
+
+    def __init__(self,
+                 arch: Union[str, dict] = 's12',
+                 patch_size: int = 16,
+                 in_channels: int = 3,
+                 out_indices: Optional[Sequence[int]] = None,
+                 drop_path_rate: float = 0.,
+                 layer_scale_init_value: Optional[float] = None,
+                 mlp_ratio: float = 4.,
+                 norm_cfg: dict = dict(type='BN', requires_grad=True),
+                 frozen_stages: int = -1,
+                 norm_eval: bool = False,
+                 with_cp: bool = False,
+                 init_cfg: Optional[dict] = None):
+        super().__init__(init_cfg=init_cfg)
+        arch = self._parse_arch(arch)
+        self.embed_dims = arch['embed_dims']
+        self.num_layers = arch['depth']
+        self.num_heads = arch['num_heads']
+        mlp_ratio = arch.get('mlp_ratio', mlp_ratio)
+        if patch_size not in (8, 16):
+            raise ValueError(f'patch_size must be 8 or 16 (the published XCiT models), '
+                             f'got {patch_size!r}')
+        if self.embed_dims % 8:
+            raise ValueError(f'embed_dims must be divisible by 8 for the conv stem, '
+                             f'got {self.embed_dims}')
+        if not isinstance(in_channels, int) or in_channels < 1:
+            raise ValueError(f'in_channels must be a positive int, got {in_channels!r}')
+        self.patch_size = patch_size
+        self.in_channels = in_channels
+        self.out_indices = self._parse_out_indices(out_indices)
+        if not -1 <= frozen_stages <= self.num_layers:
+            raise ValueError(f'frozen_stages must be in [-1, {self.num_layers}] (-1: none, '
+                             f'0: embeddings, k: embeddings + first k layers), got {frozen_stages}')
+        self.frozen_stages = frozen_stages
+        self.norm_eval = norm_eval
+        self.with_cp = with_cp
+        if layer_scale_init_value is None:
+            layer_scale_init_value = 1.0 if self.num_layers <= 12 else 1e-5
+
+        self.patch_embed = ConvPatchEmbed(in_channels, self.embed_dims, patch_size, norm_cfg)
+        self.pos_embed = FourierPositionEncoding(self.embed_dims)
+        self.layers = nn.ModuleList([
+            XCiTLayer(self.embed_dims, self.num_heads, mlp_ratio, drop_path_rate,
+                      layer_scale_init_value, norm_cfg) for _ in range(self.num_layers)
+        ])
+        self.fpn1, self.fpn2, self.fpn3, self.fpn4 = _build_adapter(
+            self.embed_dims, patch_size, norm_cfg)
+        self.out_channels = [self.embed_dims] * len(STRIDES)
+        self.strides = STRIDES
+        self._freeze_stages()
+
+    # ------------------------------------------------------------------ construction helpers
+    @staticmethod
+    def _parse_arch(arch: Union[str, dict]) -> dict:
+        if isinstance(arch, str):
+            key = arch.lower().replace('xcit_', '').replace('xcit-', '')
+            if key not in arch_zoo:
+                raise ValueError(f'Unknown XCiT arch {arch!r}: choose one of '
+                                 f'{sorted(arch_zoo)} or pass a dict with embed_dims, depth, '
+                                 f'num_heads')
+            return dict(arch_zoo[key])
+        if isinstance(arch, dict):
+            missing = {'embed_dims', 'depth', 'num_heads'} - set(arch)
+            if missing:
+                raise ValueError(f'A custom arch dict needs the keys {sorted(missing)}; got '
+                                 f'{arch}')
+            return dict(arch)
+        raise TypeError(f'arch must be a str or a dict, got {type(arch).__name__}')
+
+    def _parse_out_indices(self, out_indices) -> Tuple[int, ...]:
+        if out_indices is None:
+            return _default_out_indices(self.num_layers)
+        out_indices = tuple(out_indices)
+        if len(out_indices) != len(STRIDES):
+            raise ValueError(f'out_indices needs exactly {len(STRIDES)} layer indices, one per '
+                             f'output stride {STRIDES}; got {out_indices}')
+        parsed = []
+        for index in out_indices:
+            if not -self.num_layers <= index < self.num_layers:
+                raise ValueError(f'out_indices {out_indices}: index {index} is out of range for '
+                                 f'a {self.num_layers}-layer model (valid: 0..'
+                                 f'{self.num_layers - 1} or negative from the end)')
+            parsed.append(index % self.num_layers)
+        return tuple(parsed)
+
+    @property
+    def adapters(self) -> List[nn.Module]:
+        return [self.fpn1, self.fpn2, self.fpn3, self.fpn4]
+
+    # ------------------------------------------------------------------ weights
+    def init_weights(self):
+        """Truncated-normal init as in the reference code, then the Pretrained checkpoint if any."""
+        from ..checkpoint import load_pretrained
+        self.apply(_init_module)
+        init_cfg = self.init_cfg
+        if isinstance(init_cfg, dict) and init_cfg.get('type') == 'Pretrained':
+            if 'checkpoint' not in init_cfg:
+                raise ValueError("init_cfg type 'Pretrained' needs a 'checkpoint' path or URL")
+            load_pretrained(
+                self, init_cfg['checkpoint'], prefix=init_cfg.get('prefix'),
+                weights_only=init_cfg.get('weights_only', True))
+        elif init_cfg is not None:
+            super().init_weights()
+        self._is_init = True
+
+    # ------------------------------------------------------------------ train-mode behaviour
+    def _freeze_stages(self):
+        if self.frozen_stages < 0:
+            return
+        frozen = [self.patch_embed, self.pos_embed] + list(self.layers[:self.frozen_stages])
+        for module in frozen:
+            module.eval()
+            for param in module.parameters():
+                param.requires_grad = False
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self._freeze_stages()
+        if mode and self.norm_eval:
+            for m in self.modules():
+                if isinstance(m, (_BatchNorm, nn.LayerNorm, nn.GroupNorm)):
+                    m.eval()
+        return self
+
+    # ------------------------------------------------------------------ forward
+    def _check_input(self, x: torch.Tensor):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f'XCiTBackbone expects a (B, C, H, W) image tensor, got {shape}')
+        B, C, H, W = x.shape
+        if B == 0:
+            raise ValueError('XCiTBackbone got an empty batch (0 images): check the data '
+                             'pipeline / sampler, which produced no image for this step')
+        if C != self.in_channels:
+            raise ValueError(f'XCiTBackbone was built for in_channels={self.in_channels} but the '
+                             f'image has {C} channels: set in_channels={C} or fix the data '
+                             f'preprocessor (e.g. bgr_to_rgb / grayscale conversion)')
+        if H < MIN_INPUT_SIZE or W < MIN_INPUT_SIZE:
+            raise ValueError(f'Image of {H}x{W} px is too small for XCiTBackbone: each side must be '
+                             f'at least {MIN_INPUT_SIZE} px to reach the stride-{STRIDES[-1]} '
+                             f'level; resize or pad the input (e.g. Pad size_divisor=32)')
+
+    def forward_trunk(self, x: torch.Tensor) -> List[torch.Tensor]:
+        """Trunk features at ``out_indices``, each (B, D, ceil(H/p), ceil(W/p)), before the adapter.
+
+        Images whose sides are not multiples of the patch size are zero-padded at the bottom/right.
+        """
+        self._check_input(x)
+        H, W = x.shape[-2:]
+        pad_h, pad_w = -H % self.patch_size, -W % self.patch_size
+        if pad_h or pad_w:
+            x = F.pad(x, (0, pad_w, 0, pad_h))
+        x = self.patch_embed(x)
+        B, D, Hp, Wp = x.shape
+        grid_hw = (Hp, Wp)
+        x = x.flatten(2).transpose(1, 2) + self.pos_embed(grid_hw)  # (B, N, D)
+        taps = {}
+        for i, layer in enumerate(self.layers[:max(self.out_indices) + 1]):
+            if self.with_cp and x.requires_grad:
+                x = cp.checkpoint(layer, x, grid_hw, use_reentrant=False)
+            else:
+                x = layer(x, grid_hw)
+            if i in self.out_indices:
+                taps[i] = x.reshape(B, Hp, Wp, D).permute(0, 3, 1, 2)  # channels-last view
+        return [taps[i] for i in self.out_indices]
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """Return 4 maps of ``embed_dims`` channels at strides 4/8/16/32, each ceil(H/s) x ceil(W/s)."""
+        H, W = x.shape[-2:] if isinstance(x, torch.Tensor) else (0, 0)
+        feats = self.forward_trunk(x)
+        outs = []
+        for feat, adapter, stride in zip(feats, self.adapters, self.strides):
+            out = adapter(feat)
+            outs.append(out[..., :math.ceil(H / stride), :math.ceil(W / stride)])
+        return tuple(outs)
+
+    # ------------------------------------------------------------------ introspection
+    @contextmanager
+    def capture_xca(self, layers: Optional[Sequence[int]] = None):
+        """Record XCA internals of the given layers during forward passes inside the block.
+
+        Yields a dict ``{layer_index: dict(q, k, attn, grid)}`` with the L2-normalised queries and
+        keys (B, heads, d, N), the softmaxed channel attention (B, heads, d, d) and the patch grid
+        (Hp, Wp), detached, of the last forward pass. Hooks are removed on exit.
+
+        Example::
+
+            with backbone.capture_xca([3, 11]) as xca:
+                backbone(img)
+            q_norm_map = xca[11]['q'].norm(dim=2).reshape(-1, heads, *xca[11]['grid'])
+        """
+        layers = range(self.num_layers) if layers is None else layers
+        records: Dict[int, dict] = {}
+        handles = []
+        for index in layers:
+            if not -self.num_layers <= index < self.num_layers:
+                raise ValueError(f'capture_xca: layer {index} out of range for a '
+                                 f'{self.num_layers}-layer model')
+            index = index % self.num_layers
+
+            def hook(module, inputs, output, index=index):
+                q, k, attn, grid_hw = inputs
+                records[index] = dict(q=q.detach(), k=k.detach(), attn=attn.detach(),
+                                      grid=tuple(grid_hw))
+
+            handles.append(self.layers[index].attn.probe.register_forward_hook(hook))
+        try:
+            yield records
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def _init_module(m: nn.Module):
+    """Reference-code init: trunc-normal(0.02) linears, unit LayerNorms, PyTorch default convs."""
+    if isinstance(m, nn.Linear):
+        trunc_normal_(m.weight, std=.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.LayerNorm):
+        nn.init.ones_(m.weight)
+        nn.init.zeros_(m.bias)
