@@ -38,6 +38,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+# Run from a checkout without installing: make `import xcit_mm` find the repository.
+_REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
+
 IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.tif', '.tiff', '.webp', '.ppm', '.pgm')
 TASK_BY_SCOPE = {'mmdet': 'det', 'mmseg': 'seg'}
 _VIS_COUNTER = itertools.count()
@@ -193,7 +198,9 @@ def _config_metainfo(cfg) -> dict:
     ds = deepcopy(ds)
     try:
         ds['lazy_init'] = True
-        return dict(DATASETS.build(ds).metainfo)
+        with warnings.catch_warnings():  # building the pipeline warns about GT loaders
+            warnings.simplefilter('ignore')
+            return dict(DATASETS.build(ds).metainfo)
     except Exception:  # fall back on the declared metainfo
         pass
     meta = {}
@@ -368,10 +375,10 @@ def init_model(config: str, checkpoint: str, device: str = 'cpu', cfg_options=No
     if 'init_cfg' in cfg.model.get('backbone', {}):
         cfg.model.backbone.init_cfg = None
     init_default_scope(cfg.default_scope)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(record=True):
         # The upstream initialisers warn about COCO/Cityscapes defaults when they are given
-        # no checkpoint; class names are resolved below instead.
-        warnings.simplefilter('ignore')
+        # no checkpoint (and reset the filters themselves, hence record=True to swallow
+        # them); class names are resolved below instead.
         if task == 'det':
             from mmdet.apis import init_detector
             model = init_detector(cfg, checkpoint=None, device='cpu', cfg_options=None)
@@ -416,7 +423,7 @@ def build_visualizer(model, task: str, opacity: Optional[float] = None):
     if cls is None or not issubclass(cls, base):
         cls = base
     kwargs = {k: v for k, v in vis_cfg.items()
-              if k not in ('type', 'name', 'vis_backends', 'save_dir')}
+              if k not in ('type', 'name', 'vis_backends', 'save_dir') and not k.startswith('_')}
     if opacity is not None:
         kwargs['alpha'] = opacity
     # Visualizers are named singletons; a fresh name gives a fresh instance each call.
@@ -582,8 +589,8 @@ def main(argv=None) -> int:
     print(f'wrote {len(written)} image(s) to {args.out_dir}')
     if failed:
         print(f'{len(failed)} input(s) could not be read and were not drawn:', file=sys.stderr)
-        for path, msg in failed.items():
-            print(f'  {path}: {msg}', file=sys.stderr)
+        for msg in failed.values():
+            print(f'  {msg}', file=sys.stderr)
         return 1
     return 0
 

@@ -29,7 +29,8 @@ For every chosen layer and every head the figure shows (paper Figure D.2 and Sec
 * ``|k̂|``: the same for the keys;
 * ``XCA``: the d x d channel attention ``softmax(q̂ k̂ᵀ · τ)`` (rows: query channels).
 
-Every map has its own min-max colour scale (viridis for norms, magma for attention).
+Every map has its own min-max colour scale (viridis for norms, magma for attention), printed
+under it as ``min .. max``.
 
 Figure layout (pixels, at 100 dpi): ``1 + heads`` columns (the image, then one per head) of
 ``cell`` x ``cell`` cells and ``3 x len(layers)`` rows, plus a left margin of ``LEFT_PX`` for
@@ -44,6 +45,11 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
+
+# Run from a checkout without installing: make `import xcit_mm` find the repository.
+_REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
 
 LEFT_PX = 110
 TOP_PX = 70
@@ -313,14 +319,15 @@ def draw_grid(image: np.ndarray, maps: Dict[int, Dict[str, np.ndarray]], out_fil
     heads = maps[layers[0]]['q_norm'].shape[0]
     width, height = figure_size(len(layers), heads, cell)
     fig = plt.figure(figsize=(width / DPI, height / DPI), dpi=DPI)
-    pad = 0.06 * cell
+    pad = 0.05 * cell
+    foot = 0.09 * cell  # room under each map for its value range
     fs = max(6.0, cell / 18)
 
     def axes_at(row, col):
         x0 = LEFT_PX + col * cell + pad
-        y0 = height - TOP_PX - (row + 1) * cell + pad
+        y0 = height - TOP_PX - (row + 1) * cell + pad + foot
         ax = fig.add_axes([x0 / width, y0 / height, (cell - 2 * pad) / width,
-                           (cell - 2 * pad) / height])
+                           (cell - 2 * pad - foot) / height])
         ax.set_xticks([])
         ax.set_yticks([])
         return ax
@@ -348,6 +355,11 @@ def draw_grid(image: np.ndarray, maps: Dict[int, Dict[str, np.ndarray]], out_fil
                 lo, hi = float(m.min()), float(m.max())
                 ax.imshow(m, cmap=cmap, vmin=lo, vmax=hi if hi > lo else lo + 1e-12,
                           interpolation='nearest')
+                fmt = '.3f' if key == 'attn' else '.2f'
+                fig.text((LEFT_PX + (1.5 + h) * cell) / width,
+                         (height - TOP_PX - (row + 1) * cell + pad + foot / 2) / height,
+                         f'{lo:{fmt}} .. {hi:{fmt}}', ha='center', va='center',
+                         fontsize=fs * 0.75, color='0.3')
     os.makedirs(osp.dirname(osp.abspath(out_file)), exist_ok=True)
     fig.savefig(out_file, dpi=DPI)
     plt.close(fig)
