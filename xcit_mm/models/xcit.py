@@ -103,7 +103,9 @@ class ConvPatchEmbed(nn.Module):
         ])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x)
+        # 3x3 convs run faster channels-last on CPU, and the (B, N, D) token view of a
+        # channels-last output is free.
+        return self.proj(x.contiguous(memory_format=torch.channels_last))
 
 
 class XCAProbe(nn.Module):
@@ -121,9 +123,17 @@ class XCAProbe(nn.Module):
 class XCA(nn.Module):
     """Cross-covariance attention: a (d x d) attention between channels, per head.
 
-    q and k are L2-normalised along the tokens, so ``q^T k`` is a cross-covariance whose cost is
-    linear in the number of tokens. The normalisation, the product and the softmax run in float32
-    even under autocast: the normalised entries are small and bf16 would lose them.
+    With q and k L2-normalised along the tokens, ``q^T k`` is a cross-covariance whose cost is
+    linear in the number of tokens. Two equivalent rewrites keep it cheap on CPU:
+
+    * the normalisation is applied to the small (d x d) product instead of to q and k
+      (``q^T k / (|q| |k|^T)``), so no normalised copy of q and k is made;
+    * the per-head mixing ``attn @ v`` is folded into the output projection: per image,
+      ``proj(mix(v)) = v @ (blockdiag(attn)^T W^T) + b``, one matmul on a view of the qkv output
+      instead of a batched matmul, a transpose copy and the projection.
+
+    The normalisation, the product and the softmax run in float32 even under autocast: the
+    normalised entries are small and bf16 would lose them.
     """
 
     def __init__(self, embed_dims: int, num_heads: int):
@@ -136,27 +146,35 @@ class XCA(nn.Module):
         self.proj = nn.Linear(embed_dims, embed_dims)
         self.probe = XCAProbe()
 
-    def _channel_attention(self, q: torch.Tensor, k: torch.Tensor,
-                           grid_hw: Tuple[int, int]) -> torch.Tensor:
-        q = F.normalize(q.float(), dim=-2)  # (B, h, N, d): normalise each channel over tokens
-        k = F.normalize(k.float(), dim=-2)
-        attn = (q.transpose(-2, -1) @ k) * self.temperature  # (B, h, d, d)
-        attn = attn.softmax(dim=-1)
-        return self.probe(q.transpose(-2, -1), k.transpose(-2, -1), attn, grid_hw)
+    def _attention_and_mixing(self, q: torch.Tensor, k: torch.Tensor,
+                              grid_hw: Tuple[int, int]) -> torch.Tensor:
+        """float32 (B, C, C) matrix that maps v to the projected output."""
+        B, h, N, d = q.shape
+        q = q.float().contiguous()  # (B, h, N, d)
+        k = k.float().contiguous()
+        q_norm = torch.linalg.vector_norm(q, dim=-2).clamp_min(1e-12)  # (B, h, d), as F.normalize
+        k_norm = torch.linalg.vector_norm(k, dim=-2).clamp_min(1e-12)
+        attn = (q.transpose(-2, -1) @ k) / (q_norm[..., :, None] * k_norm[..., None, :])
+        attn = (attn * self.temperature).softmax(dim=-1)  # (B, h, d_out, d_v)
+        if self.probe._forward_hooks:  # only materialise normalised q/k for a listener
+            self.probe((q / q_norm[..., None, :]).transpose(-2, -1),
+                       (k / k_norm[..., None, :]).transpose(-2, -1), attn, grid_hw)
+        weight_t = self.proj.weight.float().t().reshape(h, d, h * d)  # W^T rows, per head
+        return (attn.transpose(-2, -1) @ weight_t).reshape(B, h * d, h * d)
 
     def forward(self, x: torch.Tensor, grid_hw: Tuple[int, int]) -> torch.Tensor:
         B, N, C = x.shape
-        # (B, N, 3, h, d) -> 3 x (B, h, N, d); views, no copy.
-        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(
+        qkv = self.qkv(x)
+        # (B, N, 3, h, d) -> 3 x (B, h, N, d): views, no copy
+        q, k, _ = qkv.reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(
             2, 0, 3, 1, 4).unbind(0)
         if torch.is_autocast_enabled(x.device.type):
             with torch.autocast(device_type=x.device.type, enabled=False):
-                attn = self._channel_attention(q, k, grid_hw)
+                mixing = self._attention_and_mixing(q, k, grid_hw)
         else:
-            attn = self._channel_attention(q, k, grid_hw)
-        # out^T = (attn @ v^T)^T = v @ attn^T keeps tokens leading: (B, h, N, d)
-        out = v @ attn.transpose(-2, -1).to(v.dtype)
-        return self.proj(out.transpose(1, 2).reshape(B, N, C))
+            mixing = self._attention_and_mixing(q, k, grid_hw)
+        v = qkv[..., 2 * C:]  # (B, N, C) view
+        return torch.baddbmm(self.proj.bias.to(v.dtype), v, mixing.to(v.dtype))
 
 
 class LPI(nn.Module):
@@ -429,7 +447,7 @@ class XCiTBackbone(BaseModule):
         x = self.patch_embed(x)
         B, D, Hp, Wp = x.shape
         grid_hw = (Hp, Wp)
-        x = x.flatten(2).transpose(1, 2) + self.pos_embed(grid_hw)  # (B, N, D)
+        x = x.permute(0, 2, 3, 1).reshape(B, Hp * Wp, D) + self.pos_embed(grid_hw)  # (B, N, D)
         taps = {}
         for i, layer in enumerate(self.layers[:max(self.out_indices) + 1]):
             if self.with_cp and x.requires_grad:
