@@ -283,3 +283,35 @@ def test_truncated_file_names_the_file(tmp_path):
         f.write(b'not a checkpoint at all')
     with pytest.raises(CheckpointError, match='garbage.pth'):
         read_checkpoint(garbage)
+
+
+# ------------------------------------------------------------------------- mmengine's own files
+class _SneakyGetattr:
+    """Pickles as getattr(HistoryBuffer, '__init__'): an attribute mmengine never writes."""
+
+    def __reduce__(self):
+        from mmengine.logging.history_buffer import HistoryBuffer
+        return (getattr, (HistoryBuffer, '__init__'))
+
+
+def test_runner_checkpoints_load_safely(tmp_path):
+    """mmengine's message hub (HistoryBuffer, numpy) loads with weights_only=True, nothing more."""
+    from mmengine.logging import MessageHub
+    from xcit_mm.checkpoint import allow_runner_checkpoints
+    hub = MessageHub.get_instance('xcit_mm_test_hub')
+    for i in range(3):
+        hub.update_scalar('train/loss', 1.0 / (i + 1))
+    hub.update_info('iter', 3)
+    path = str(tmp_path / 'iter_3.pth')
+    torch.save({'meta': {'iter': 3}, 'state_dict': {'w': torch.ones(2)},
+                'message_hub': hub.state_dict()}, path)
+    allow_runner_checkpoints()
+    loaded = torch.load(path, weights_only=True)
+    restored = MessageHub.get_instance('xcit_mm_test_hub_restored')
+    restored.load_state_dict(loaded['message_hub'])
+    assert restored.get_scalar('train/loss').current() == pytest.approx(1 / 3)
+    # the getattr stand-in serves only what mmengine writes
+    sneaky = str(tmp_path / 'sneaky.pth')
+    torch.save({'x': _SneakyGetattr()}, sneaky)
+    with pytest.raises(CheckpointError, match='Refusing to unpickle'):
+        read_checkpoint(sneaky)

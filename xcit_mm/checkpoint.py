@@ -230,17 +230,32 @@ def load_pretrained(model: torch.nn.Module, checkpoint: str, prefix: Optional[st
 
 
 # ---------------------------------------------------------------------------- runner files
+def _history_buffer_getattr(obj, name):
+    """Stands in for ``getattr`` while unpickling: only HistoryBuffer's statistics methods.
+
+    mmengine pickles the statistics registry of its ``HistoryBuffer`` as
+    ``getattr(HistoryBuffer, 'mean')``. Allow-listing the builtin ``getattr`` would let a file
+    reach any attribute of any object; this serves exactly the lookups mmengine writes.
+    """
+    from mmengine.logging.history_buffer import HistoryBuffer
+    if obj is HistoryBuffer and name in ('min', 'max', 'current', 'mean'):
+        return getattr(HistoryBuffer, name)
+    raise pickle.UnpicklingError(f'checkpoint asks for getattr({obj!r}, {name!r}), which is not '
+                                 f'part of an mmengine checkpoint: refused')
+
+
 def allow_runner_checkpoints():
     """Let ``torch.load(weights_only=True)`` read mmengine's own training checkpoints.
 
     torch >= 2.6 loads with ``weights_only=True`` by default, and mmengine 0.10.7 checkpoints hold
     a pickled message hub (``HistoryBuffer`` with numpy arrays and scalars). Rather than turning
-    the safe loader off, this allow-lists exactly those classes, so resuming and evaluating
-    mmengine checkpoints works while arbitrary pickled code is still refused.
+    the safe loader off, this allow-lists exactly those classes (and a ``getattr`` restricted to
+    what mmengine writes), so resuming and evaluating mmengine checkpoints works while arbitrary
+    pickled code is still refused. Called by the tools; process-wide.
     """
     import numpy as np
     from mmengine.logging.history_buffer import HistoryBuffer
     safe = [HistoryBuffer, np.dtype, np.ndarray, np.core.multiarray._reconstruct,
-            np.core.multiarray.scalar]
+            np.core.multiarray.scalar, (_history_buffer_getattr, 'builtins.getattr')]
     safe += [type(np.dtype(t)) for t in ('float64', 'float32', 'int64', 'int32', 'bool')]
     torch.serialization.add_safe_globals(safe)
