@@ -67,6 +67,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -215,9 +216,14 @@ def load_mmpretrain_xcit():
 
     So, only inside the benchmark process and only when torchvision is missing, this registers
     *bare* package objects for ``mmpretrain.models`` and ``mmpretrain.models.backbones`` (their real
-    directories as ``__path__``, their ``__init__`` NOT executed) while the submodule is imported,
-    then removes those two placeholders again.  No torchvision stub is created and xcit_mm is not
-    involved.  Where torchvision exists the ordinary import is used.
+    directories as ``__path__``, their ``__init__`` NOT executed, marked with
+    ``__xcit_benchmark_placeholder__``) and imports the submodule through them.  The placeholders
+    stay for the life of this process: mmpretrain's ``MODELS`` registry imports its location
+    ``mmpretrain.models`` lazily at its first lookup (``build_norm_layer('LN')``), which must not
+    run the real ``__init__`` either; 'LN', 'BN', 'GELU' are then found in mmengine's root
+    registry (mmcv registers them there).  Nothing else in the benchmark process imports
+    ``mmpretrain.models``.  No torchvision stub is created and xcit_mm is not involved.  Where
+    torchvision exists the ordinary import is used.
 
     Returns:
         module: mmpretrain's ``xcit`` module (``XCiT``, ``ClassAttentionBlock``, ...).
@@ -226,29 +232,26 @@ def load_mmpretrain_xcit():
         ImportError: If mmpretrain is not installed.
     """
     name = 'mmpretrain.models.backbones.xcit'
-    if name in sys.modules:
-        return sys.modules[name]
     if importlib.util.find_spec('mmpretrain') is None:
         raise ImportError('mmpretrain is not installed; it is needed for the mmpretrain_xcit_* '
                           'models and the class-attention part of --flops-report')
     if importlib.util.find_spec('torchvision') is not None:
         return importlib.import_module(name)
+    # mmdet's optional `from mmpretrain.models.classifiers import ...` (inside try/except) may
+    # already have failed half-way: the submodules stay in sys.modules, 'mmpretrain.models' not.
     import mmpretrain  # the top-level package does not import mmpretrain.models
-    created = []
-    try:
-        parent = mmpretrain
-        for pkg in ('mmpretrain.models', 'mmpretrain.models.backbones'):
-            if pkg not in sys.modules:
-                spec = importlib.machinery.ModuleSpec(pkg, None, is_package=True)
-                spec.submodule_search_locations = [
-                    os.path.join(parent.__path__[0], pkg.rpartition('.')[2])]
-                sys.modules[pkg] = importlib.util.module_from_spec(spec)
-                created.append(pkg)
-            parent = sys.modules[pkg]
-        return importlib.import_module(name)
-    finally:
-        for pkg in created:
-            sys.modules.pop(pkg, None)
+    parent = mmpretrain
+    for pkg in ('mmpretrain.models', 'mmpretrain.models.backbones'):
+        if pkg not in sys.modules:
+            spec = importlib.machinery.ModuleSpec(pkg, None, is_package=True)
+            spec.submodule_search_locations = [
+                os.path.join(parent.__path__[0], pkg.rpartition('.')[2])]
+            module = importlib.util.module_from_spec(spec)
+            module.__xcit_benchmark_placeholder__ = True
+            sys.modules[pkg] = module
+            setattr(parent, pkg.rpartition('.')[2], module)
+        parent = sys.modules[pkg]
+    return importlib.import_module(name)
 
 
 def build_model(spec: ModelSpec, device: str = 'cpu') -> Tuple[nn.Module, Callable]:
@@ -256,7 +259,7 @@ def build_model(spec: ModelSpec, device: str = 'cpu') -> Tuple[nn.Module, Callab
 
     Args:
         spec: The parsed model spec.
-        device: ``'cpu'``, ``'cuda'`` or ``'meta'`` (FLOP counting without compute).
+        device: ``'cpu'`` or ``'cuda'``.
 
     Returns:
         tuple: ``(module, forward)`` where ``forward(img)`` returns a sequence of tensors.
@@ -303,17 +306,7 @@ def build_model(spec: ModelSpec, device: str = 'cpu') -> Tuple[nn.Module, Callab
         forward = model
     else:  # pragma: no cover - parse_model guards this
         raise ValueError(f'unknown model family {spec.family!r}')
-    if device != 'meta':
-        model.to(device)
-    return model, forward
-
-
-def build_model_on(spec: ModelSpec, device: str) -> Tuple[nn.Module, Callable]:
-    """Build a model directly on ``device``; ``'meta'`` allocates no parameter storage."""
-    if device == 'meta':
-        with torch.device('meta'):
-            return build_model(spec, 'meta')
-    return build_model(spec, device)
+    return model.to(device), forward
 
 
 def count_params(model: nn.Module) -> int:
@@ -324,12 +317,29 @@ def count_params(model: nn.Module) -> int:
 # --------------------------------------------------------------------------------------------
 # measurement primitives
 # --------------------------------------------------------------------------------------------
+def _conv_backward_flop(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation,
+                        transposed, _output_padding, _groups, output_mask, out_shape=None,
+                        **kwargs) -> int:
+    """FLOPs of ``aten.convolution_backward``, correct for grouped (depthwise) convolutions.
+
+    torch 2.13's built-in formula ignores ``groups`` for the weight gradient and counts a depthwise
+    3x3 conv's backward as if it were dense (x C too much).  Each gradient (input, weight) of a
+    convolution costs exactly the MACs of its forward, whatever the groups, so this returns the
+    forward count times the number of gradients requested in ``output_mask``; for groups=1 it
+    equals torch's formula.
+    """
+    from torch.utils.flop_counter import conv_flop_count
+    forward = conv_flop_count(list(x_shape), list(w_shape), list(grad_out_shape), transposed)
+    return forward * (int(bool(output_mask[0])) + int(bool(output_mask[1])))
+
+
 def count_flops(fn: Callable[[], object]) -> int:
     """FLOPs executed by ``fn()`` according to ``torch.utils.flop_counter.FlopCounterMode``.
 
     2 FLOPs per multiply-accumulate (a ``Linear(16, 8)`` on 4 rows is ``2 * 4 * 16 * 8``); biases,
     norms, softmax and element-wise ops are not counted.  Backward ops are counted when ``fn``
-    runs a backward pass.
+    runs a backward pass (with :func:`_conv_backward_flop` replacing torch's formula that
+    overcounts grouped convolutions).
 
     Args:
         fn: Zero-argument callable to run under the counter.
@@ -338,7 +348,8 @@ def count_flops(fn: Callable[[], object]) -> int:
         int: Total FLOPs.
     """
     from torch.utils.flop_counter import FlopCounterMode
-    with FlopCounterMode(display=False) as counter:
+    mapping = {torch.ops.aten.convolution_backward: _conv_backward_flop}
+    with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
         fn()
     return int(counter.get_total_flops())
 
@@ -627,39 +638,60 @@ def run_memory_worker(cfg: dict, limit_bytes: int, timeout_s: float) -> dict:
 # --------------------------------------------------------------------------------------------
 # FLOPs per point
 # --------------------------------------------------------------------------------------------
-def point_flops(spec: ModelSpec, resolution: int, mode: str) -> dict:
+def _count_model_flops(model: nn.Module, forward: Callable, resolution: int,
+                       mode: str) -> Tuple[int, int]:
+    """(forward FLOPs, executed FLOPs of ``mode``) of one ``resolution`` x ``resolution`` image."""
+    img = torch.randn(1, 3, resolution, resolution)
+    model.eval()
+    with torch.no_grad():
+        fwd = count_flops(lambda: forward(img))
+    if mode == 'inference':
+        return fwd, fwd
+    model.train()
+
+    def train_step():
+        sum(o.float().mean() for o in forward(img)).backward()
+    try:
+        return fwd, count_flops(train_step)
+    finally:
+        for p in model.parameters():
+            p.grad = None
+
+
+def point_flops(spec: ModelSpec, resolution: int, mode: str,
+                cache: Optional[Dict[str, Tuple[nn.Module, Callable]]] = None) -> dict:
     """Forward MACs and executed FLOPs for one image of one point.
 
-    Counted on the ``meta`` device (no compute, any size); if a model cannot run on meta tensors,
-    on the CPU with one real image.
+    Counted without computing: real weights, but the input is a ``FakeTensor``
+    (``FakeTensorMode(allow_non_fake_inputs=True)``), so every op only propagates shapes -- any
+    size is cheap, and models that query their device (autocast) or call ``.item()`` on real
+    buffers still run.  If a model cannot run on fake tensors it is counted with one real image.
+
+    Args:
+        spec: The model.
+        resolution: Square input side.
+        mode: ``'inference'`` or ``'train'``.
+        cache: Optional name -> (model, forward) dict of CPU models reused for counting.
 
     Returns:
         dict: ``gmacs`` (forward, paper "GFLOPs"), ``gflop_exec`` (2 per MAC, incl. backward and
-        recomputation in train mode), ``params_m``, ``flops_counter``.
+        checkpoint recomputation in train mode), ``params_m``, ``flops_counter``.
     """
-    last_error = None
-    for device in ('meta', 'cpu'):
-        try:
-            model, forward = build_model_on(spec, device)
-            img = torch.randn(1, 3, resolution, resolution, device=device)
-            model.eval()
-            with torch.no_grad():
-                fwd = count_flops(lambda: forward(img))
-            if mode == 'train':
-                model.train()
-
-                def train_step():
-                    loss = sum(o.float().mean() for o in forward(img))
-                    loss.backward()
-                executed = count_flops(train_step)
-            else:
-                executed = fwd
-            return dict(gmacs=fwd / 2e9, gflop_exec=executed / 1e9,
-                        params_m=count_params(model) / 1e6,
-                        flops_counter=f'torch FlopCounterMode ({device})')
-        except (NotImplementedError, RuntimeError, TypeError) as e:
-            last_error = e
-    raise RuntimeError(f'cannot count FLOPs of {spec.name} at {resolution}: {last_error}')
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    cache = {} if cache is None else cache
+    if spec.name not in cache:
+        torch.manual_seed(0)
+        cache[spec.name] = build_model(spec, 'cpu')
+    model, forward = cache[spec.name]
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fwd, executed = _count_model_flops(model, forward, resolution, mode)
+        counter = 'torch FlopCounterMode, fake tensors'
+    except Exception:  # data-dependent control flow: count a real image instead
+        fwd, executed = _count_model_flops(model, forward, resolution, mode)
+        counter = 'torch FlopCounterMode, real CPU pass'
+    return dict(gmacs=fwd / 2e9, gflop_exec=executed / 1e9, params_m=count_params(model) / 1e6,
+                flops_counter=counter)
 
 
 # --------------------------------------------------------------------------------------------
@@ -716,6 +748,7 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions) -> Tup
     matmul_before = measure_matmul_gflops(opts.device)
     records: List[dict] = []
     built: Dict[str, Tuple[nn.Module, Callable]] = {}
+    flops_models: Dict[str, Tuple[nn.Module, Callable]] = {}
     for res in resolutions:
         specs = [s for s, r in points if r == res]
         recs: Dict[str, dict] = {}
@@ -728,7 +761,7 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions) -> Tup
             if progress is not None:
                 progress.set_postfix_str(f'{spec.name}@{res} flops/memory')
             if opts.do_flops:
-                rec.update(point_flops(spec, res, opts.mode))
+                rec.update(point_flops(spec, res, opts.mode, flops_models))
             if progress is not None:
                 progress.update()
             if opts.do_mem:
@@ -771,6 +804,7 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions) -> Tup
                                   imgs_per_s=1.0 / med, times_s=ts)
             del img, steps
         records.extend(recs[s.name] for s in specs)
+    del flops_models
     matmul_after = measure_matmul_gflops(opts.device)
     if progress is not None:
         progress.close()
@@ -1286,6 +1320,8 @@ def _mem_available_bytes() -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point; returns the process exit status."""
     args = parse_args(argv)
+    # mmcv's ConvModule warns about mmpretrain's LPI conv (bias before a norm): not our concern
+    warnings.filterwarnings('ignore', message='Unnecessary conv bias before batch/instance norm')
     if args._worker is not None:
         try:
             result = worker_main(json.loads(args._worker))
