@@ -234,10 +234,15 @@ class XCiTLayer(nn.Module):
         self.gamma2 = nn.Parameter(layer_scale_init_value * torch.ones(embed_dims))
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
+    def _residual(self, x: torch.Tensor, gamma: torch.Tensor, branch: torch.Tensor):
+        if isinstance(self.drop_path, DropPath) and self.training:
+            return x + self.drop_path(gamma * branch)
+        return torch.addcmul(x, gamma, branch)  # x + gamma * branch in one pass
+
     def forward(self, x: torch.Tensor, grid_hw: Tuple[int, int]) -> torch.Tensor:
-        x = x + self.drop_path(self.gamma1 * self.attn(self.norm1(x), grid_hw))
-        x = x + self.drop_path(self.gamma3 * self.lpi(self.norm3(x), grid_hw))
-        x = x + self.drop_path(self.gamma2 * self.ffn(self.norm2(x)))
+        x = self._residual(x, self.gamma1, self.attn(self.norm1(x), grid_hw))
+        x = self._residual(x, self.gamma3, self.lpi(self.norm3(x), grid_hw))
+        x = self._residual(x, self.gamma2, self.ffn(self.norm2(x)))
         return x
 
 
