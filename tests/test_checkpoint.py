@@ -315,3 +315,34 @@ def test_runner_checkpoints_load_safely(tmp_path):
     torch.save({'x': _SneakyGetattr()}, sneaky)
     with pytest.raises(CheckpointError, match='Refusing to unpickle'):
         read_checkpoint(sneaky)
+
+
+def test_full_model_conversion_of_a_released_detector(mmpretrain_xcit, tmp_path):
+    """Released mmdet 2.11 detectors: backbone renamed, neck/heads kept, backbone loads exactly."""
+    from xcit_mm.checkpoint import convert_model_state_dict
+    ref = _mmpretrain_model(mmpretrain_xcit, 16)
+    official = to_official(ref.state_dict(), 16)
+    detector = OrderedDict([('backbone.' + k, v) for k, v in official.items()
+                            if not k.startswith(('cls_', 'head.', 'norm.'))])
+    detector['neck.lateral_convs.0.conv.weight'] = torch.ones(8, 64, 1, 1)
+    detector['roi_head.bbox_head.fc_cls.weight'] = torch.ones(81, 8)
+    path, dst = str(tmp_path / 'maskrcnn.pth'), str(tmp_path / 'converted.pth')
+    torch.save({'state_dict': detector, 'meta': {'mmdet_version': '2.11.0'}}, path)
+    converted, info = convert_model_state_dict(extract_state_dict(torch.load(path)))
+    assert info['layout'] == 'official'
+    assert torch.equal(converted['neck.lateral_convs.0.conv.weight'], torch.ones(8, 64, 1, 1))
+    assert 'roi_head.bbox_head.fc_cls.weight' in converted
+    assert 'backbone.layers.3.lpi.conv1.weight' in converted
+    script = os.path.join(ROOT, 'tools', 'convert_checkpoint.py')
+    res = subprocess.run([sys.executable, script, path, dst, '--full-model'], capture_output=True,
+                         text=True)
+    assert res.returncode == 0, res.stderr
+    assert '2 neck/head tensors unchanged' in res.stdout
+    model = XCiTBackbone(arch=ARCH, out_indices=OUT_INDICES,
+                         init_cfg=dict(type='Pretrained', checkpoint=dst))
+    model.init_weights()
+    model.eval()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        for g, e in zip(model.forward_trunk(x), ref(x)):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)

@@ -7,17 +7,22 @@ Reads official/DINO (``{'model': ...}``), timm, mmpretrain and xcit_mm/mmengine 
 ``torch.load(weights_only=True)``; ``--trust`` unpickles a file you trust (e.g. a full mmengine
 training checkpoint). Writes ``{'state_dict': ..., 'meta': {...}}`` loadable with
 ``init_cfg=dict(type='Pretrained', checkpoint=DST)``. Pass ``--arch/--patch-size`` to also check
-that the result loads into that backbone.
+that the result loads into that backbone. ``--full-model`` converts a whole released detector /
+segmentor (backbone renamed, neck and heads kept) for ``tools/test.py CONFIG DST``:
+
+    python tools/convert_checkpoint.py maskrcnn_xcit_small_12_p8.pth mask_rcnn_s12_p8.pth --full-model
 """
 import argparse
 import os
 import sys
+from collections import OrderedDict
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from xcit_mm.checkpoint import (CheckpointError, convert_state_dict,  # noqa: E402
-                                extract_state_dict, load_converted, read_checkpoint)
+from xcit_mm.checkpoint import (CheckpointError, convert_model_state_dict,  # noqa: E402
+                                convert_state_dict, extract_state_dict, load_converted,
+                                read_checkpoint)
 
 
 def parse_args(argv=None):
@@ -28,6 +33,8 @@ def parse_args(argv=None):
                         help="sub-module to take, e.g. 'backbone.' (default: auto)")
     parser.add_argument('--trust', action='store_true',
                         help='unpickle SRC (weights_only=False): only for files you trust')
+    parser.add_argument('--full-model', action='store_true',
+                        help='keep neck and heads (a whole detector/segmentor checkpoint)')
     parser.add_argument('--arch', default=None, help='check the result loads into this arch')
     parser.add_argument('--patch-size', type=int, default=16)
     return parser.parse_args(argv)
@@ -37,10 +44,16 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         raw = extract_state_dict(read_checkpoint(args.src, weights_only=not args.trust))
-        converted, info = convert_state_dict(raw, args.prefix)
+        if args.full_model:
+            converted, info = convert_model_state_dict(raw)
+            backbone = OrderedDict((k[len('backbone.'):], v) for k, v in converted.items()
+                                   if k.startswith('backbone.'))
+        else:
+            converted, info = convert_state_dict(raw, args.prefix)
+            backbone = converted
         if args.arch:
             from xcit_mm import XCiTBackbone
-            load_converted(XCiTBackbone(arch=args.arch, patch_size=args.patch_size), converted,
+            load_converted(XCiTBackbone(arch=args.arch, patch_size=args.patch_size), backbone,
                            source=args.src)
     except CheckpointError as e:
         sys.exit(f'error: {e}')
@@ -48,9 +61,11 @@ def main(argv=None):
     torch.save({'state_dict': converted,
                 'meta': dict(source=os.path.basename(str(args.src)), layout=info['layout'])},
                args.dst)
-    n_params = sum(v.numel() for k, v in converted.items() if 'num_batches' not in k)
+    n_params = sum(v.numel() for k, v in backbone.items() if 'num_batches' not in k)
     print(f'{args.src}: {info["layout"]} layout, {len(raw)} tensors')
-    print(f'  kept      {len(converted)} backbone tensors ({n_params / 1e6:.2f}M values)')
+    print(f'  kept      {len(backbone)} backbone tensors ({n_params / 1e6:.2f}M values)')
+    if args.full_model:
+        print(f'  kept      {len(converted) - len(backbone)} neck/head tensors unchanged')
     print(f'  dropped   {len(info["classifier"])} classification-only keys '
           f'(cls token, class attention, norm, head)')
     if info['outside']:

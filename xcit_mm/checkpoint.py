@@ -165,6 +165,23 @@ def convert_state_dict(state_dict: Dict[str, torch.Tensor], prefix: Optional[str
     return converted, dict(layout=layout, classifier=classifier, outside=outside)
 
 
+def convert_model_state_dict(state_dict: Dict[str, torch.Tensor]
+                             ) -> Tuple['OrderedDict[str, torch.Tensor]', dict]:
+    """Convert a whole detector / segmentor (``backbone.*`` plus neck and heads).
+
+    The official COCO / ADE20k models were trained with mmdet 2.11 / mmseg 0.11, whose neck and
+    head names are unchanged in mmdet 3 / mmseg 1; only the backbone keys need renaming. Use the
+    result with ``tools/test.py`` (``load_from``) to evaluate the released weights.
+    """
+    if state_dict and all(k.startswith('module.') for k in state_dict):
+        state_dict, _ = _strip_prefix(state_dict, 'module.')
+    backbone, info = convert_state_dict(state_dict, prefix='backbone.')
+    converted = OrderedDict(('backbone.' + k, v) for k, v in backbone.items())
+    converted.update((k, v) for k, v in state_dict.items() if not k.startswith('backbone.'))
+    info = dict(info, outside=[])
+    return converted, info
+
+
 # ---------------------------------------------------------------------------- loading
 def _describe(state_dict: Dict[str, torch.Tensor]) -> str:
     """Guess the arch of a converted state dict, to explain a mismatch."""

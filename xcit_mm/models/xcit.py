@@ -344,6 +344,10 @@ class XCiTBackbone(BaseModule):
         ])
         self.fpn1, self.fpn2, self.fpn3, self.fpn4 = _build_adapter(
             self.embed_dims, patch_size, norm_cfg)
+        # Their inputs are channels-last (conv stem, token views), so their weight gradients are
+        # too: channels-last weights keep DDP's gradient buckets free of stride-mismatch copies.
+        for module in [self.patch_embed] + self.adapters:
+            module.to(memory_format=torch.channels_last)
         self.out_channels = [self.embed_dims] * len(STRIDES)
         self.strides = STRIDES
         self._freeze_stages()
