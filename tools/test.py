@@ -1,8 +1,12 @@
 """Test (and evaluate) a detector (mmdet) or a segmentor (mmseg) with an XCiT backbone.
 
 One script for both tasks; the config's ``default_scope`` decides. Modelled on mmdet's and mmseg's
-tools/test.py, with the same dataset check, CPU-distributed support and checkpoint allow-listing
-as tools/train.py.
+tools/test.py, with the same dataset and checkpoint checks, CPU-distributed support and checkpoint
+allow-listing as tools/train.py: the checkpoint is read with ``torch.load(weights_only=True)``
+before anything is built, so a missing, truncated or code-carrying file is refused with a message
+naming it, and URLs are downloaded into torch's hub cache and checked before mmengine reads them.
+In a distributed run (``tools/dist_test.sh``) every rank evaluates its share of the test set and
+mmengine's evaluator gathers the predictions, so the metric is that of the whole set.
 
 ``--out`` dumps the predictions:
 
@@ -35,8 +39,10 @@ from mmengine.registry import RUNNERS  # noqa: E402
 from mmengine.runner import Runner  # noqa: E402
 
 from xcit_mm.checkpoint import allow_runner_checkpoints  # noqa: E402
-from xcit_mm.utils import (DatasetNotFoundError, check_data, ensure_shapes_world,  # noqa: E402
-                           init_distributed)
+from xcit_mm.utils import (AnnotationFormatError, CheckpointFileError,  # noqa: E402
+                           DatasetNotFoundError, check_checkpoint, check_data,
+                           ensure_shapes_world, init_distributed)
+from xcit_mm.utils.ckpt_check import is_url  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -147,14 +153,19 @@ def main(argv=None):
     # for torch's weights_only loading (torch >= 2.6).
     allow_runner_checkpoints()
     cfg = build_cfg(args)
-    if '://' not in args.checkpoint and not osp.isfile(args.checkpoint):
-        raise SystemExit(f'error: checkpoint not found: {osp.abspath(args.checkpoint)}')
 
     init_distributed(cfg, args.launcher)
-    ensure_shapes_world(cfg, splits=('test', ))
     try:
+        # Before anything is built: a missing, truncated or pickled-code checkpoint is reported
+        # by name; a URL is downloaded into torch's hub cache (after the cheaper data check),
+        # checked, and loaded from there (mmengine would unpickle a URL with weights_only=False).
+        if not is_url(args.checkpoint):
+            cfg.load_from = check_checkpoint(args.checkpoint, 'checkpoint')
+        ensure_shapes_world(cfg, splits=('test', ))
         check_data(cfg, splits=('test', ), config_name=args.config)
-    except DatasetNotFoundError as e:
+        if is_url(args.checkpoint):
+            cfg.load_from = check_checkpoint(args.checkpoint, 'checkpoint')
+    except (DatasetNotFoundError, AnnotationFormatError, CheckpointFileError) as e:
         raise SystemExit(f'error: {e}')
 
     if 'runner_type' not in cfg:

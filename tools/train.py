@@ -7,6 +7,16 @@ tools/train.py; the differences are
 - the dataset is checked before anything is built (missing COCO / ADE20k -> a message saying what
   to download and where to put it), and the built-in shapes dataset is generated when a config asks
   for it (``shapes_world``);
+- a COCO annotation file that is not one (a JSON list, no ``images``...) is reported by name;
+- every checkpoint the run will read (``--resume [PATH]``, ``load_from``, ``Pretrained``
+  init_cfgs) is checked first: missing, truncated or pickled-code files stop the run with a
+  message, and nothing beyond tensors and mmengine's own state is ever unpickled (URLs are
+  downloaded into torch's hub cache and checked; see ``xcit_mm/utils/ckpt_check.py``);
+- ``CheckFiniteLossHook`` (stop at the first NaN/inf loss, naming the iteration) and
+  ``RandomStateHook`` (exact ``--resume``) are added when the config lacks them
+  (``xcit_mm/utils/hooks.py``);
+- ``--amp`` without a GPU trains under bfloat16 CPU autocast (``CPUAmpOptimWrapper``), since
+  mmengine's ``AmpOptimWrapper`` needs a GPU;
 - distributed runs also work without a GPU (gloo; see ``xcit_mm/utils/cpu_dist.py``);
 - mmengine's own checkpoint classes are allow-listed for torch's ``weights_only`` loading so that
   ``--resume`` works with torch >= 2.6.
@@ -19,6 +29,7 @@ Examples::
     python tools/train.py CONFIG --resume work_dirs/x/epoch_3.pth
 """
 import argparse
+import logging
 import os
 import os.path as osp
 import sys
@@ -29,12 +40,16 @@ if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
 from mmengine.config import Config, DictAction  # noqa: E402
+from mmengine.logging import print_log  # noqa: E402
 from mmengine.registry import RUNNERS  # noqa: E402
 from mmengine.runner import Runner  # noqa: E402
 
 from xcit_mm.checkpoint import allow_runner_checkpoints  # noqa: E402
-from xcit_mm.utils import (DatasetNotFoundError, check_data, ensure_shapes_world,  # noqa: E402
-                           init_distributed)
+from xcit_mm.utils import (AnnotationFormatError, CheckpointFileError,  # noqa: E402
+                           DatasetNotFoundError, amp_optim_wrapper_type, check_checkpoint,
+                           check_data, check_pretrained, ensure_reliability_hooks,
+                           ensure_shapes_world, init_distributed, resolve_auto_resume)
+from xcit_mm.utils.amp import CPU_AMP_TYPE  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -89,12 +104,15 @@ def build_cfg(args) -> Config:
 
     if args.amp:
         wrapper_type = cfg.optim_wrapper.get('type', 'OptimWrapper')
-        if wrapper_type != 'AmpOptimWrapper':
+        if wrapper_type not in ('AmpOptimWrapper', CPU_AMP_TYPE):
             if wrapper_type != 'OptimWrapper':
                 raise SystemExit(f'error: --amp needs optim_wrapper.type OptimWrapper, '
                                  f'got {wrapper_type}')
             cfg.optim_wrapper.type = 'AmpOptimWrapper'
             cfg.optim_wrapper.loss_scale = 'dynamic'
+    use_cpu_amp(cfg)
+    # Stop at the first NaN/inf loss; save and restore random states for exact resumption.
+    ensure_reliability_hooks(cfg)
 
     if args.auto_scale_lr:
         if 'base_batch_size' not in cfg.get('auto_scale_lr', {}):
@@ -112,6 +130,56 @@ def build_cfg(args) -> Config:
     return cfg
 
 
+def use_cpu_amp(cfg) -> bool:
+    """Without a GPU, replace ``AmpOptimWrapper`` (which asserts a GPU) by CPU bfloat16 autocast.
+
+    Returns:
+        bool: True if the config was changed.
+    """
+    wrapper = cfg.get('optim_wrapper', {})
+    if wrapper.get('type') != 'AmpOptimWrapper' or amp_optim_wrapper_type() == 'AmpOptimWrapper':
+        return False
+    dtype = wrapper.get('dtype', None)
+    if dtype not in (None, 'bfloat16'):
+        raise SystemExit(f'error: mixed precision without a GPU runs in bfloat16 (CPU autocast); '
+                         f'optim_wrapper.dtype={dtype!r} is not possible here. Remove it or set '
+                         f'--cfg-options optim_wrapper.dtype=bfloat16.')
+    wrapper.pop('loss_scale', None)
+    wrapper.pop('use_fsdp', None)
+    wrapper.type = CPU_AMP_TYPE
+    wrapper.dtype = 'bfloat16'
+    return True
+
+
+def check_checkpoints(cfg, args) -> None:
+    """Check every checkpoint the run will read, before any work (see xcit_mm.utils.ckpt_check).
+
+    ``--resume PATH`` / a bare ``--resume`` (the work dir's latest checkpoint) must be training
+    checkpoints, ``load_from`` must hold weights, and every ``Pretrained`` init_cfg must exist;
+    URLs are downloaded into torch's hub cache, checked, and replaced by the local copy. Nothing is
+    unpickled beyond tensors and mmengine's own training state.
+
+    Raises:
+        CheckpointFileError: naming the file, the problem and the fix.
+    """
+    if args.resume == 'auto':
+        latest = resolve_auto_resume(cfg.work_dir)
+        if latest is not None:
+            cfg.load_from = latest
+    elif args.resume is not None:
+        cfg.load_from = check_checkpoint(args.resume, '--resume checkpoint', kind='resume')
+    elif cfg.get('load_from'):
+        cfg.load_from = check_checkpoint(cfg.load_from, 'load_from checkpoint')
+    check_pretrained(cfg)
+    checkpoint_hook = cfg.get('default_hooks', {}).get('checkpoint') or {}
+    if checkpoint_hook.get('max_keep_ckpts', -1) == 1:
+        print_log(
+            'default_hooks.checkpoint.max_keep_ckpts=1: mmengine deletes the previous checkpoint '
+            'before it writes the next one, so a job killed while saving is left without any '
+            'checkpoint to resume from. Keep at least 2 for long runs.',
+            logger='current', level=logging.WARNING)
+
+
 def main(argv=None):
     args = parse_args(argv)
     # torch >= 2.6 loads checkpoints with weights_only=True; mmengine's resume state pickles its
@@ -125,11 +193,9 @@ def main(argv=None):
     ensure_shapes_world(cfg, splits=('train', 'val'))
     try:
         check_data(cfg, splits=('train', 'val'), config_name=args.config)
-    except DatasetNotFoundError as e:
+        check_checkpoints(cfg, args)
+    except (DatasetNotFoundError, AnnotationFormatError, CheckpointFileError) as e:
         raise SystemExit(f'error: {e}')
-    if args.resume not in (None, 'auto') and not osp.isfile(args.resume) \
-            and '://' not in args.resume:
-        raise SystemExit(f'error: --resume checkpoint not found: {osp.abspath(args.resume)}')
 
     if 'runner_type' not in cfg:
         runner = Runner.from_cfg(cfg)

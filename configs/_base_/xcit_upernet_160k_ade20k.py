@@ -12,7 +12,12 @@ _base_ = [
     'mmseg::_base_/schedules/schedule_160k.py',
 ]
 
-custom_imports = dict(imports=['xcit_mm'], allow_failed_imports=False)
+custom_imports = dict(imports=['xcit_mm', 'xcit_mm.utils'], allow_failed_imports=False)
+# Reliability (docs/reliability.md): stop at the first NaN/inf loss, naming the iteration and the
+# loss terms (mmdet's CheckInvalidLossHook only exists in the mmdet scope and asserts every 50
+# iterations without a message); save the random states in checkpoints so that --resume continues
+# exactly as an uninterrupted run would.
+custom_hooks = [dict(type='CheckFiniteLossHook', interval=1), dict(type='RandomStateHook')]
 
 crop_size = (512, 512)
 data_preprocessor = dict(size=crop_size)

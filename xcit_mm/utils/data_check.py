@@ -231,11 +231,16 @@ def check_data(cfg, splits: Sequence[str] = ('train', 'val'), config_name: str =
             ``('test',)`` for testing.
         config_name (str, optional): Shown in the message (e.g. the config path).
 
+    Then checks that the COCO-format annotation files are COCO files
+    (:func:`check_annotation_formats`).
+
     Raises:
         DatasetNotFoundError: If any path is missing.
+        AnnotationFormatError: If a COCO annotation file is not one.
     """
     missing = find_missing_data(cfg, splits)
     if not missing:
+        check_annotation_formats(cfg, splits)
         return
     lines = [f'Dataset not found{" for " + config_name if config_name else ""} '
              f'(working directory: {os.getcwd()}). Missing:']
@@ -259,6 +264,158 @@ def check_data(cfg, splits: Sequence[str] = ('train', 'val'), config_name: str =
     hint = _override_hint(cfg, splits, example)
     message = '\n'.join(lines + helps + ([hint] if hint else []))
     raise DatasetNotFoundError(message, missing)
+
+
+class AnnotationFormatError(ValueError):
+    """Raised by :func:`check_annotation_formats` for an annotation file of the wrong format.
+
+    ``error.path`` is the file, ``error.where`` the config key that points at it.
+    """
+
+    def __init__(self, message: str, path: str, where: str):
+        super().__init__(message)
+        self.path = path
+        self.where = where
+
+
+COCO_KEYS = ('images', 'annotations', 'categories')
+_COCO_METRICS = ('CocoMetric', )
+
+
+def _is_coco_dataset(dataset_type, scope: Optional[str]) -> bool:
+    """Whether a dataset type reads COCO-format json (mmdet ``CocoDataset`` or a subclass)."""
+    name = getattr(dataset_type, '__name__', dataset_type)
+    if not isinstance(name, str):
+        return False
+    if name == 'CocoDataset':
+        return True
+    if isinstance(dataset_type, type) or scope == 'mmdet':
+        try:
+            from mmdet.datasets import CocoDataset
+            from mmdet.registry import DATASETS
+        except ImportError:
+            return False
+        cls = dataset_type if isinstance(dataset_type, type) else DATASETS.get(name)
+        return isinstance(cls, type) and issubclass(cls, CocoDataset)
+    return False
+
+
+def coco_annotation_problem(path: str, full_parse_limit: int = 64 << 20) -> Optional[str]:
+    """Why ``path`` is not a COCO annotation file, or None if it looks like one.
+
+    Files up to ``full_parse_limit`` bytes are parsed completely. Larger files (COCO's
+    ``instances_train2017.json`` is 448 MB) are checked without parsing, in one streaming pass:
+    the first and last non-blank characters must be ``{`` and ``}`` and the keys ``"images"``,
+    ``"annotations"`` and ``"categories"`` must occur; this never rejects a valid file.
+
+    Args:
+        path (str): The annotation file.
+        full_parse_limit (int): Size in bytes up to which the file is parsed with ``json``.
+
+    Returns:
+        str | None: A description of the problem (e.g. ``'it is a JSON list'``).
+    """
+    import json
+    size = osp.getsize(path)
+    if size == 0:
+        return 'the file is empty'
+    if size <= full_parse_limit:
+        try:
+            with open(path, 'rb') as f:
+                data = json.loads(f.read())
+        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+            return f'it is not valid JSON ({e})'
+        if not isinstance(data, dict):
+            return (f'it is a JSON {type(data).__name__.replace("dict", "object")}, not an '
+                    f'object')
+        missing = [key for key in COCO_KEYS if key not in data]
+        if missing:
+            return f'it has no {", ".join(repr(k) for k in missing)} (top-level keys: ' \
+                   f'{sorted(data)[:10]})'
+        wrong = [key for key in COCO_KEYS if not isinstance(data[key], list)]
+        if wrong:
+            return f'{", ".join(repr(k) for k in wrong)} must be lists'
+        return None
+    with open(path, 'rb') as f:
+        head = f.read(1 << 16).lstrip()
+        f.seek(max(0, size - 256))
+        tail = f.read().rstrip()
+        f.seek(0)
+        keys = {key: ('"%s"' % key).encode() for key in COCO_KEYS}
+        found, carry = set(), b''
+        while len(found) < len(keys):
+            chunk = f.read(1 << 24)
+            if not chunk:
+                break
+            window = carry + chunk
+            found.update(k for k, token in keys.items() if token in window)
+            carry = window[-16:]
+    if head[:1] == b'[':
+        return 'it is a JSON list, not an object'
+    if head[:1] != b'{':
+        return f'it is not a JSON object (it starts with {head[:20]!r})'
+    if tail[-1:] != b'}':
+        return f'it does not end with "}}" (ends with {tail[-20:]!r}): the file is cut short'
+    missing = [key for key in COCO_KEYS if key not in found]
+    if missing:
+        return f'it has no {", ".join(repr(k) for k in missing)}'
+    return None
+
+
+def _coco_annotation_files(cfg, splits: Sequence[str]) -> List[Tuple[str, str, str]]:
+    """``(config key, path, config key of ann_file)`` of COCO-format annotation files."""
+    scope = cfg.get('default_scope')
+    files, seen = [], set()
+    for split in splits:
+        if not _split_enabled(cfg, split):
+            continue
+        loader_key, evaluator_key, _ = _SPLITS[split]
+        for dataset in _leaf_datasets(cfg[loader_key].get('dataset')):
+            if dataset.get('ann_file') and _is_coco_dataset(dataset.get('type'), scope):
+                path = _join(dataset.get('data_root') or '', dataset['ann_file'])
+                files.append((loader_key, path, 'dataset.ann_file'))
+        if evaluator_key is not None:
+            evaluators = cfg[evaluator_key]
+            evaluators = evaluators if isinstance(evaluators, (list, tuple)) else [evaluators]
+            for metric in evaluators:
+                if isinstance(metric, dict) and metric.get('ann_file') and \
+                        getattr(metric.get('type'), '__name__', metric.get('type')) \
+                        in _COCO_METRICS:
+                    files.append((evaluator_key, metric['ann_file'], 'ann_file'))
+    unique = []
+    for where, path, key in files:
+        if path not in seen and not _is_remote(path) and osp.isfile(path):
+            seen.add(path)
+            unique.append((where, path, key))
+    return unique
+
+
+def check_annotation_formats(cfg, splits: Sequence[str] = ('train', 'val'),
+                             full_parse_limit: int = 64 << 20) -> None:
+    """Raise :class:`AnnotationFormatError` if a COCO annotation file is not a COCO file.
+
+    Checks the ``ann_file`` of every COCO-format dataset (mmdet ``CocoDataset`` and its
+    subclasses) and of every ``CocoMetric`` of ``splits``. Without this check, a JSON list or a
+    file without ``images`` / ``annotations`` / ``categories`` fails inside pycocotools with an
+    ``AssertionError`` or ``KeyError`` that does not name the file.
+
+    Args:
+        cfg (mmengine.Config | dict): The full config.
+        splits (Sequence[str]): As for :func:`check_data`.
+        full_parse_limit (int): See :func:`coco_annotation_problem`.
+
+    Raises:
+        AnnotationFormatError: For the first file that is not a COCO annotation file.
+    """
+    for where, path, key in _coco_annotation_files(cfg, splits):
+        problem = coco_annotation_problem(path, full_parse_limit)
+        if problem:
+            raise AnnotationFormatError(
+                f'Annotation file {osp.abspath(path)} [{where}.{key}] is not a COCO annotation '
+                f'file: {problem}. The COCO format is a JSON object with "images", '
+                f'"annotations" and "categories" lists (like annotations/instances_val2017.json). '
+                f'Point {where}.{key} at a COCO file (--cfg-options {where}.{key}=PATH) or '
+                f'convert your annotations to the COCO format.', path, f'{where}.{key}')
 
 
 def _shapes_root(world: Dict) -> Optional[str]:
