@@ -346,3 +346,14 @@ def test_full_model_conversion_of_a_released_detector(mmpretrain_xcit, tmp_path)
     with torch.no_grad():
         for g, e in zip(model.forward_trunk(x), ref(x)):
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+def test_official_file_with_training_args_loads(mmpretrain_xcit, tmp_path):
+    """DeiT-style files keep an argparse.Namespace next to the weights: harmless, allowed."""
+    import argparse
+    ref = _mmpretrain_model(mmpretrain_xcit, 16)
+    path = str(tmp_path / 'xcit_official_with_args.pth')
+    torch.save({'model': to_official(ref.state_dict(), 16), 'epoch': 399,
+                'args': argparse.Namespace(model='xcit_tiny', lr=5e-4)}, path)
+    report = load_pretrained(XCiTBackbone(arch=ARCH, out_indices=OUT_INDICES), path)
+    assert report['layout'] == 'official'

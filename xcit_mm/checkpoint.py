@@ -265,14 +265,21 @@ def allow_runner_checkpoints():
     """Let ``torch.load(weights_only=True)`` read mmengine's own training checkpoints.
 
     torch >= 2.6 loads with ``weights_only=True`` by default, and mmengine 0.10.7 checkpoints hold
-    a pickled message hub (``HistoryBuffer`` with numpy arrays and scalars). Rather than turning
-    the safe loader off, this allow-lists exactly those classes (and a ``getattr`` restricted to
-    what mmengine writes), so resuming and evaluating mmengine checkpoints works while arbitrary
-    pickled code is still refused. Called by the tools; process-wide.
+    a pickled message hub (``HistoryBuffer`` with numpy arrays and scalars); official XCiT files
+    may carry their ``argparse.Namespace`` of training arguments. Rather than turning the safe
+    loader off, this allow-lists exactly those classes (and a ``getattr`` restricted to what
+    mmengine writes), none of which can run code: resuming and evaluating mmengine checkpoints
+    works while arbitrary pickled code is still refused. Applied on ``import xcit_mm``;
+    process-wide.
     """
+    import argparse
+
     import numpy as np
     from mmengine.logging.history_buffer import HistoryBuffer
+
+    # argparse.Namespace: the training arguments that DeiT-style (official XCiT) files carry.
     safe = [HistoryBuffer, np.dtype, np.ndarray, np.core.multiarray._reconstruct,
-            np.core.multiarray.scalar, (_history_buffer_getattr, 'builtins.getattr')]
+            np.core.multiarray.scalar, (_history_buffer_getattr, 'builtins.getattr'),
+            argparse.Namespace]
     safe += [type(np.dtype(t)) for t in ('float64', 'float32', 'int64', 'int32', 'bool')]
     torch.serialization.add_safe_globals(safe)
