@@ -49,6 +49,7 @@ from xcit_mm.utils import (AnnotationFormatError, CheckpointFileError,  # noqa: 
                            DatasetNotFoundError, amp_optim_wrapper_type, check_checkpoint,
                            check_data, check_pretrained, ensure_reliability_hooks,
                            ensure_shapes_world, init_distributed, resolve_auto_resume)
+from xcit_mm.utils.hooks import NonFiniteLossError  # noqa: E402
 from xcit_mm.utils.amp import CPU_AMP_TYPE  # noqa: E402
 
 
@@ -201,7 +202,11 @@ def main(argv=None):
         runner = Runner.from_cfg(cfg)
     else:
         runner = RUNNERS.build(cfg)
-    runner.train()
+    try:
+        runner.train()
+    except NonFiniteLossError as e:  # a clear message instead of a traceback through mmengine
+        runner.logger.error(str(e))
+        raise SystemExit(f'error: {e}') from e
 
 
 if __name__ == '__main__':

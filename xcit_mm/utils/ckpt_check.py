@@ -78,11 +78,20 @@ def _weights_only_load(path: str):
     return torch.load(path, map_location='cpu', weights_only=True, mmap=is_zip)
 
 
-def _unsafe_message(path: str, what: str, error: Exception) -> str:
+def _unsafe_detail(error: Exception) -> Optional[str]:
+    """What a weights_only refusal was about, or None if it was not about a Python object."""
     text = str(error)
     found = re.search(r'GLOBAL ([\w.]+)', text)
-    detail = (f'it asks to import {found.group(1)}' if found else
-              text.strip().splitlines()[-1][:200] if text.strip() else type(error).__name__)
+    if found:
+        return f'it asks to import {found.group(1)}'
+    found = re.search(r'Can only build .*? but got (<class [^>]*>)', text)
+    if found:
+        return f'it asks to build a {found.group(1)}'
+    return None  # e.g. "Unsupported operand 60": not a pickle at all
+
+
+def _unsafe_message(path: str, what: str, error: Exception) -> str:
+    detail = _unsafe_detail(error)
     return (
         f'Refusing to load {what} {path}: the file contains pickled Python objects beyond '
         f'tensors and mmengine\'s own training state ({detail}), and unpickling them could run '
@@ -129,7 +138,7 @@ def check_checkpoint(path: str, what: str = 'checkpoint', kind: str = 'weights')
     try:
         checkpoint = _weights_only_load(local)
     except pickle.UnpicklingError as e:
-        if 'weights only load failed' in str(e).lower() or 'GLOBAL' in str(e):
+        if _unsafe_detail(e):
             raise CheckpointFileError(_unsafe_message(local, what, e)) from e
         raise CheckpointFileError(_corrupt_message(local, what, e)) from e
     except (RuntimeError, EOFError, OSError, ValueError, UnicodeDecodeError) as e:
@@ -140,7 +149,9 @@ def check_checkpoint(path: str, what: str = 'checkpoint', kind: str = 'weights')
 
 def _corrupt_message(path: str, what: str, error: Exception) -> str:
     size = osp.getsize(path)
-    first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ''
+    text = str(error).strip()
+    found = re.search(r'WeightsUnpickler error:\s*(.+?)\s*(\n\n|$)', text, re.S)
+    first = found.group(1)[:200] if found else text.splitlines()[0][:200] if text else ''
     return (f'Cannot read {what} {path} ({size} bytes): the file is truncated, corrupt or not a '
             f'PyTorch checkpoint ({type(error).__name__}: {first}). A checkpoint cut short while '
             f'being written (a killed job, a full disk) looks like this: use an earlier '
