@@ -535,6 +535,25 @@ def test_sigkilled_training_resumes_identically(tmp_path):
     assert after == {i: expected[i] for i in after}  # bit-identical
 
 
+def test_epoch_based_resume_is_identical(tmp_path, train_tool):
+    """The paper's Mask R-CNN configs train by epochs: resuming from an epoch checkpoint (with
+    validation after every epoch) repeats the uninterrupted run's losses exactly too."""
+    ref, resumed = (_tiny_config(tmp_path, 'det', name=name, extra='\n'.join([
+        "train_cfg = dict(_delete_=True, type='EpochBasedTrainLoop', max_epochs=2, "
+        "val_interval=1)",
+        "default_hooks = dict(logger=dict(interval=1), checkpoint=dict(by_epoch=True, "
+        "interval=1))",
+        "log_processor = dict(by_epoch=True, window_size=1)"])) for name in ('ref', 'resumed'))
+    train_tool.main([ref, '--work-dir', str(tmp_path / 'ref')])
+    expected = _losses(tmp_path / 'ref')[0]
+    assert len(expected) == 8  # 2 epochs x 4 iterations
+    train_tool.main([resumed, '--work-dir', str(tmp_path / 'resumed'), '--resume',
+                     str(tmp_path / 'ref' / 'epoch_1.pth')])
+    after = _losses(tmp_path / 'resumed')[0]
+    assert sorted(after) == [5, 6, 7, 8]
+    assert after == {i: expected[i] for i in after}
+
+
 # ============================================================================ 4. distributed
 def _metrics(work_dir):
     """The metrics dict tools/test.py wrote (mmengine dumps it to <work_dir>/<time>/<time>.json)."""
@@ -566,6 +585,8 @@ def test_dist_train_and_dist_test_on_two_cpu_processes(tmp_path, task, test_tool
     assert len(glob.glob(str(work_dir / runs[0] / '*.log'))) == 1  # rank 0's log only
     checkpoint = str(work_dir / 'iter_2.pth')
     check_checkpoint(checkpoint, kind='resume')  # complete, written once
+    rng = torch.load(checkpoint, weights_only=True)['rng_state']  # both ranks' random states
+    assert rng['world_size'] == 2 and len(rng['states']) == 2
 
     env = dict(ENV, PORT=str(_free_port()))
     proc, log = _run(['bash', osp.join(REPO, 'tools', 'dist_test.sh'), cfg, checkpoint, '2',
@@ -614,6 +635,20 @@ def test_amp_on_cpu_trains_in_bfloat16_with_finite_losses(tmp_path, train_tool, 
     assert torch.isfinite(torch.stack([v.float().flatten()[:1] for v in torch.load(
         str(work_dir / 'iter_3.pth'), weights_only=True)['state_dict'].values()
         if v.is_floating_point()])).all()
+
+
+def test_amp_config_conversion_without_gpu(train_tool, monkeypatch):
+    """A config that itself asks for AmpOptimWrapper runs with bfloat16 CPU autocast here."""
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+    cfg = Config(dict(optim_wrapper=dict(type='AmpOptimWrapper', loss_scale='dynamic',
+                                         optimizer=dict(type='AdamW', lr=1e-4))))
+    assert train_tool.use_cpu_amp(cfg) is True
+    assert cfg.optim_wrapper == dict(type='CPUAmpOptimWrapper', dtype='bfloat16',
+                                     optimizer=dict(type='AdamW', lr=1e-4))
+    cfg.optim_wrapper = dict(type='AmpOptimWrapper', dtype='float16', optimizer=dict())
+    with pytest.raises(SystemExit, match='bfloat16'):
+        train_tool.use_cpu_amp(cfg)
+    assert train_tool.use_cpu_amp(Config(dict(optim_wrapper=dict(type='OptimWrapper')))) is False
 
 
 def test_cpu_amp_wrapper_rejects_float16_and_models_without_the_modules():
