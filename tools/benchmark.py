@@ -25,7 +25,9 @@ Figures per (model, resolution) point:
 * peak memory: measured in a FRESH PROCESS per point.  CPU: growth of the peak resident set
   (``VmHWM`` of ``/proc/self/status``, reset through ``/proc/self/clear_refs``) over the resident set
   after the model build, a 64 px warm-up call (it faults in code pages and creates thread pools),
-  the input creation and ``malloc_trim(0)`` (so freed warm-up pages cannot hide reuse).  CUDA: ``torch.cuda.max_memory_allocated()`` growth over
+  the input creation and ``malloc_trim(0)`` (so freed warm-up pages cannot hide reuse); the
+  worker runs with ``MALLOC_MMAP_THRESHOLD_=65536`` so that the RSS peak follows the live tensors
+  (``--cpu-mem-mode process`` keeps glibc's defaults: the RSS a plain process shows).  CUDA: ``torch.cuda.max_memory_allocated()`` growth over
   ``torch.cuda.memory_allocated()`` at the same moment.  So it is the memory the forward (or train
   step, incl. the parameter gradients) needs on top of the weights and the input.
 * FLOPs: counted with ``torch.utils.flop_counter.FlopCounterMode`` (aten-level: mm/addmm/bmm,
@@ -579,8 +581,10 @@ def worker_main(cfg: dict) -> dict:
             for _ in range(cfg['mem_iters']):
                 step()
             peak = _proc_status_kb('VmHWM') * 1024
+            threshold = os.environ.get('MALLOC_MMAP_THRESHOLD_')
             method = ('fresh process: VmHWM - VmRSS after build, 64px warm-up, input and '
-                      'malloc_trim')
+                      'malloc_trim; ' + (f'MALLOC_MMAP_THRESHOLD_={threshold} (live tensors)'
+                                         if threshold else 'glibc default malloc (process RSS)'))
     except torch.cuda.OutOfMemoryError as e:
         return dict(status='oom', note=f'CUDA OOM: {str(e).splitlines()[0]}')
     return dict(status='ok', peak_mem_mb=(peak - base) / 2 ** 20, mem_base_mb=base / 2 ** 20,
@@ -606,6 +610,14 @@ def run_memory_worker(cfg: dict, limit_bytes: int, timeout_s: float) -> dict:
     env['PYTHONPATH'] = os.pathsep.join(p for p in (REPO_ROOT, env.get('PYTHONPATH')) if p)
     if cfg.get('threads'):
         env['OMP_NUM_THREADS'] = env['MKL_NUM_THREADS'] = str(cfg['threads'])
+    if cfg.get('cpu_mem_mode', 'live') == 'live':
+        # A fixed mmap threshold turns off glibc's dynamic one: every block >= 64 KiB (every
+        # tensor that matters) gets its own mapping, unmapped when freed, so the RSS peak follows
+        # the live tensors.  With the default, freed blocks stay in the heap and the peak varies
+        # +-15% run to run and overstates the need by up to 2x (measured on XCiT-S12/16 @512).
+        env['MALLOC_MMAP_THRESHOLD_'] = '65536'
+    else:
+        env.pop('MALLOC_MMAP_THRESHOLD_', None)
     cmd = [sys.executable, os.path.abspath(__file__), '--_worker', json.dumps(cfg)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=REPO_ROOT)
@@ -709,6 +721,7 @@ class RunOptions:
     warmup: int = 1
     repeats: int = 5
     mem_iters: int = 2
+    cpu_mem_mode: str = 'live'
     mem_limit_bytes: int = 8 * 2 ** 30
     mem_timeout_s: float = 1800.
     do_time: bool = True
@@ -724,11 +737,27 @@ def _progress(total: int, quiet: bool, desc: str):
     return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True)
 
 
+def _warn_if_loaded(opts: RunOptions):
+    """Warn when other processes compete for the cores this run's threads need."""
+    if opts.device != 'cpu' or not opts.do_time:
+        return
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return
+    cores, threads = os.cpu_count() or 1, torch.get_num_threads()
+    if load + threads > cores + 0.5 and threads > 1:
+        print(f'WARNING: load average {load:.1f} on {cores} cores: with {threads} threads the '
+              'OpenMP barriers wait for descheduled threads and CPU times are inflated several '
+              'fold (and noisy). On a shared machine use --threads 1 for speed comparisons.',
+              file=sys.stderr)
+
+
 def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions) -> Tuple[List[dict],
                                                                                      dict]:
     """Measure a list of (model, resolution) points.
 
-    Per resolution: FLOPs (meta device), then one fresh memory-worker process per point, then the
+    Per resolution: FLOPs (fake tensors), then one fresh memory-worker process per point, then the
     interleaved timing of every point that fitted, in this process (models built once).
 
     Args:
@@ -741,6 +770,7 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions) -> Tup
     if opts.device == 'cuda' and not torch.cuda.is_available():
         raise RuntimeError('--device cuda requested but torch.cuda.is_available() is False')
     _set_threads(opts.threads)
+    _warn_if_loaded(opts)
     resolutions = sorted({r for _, r in points})
     n_time_calls = (opts.warmup + opts.repeats) if opts.do_time else 0
     progress = _progress(len(points) * (int(opts.do_mem) + n_time_calls + 1), opts.quiet,
@@ -768,7 +798,8 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions) -> Tup
                 rec.update(run_memory_worker(dict(
                     model=spec.name, resolution=res, batch=opts.batch, mode=opts.mode,
                     precision=opts.precision, device=opts.device, threads=opts.threads,
-                    mem_iters=opts.mem_iters), opts.mem_limit_bytes, opts.mem_timeout_s))
+                    mem_iters=opts.mem_iters, cpu_mem_mode=opts.cpu_mem_mode),
+                    opts.mem_limit_bytes, opts.mem_timeout_s))
                 if progress is not None:
                     progress.update()
             recs[spec.name] = rec
@@ -1257,6 +1288,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    'model name does the same for one model)')
     p.add_argument('--mem-iters', type=int, default=2,
                    help='calls in each fresh memory process after the baseline (default: 2)')
+    p.add_argument('--cpu-mem-mode', choices=['live', 'process'], default='live',
+                   help='CPU peak memory: live = the memory workers run with '
+                   'MALLOC_MMAP_THRESHOLD_=65536, so the RSS peak follows the live tensors '
+                   '(reproducible to <1%%, comparable to CUDA max_memory_allocated); process = '
+                   'glibc defaults, the RSS a plain process shows, incl. freed heap blocks glibc '
+                   'keeps (up to 2x more, +-15%% run to run). Default: live')
     p.add_argument('--mem-limit-gb', type=float, default=None,
                    help='kill a memory worker above this RSS and report OOM (default: 80%% of '
                    'MemAvailable at start)')
@@ -1338,6 +1375,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       device=args.device, threads=args.threads,
                       warmup=args.warmup if args.warmup is not None else (2 if args.goals else 1),
                       repeats=args.repeats or (10 if args.goals else 5), mem_iters=args.mem_iters,
+                      cpu_mem_mode=args.cpu_mem_mode,
                       mem_limit_bytes=int(limit), mem_timeout_s=args.mem_timeout,
                       do_time=not args.no_time, do_mem=not args.no_mem,
                       do_flops=not args.no_flops, quiet=args.quiet)
