@@ -286,9 +286,9 @@ def test_check_finite_loss_hook_names_iteration_terms_and_checkpoint(tmp_path):
     message = str(info.value)
     assert info.value.iteration == 412 and 'iteration 412/1000' in message
     assert 'loss=nan' in message and 'loss_bbox=inf' in message
-    assert 'loss_cls' not in message and 'acc' not in message  # finite / not a loss
+    assert 'loss_cls=' not in message and 'acc=' not in message  # finite / not a loss
     assert f'--resume {tmp_path / "iter_400.pth"}' in message
-    assert 'clip_grad' in message and 'lr' in message
+    assert 'clip_grad=dict(max_norm=1.0)' in message and 'load_from=' in message
     # interval: only every n-th iteration is checked
     CheckFiniteLossHook(interval=5).after_train_iter(runner, 0, outputs=bad)  # 412 % 5 != 0
     with pytest.raises(ValueError, match='positive int'):
@@ -590,13 +590,39 @@ def test_dist_train_and_dist_test_on_two_cpu_processes(tmp_path, task, test_tool
 
     env = dict(ENV, PORT=str(_free_port()))
     proc, log = _run(['bash', osp.join(REPO, 'tools', 'dist_test.sh'), cfg, checkpoint, '2',
-                      '--work-dir', str(tmp_path / 'dist_test')], tmp_path, env=env)
+                      '--work-dir', str(tmp_path / 'dist_test'),
+                      '--out', str(tmp_path / 'dist.pkl')], tmp_path, env=env)
     assert proc.returncode == 0, log[-4000:]
-    test_tool.main([cfg, checkpoint, '--work-dir', str(tmp_path / 'single_test')])
+    test_tool.main([cfg, checkpoint, '--work-dir', str(tmp_path / 'single_test'),
+                    '--out', str(tmp_path / 'single.pkl')])
     distributed, single = _metrics(tmp_path / 'dist_test'), _metrics(tmp_path / 'single_test')
     key = 'coco/bbox_mAP' if task == 'det' else 'mIoU'
     assert key in single
     assert distributed == single
+    # The gathered predictions are those of the single process: all 5 images, in order.
+    import mmengine
+    gathered, alone = (mmengine.load(str(tmp_path / f'{n}.pkl')) for n in ('dist', 'single'))
+    assert [r['img_path'] for r in gathered] == [r['img_path'] for r in alone]
+    assert len(alone) == 5
+    _assert_close(gathered, alone)
+
+
+def _assert_close(a, b, where='results'):
+    """Recursive comparison; tensors to 1e-4 (batches are composed differently per rank)."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _assert_close(a[key], b[key], f'{where}.{key}')
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_close(x, y, f'{where}[{i}]')
+    elif isinstance(a, torch.Tensor) or hasattr(a, 'shape'):
+        a, b = torch.as_tensor(a), torch.as_tensor(b)
+        assert a.shape == b.shape, where
+        assert torch.allclose(a.double(), b.double(), atol=1e-4), where
+    else:
+        assert a == b, where
 
 
 # ============================================================================ 5. mixed precision

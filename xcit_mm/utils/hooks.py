@@ -121,7 +121,8 @@ class CheckFiniteLossHook(Hook):
         max_iters = getattr(runner, 'max_iters', None)
         if max_iters:
             where += f'/{max_iters}'
-        if getattr(runner.train_loop, 'max_epochs', None):
+        if not isinstance(runner.train_loop, IterBasedTrainLoop) and \
+                getattr(runner.train_loop, 'max_epochs', None):
             where += f' (epoch {runner.epoch + 1})'
         last = None
         try:
@@ -129,17 +130,22 @@ class CheckFiniteLossHook(Hook):
         except OSError:
             pass
         if last:
-            resume = (f'The last checkpoint is {last}; resume from it with '
-                      f'`tools/train.py CONFIG --resume {last}`')
+            resume = (f'The last checkpoint is {last}. To continue, make training more stable '
+                      f'(gradient clipping: optim_wrapper.clip_grad=dict(max_norm=1.0) in the '
+                      f'config; or train without --amp) and resume: tools/train.py CONFIG '
+                      f'--resume {last}. A resumed run takes its learning rate from the '
+                      f'checkpoint; to lower it, start from the checkpoint\'s weights instead: '
+                      f'--cfg-options load_from={last} optim_wrapper.optimizer.lr=...')
         else:
-            resume = 'No checkpoint has been written yet; restart training'
+            resume = ('No checkpoint has been written yet. Make training more stable and start '
+                      'again: a lower learning rate (optim_wrapper.optimizer.lr), gradient '
+                      'clipping (optim_wrapper.clip_grad=dict(max_norm=1.0)), a longer warm-up, '
+                      'or no --amp.')
         return (
             f'Training stopped: the loss became NaN or infinite at {where}. Non-finite loss '
             f'terms: {terms}. The optimizer has already applied this iteration\'s gradients, so '
             f'the weights in memory are unusable and no checkpoint was written for this '
-            f'iteration. {resume} after making training more stable: lower the learning rate '
-            f'(optim_wrapper.optimizer.lr), clip gradients (optim_wrapper.clip_grad='
-            f'dict(max_norm=1.0)), lengthen the warm-up, or train without --amp.')
+            f'iteration. {resume}')
 
 
 def _capture_rng() -> dict:
