@@ -152,6 +152,17 @@ def use_cpu_amp(cfg) -> bool:
     return True
 
 
+def _saves_several(cfg, checkpoint_hook) -> bool:
+    """Whether the CheckpointHook will write more than one checkpoint (True when unsure)."""
+    train_cfg = cfg.get('train_cfg') or {}
+    by_epoch = checkpoint_hook.get('by_epoch', True)
+    total = train_cfg.get('max_epochs' if by_epoch else 'max_iters')
+    interval = checkpoint_hook.get('interval', -1)
+    if not isinstance(total, int) or not isinstance(interval, int) or interval <= 0:
+        return True
+    return total // interval > 1
+
+
 def check_checkpoints(cfg, args) -> None:
     """Check every checkpoint the run will read, before any work (see xcit_mm.utils.ckpt_check).
 
@@ -173,7 +184,7 @@ def check_checkpoints(cfg, args) -> None:
         cfg.load_from = check_checkpoint(cfg.load_from, 'load_from checkpoint')
     check_pretrained(cfg)
     checkpoint_hook = cfg.get('default_hooks', {}).get('checkpoint') or {}
-    if checkpoint_hook.get('max_keep_ckpts', -1) == 1:
+    if checkpoint_hook.get('max_keep_ckpts', -1) == 1 and _saves_several(cfg, checkpoint_hook):
         print_log(
             'default_hooks.checkpoint.max_keep_ckpts=1: mmengine deletes the previous checkpoint '
             'before it writes the next one, so a job killed while saving is left without any '
