@@ -36,7 +36,8 @@ Figures per (model, resolution) point:
   as in fvcore).  ``gmacs`` = forward multiply-accumulates per image, the unit the XCiT/Swin/DeiT
   papers call "GFLOPs".  ``achieved_gflop_s`` uses 2 FLOPs per MAC of everything executed
   (forward, plus backward and checkpoint recomputation in train mode) and ``matmul_frac`` divides it
-  by the rate of a float32 1024x1024 ``torch.mm`` measured in the same run (before and after).
+  by the rate of a float32 1024x1024 ``torch.mm`` timed as an extra step of every interleaved
+  round (so it sees the same machine load as the models).
 
 Examples::
 
@@ -441,20 +442,31 @@ def _sync(device: str):
         torch.cuda.synchronize()
 
 
-def measure_matmul_gflops(device: str, size: int = 1024, repeats: int = 20) -> float:
-    """Rate of a float32 ``size x size`` ``torch.mm`` (median of ``repeats``), in GFLOP/s."""
-    a = torch.randn(size, size, device=device)
-    b = torch.randn(size, size, device=device)
-    for _ in range(3):
-        torch.mm(a, b)
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return 2 * size ** 3 / statistics.median(times) / 1e9
+MATMUL_STEP = '__matmul_fp32_1024__'
+MATMUL_SIZE, MATMUL_CALLS = 1024, 4
+
+
+def make_matmul_step(device: str) -> Callable[[], None]:
+    """A step of ``MATMUL_CALLS`` float32 1024x1024 ``torch.mm`` (the reference rate)."""
+    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device)
+    b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device)
+
+    def step():
+        for _ in range(MATMUL_CALLS):
+            torch.mm(a, b)
+    return step
+
+
+def matmul_gflops(step_seconds: float) -> float:
+    """GFLOP/s of one :func:`make_matmul_step` call that took ``step_seconds``."""
+    return 2 * MATMUL_SIZE ** 3 * MATMUL_CALLS / step_seconds / 1e9
+
+
+def measure_matmul_gflops(device: str, repeats: int = 10) -> float:
+    """Rate of a float32 1024x1024 ``torch.mm`` (median over ``repeats`` steps), in GFLOP/s."""
+    step = make_matmul_step(device)
+    times = time_interleaved({MATMUL_STEP: step}, 1, repeats, device)[MATMUL_STEP]
+    return matmul_gflops(statistics.median(times))
 
 
 def _read_kb(path: str, key: str) -> int:
@@ -511,7 +523,7 @@ def time_interleaved(steps: Dict[str, Callable[[], None]], warmup: int, repeats:
         for name in names:
             steps[name]()
             _sync(device)
-            if progress is not None:
+            if progress is not None and name != MATMUL_STEP:
                 progress.update()
     times: Dict[str, List[float]] = {name: [] for name in names}
     gc.collect()
@@ -526,7 +538,7 @@ def time_interleaved(steps: Dict[str, Callable[[], None]], warmup: int, repeats:
                 steps[name]()
                 _sync(device)
                 times[name].append(time.perf_counter() - t0)
-                if progress is not None:
+                if progress is not None and name != MATMUL_STEP:
                     progress.update()
     finally:
         if gc_enabled:
@@ -819,6 +831,8 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions) -> Tup
                                              opts.precision)
             if progress is not None:
                 progress.set_postfix_str(f'timing {len(steps)} models @{res}')
+            if steps:  # the reference matmul rate, interleaved with the models: same load
+                steps[MATMUL_STEP] = make_matmul_step(opts.device)
             try:
                 times = time_interleaved(steps, opts.warmup, opts.repeats, opts.device,
                                          progress) if steps else {}
@@ -827,7 +841,9 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions) -> Tup
                     recs[name].update(status='oom', note=f'CUDA OOM while timing: {e}'[:200])
                 times = {}
                 torch.cuda.empty_cache()
+            mm_times = times.pop(MATMUL_STEP, None)
             for name, ts in times.items():
+                recs[name]['matmul_gflop_s'] = matmul_gflops(statistics.median(mm_times))
                 per_img = [t / opts.batch for t in ts]
                 q = statistics.quantiles(per_img, n=4) if len(per_img) > 1 else per_img * 3
                 med = statistics.median(per_img)
@@ -841,7 +857,7 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions) -> Tup
         progress.close()
     matmul = (matmul_before + matmul_after) / 2
     for rec in records:
-        rec['matmul_gflop_s'] = matmul
+        rec.setdefault('matmul_gflop_s', matmul)
         if 'ms_per_img' in rec and 'gflop_exec' in rec:
             rec['achieved_gflop_s'] = rec['gflop_exec'] / (rec['ms_per_img'] / 1e3)
             rec['matmul_frac'] = rec['achieved_gflop_s'] / matmul
@@ -968,7 +984,10 @@ def plot_records(records: Sequence[dict], path: str, title: str = ''):
         ax.set_xlabel('input side [px] (square input)')
         ax.set_ylabel(label)
         ax.grid(True, which='both', alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_lines():
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, 'not measured', ha='center', va='center', transform=ax.transAxes)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
