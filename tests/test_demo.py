@@ -104,6 +104,11 @@ def test_detector_folder_and_files(tmp_path, det_setup, capsys):
         assert png.shape == src.shape, name  # same H x W as the input
     # score-thr 0 on a random detector: boxes / masks are drawn over the image
     assert not np.array_equal(np.asarray(Image.open(out / 'a.png').convert('RGB')), a)
+    # nothing reaches the threshold: the user is told, and the plain image is still written
+    assert demo.main([str(tmp_path / 'a.png'), config, ckpt, '--out-dir', str(tmp_path / 'o2'),
+                      '--score-thr', '1.0']) == 0
+    assert 'no detection reached --score-thr 1.0' in capsys.readouterr().err
+    np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / 'o2' / 'a.png')), c)
 
 
 def test_segmentor_and_class_names(tmp_path, seg_setup):

@@ -509,7 +509,7 @@ def run_demo(images: Sequence[str], config: str, checkpoint: str, out_dir: str,
         model.cfg.test_pipeline = pipeline  # what mmseg.apis.inference_model reads
     visualizer = build_visualizer(model, task, opacity)
     os.makedirs(out_dir, exist_ok=True)
-    written, failed = [], {}
+    written, failed, undrawn = [], {}, []
     bar = tqdm(list(zip(paths, output_names(paths))), desc='demo', unit='img',
                disable=not progress or len(paths) < 2, file=sys.stderr)
     for path, name in bar:
@@ -521,11 +521,23 @@ def run_demo(images: Sequence[str], config: str, checkpoint: str, out_dir: str,
             continue
         out_file = osp.join(out_dir, name)
         try:
-            predict_and_draw(model, task, visualizer, img, out_file, score_thr, det_pipeline)
+            result = predict_and_draw(model, task, visualizer, img, out_file, score_thr,
+                                      det_pipeline)
         except Exception as exc:
             raise RuntimeError(f'inference failed on {path!r} (image {img.shape[1]}x'
                                f'{img.shape[0]}): {exc}') from exc
         written.append(out_file)
+        if task == 'det':
+            scores = result.pred_instances.scores
+            best = float(scores.max()) if len(scores) else None
+            if best is None or best < score_thr:
+                undrawn.append(best)
+    if undrawn:
+        known = [b for b in undrawn if b is not None]
+        best = f' (best score {max(known):.3f})' if known else ''
+        print(f'note: on {len(undrawn)} of {len(written)} image(s) no detection reached '
+              f'--score-thr {score_thr}{best}; lower --score-thr to draw weaker detections',
+              file=sys.stderr)
     return written, failed
 
 
