@@ -44,5 +44,14 @@ def mmpretrain_xcit():
     try:
         importlib.import_module('torchvision')
     except ImportError:
-        sys.meta_path.append(_UnusedTorchvision())
+        # Serve the stand-in only while mmpretrain is imported, then withdraw it, so that no
+        # later test (or mmengine's environment report) mistakes it for a real torchvision.
+        finder = _UnusedTorchvision()
+        sys.meta_path.append(finder)
+        try:
+            return importlib.import_module('mmpretrain.models.backbones.xcit').XCiT
+        finally:
+            sys.meta_path.remove(finder)
+            for name in [n for n in sys.modules if n.split('.')[0] == 'torchvision']:
+                del sys.modules[name]
     return importlib.import_module('mmpretrain.models.backbones.xcit').XCiT

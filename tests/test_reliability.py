@@ -195,23 +195,6 @@ def shapes_data(tmp_path_factory):
 
 
 @pytest.fixture(scope='module', autouse=True)
-def real_imports_only():
-    """The Runners here run in-process; mmengine's environment report imports torchvision. The
-    session may hold conftest's stand-in for torchvision (installed for the mmpretrain reference
-    tests), whose ``__version__`` raises: take it out for this module, put it back after."""
-    finders = [f for f in sys.meta_path if type(f).__name__ == '_UnusedTorchvision']
-    modules = {name: module for name, module in sys.modules.items()
-               if name == 'torchvision' or name.startswith('torchvision.')}
-    for finder in finders:
-        sys.meta_path.remove(finder)
-    for name in modules:
-        del sys.modules[name]
-    yield
-    sys.meta_path.extend(finders)
-    sys.modules.update(modules)
-
-
-@pytest.fixture(scope='module', autouse=True)
 def one_thread():
     """In-process runs use one thread, as the subprocesses do (OMP_NUM_THREADS=1): on a shared
     2-core machine, two OpenMP threads make bfloat16 kernels up to 100x slower."""
