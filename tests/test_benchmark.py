@@ -38,7 +38,7 @@ def test_flop_counter_depthwise_conv_and_channel_attention_are_exact(bench):
     conv = torch.nn.Conv2d(6, 6, 3, padding=1, groups=6)
     x = torch.randn(1, 6, 10, 10)
     assert bench.count_flops(lambda: conv(x)) == 2 * 6 * 10 * 10 * 9
-    # the XCA products: (B, h, d, N) @ (B, h, N, d) -> (B, h, d, d), then (B, h, d, d) @ (B, h, d, N)
+    # the XCA products: (B, h, d, N) @ (B, h, N, d) -> (B, h, d, d), then @ (B, h, d, N)
     q, k, v = (torch.randn(2, 3, 5, 30) for _ in range(3))
     assert bench.count_flops(lambda: (q @ k.transpose(-2, -1)).softmax(-1) @ v) == \
         2 * (2 * 3 * 5 * 5 * 30) * 2

@@ -3,8 +3,8 @@
 
 Models (``--models``, see ``--list-models``):
 
-* ``xcit_<arch>_p<8|16>``            xcit_mm ``XCiTBackbone.forward``: trunk + dense adapter (4 maps).
-* ``xcit_<arch>_p<8|16>_trunk``      xcit_mm ``XCiTBackbone.forward_trunk``: trunk only (paper layers).
+* ``xcit_<arch>_p<8|16>``            ``XCiTBackbone.forward``: trunk + dense adapter (4 maps).
+* ``xcit_<arch>_p<8|16>_trunk``      ``XCiTBackbone.forward_trunk``: trunk only (paper layers).
 * ``mmpretrain_xcit_<arch>_p<8|16>`` mmpretrain's port of the same trunk
   (``mmpretrain.models.backbones.xcit.XCiT`` with ``cls_attn_layers=0``, ``out_type='featmap'``,
   ``final_norm=False``, ``out_indices`` = the paper layers), i.e. the same work as ``*_trunk``.
@@ -23,12 +23,13 @@ Figures per (model, resolution) point:
   drifts of a shared machine hit all models alike; ``--compare`` also reports the median of the
   per-round (paired) time ratios.
 * peak memory: measured in a FRESH PROCESS per point.  CPU: growth of the peak resident set
-  (``VmHWM`` of ``/proc/self/status``, reset through ``/proc/self/clear_refs``) over the resident set
-  after the model build, a 64 px warm-up call (it faults in code pages and creates thread pools),
+  (``VmHWM`` of ``/proc/self/status``, reset through ``/proc/self/clear_refs``) over the resident
+  set after the model build, a 64 px warm-up call (it faults in code pages and creates thread pools),
   the input creation and ``malloc_trim(0)`` (so freed warm-up pages cannot hide reuse); the
   worker runs with ``MALLOC_MMAP_THRESHOLD_=65536`` so that the RSS peak follows the live tensors
-  (``--cpu-mem-mode process`` keeps glibc's defaults: the RSS a plain process shows).  CUDA: ``torch.cuda.max_memory_allocated()`` growth over
-  ``torch.cuda.memory_allocated()`` at the same moment.  So it is the memory the forward (or train
+  (``--cpu-mem-mode process`` keeps glibc's defaults: the RSS a plain process shows).  CUDA:
+  ``torch.cuda.max_memory_allocated()`` growth over ``torch.cuda.memory_allocated()`` at the same
+  moment.  So it is the memory the forward (or train
   step, incl. the parameter gradients) needs on top of the weights and the input.
 * FLOPs: counted with ``torch.utils.flop_counter.FlopCounterMode`` (aten-level: mm/addmm/bmm,
   convolutions incl. depthwise and transposed, SDPA; matmul/einsum decompose into bmm, so the XCA
@@ -44,7 +45,7 @@ Examples::
     python tools/benchmark.py                                    # default table, CPU inference
     python tools/benchmark.py --models xcit_s12_p8 --resolutions 384 --compare --repeats 20
     python tools/benchmark.py --mode train --with-cp both --models xcit_s12_p16 --resolutions 1024
-    python tools/benchmark.py --goals                            # the project's goals, PASS/FAIL
+    python tools/benchmark.py --goals --threads 1                # the project's goals, PASS/FAIL
     python tools/benchmark.py --flops-report                     # Table 1 check of the trunk FLOPs
 
 This tool never imports torchvision.  mmpretrain's XCiT module is loaded without executing the
@@ -953,7 +954,7 @@ def _default_title(meta: dict, records: Sequence[dict]) -> str:
     load = meta.get('loadavg_1_5_15')
     load_s = f', load {load[0]:.1f}' if load else ''
     return (f'{r["device"]} {r["mode"]} {r["precision"]}, batch {r["batch"]}, '
-            f'{r["threads"]} threads{load_s} ({meta.get("date", "")})')
+            f'threads={r["threads"]}{load_s} ({meta.get("date", "")})')
 
 
 def plot_records(records: Sequence[dict], path: str, title: str = ''):
@@ -1331,7 +1332,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument('--fail-on-goal-miss', action='store_true',
                    help='with --goals: exit with status 3 if a goal fails')
     p.add_argument('--flops-report', action='store_true',
-                   help='GMACs of every XCiT arch at 224/p16 and 384/p8 vs paper Table 1 (meta '
+                   help='GMACs of every XCiT arch at 224/p16 and 384/p8 vs paper Table 1 (no '
                    'device, no compute)')
     p.add_argument('--out-dir', default='work_dirs/benchmark',
                    help='where CSV/JSON/PNG go (default: %(default)s)')
@@ -1340,6 +1341,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument('--no-plot', action='store_true', help='no PNG')
     p.add_argument('--quiet', action='store_true', help='no progress bar')
     p.add_argument('--list-models', action='store_true', help='list model names and exit')
+    p.add_argument('--replot', metavar='JSON', default=None,
+                   help='only redraw the PNG of an earlier run from its JSON (written next to it)')
     p.add_argument('--_worker', default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for name in ('batch_size', 'repeats', 'mem_iters'):
@@ -1388,6 +1391,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     if args.list_models:
         print(list_models())
+        return 0
+    if args.replot:
+        with open(args.replot) as f:
+            data = json.load(f)
+        png = os.path.splitext(args.replot)[0] + '.png'
+        plot_records(data['records'], png, _default_title(data['meta'], data['records']))
+        print(f'wrote {png}')
         return 0
     limit = args.mem_limit_gb * 2 ** 30 if args.mem_limit_gb else 0.8 * _mem_available_bytes()
     opts = RunOptions(batch=args.batch_size, mode=args.mode, precision=args.precision,
