@@ -24,7 +24,7 @@ Figures per (model, resolution) point:
   per-round (paired) time ratios.
 * peak memory: measured in a FRESH PROCESS per point.  CPU: growth of the peak resident set
   (``VmHWM`` of ``/proc/self/status``, reset through ``/proc/self/clear_refs``) over the resident
-  set after the model build, a 64 px warm-up call (it faults in code pages and creates thread pools),
+  set after the model build, a 64 px warm-up call (it faults in code pages, creates thread pools),
   the input creation and ``malloc_trim(0)`` (so freed warm-up pages cannot hide reuse); the
   worker runs with ``MALLOC_MMAP_THRESHOLD_=65536`` so that the RSS peak follows the live tensors
   (``--cpu-mem-mode process`` keeps glibc's defaults: the RSS a plain process shows).  CUDA:
