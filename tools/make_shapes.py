@@ -81,7 +81,7 @@ def main(argv=None):
     if 'root' not in kwargs:
         sys.exit('error: give an output root or --config')
     try:
-        summary = generate_shapes(**kwargs, overwrite=args.overwrite, progress=True)
+        summary = generate_shapes(**dict(kwargs, overwrite=args.overwrite, progress=True))
     except (ValueError, FileExistsError) as err:
         sys.exit(f'error: {err}')
     print(json.dumps(summary, indent=2))

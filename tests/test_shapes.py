@@ -1,0 +1,341 @@
+"""Tests of the built-in shapes world (xcit_mm.datasets), tools/make_shapes.py and the shapes configs.
+
+* the generator is deterministic (same arguments -> byte-identical files), held out, and refuses
+  to overwrite foreign data;
+* the COCO layout loads with pycocotools (masks inside boxes, areas consistent, visible masks
+  disjoint) and with mmdet's CocoDataset; CocoMetric scores the ground truth as AP 1.0;
+* the ADE20k layout has the right label values and reads with mmseg's BaseSegDataset
+  (reduce_zero_label); IoUMetric scores the ground truth as mIoU 100;
+* both shapes configs run end to end through tools/train.py (a few iterations on a handful of
+  images), tools/test.py evaluates the saved checkpoint, and --resume continues from the saved
+  iteration.
+"""
+import glob
+import hashlib
+import json
+import os
+import os.path as osp
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from xcit_mm.datasets import CLASSES, generate_shapes, load_samples, make_mosaic
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+DET_CONFIG = osp.join(ROOT, 'configs', 'shapes', 'mask_rcnn_xcit_shapes_coco.py')
+SEG_CONFIG = osp.join(ROOT, 'configs', 'shapes', 'sem_fpn_xcit_shapes_ade.py')
+SMALL = dict(num_train=6, num_val=3, image_size=64, seed=3)
+
+
+def _digest(root):
+    """{relative path: sha1} of every file below root."""
+    out = {}
+    for path in sorted(glob.glob(osp.join(root, '**', '*'), recursive=True)):
+        if osp.isfile(path):
+            with open(path, 'rb') as f:
+                out[osp.relpath(path, root)] = hashlib.sha1(f.read()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope='module')
+def coco_world(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp('shapes') / 'coco')
+    generate_shapes(root, task='coco', **SMALL)
+    return root
+
+
+@pytest.fixture(scope='module')
+def ade_world(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp('shapes') / 'ade')
+    generate_shapes(root, task='ade', **SMALL)
+    return root
+
+
+# ------------------------------------------------------------------------------------------------
+# generator
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize('task', ['coco', 'ade'])
+def test_deterministic(tmp_path, task, coco_world, ade_world):
+    again = str(tmp_path / 'again')
+    generate_shapes(again, task=task, **SMALL)
+    reference = coco_world if task == 'coco' else ade_world
+    assert _digest(again) == _digest(reference)
+    other = str(tmp_path / 'other_seed')
+    generate_shapes(other, task=task, **dict(SMALL, seed=4))
+    ref, oth = _digest(reference), _digest(other)
+    images = [p for p in ref if p.endswith('.jpg')]
+    assert images and all(oth[p] != ref[p] for p in images)
+
+
+def test_more_images_only_append(tmp_path, coco_world):
+    """Each image has its own random stream: a bigger world starts with the same images."""
+    bigger = str(tmp_path / 'bigger')
+    generate_shapes(bigger, task='coco', **dict(SMALL, num_train=8))
+    small, big = _digest(coco_world), _digest(bigger)
+    for name in small:
+        if name.startswith(('train', 'val')):
+            assert big[name] == small[name], name
+    assert osp.isfile(osp.join(bigger, 'train', '000008.jpg'))
+
+
+def test_train_and_val_differ(coco_world):
+    digest = _digest(coco_world)
+    assert digest['train/000001.jpg'] != digest['val/000001.jpg']
+
+
+def test_existing_root(tmp_path, coco_world):
+    # same arguments: nothing is regenerated, the summary is returned
+    before = _digest(coco_world)
+    summary = generate_shapes(coco_world, task='coco', **SMALL)
+    assert summary['train']['images'] == SMALL['num_train']
+    assert _digest(coco_world) == before
+    # other arguments or foreign contents: refused unless overwrite=True
+    with pytest.raises(FileExistsError, match='already exists'):
+        generate_shapes(coco_world, task='coco', **dict(SMALL, seed=9))
+    foreign = tmp_path / 'foreign'
+    foreign.mkdir()
+    (foreign / 'keep.txt').write_text('x')
+    with pytest.raises(FileExistsError):
+        generate_shapes(str(foreign), task='ade', **SMALL)
+    generate_shapes(str(foreign), task='ade', overwrite=True, **SMALL)
+    assert not (foreign / 'keep.txt').exists()
+    assert not glob.glob(str(tmp_path / '*.tmp-*'))
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    (dict(task='voc'), 'task'),
+    (dict(image_size=16), 'at least 32'),
+    (dict(image_size=(64, 64, 3)), 'image_size'),
+    (dict(num_train=-1), 'num_train'),
+    (dict(objects_per_image=(3, 2)), 'objects_per_image'),
+    (dict(size_range=(0.2, 0.9)), 'size_range'),
+])
+def test_invalid_arguments(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        generate_shapes(str(tmp_path / 'w'), **kwargs)
+    assert not (tmp_path / 'w').exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# COCO layout
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize('split', ['train', 'val'])
+def test_coco_annotations(coco_world, split):
+    from pycocotools import mask as mask_utils
+    from pycocotools.coco import COCO
+    coco = COCO(osp.join(coco_world, 'annotations', f'instances_{split}.json'))
+    assert [c['name'] for c in coco.loadCats(coco.getCatIds())] == list(CLASSES)
+    assert len(coco.getImgIds()) == SMALL[f'num_{split}']
+    n_anns = 0
+    for img_id in coco.getImgIds():
+        info = coco.loadImgs(img_id)[0]
+        image = Image.open(osp.join(coco_world, split, info['file_name']))
+        assert image.size == (info['width'], info['height']) == (64, 64)
+        assert image.mode == 'RGB'
+        anns = coco.loadAnns(coco.getAnnIds(imgIds=img_id))
+        assert anns, 'every image has at least one object'
+        union = np.zeros((64, 64), dtype=int)
+        for ann in anns:
+            n_anns += 1
+            assert ann['iscrowd'] == 0 and ann['category_id'] in (1, 2, 3)
+            mask = coco.annToMask(ann).astype(bool)
+            union += mask
+            assert mask.any()
+            assert ann['area'] == mask.sum() == mask_utils.area(ann['segmentation'])
+            x, y, w, h = ann['bbox']
+            ys, xs = np.nonzero(mask)
+            assert (x, y, w, h) == (xs.min(), ys.min(), xs.max() - xs.min() + 1,
+                                    ys.max() - ys.min() + 1)  # tight box, mask inside
+            assert np.allclose(mask_utils.toBbox(ann['segmentation']), ann['bbox'])
+        assert union.max() == 1, 'visible masks do not overlap'
+    assert n_anns >= SMALL[f'num_{split}'] * 2
+
+
+def test_mmdet_reads_coco_world(coco_world):
+    """mmdet's CocoDataset + LoadAnnotations read it; CocoMetric gives the GT AP 1.0."""
+    import torch
+    from mmdet.evaluation import CocoMetric
+    from mmdet.registry import DATASETS
+    from mmdet.utils import register_all_modules
+    register_all_modules()
+    dataset = DATASETS.build(dict(
+        type='CocoDataset', data_root=coco_world, ann_file='annotations/instances_val.json',
+        data_prefix=dict(img='val/'), metainfo=dict(classes=CLASSES), test_mode=True,
+        pipeline=[dict(type='LoadImageFromFile'),
+                  dict(type='LoadAnnotations', with_bbox=True, with_mask=True)]))
+    assert len(dataset) == SMALL['num_val']
+    metric = CocoMetric(ann_file=osp.join(coco_world, 'annotations', 'instances_val.json'),
+                        metric=['bbox', 'segm'])
+    metric.dataset_meta = dataset.metainfo
+    for i in range(len(dataset)):
+        item = dataset[i]
+        masks = item['gt_masks'].to_ndarray().astype(bool)
+        assert masks.shape[1:] == (64, 64) and masks.any(axis=(1, 2)).all()
+        boxes = item['gt_bboxes'].tensor.numpy()
+        for mask, box in zip(masks, boxes):  # each mask lies inside its box
+            ys, xs = np.nonzero(mask)
+            assert xs.min() >= box[0] and xs.max() < box[2]
+            assert ys.min() >= box[1] and ys.max() < box[3]
+        n = len(boxes)
+        metric.process({}, [dict(
+            img_id=item['img_id'], ori_shape=item['ori_shape'],
+            pred_instances=dict(
+                bboxes=torch.from_numpy(boxes), scores=torch.ones(n),
+                labels=torch.from_numpy(item['gt_bboxes_labels']).long(),
+                masks=torch.from_numpy(masks)))])
+    results = metric.evaluate(len(dataset))
+    assert results['coco/bbox_mAP'] == pytest.approx(1.0)
+    assert results['coco/segm_mAP'] == pytest.approx(1.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# ADE20k layout
+# ------------------------------------------------------------------------------------------------
+def test_ade_label_maps(ade_world, coco_world):
+    for split, sub in (('train', 'training'), ('val', 'validation')):
+        images = sorted(glob.glob(osp.join(ade_world, 'images', sub, '*.jpg')))
+        labels = sorted(glob.glob(osp.join(ade_world, 'annotations', sub, '*.png')))
+        assert len(images) == len(labels) == SMALL[f'num_{split}']
+        assert [osp.basename(p)[:-4] for p in images] == [osp.basename(p)[:-4] for p in labels]
+        for label_path in labels:
+            label = Image.open(label_path)
+            assert label.mode == 'L' and label.size == (64, 64)
+            values = set(np.unique(np.asarray(label)).tolist())
+            assert 0 in values and values <= {0, 1, 2, 3} and len(values) >= 2
+    # the same seed paints the same scenes in both layouts
+    for (_, ade_label, _), (_, coco_label, _) in zip(load_samples(ade_world, 'val', 3),
+                                                     load_samples(coco_world, 'val', 3)):
+        assert np.array_equal(ade_label, coco_label)
+
+
+def test_mmseg_reads_ade_world(ade_world):
+    """mmseg's BaseSegDataset with ADE20k's conventions reads it; IoUMetric gives the GT 100."""
+    import torch
+    from mmseg.evaluation import IoUMetric
+    from mmseg.registry import DATASETS
+    from mmseg.utils import register_all_modules
+    register_all_modules()
+    dataset = DATASETS.build(dict(
+        type='BaseSegDataset', data_root=ade_world, img_suffix='.jpg', seg_map_suffix='.png',
+        reduce_zero_label=True, metainfo=dict(classes=CLASSES),
+        data_prefix=dict(img_path='images/validation', seg_map_path='annotations/validation'),
+        pipeline=[dict(type='LoadImageFromFile'),
+                  dict(type='LoadAnnotations', reduce_zero_label=True)]))
+    assert len(dataset) == SMALL['num_val']
+    metric = IoUMetric(iou_metrics=['mIoU'])
+    metric.dataset_meta = dataset.metainfo
+    for i in range(len(dataset)):
+        item = dataset[i]
+        raw = np.asarray(Image.open(item['seg_map_path']))
+        gt = item['gt_seg_map']
+        # reduce_zero_label: background 0 -> 255 (ignored), class k -> k - 1
+        assert np.array_equal(gt == 255, raw == 0)
+        assert np.array_equal(gt[raw > 0], raw[raw > 0] - 1)
+        gt_t = torch.from_numpy(gt.astype(np.int64))[None]
+        metric.process({}, [dict(pred_sem_seg=dict(data=gt_t.clone().masked_fill(gt_t == 255, 0)),
+                                 gt_sem_seg=dict(data=gt_t), img_path=item['img_path'])])
+    results = metric.evaluate(len(dataset))
+    assert results['mIoU'] == pytest.approx(100.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# the CLI and the mosaic
+# ------------------------------------------------------------------------------------------------
+def test_make_shapes_cli(tmp_path):
+    sys.path.insert(0, osp.join(ROOT, 'tools'))
+    try:
+        import make_shapes
+    finally:
+        sys.path.pop(0)
+    root = str(tmp_path / 'cli')
+    png = str(tmp_path / 'mosaic.png')
+    summary = make_shapes.main([root, '--task', 'ade', '--num-train', '2', '--num-val', '2',
+                                '--image-size', '48', '64', '--mosaic', png, '--mosaic-num', '2'])
+    assert summary['image_size'] == [48, 64] and summary['val']['images'] == 2
+    assert Image.open(png).size == (2 * 2 * (64 + 4), 2 * (2 * 48 + 4))  # 1 row, scale 2
+    # --config reads the shapes_world dict; explicit flags override it
+    summary = make_shapes.main(['--config', SEG_CONFIG, '--num-train', '1', '--num-val', '1',
+                                str(tmp_path / 'from_config')])
+    assert summary['task'] == 'ade' and summary['num_train'] == 1
+    with pytest.raises(SystemExit):
+        make_shapes.main(['--num-train', '1'])  # no root
+
+
+def test_mosaic_marks_instances(coco_world, tmp_path):
+    samples = load_samples(coco_world, 'val', 2)
+    canvas = make_mosaic(samples, str(tmp_path / 'm.png'), columns=2, scale=1)
+    assert canvas.shape == (2 * 64 + 4, 2 * (64 + 4), 3)
+    _, label, inst = samples[0]
+    assert set(np.unique(inst[label == 0])) == {0}
+
+
+# ------------------------------------------------------------------------------------------------
+# end to end through tools/train.py and tools/test.py
+# ------------------------------------------------------------------------------------------------
+def _run(args, cwd):
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore')
+    proc = subprocess.run([sys.executable] + args, cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+def _short_options(task, root, iters):
+    """--cfg-options making a shapes config a few iterations on a handful of 64 px images."""
+    opts = [f'shapes_world.root={root}', 'shapes_world.num_train=4', 'shapes_world.num_val=2',
+            'shapes_world.image_size=64', 'shapes_world.progress=False',
+            f'train_dataloader.dataset.data_root={root}',
+            f'val_dataloader.dataset.data_root={root}',
+            f'test_dataloader.dataset.data_root={root}',
+            'train_dataloader.batch_size=2', 'val_dataloader.batch_size=2',
+            f'train_cfg.max_iters={iters}', 'train_cfg.val_interval=2',
+            'default_hooks.logger.interval=1', 'default_hooks.checkpoint.interval=2',
+            'default_hooks.checkpoint.max_keep_ckpts=-1', 'log_processor.window_size=1']
+    if task == 'coco':
+        ann = osp.join(root, 'annotations', 'instances_val.json')
+        opts += [f'val_evaluator.ann_file={ann}', f'test_evaluator.ann_file={ann}',
+                 # an untrained model must still output detections for CocoMetric to score
+                 'model.test_cfg.rcnn.score_thr=0.0']
+    return opts
+
+
+@pytest.mark.parametrize('task', ['coco', 'ade'])
+def test_train_test_resume(tmp_path, task):
+    config = DET_CONFIG if task == 'coco' else SEG_CONFIG
+    root = str(tmp_path / f'shapes_{task}')
+    work = str(tmp_path / 'work')
+    train = [osp.join(ROOT, 'tools', 'train.py'), config, '--work-dir', work]
+
+    # 1. train 2 iterations: the data is generated, validation runs at the end
+    out = _run(train + ['--cfg-options'] + _short_options(task, root, 2), cwd=str(tmp_path))
+    assert osp.isfile(osp.join(root, 'shapes_world.json'))
+    assert re.search(r'Iter\(train\) \[2/2\]', out)
+    metric_key = 'coco/bbox_mAP_50' if task == 'coco' else 'mIoU'
+    assert metric_key in out
+    ckpt = osp.join(work, 'iter_2.pth')
+    assert osp.isfile(ckpt)
+
+    # 2. evaluate the checkpoint with tools/test.py
+    test_opts = [o for o in _short_options(task, root, 2) if not o.startswith('train_cfg')]
+    out = _run([osp.join(ROOT, 'tools', 'test.py'), config, ckpt, '--work-dir', work,
+                '--cfg-options'] + test_opts, cwd=str(tmp_path))
+    if task == 'coco':
+        assert re.search(r'coco/bbox_mAP_50: [0-9.]+', out)
+        assert re.search(r'coco/segm_mAP: [0-9.]+', out)
+    else:
+        assert re.search(r'mIoU: [0-9.]+', out)
+
+    # 3. resume from it with a longer schedule: training continues at iteration 3
+    out = _run(train + ['--resume', ckpt, '--cfg-options'] + _short_options(task, root, 4),
+               cwd=str(tmp_path))
+    assert 'resumed epoch: 0, iter: 2' in out
+    assert re.search(r'Iter\(train\) \[3/4\]', out)
+    assert not re.search(r'Iter\(train\) \[[12]/4\]', out)
+    import torch
+    final = torch.load(osp.join(work, 'iter_4.pth'), map_location='cpu', weights_only=False)
+    assert final['meta']['iter'] == 4
