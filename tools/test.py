@@ -155,6 +155,10 @@ def main(argv=None):
     cfg = build_cfg(args)
 
     init_distributed(cfg, args.launcher)
+    # mmengine's LoggerHook dumps the test metrics to <log_dir>/<timestamp>.json on every rank, and
+    # the ranks share that path: their concurrent writes can leave a corrupt file. Rank 0 logs.
+    if int(os.environ.get('RANK', '0')) != 0:
+        cfg.default_hooks.logger = None
     try:
         # Before anything is built: a missing, truncated or pickled-code checkpoint is reported
         # by name; a URL is downloaded into torch's hub cache (after the cheaper data check),
