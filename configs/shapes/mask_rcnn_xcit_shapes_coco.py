@@ -20,7 +20,7 @@ metainfo = dict(
     classes=('circle', 'square', 'triangle'),
     palette=[(220, 20, 60), (0, 130, 255), (20, 200, 60)])
 
-# ---- model: a small XCiT (from scratch), BN on one CPU process, 3 classes ------------------------
+# ---- model: a small XCiT (from scratch), BN on one CPU process, 4 classes ------------------------
 embed_dims = 128
 norm_cfg = dict(type='BN', requires_grad=True)
 head_norm = dict(type='GN', num_groups=16, requires_grad=True)
@@ -28,11 +28,11 @@ model = dict(
     backbone=dict(
         arch=dict(_delete_=True, embed_dims=embed_dims, depth=6, num_heads=4),
         patch_size=8,
-        out_indices=(1,2,3,5),
+        out_indices=(1, 2, 3, 5),
         norm_cfg=norm_cfg,
         init_cfg=None),
-    # Narrower 64 / heads and fewer RoIs: the CPU budget, not the task, sets these widths.
-    # Training from scratch: GroupNorm in 64 and RoI heads (bbox head with 4 convs), as mmdet's
+    # Narrower FPN / heads and fewer RoIs: the CPU budget, not the task, sets these widths.
+    # Training from scratch: GroupNorm in FPN and RoI heads (bbox head with 4 convs), as mmdet's
     # from-scratch Mask R-CNN recipe (configs/scratch/) does; without it the RoI heads diverge.
     neck=dict(in_channels=[embed_dims] * 4, out_channels=64, norm_cfg=head_norm),
     rpn_head=dict(in_channels=64, feat_channels=64),
