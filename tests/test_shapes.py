@@ -4,8 +4,9 @@
   to overwrite foreign data;
 * the COCO layout loads with pycocotools (masks inside boxes, areas consistent, visible masks
   disjoint) and with mmdet's CocoDataset; CocoMetric scores the ground truth as AP 1.0;
-* the ADE20k layout has the right label values and reads with mmseg's BaseSegDataset
-  (reduce_zero_label); IoUMetric scores the ground truth as mIoU 100;
+* the ADE20k layout has the right label values and reads with mmseg's BaseSegDataset, both with
+  ADE20k's reduce_zero_label and as the shapes config reads it (background = class 0); IoUMetric
+  scores the ground truth as mIoU 100;
 * both shapes configs run end to end through tools/train.py (a few iterations on a handful of
   images), tools/test.py evaluates the saved checkpoint, and --resume continues from the saved
   iteration.
@@ -212,29 +213,47 @@ def test_ade_label_maps(ade_world, coco_world):
         assert np.array_equal(ade_label, coco_label)
 
 
-def test_mmseg_reads_ade_world(ade_world):
-    """mmseg's BaseSegDataset with ADE20k's conventions reads it; IoUMetric gives the GT 100."""
+def _ade_dataset(ade_world, reading):
+    """The validation split read with ADE20k's convention or as the shapes config reads it."""
+    from mmengine.config import Config
+    if reading == 'ade':  # 0 = "other", ignored; 3 classes
+        return dict(
+            type='BaseSegDataset', data_root=ade_world, img_suffix='.jpg', seg_map_suffix='.png',
+            reduce_zero_label=True, metainfo=dict(classes=CLASSES),
+            data_prefix=dict(img_path='images/validation', seg_map_path='annotations/validation'),
+            pipeline=[dict(type='LoadImageFromFile'),
+                      dict(type='LoadAnnotations', reduce_zero_label=True)])
+    dataset = Config.fromfile(SEG_CONFIG).val_dataloader.dataset.to_dict()
+    dataset.update(data_root=ade_world, pipeline=[dict(type='LoadImageFromFile'),
+                                                  dict(type='LoadAnnotations')])
+    return dataset
+
+
+@pytest.mark.parametrize('reading', ['ade', 'shapes_config'])
+def test_mmseg_reads_ade_world(ade_world, reading):
+    """mmseg's BaseSegDataset reads it, with ADE20k's convention (background ignored) and as the
+    shapes config does (background = class 0); IoUMetric gives the ground truth mIoU 100."""
     import torch
     from mmseg.evaluation import IoUMetric
     from mmseg.registry import DATASETS
     from mmseg.utils import register_all_modules
     register_all_modules()
-    dataset = DATASETS.build(dict(
-        type='BaseSegDataset', data_root=ade_world, img_suffix='.jpg', seg_map_suffix='.png',
-        reduce_zero_label=True, metainfo=dict(classes=CLASSES),
-        data_prefix=dict(img_path='images/validation', seg_map_path='annotations/validation'),
-        pipeline=[dict(type='LoadImageFromFile'),
-                  dict(type='LoadAnnotations', reduce_zero_label=True)]))
+    dataset = DATASETS.build(_ade_dataset(ade_world, reading))
     assert len(dataset) == SMALL['num_val']
+    num_classes = len(dataset.metainfo['classes'])
+    assert num_classes == (3 if reading == 'ade' else 4)
     metric = IoUMetric(iou_metrics=['mIoU'])
     metric.dataset_meta = dataset.metainfo
     for i in range(len(dataset)):
         item = dataset[i]
         raw = np.asarray(Image.open(item['seg_map_path']))
         gt = item['gt_seg_map']
-        # reduce_zero_label: background 0 -> 255 (ignored), class k -> k - 1
-        assert np.array_equal(gt == 255, raw == 0)
-        assert np.array_equal(gt[raw > 0], raw[raw > 0] - 1)
+        if reading == 'ade':  # reduce_zero_label: background 0 -> 255 (ignored), k -> k - 1
+            assert np.array_equal(gt == 255, raw == 0)
+            assert np.array_equal(gt[raw > 0], raw[raw > 0] - 1)
+        else:  # labels as written: 0 background, 1..3 circle, square, triangle
+            assert dataset.metainfo['classes'] == ('background',) + CLASSES
+            assert np.array_equal(gt, raw)
         gt_t = torch.from_numpy(gt.astype(np.int64))[None]
         metric.process({}, [dict(pred_sem_seg=dict(data=gt_t.clone().masked_fill(gt_t == 255, 0)),
                                  gt_sem_seg=dict(data=gt_t), img_path=item['img_path'])])

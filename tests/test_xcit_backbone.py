@@ -53,6 +53,21 @@ class TestShapes(TestCase):
                     self.assertEqual(tuple(feat.shape), (1, 64, math.ceil(H / patch_size),
                                                          math.ceil(W / patch_size)))
 
+    def test_outputs_are_contiguous_nchw_for_roi_align(self):
+        """Downstream ops read raw NCHW memory: mmcv's CPU RoIAlign returns wrong values for a
+        channels-last map (this is what kept the shapes Mask R-CNN from learning)."""
+        from mmcv.ops import RoIAlign
+        roi_align = RoIAlign((7, 7), spatial_scale=0.25, sampling_ratio=2, aligned=True)
+        rois = torch.tensor([[0., 4., 6., 50., 40.], [1., 20., 10., 90., 70.]])
+        for patch_size in (8, 16):
+            model = tiny(patch_size=patch_size).eval()
+            with torch.no_grad():
+                outs = model(torch.randn(2, 3, 97, 131))  # cropped outputs too
+                for out in outs:
+                    self.assertTrue(out.is_contiguous(), f'p{patch_size} {tuple(out.shape)}')
+                torch.testing.assert_close(roi_align(outs[0], rois),
+                                           roi_align(outs[0].clone(), rois))
+
     def test_published_archs_build_with_paper_widths(self):
         for name, arch in arch_zoo.items():
             model = XCiTBackbone(arch=name, patch_size=16)

@@ -20,7 +20,7 @@ metainfo = dict(
     classes=('circle', 'square', 'triangle'),
     palette=[(220, 20, 60), (0, 130, 255), (20, 200, 60)])
 
-# ---- model: a small XCiT (from scratch), BN on one CPU process, 4 classes ------------------------
+# ---- model: a small XCiT (from scratch), BN on one CPU process, 3 classes ------------------------
 embed_dims = 128
 norm_cfg = dict(type='BN', requires_grad=True)
 head_norm = dict(type='GN', num_groups=16, requires_grad=True)

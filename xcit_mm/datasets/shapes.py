@@ -28,9 +28,10 @@ OpenMMLab datasets, transforms and metrics read it unchanged:
       root/annotations/training/shapes_train_000001.png ...
       root/images/validation/...           root/annotations/validation/...
 
-  Label maps are single-channel uint8 PNGs with ADE20k's ``reduce_zero_label`` convention:
-  0 = background ("other", ignored), 1 = circle, 2 = square, 3 = triangle. With
-  ``reduce_zero_label=True`` mmseg's ``LoadAnnotations`` turns them into 255 (ignore), 0, 1, 2.
+  Label maps are single-channel uint8 PNGs: 0 = background, 1 = circle, 2 = square,
+  3 = triangle. Read with ADE20k's ``reduce_zero_label=True``, mmseg's ``LoadAnnotations`` turns
+  them into 255 (ignored), 0, 1, 2; read with ``reduce_zero_label=False`` and a 'background'
+  class first (VOC-style, what ``configs/shapes/sem_fpn_xcit_shapes_ade.py`` does), as written.
 
 Each image is drawn from its own random stream seeded by ``(seed, split, index)``, so the
 same arguments always give byte-identical files, and a larger ``num_train`` only appends

@@ -468,13 +468,19 @@ class XCiTBackbone(BaseModule):
         return [taps[i] for i in self.out_indices]
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        """Return 4 maps of ``embed_dims`` channels at strides 4/8/16/32, each ceil(H/s) x ceil(W/s)."""
+        """Return 4 maps of ``embed_dims`` channels at strides 4/8/16/32, each ceil(H/s) x ceil(W/s).
+
+        The maps are contiguous NCHW tensors: the adapter runs channels-last (faster on CPU), but
+        downstream ops such as mmcv's CPU ``RoIAlign`` read raw NCHW memory and return wrong
+        values for channels-last or cropped views, so each map is copied once as it is made.
+        """
         H, W = x.shape[-2:] if isinstance(x, torch.Tensor) else (0, 0)
         feats = self.forward_trunk(x)
         outs = []
         for feat, adapter, stride in zip(feats, self.adapters, self.strides):
             out = adapter(feat)
-            outs.append(out[..., :math.ceil(H / stride), :math.ceil(W / stride)])
+            out = out[..., :math.ceil(H / stride), :math.ceil(W / stride)]
+            outs.append(out.contiguous())
         return tuple(outs)
 
     # ------------------------------------------------------------------ introspection
