@@ -49,6 +49,10 @@ def mmpretrain_xcit():
         finder = _UnusedTorchvision()
         sys.meta_path.append(finder)
         try:
+            # all of mmpretrain.models, not only the port: building the port under another
+            # default scope (mmdet / mmseg, set by earlier tests) makes mmengine's registry
+            # import mmpretrain.models lazily, after the stand-in is gone.
+            importlib.import_module('mmpretrain.models')
             return importlib.import_module('mmpretrain.models.backbones.xcit').XCiT
         finally:
             sys.meta_path.remove(finder)

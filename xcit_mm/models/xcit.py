@@ -263,6 +263,46 @@ def _build_adapter(embed_dims: int, patch_size: int, norm_cfg: dict) -> List[nn.
     return [up2(), nn.Identity(), pool(2), pool(4)]
 
 
+def _up2_to_nchw(conv: nn.ConvTranspose2d, x: torch.Tensor) -> torch.Tensor:
+    """``conv`` (kernel 2, stride 2) of a channels-last map, written into a contiguous NCHW map.
+
+    Such a transposed conv is one matmul per kernel offset (di, dj) whose result lands on
+    ``out[..., di::2, dj::2]``. Filling a preallocated NCHW output that way, a few input rows at
+    a time, costs little more than the output itself, where conv + ``.contiguous()`` costs two
+    outputs and an NCHW conv on CPU more still.
+    """
+    B, C, H, W = x.shape
+    tokens = x.permute(0, 2, 3, 1)  # (B, H, W, C), a view for channels-last x
+    out = x.new_empty(B, conv.out_channels, 2 * H, 2 * W)
+    grid = out.view(B, conv.out_channels, H, 2, W, 2)
+    bias = conv.bias if conv.bias is not None else x.new_zeros(conv.out_channels)
+    rows = max(1, H // 8)  # temporaries of ~1/32 of the output
+    for top in range(0, H, rows):
+        block = tokens[:, top:top + rows].reshape(-1, C)
+        h = min(rows, H - top)
+        for di in range(2):
+            for dj in range(2):
+                y = torch.addmm(bias, block, conv.weight[:, :, di, dj])
+                grid[:, :, top:top + h, di, :, dj] = y.view(B, h, W, -1).permute(0, 3, 1, 2)
+    return out
+
+
+def _adapt(adapter: nn.Module, feat: torch.Tensor) -> torch.Tensor:
+    """Run one adapter branch on a channels-last trunk map; return a contiguous NCHW map.
+
+    Downstream ops such as mmcv's CPU ``RoIAlign`` read raw NCHW memory and return wrong values
+    for channels-last maps. The branch runs channels-last like the trunk (faster on CPU); a final
+    2x upsampling writes its (largest) map straight into NCHW, identity and pooled maps (small)
+    are copied.
+    """
+    *body, last = adapter if isinstance(adapter, nn.Sequential) else [adapter]
+    for module in body:
+        feat = module(feat)
+    if isinstance(last, nn.ConvTranspose2d):
+        return _up2_to_nchw(last, feat)
+    return last(feat).contiguous()
+
+
 def _default_out_indices(depth: int) -> Tuple[int, ...]:
     """Layers depth/3, depth/2, 2*depth/3 and depth (1-based): (3, 5, 7, 11) / (7, 11, 15, 23)."""
     return (depth // 3 - 1, depth // 2 - 1, 2 * depth // 3 - 1, depth - 1)
@@ -468,19 +508,17 @@ class XCiTBackbone(BaseModule):
         return [taps[i] for i in self.out_indices]
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        """Return 4 maps of ``embed_dims`` channels at strides 4/8/16/32, each ceil(H/s) x ceil(W/s).
-
-        The maps are contiguous NCHW tensors: the adapter runs channels-last (faster on CPU), but
-        downstream ops such as mmcv's CPU ``RoIAlign`` read raw NCHW memory and return wrong
-        values for channels-last or cropped views, so each map is copied once as it is made.
-        """
+        """Return 4 contiguous NCHW maps of ``embed_dims`` channels at strides 4/8/16/32, each
+        ceil(H/s) x ceil(W/s)."""
         H, W = x.shape[-2:] if isinstance(x, torch.Tensor) else (0, 0)
         feats = self.forward_trunk(x)
         outs = []
         for feat, adapter, stride in zip(feats, self.adapters, self.strides):
-            out = adapter(feat)
-            out = out[..., :math.ceil(H / stride), :math.ceil(W / stride)]
-            outs.append(out.contiguous())
+            out = _adapt(adapter, feat)
+            h, w = math.ceil(H / stride), math.ceil(W / stride)
+            if out.shape[-2:] != (h, w):  # input padded to the patch size: crop, keep NCHW
+                out = out[..., :h, :w].contiguous()
+            outs.append(out)
         return tuple(outs)
 
     # ------------------------------------------------------------------ introspection
