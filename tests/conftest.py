@@ -8,6 +8,8 @@ port; xcit_mm itself never imports torchvision.
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
+import os.path as osp
 import sys
 import types
 
@@ -59,3 +61,24 @@ def mmpretrain_xcit():
             for name in [n for n in sys.modules if n.split('.')[0] == 'torchvision']:
                 del sys.modules[name]
     return importlib.import_module('mmpretrain.models.backbones.xcit').XCiT
+
+
+def _load_tool(name):
+    """tools/<name>.py as a module (tools/ is not a package), a fresh copy per test module."""
+    path = osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'tools', f'{name}.py')
+    spec = importlib.util.spec_from_file_location(f'xcit_mm_tool_{name}', path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope='module')
+def train_tool():
+    """tools/train.py, loaded as a module."""
+    return _load_tool('train')
+
+
+@pytest.fixture(scope='module')
+def test_tool():
+    """tools/test.py, loaded as a module."""
+    return _load_tool('test')

@@ -5,7 +5,6 @@ and randomised BN statistics; its state dict is written to disk in each layout f
 with key names mapped by hand here (independently of ``xcit_mm.checkpoint``).
 """
 import os
-import pickle
 import re
 import subprocess
 import sys

@@ -10,7 +10,6 @@ See docs/reliability.md for what each test establishes.
 import functools
 import glob
 import http.server
-import importlib.util
 import json
 import os
 import os.path as osp
@@ -202,24 +201,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def _load_tool(name):
-    spec = importlib.util.spec_from_file_location(f'xcit_rel_tool_{name}',
-                                                  osp.join(REPO, 'tools', f'{name}.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope='module')
-def train_tool():
-    return _load_tool('train')
-
-
-@pytest.fixture(scope='module')
-def test_tool():
-    return _load_tool('test')
 
 
 def _losses(work_dir):
@@ -427,7 +408,7 @@ def test_checkpoints_with_pickled_code_are_refused_and_never_run(tmp_path, check
         with pytest.raises(SystemExit) as info:
             main(argv + ['--work-dir', str(tmp_path / 'work')])
         message = _exit_message(info)
-        assert f'Refusing to load' in message and checkpoints.evil in message, message
+        assert 'Refusing to load' in message and checkpoints.evil in message, message
         assert 'posix.mkdir' in message  # what the file asked to run
         assert 'convert_checkpoint.py' in message and '--trust' in message  # the way out
         assert not osp.exists(checkpoints.marker)

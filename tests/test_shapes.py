@@ -13,7 +13,6 @@
 """
 import glob
 import hashlib
-import json
 import os
 import os.path as osp
 import re

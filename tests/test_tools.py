@@ -4,7 +4,6 @@ Training and resuming on the built-in shapes data are covered by tests/test_shap
 tools are exercised up to the point where they hand over to mmengine's Runner, plus the CPU
 distributed pieces in a one-process gloo group.
 """
-import importlib.util
 import os
 import os.path as osp
 import socket
@@ -22,24 +21,6 @@ from xcit_mm.utils import (CPUDistributedDataParallel, DatasetNotFoundError, che
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 COCO_CFG = osp.join(REPO, 'configs', 'mask_rcnn_xcit_t12_p16_3x_coco.py')
 ADE_CFG = osp.join(REPO, 'configs', 'upernet_xcit_t12_p16_160k_ade20k.py')
-
-
-def _load_tool(name):
-    spec = importlib.util.spec_from_file_location(f'xcit_tool_{name}',
-                                                  osp.join(REPO, 'tools', f'{name}.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope='module')
-def train_tool():
-    return _load_tool('train')
-
-
-@pytest.fixture(scope='module')
-def test_tool():
-    return _load_tool('test')
 
 
 def _coco_overrides(root):

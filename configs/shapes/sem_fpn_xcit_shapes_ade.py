@@ -84,7 +84,7 @@ val_dataloader = dict(
         pipeline=test_pipeline))
 test_dataloader = val_dataloader
 
-# ---- schedule: 2500 iterations (10 epochs), evaluated at the end --------------------------------------------
+# ---- schedule: 2500 iterations (10 epochs), evaluated at the end ----------------------------
 max_iters = 2500
 train_cfg = dict(max_iters=max_iters, val_interval=max_iters)
 param_scheduler = [
