@@ -69,7 +69,7 @@ dataset = dict(
 train_dataloader = dict(
     batch_size=4,
     num_workers=0,
-    persistent_workers=0 > 0,
+    persistent_workers=False,
     dataset=dict(
         **dataset,
         data_prefix=dict(img_path='images/training', seg_map_path='annotations/training'),
@@ -77,7 +77,7 @@ train_dataloader = dict(
 val_dataloader = dict(
     batch_size=4,
     num_workers=0,
-    persistent_workers=0 > 0,
+    persistent_workers=False,
     dataset=dict(
         **dataset,
         data_prefix=dict(img_path='images/validation', seg_map_path='annotations/validation'),
