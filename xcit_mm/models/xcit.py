@@ -267,8 +267,8 @@ def _up2_to_nchw(conv: nn.ConvTranspose2d, x: torch.Tensor) -> torch.Tensor:
     """``conv`` (kernel 2, stride 2) of a channels-last map, written into a contiguous NCHW map.
 
     Such a transposed conv is one matmul per kernel offset (di, dj) whose result lands on
-    ``out[..., di::2, dj::2]``. Filling a preallocated NCHW output that way, a few input rows at
-    a time, costs little more than the output itself, where conv + ``.contiguous()`` costs two
+    ``out[..., di::2, dj::2]``. Filling a preallocated NCHW output that way, in blocks of input
+    rows, costs little more than the output itself, where conv + ``.contiguous()`` costs two
     outputs and an NCHW conv on CPU more still.
     """
     B, C, H, W = x.shape
@@ -276,7 +276,8 @@ def _up2_to_nchw(conv: nn.ConvTranspose2d, x: torch.Tensor) -> torch.Tensor:
     out = x.new_empty(B, conv.out_channels, 2 * H, 2 * W)
     grid = out.view(B, conv.out_channels, H, 2, W, 2)
     bias = conv.bias if conv.bias is not None else x.new_zeros(conv.out_channels)
-    rows = max(1, H // 8)  # temporaries of ~1/32 of the output
+    # Input rows per matmul: temporaries of at most ~2 MB, and few calls for small maps.
+    rows = max(1, min(H, (1 << 19) // max(1, B * W * conv.out_channels)))
     for top in range(0, H, rows):
         block = tokens[:, top:top + rows].reshape(-1, C)
         h = min(rows, H - top)
