@@ -1,4 +1,4 @@
-"""Published-weight loading: every layout matches mmpretrain's XCiT port, and bad files fail clearly.
+"""Published-weight loading: every layout matches mmpretrain's XCiT port; bad files fail clearly.
 
 The reference is mmpretrain's port (``mmpretrain.models.backbones.xcit.XCiT``) with random weights
 and randomised BN statistics; its state dict is written to disk in each layout found in the wild,

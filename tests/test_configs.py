@@ -94,7 +94,8 @@ def test_config_recipe(task, arch, patch):
     assert backbone.norm_cfg == dict(type='SyncBN', requires_grad=True)
     assert backbone.init_cfg == dict(
         type='Pretrained',
-        checkpoint=f'https://dl.fbaipublicfiles.com/xcit/xcit_{OFFICIAL_NAMES[arch]}_p{patch}_224.pth')
+        checkpoint=('https://dl.fbaipublicfiles.com/xcit/'
+                    f'xcit_{OFFICIAL_NAMES[arch]}_p{patch}_224.pth'))
     assert 'depth' not in backbone and 'pretrained' not in backbone  # ResNet leftovers deleted
     assert cfg.train_dataloader.batch_size == 2
     assert cfg.auto_scale_lr == dict(enable=False, base_batch_size=16)

@@ -1,4 +1,4 @@
-"""Tests of the built-in shapes world (xcit_mm.datasets), tools/make_shapes.py and the shapes configs.
+"""The built-in shapes world (xcit_mm.datasets), tools/make_shapes.py and the shapes configs.
 
 * the generator is deterministic (same arguments -> byte-identical files), held out, and refuses
   to overwrite foreign data;

@@ -4,6 +4,7 @@ Training and resuming on the built-in shapes data are covered by tests/test_shap
 tools are exercised up to the point where they hand over to mmengine's Runner, plus the CPU
 distributed pieces in a one-process gloo group.
 """
+import contextlib
 import os
 import os.path as osp
 import socket
@@ -15,8 +16,8 @@ import torch
 from mmengine.config import Config
 
 from xcit_mm.utils import (CPUDistributedDataParallel, DatasetNotFoundError, check_data,
-                           ensure_shapes_world, find_missing_data, init_cpu_dist,
-                           init_distributed, prepare_cpu_distributed_cfg)
+                           distributed_session, ensure_shapes_world, find_missing_data,
+                           init_cpu_dist, init_distributed, prepare_cpu_distributed_cfg)
 
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 COCO_CFG = osp.join(REPO, 'configs', 'mask_rcnn_xcit_t12_p16_3x_coco.py')
@@ -239,6 +240,28 @@ def test_cpu_ddp_in_a_gloo_group(monkeypatch):
         assert weight.grad is not None
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='CPU-only code path')
+@pytest.mark.parametrize('failing', [False, True])
+def test_distributed_session_destroys_the_group(monkeypatch, failing):
+    """The tools run inside distributed_session: the gloo group exists inside the block and is
+    gone after it, also when the block raises (a rank exiting with a live gloo group can abort
+    with SIGABRT after its work is done)."""
+    import torch.distributed as dist
+    for key, value in dict(RANK='0', WORLD_SIZE='1', MASTER_ADDR='127.0.0.1',
+                           MASTER_PORT=str(_free_port())).items():
+        monkeypatch.setenv(key, value)
+    cfg = Config.fromfile(ADE_CFG)
+    with pytest.raises(SystemExit) if failing else contextlib.nullcontext():
+        with distributed_session(cfg, 'pytorch') as is_distributed:
+            assert is_distributed and dist.is_initialized() and dist.get_backend() == 'gloo'
+            assert cfg.model_wrapper_cfg.type == 'CPUDistributedDataParallel'
+            if failing:
+                raise SystemExit('error: a tool failing inside the block')
+    assert not dist.is_initialized()
+    with distributed_session(cfg, 'none') as is_distributed:
+        assert is_distributed is False and not dist.is_initialized()
 
 
 # The 2-process CPU runs (tools/dist_train.sh and tools/dist_test.sh, mmdet and mmseg, metric of

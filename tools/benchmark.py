@@ -766,8 +766,8 @@ def _warn_if_loaded(opts: RunOptions):
               file=sys.stderr)
 
 
-def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions) -> Tuple[List[dict],
-                                                                                     dict]:
+def run_points(points: Sequence[Tuple[ModelSpec, int]],
+               opts: RunOptions) -> Tuple[List[dict], dict]:
     """Measure a list of (model, resolution) points.
 
     Per resolution: FLOPs (fake tensors), then one fresh memory-worker process per point, then the

@@ -10,7 +10,8 @@ training checkpoint). Writes ``{'state_dict': ..., 'meta': {...}}`` loadable wit
 that the result loads into that backbone. ``--full-model`` converts a whole released detector /
 segmentor (backbone renamed, neck and heads kept) for ``tools/test.py CONFIG DST``:
 
-    python tools/convert_checkpoint.py maskrcnn_xcit_small_12_p8.pth mask_rcnn_s12_p8.pth --full-model
+    python tools/convert_checkpoint.py maskrcnn_xcit_small_12_p8.pth mask_rcnn_s12_p8.pth \\
+        --full-model
 """
 import argparse
 import os

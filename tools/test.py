@@ -41,7 +41,7 @@ from mmengine.runner import Runner  # noqa: E402
 from xcit_mm.checkpoint import allow_runner_checkpoints  # noqa: E402
 from xcit_mm.utils import (AnnotationFormatError, CheckpointFileError,  # noqa: E402
                            DatasetNotFoundError, check_checkpoint, check_data,
-                           ensure_shapes_world, init_distributed)
+                           distributed_session, ensure_shapes_world)
 from xcit_mm.utils.ckpt_check import is_url  # noqa: E402
 
 
@@ -154,31 +154,33 @@ def main(argv=None):
     allow_runner_checkpoints()
     cfg = build_cfg(args)
 
-    init_distributed(cfg, args.launcher)
-    # mmengine's LoggerHook dumps the test metrics to <log_dir>/<timestamp>.json on every rank, and
-    # the ranks share that path: their concurrent writes can leave a corrupt file. Rank 0 logs.
-    if int(os.environ.get('RANK', '0')) != 0:
-        cfg.default_hooks.logger = None
-    try:
-        # Before anything is built: a missing, truncated or pickled-code checkpoint is reported
-        # by name; a URL is downloaded into torch's hub cache (after the cheaper data check),
-        # checked, and loaded from there (mmengine would unpickle a URL with weights_only=False).
-        if not is_url(args.checkpoint):
-            cfg.load_from = check_checkpoint(args.checkpoint, 'checkpoint')
-        ensure_shapes_world(cfg, splits=('test', ))
-        check_data(cfg, splits=('test', ), config_name=args.config)
-        if is_url(args.checkpoint):
-            cfg.load_from = check_checkpoint(args.checkpoint, 'checkpoint')
-    except (DatasetNotFoundError, AnnotationFormatError, CheckpointFileError) as e:
-        raise SystemExit(f'error: {e}')
+    # The process group is destroyed when the block ends, so that no rank aborts at exit.
+    with distributed_session(cfg, args.launcher):
+        # mmengine's LoggerHook dumps the test metrics to <log_dir>/<timestamp>.json on every
+        # rank, and the ranks share that path: concurrent writes can corrupt it. Rank 0 logs.
+        if int(os.environ.get('RANK', '0')) != 0:
+            cfg.default_hooks.logger = None
+        try:
+            # Before anything is built: a missing, truncated or pickled-code checkpoint is
+            # reported by name; a URL is downloaded into torch's hub cache (after the cheaper data
+            # check), checked, and loaded from there (mmengine would unpickle a URL with
+            # weights_only=False).
+            if not is_url(args.checkpoint):
+                cfg.load_from = check_checkpoint(args.checkpoint, 'checkpoint')
+            ensure_shapes_world(cfg, splits=('test', ))
+            check_data(cfg, splits=('test', ), config_name=args.config)
+            if is_url(args.checkpoint):
+                cfg.load_from = check_checkpoint(args.checkpoint, 'checkpoint')
+        except (DatasetNotFoundError, AnnotationFormatError, CheckpointFileError) as e:
+            raise SystemExit(f'error: {e}')
 
-    if 'runner_type' not in cfg:
-        runner = Runner.from_cfg(cfg)
-    else:
-        runner = RUNNERS.build(cfg)
-    if args.out:
-        add_output_dump(cfg, runner, args.out)
-    runner.test()
+        if 'runner_type' not in cfg:
+            runner = Runner.from_cfg(cfg)
+        else:
+            runner = RUNNERS.build(cfg)
+        if args.out:
+            add_output_dump(cfg, runner, args.out)
+        runner.test()
 
 
 if __name__ == '__main__':

@@ -47,8 +47,8 @@ from mmengine.runner import Runner  # noqa: E402
 from xcit_mm.checkpoint import allow_runner_checkpoints  # noqa: E402
 from xcit_mm.utils import (AnnotationFormatError, CheckpointFileError,  # noqa: E402
                            DatasetNotFoundError, amp_optim_wrapper_type, check_checkpoint,
-                           check_data, check_pretrained, ensure_reliability_hooks,
-                           ensure_shapes_world, init_distributed, resolve_auto_resume)
+                           check_data, check_pretrained, distributed_session,
+                           ensure_reliability_hooks, ensure_shapes_world, resolve_auto_resume)
 from xcit_mm.utils.hooks import NonFiniteLossError  # noqa: E402
 from xcit_mm.utils.amp import CPU_AMP_TYPE  # noqa: E402
 
@@ -200,24 +200,25 @@ def main(argv=None):
     cfg = build_cfg(args)
 
     # Before the Runner: rank-aware data preparation needs the process group, and CPU-only
-    # machines need gloo + a CPU DDP wrapper (no-op for --launcher none).
-    init_distributed(cfg, args.launcher)
-    ensure_shapes_world(cfg, splits=('train', 'val'))
-    try:
-        check_data(cfg, splits=('train', 'val'), config_name=args.config)
-        check_checkpoints(cfg, args)
-    except (DatasetNotFoundError, AnnotationFormatError, CheckpointFileError) as e:
-        raise SystemExit(f'error: {e}')
+    # machines need gloo + a CPU DDP wrapper (no-op for --launcher none). The group is destroyed
+    # when the block ends, so that no rank aborts at exit.
+    with distributed_session(cfg, args.launcher):
+        ensure_shapes_world(cfg, splits=('train', 'val'))
+        try:
+            check_data(cfg, splits=('train', 'val'), config_name=args.config)
+            check_checkpoints(cfg, args)
+        except (DatasetNotFoundError, AnnotationFormatError, CheckpointFileError) as e:
+            raise SystemExit(f'error: {e}')
 
-    if 'runner_type' not in cfg:
-        runner = Runner.from_cfg(cfg)
-    else:
-        runner = RUNNERS.build(cfg)
-    try:
-        runner.train()
-    except NonFiniteLossError as e:  # a clear message instead of a traceback through mmengine
-        runner.logger.error(str(e))
-        raise SystemExit(f'error: {e}') from e
+        if 'runner_type' not in cfg:
+            runner = Runner.from_cfg(cfg)
+        else:
+            runner = RUNNERS.build(cfg)
+        try:
+            runner.train()
+        except NonFiniteLossError as e:  # a clear message instead of a traceback through mmengine
+            runner.logger.error(str(e))
+            raise SystemExit(f'error: {e}') from e
 
 
 if __name__ == '__main__':

@@ -93,7 +93,7 @@ def read_checkpoint(path: str, weights_only: bool = True) -> dict:
 
 
 def extract_state_dict(obj) -> Dict[str, torch.Tensor]:
-    """The tensor dict inside a checkpoint object (``state_dict``, ``model``, ``module`` or itself)."""
+    """The tensor dict inside a checkpoint (``state_dict``, ``model``, ``module`` or itself)."""
     if not isinstance(obj, dict):
         raise CheckpointError(f'A checkpoint must be a dict, got {type(obj).__name__}')
     for key in ('state_dict', 'model', 'module'):

@@ -70,7 +70,8 @@ class FourierPositionEncoding(nn.Module):
         coords = torch.arange(1, length + 1, device=device, dtype=torch.float32)
         coords = coords / (length + self.eps) * (2 * math.pi)
         dim_t = torch.arange(self.hidden_dims, device=device, dtype=torch.float32)
-        dim_t = self.temperature**(2 * torch.div(dim_t, 2, rounding_mode='floor') / self.hidden_dims)
+        exponent = 2 * torch.div(dim_t, 2, rounding_mode='floor') / self.hidden_dims
+        dim_t = self.temperature**exponent
         angles = coords[:, None] / dim_t
         return torch.stack([angles[:, 0::2].sin(), angles[:, 1::2].cos()], dim=2).flatten(1)
 
@@ -82,13 +83,15 @@ class FourierPositionEncoding(nn.Module):
         code_x = self._axis_code(W, device)[None, :, :].expand(H, W, self.hidden_dims)
         code = torch.cat([code_y, code_x], dim=2).reshape(1, H * W, 2 * self.hidden_dims)
         # A 1x1 conv is a linear map over channels: apply it to the tokens directly.
-        return F.linear(code.to(self.proj.weight.dtype), self.proj.weight.flatten(1), self.proj.bias)
+        weight = self.proj.weight.flatten(1)
+        return F.linear(code.to(weight.dtype), weight, self.proj.bias)
 
 
 class ConvPatchEmbed(nn.Module):
     """LeViT-style stem: log2(patch_size) 3x3 stride-2 convs with BN, GELU between them.
 
-    Channels grow as in_channels -> D/8 -> D/4 -> D/2 -> D (p16) or in_channels -> D/4 -> D/2 -> D (p8).
+    Channels grow as in_channels -> D/8 -> D/4 -> D/2 -> D (p16) or in_channels -> D/4 -> D/2 -> D
+    (p8).
     """
 
     def __init__(self, in_channels: int, embed_dims: int, patch_size: int, norm_cfg: dict):
@@ -480,9 +483,10 @@ class XCiTBackbone(BaseModule):
                              f'image has {C} channels: set in_channels={C} or fix the data '
                              f'preprocessor (e.g. bgr_to_rgb / grayscale conversion)')
         if H < MIN_INPUT_SIZE or W < MIN_INPUT_SIZE:
-            raise ValueError(f'Image of {H}x{W} px is too small for XCiTBackbone: each side must be '
-                             f'at least {MIN_INPUT_SIZE} px to reach the stride-{STRIDES[-1]} '
-                             f'level; resize or pad the input (e.g. Pad size_divisor=32)')
+            raise ValueError(f'Image of {H}x{W} px is too small for XCiTBackbone: each side '
+                             f'must be at least {MIN_INPUT_SIZE} px to reach the '
+                             f'stride-{STRIDES[-1]} level; resize or pad the input '
+                             '(e.g. Pad size_divisor=32)')
 
     def forward_trunk(self, x: torch.Tensor) -> List[torch.Tensor]:
         """Trunk features at ``out_indices``, each (B, D, ceil(H/p), ceil(W/p)), before the adapter.

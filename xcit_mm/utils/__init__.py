@@ -16,8 +16,8 @@ mmengine's root registries, visible from the mmdet and mmseg scopes.
 from .amp import CPUAmpOptimWrapper, amp_optim_wrapper_type
 from .ckpt_check import (CheckpointFileError, check_checkpoint, check_pretrained,
                          find_pretrained, resolve_auto_resume)
-from .cpu_dist import (CPUDistributedDataParallel, init_cpu_dist, init_distributed,
-                       prepare_cpu_distributed_cfg)
+from .cpu_dist import (CPUDistributedDataParallel, distributed_session, init_cpu_dist,
+                       init_distributed, prepare_cpu_distributed_cfg)
 from .data_check import (AnnotationFormatError, DatasetNotFoundError, check_annotation_formats,
                          check_data, coco_annotation_problem, ensure_shapes_world,
                          find_missing_data)
@@ -48,6 +48,7 @@ __all__ = [
     'CheckFiniteLossHook', 'CheckpointFileError', 'DatasetNotFoundError', 'NonFiniteLossError',
     'RELIABILITY_HOOKS', 'RandomStateHook', 'amp_optim_wrapper_type', 'check_annotation_formats',
     'check_checkpoint', 'check_data', 'check_pretrained', 'coco_annotation_problem',
-    'ensure_reliability_hooks', 'ensure_shapes_world', 'find_missing_data', 'find_pretrained',
-    'init_cpu_dist', 'init_distributed', 'prepare_cpu_distributed_cfg', 'resolve_auto_resume'
+    'distributed_session', 'ensure_reliability_hooks', 'ensure_shapes_world',
+    'find_missing_data', 'find_pretrained', 'init_cpu_dist', 'init_distributed',
+    'prepare_cpu_distributed_cfg', 'resolve_auto_resume'
 ]

@@ -18,9 +18,14 @@ up data-parallel training. On a CPU-only machine mmengine 0.10.7 fails in three 
    plain BN on one machine.
 
 :func:`prepare_cpu_distributed_cfg` switches a config to these pieces and :func:`init_distributed`
-is the single entry point the tools call. On machines with CUDA nothing here changes mmengine's
-behaviour: :func:`init_distributed` just calls ``mmengine.dist.init_dist`` early.
+is the single entry point the tools call, through :func:`distributed_session`, which also destroys
+the process group when the tool is done: a gloo process left to the interpreter's exit can abort
+(``terminate called without an active exception``, SIGABRT) while its worker threads still hold
+tensors, which turns a finished ``tools/dist_test.sh`` into a failed one. On machines with CUDA
+nothing here changes mmengine's behaviour: :func:`init_distributed` just calls
+``mmengine.dist.init_dist`` early.
 """
+import contextlib
 import datetime
 import os
 import subprocess
@@ -40,8 +45,8 @@ class CPUDistributedDataParallel(MMDistributedDataParallel):
 
     mmengine's ``Runner.wrap_model`` always adds ``device_ids=[LOCAL_RANK]`` for a
     ``DistributedDataParallel`` subclass; torch only accepts device ids for GPU modules, so they are
-    dropped here. ``torch.nn.SyncBatchNorm`` cannot run on CPU tensors, so SyncBN layers are reverted
-    to ``BatchNorm`` before wrapping (mmengine only does this for non-distributed runs).
+    dropped here. ``torch.nn.SyncBatchNorm`` cannot run on CPU tensors, so SyncBN layers are
+    reverted to ``BatchNorm`` before wrapping (mmengine only does this for non-distributed runs).
 
     Use it through the config: ``model_wrapper_cfg = dict(type='CPUDistributedDataParallel')``
     (done by :func:`prepare_cpu_distributed_cfg`). Registered in mmengine's root
@@ -190,3 +195,26 @@ def init_distributed(cfg, launcher: str) -> bool:
     init_cpu_dist(launcher, backend='gloo', port=dist_cfg.pop('port', None),
                   timeout=dist_cfg.pop('timeout', None))
     return True
+
+
+@contextlib.contextmanager
+def distributed_session(cfg, launcher: str):
+    """Run a tool's body inside an initialised process group, destroyed on the way out.
+
+    ``with distributed_session(cfg, args.launcher): ...`` calls :func:`init_distributed` and, when
+    the block ends (normally or by an exception), ``torch.distributed.destroy_process_group()`` if
+    a group exists, as torch asks every trainer process to do. Without it, gloo's worker threads
+    outlive the interpreter's teardown and the process may die with SIGABRT after its work is done.
+
+    Args:
+        cfg (mmengine.Config): The full config; modified in place on CPU.
+        launcher (str): ``'none'``, ``'pytorch'``, ``'slurm'`` or ``'mpi'``.
+
+    Yields:
+        bool: True if a distributed run was set up.
+    """
+    try:
+        yield init_distributed(cfg, launcher)
+    finally:
+        if torch_dist.is_available() and torch_dist.is_initialized():
+            torch_dist.destroy_process_group()
