@@ -64,21 +64,46 @@ def mmpretrain_xcit():
 
 
 def _load_tool(name):
-    """tools/<name>.py as a module (tools/ is not a package), a fresh copy per test module."""
-    path = osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'tools', f'{name}.py')
-    spec = importlib.util.spec_from_file_location(f'xcit_mm_tool_{name}', path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """tools/<name>.py as a module (tools/ is not a package), one copy per test session.
+
+    Registered in ``sys.modules`` while it executes: dataclasses (tools/benchmark.py) look their
+    module up there.
+    """
+    module_name = f'xcit_mm_tool_{name}'
+    if module_name not in sys.modules:
+        path = osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'tools', f'{name}.py')
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope='session')
 def train_tool():
     """tools/train.py, loaded as a module."""
     return _load_tool('train')
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope='session')
 def test_tool():
     """tools/test.py, loaded as a module."""
     return _load_tool('test')
+
+
+@pytest.fixture(scope='session')
+def demo_tool():
+    """tools/demo.py, loaded as a module."""
+    return _load_tool('demo')
+
+
+@pytest.fixture(scope='session')
+def xca_tool():
+    """tools/visualize_xca.py, loaded as a module."""
+    return _load_tool('visualize_xca')
+
+
+@pytest.fixture(scope='session')
+def bench():
+    """tools/benchmark.py, loaded as a module."""
+    return _load_tool('benchmark')

@@ -3,7 +3,6 @@
 No timing assertions: the machine is shared and timings are noise here.
 """
 import csv
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,18 +13,6 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, 'tools', 'benchmark.py')
-
-
-@pytest.fixture(scope='module')
-def bench():
-    """tools/benchmark.py loaded as a module (tools/ is not a package)."""
-    name = 'xcit_mm_tools_benchmark'
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, TOOL)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses need the module registered while executing
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def test_flop_counter_linear_is_exact(bench):

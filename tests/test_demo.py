@@ -5,7 +5,6 @@ No training: each shapes model is built from its config, its random-init weights
 mmengine's ``save_checkpoint`` and the demo runs on generated images.
 """
 import glob
-import importlib.util
 import os.path as osp
 
 import numpy as np
@@ -15,15 +14,10 @@ from PIL import Image
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location(
-        'xcit_demo_tool', osp.join(ROOT, 'tools', 'demo.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-demo = _load_tool()
+@pytest.fixture(scope='module')
+def demo(demo_tool):
+    """tools/demo.py."""
+    return demo_tool
 
 
 def _shapes_config(scope):
@@ -86,7 +80,7 @@ def seg_setup(tmp_path_factory):
     return config, _save_random_checkpoint(config, tmp / 'seg.pth', with_meta=False)
 
 
-def test_detector_folder_and_files(tmp_path, det_setup, capsys):
+def test_detector_folder_and_files(tmp_path, det_setup, capsys, demo):
     config, ckpt = det_setup
     folder = tmp_path / 'imgs'
     folder.mkdir()
@@ -111,7 +105,7 @@ def test_detector_folder_and_files(tmp_path, det_setup, capsys):
     np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / 'o2' / 'a.png')), c)
 
 
-def test_segmentor_and_class_names(tmp_path, seg_setup):
+def test_segmentor_and_class_names(tmp_path, seg_setup, demo):
     from xcit_mm.datasets import CLASSES
     config, ckpt = seg_setup
     model, task = demo.init_model(config, ckpt, device='cpu')
@@ -126,7 +120,7 @@ def test_segmentor_and_class_names(tmp_path, seg_setup):
     assert not np.array_equal(png, src)  # the label map is overlaid
 
 
-def test_unreadable_images_are_reported(tmp_path, seg_setup, capsys):
+def test_unreadable_images_are_reported(tmp_path, seg_setup, capsys, demo):
     config, ckpt = seg_setup
     folder = tmp_path / 'imgs'
     folder.mkdir()
@@ -143,7 +137,7 @@ def test_unreadable_images_are_reported(tmp_path, seg_setup, capsys):
     assert not (out / 'broken.png').exists()
 
 
-def test_argument_errors(tmp_path, seg_setup, capsys):
+def test_argument_errors(tmp_path, seg_setup, capsys, demo):
     config, ckpt = seg_setup
     # a missing input is reported before any model is built
     assert demo.main([str(tmp_path / 'missing.jpg'), config, ckpt, '--out-dir',
