@@ -589,6 +589,73 @@ def test_dist_train_and_dist_test_on_two_cpu_processes(tmp_path, task, test_tool
     _assert_close(gathered, alone)
 
 
+# A stand-in for slurm's srun: it records its own arguments and starts --ntasks copies of the
+# command with the variables a slurm step sets (one node). `scontrol show hostname` prints it.
+_FAKE_SRUN = r"""#!{python}
+import json, os, subprocess, sys
+args = sys.argv[1:]
+opts, i = {{}}, 0
+while args[i].startswith('-'):
+    if '=' in args[i]:
+        key, value = args[i].split('=', 1)
+        i += 1
+    else:
+        key, value = args[i], args[i + 1]
+        i += 2
+    opts[key] = value
+with open(os.environ['FAKE_SRUN_RECORD'], 'w') as f:
+    json.dump(opts, f)
+ntasks = int(opts['--ntasks'])
+procs = [subprocess.Popen(args[i:], env=dict(
+    os.environ, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS=str(ntasks),
+    SLURM_NODELIST='fakenode')) for rank in range(ntasks)]
+sys.exit(max(p.wait() for p in procs))
+"""
+_FAKE_SCONTROL = """#!/usr/bin/env bash
+[ "$1 $2 $3" = "show hostname fakenode" ] && echo 127.0.0.1
+"""
+
+
+@CPU_ONLY
+def test_slurm_train_and_slurm_test_on_two_cpu_tasks(tmp_path, test_tool):
+    """tools/slurm_train.sh / slurm_test.sh hand srun the partition, job name and task counts,
+    and the tools take rank, world size and master address from slurm's variables (via
+    ``scontrol show hostname``): 2 tasks train with gloo, and the test metric of the gathered
+    predictions equals that of one process. srun and scontrol are stand-ins (no cluster here)."""
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    for name, text in (('srun', _FAKE_SRUN.format(python=sys.executable)),
+                       ('scontrol', _FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    record = tmp_path / 'srun.json'
+    env = dict(ENV, PATH=f'{bin_dir}:{ENV["PATH"]}', FAKE_SRUN_RECORD=str(record), GPUS='2',
+               GPUS_PER_NODE='2', CPUS_PER_TASK='1', MASTER_PORT=str(_free_port()))
+    for key in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR'):
+        env.pop(key, None)
+    cfg = _tiny_config(tmp_path, 'det', iters=2, ckpt=2, validate=False)
+    work_dir = tmp_path / 'train'
+    proc, log = _run(['bash', osp.join(REPO, 'tools', 'slurm_train.sh'), 'gpu_part', 'xcit_job',
+                      cfg, str(work_dir)], tmp_path, env=env)
+    assert proc.returncode == 0, log[-4000:]
+    assert json.loads(record.read_text()) == {
+        '-p': 'gpu_part', '--job-name': 'xcit_job', '--gres': 'gpu:2', '--ntasks': '2',
+        '--ntasks-per-node': '2', '--cpus-per-task': '1', '--kill-on-bad-exit': '1'}
+    assert 'Distributed training: True' in log and "launcher = 'slurm'" in log
+    checkpoint = str(work_dir / 'iter_2.pth')
+    rng = torch.load(checkpoint, weights_only=True)['rng_state']
+    assert rng['world_size'] == 2
+
+    env['MASTER_PORT'] = str(_free_port())
+    proc, log = _run(['bash', osp.join(REPO, 'tools', 'slurm_test.sh'), 'gpu_part', 'xcit_eval',
+                      cfg, checkpoint, '--work-dir', str(tmp_path / 'slurm_test')], tmp_path,
+                     env=env)
+    assert proc.returncode == 0, log[-4000:]
+    assert json.loads(record.read_text())['--job-name'] == 'xcit_eval'
+    test_tool.main([cfg, checkpoint, '--work-dir', str(tmp_path / 'single_test')])
+    assert _metrics(tmp_path / 'slurm_test') == _metrics(tmp_path / 'single_test')
+
+
 def _assert_close(a, b, where='results'):
     """Recursive comparison; tensors to 1e-4 (batches are composed differently per rank)."""
     if isinstance(a, dict):
