@@ -497,7 +497,9 @@ def test_sigkilled_training_resumes_identically(tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 180
-        while not (work_dir / 'last_checkpoint').exists():
+        marker = work_dir / 'last_checkpoint'
+        # Non-empty: mmengine creates the marker, then writes the path into it.
+        while not (marker.exists() and marker.read_text().strip()):
             assert proc.poll() is None and time.time() < deadline, 'no checkpoint was written'
             time.sleep(0.02)
         proc.send_signal(signal.SIGKILL)
