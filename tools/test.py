@@ -35,13 +35,11 @@ if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
 from mmengine.config import Config, DictAction  # noqa: E402
-from mmengine.registry import RUNNERS  # noqa: E402
-from mmengine.runner import Runner  # noqa: E402
 
 from xcit_mm.checkpoint import allow_runner_checkpoints  # noqa: E402
 from xcit_mm.utils import (AnnotationFormatError, CheckpointFileError,  # noqa: E402
-                           DatasetNotFoundError, check_checkpoint, check_data,
-                           distributed_session, ensure_shapes_world)
+                           DatasetNotFoundError, build_runner, check_checkpoint,
+                           check_data, distributed_session, ensure_shapes_world)
 from xcit_mm.utils.ckpt_check import is_url  # noqa: E402
 
 
@@ -174,10 +172,7 @@ def main(argv=None):
         except (DatasetNotFoundError, AnnotationFormatError, CheckpointFileError) as e:
             raise SystemExit(f'error: {e}')
 
-        if 'runner_type' not in cfg:
-            runner = Runner.from_cfg(cfg)
-        else:
-            runner = RUNNERS.build(cfg)
+        runner = build_runner(cfg)
         if args.out:
             add_output_dump(cfg, runner, args.out)
         runner.test()

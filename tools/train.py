@@ -41,13 +41,11 @@ if _REPO_ROOT not in sys.path:
 
 from mmengine.config import Config, DictAction  # noqa: E402
 from mmengine.logging import print_log  # noqa: E402
-from mmengine.registry import RUNNERS  # noqa: E402
-from mmengine.runner import Runner  # noqa: E402
 
 from xcit_mm.checkpoint import allow_runner_checkpoints  # noqa: E402
 from xcit_mm.utils import (AnnotationFormatError, CheckpointFileError,  # noqa: E402
-                           DatasetNotFoundError, amp_optim_wrapper_type, check_checkpoint,
-                           check_data, check_pretrained, distributed_session,
+                           DatasetNotFoundError, amp_optim_wrapper_type, build_runner,
+                           check_checkpoint, check_data, check_pretrained, distributed_session,
                            ensure_reliability_hooks, ensure_shapes_world, resolve_auto_resume)
 from xcit_mm.utils.hooks import NonFiniteLossError  # noqa: E402
 from xcit_mm.utils.amp import CPU_AMP_TYPE  # noqa: E402
@@ -210,10 +208,7 @@ def main(argv=None):
         except (DatasetNotFoundError, AnnotationFormatError, CheckpointFileError) as e:
             raise SystemExit(f'error: {e}')
 
-        if 'runner_type' not in cfg:
-            runner = Runner.from_cfg(cfg)
-        else:
-            runner = RUNNERS.build(cfg)
+        runner = build_runner(cfg)
         try:
             runner.train()
         except NonFiniteLossError as e:  # a clear message instead of a traceback through mmengine

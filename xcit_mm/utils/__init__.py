@@ -43,10 +43,27 @@ def ensure_reliability_hooks(cfg) -> list:
     return added
 
 
+def build_runner(cfg):
+    """The Runner a config asks for: mmengine's ``Runner`` unless it sets ``runner_type``.
+
+    Args:
+        cfg (mmengine.Config): The full config.
+
+    Returns:
+        mmengine.runner.Runner: The built runner.
+    """
+    from mmengine.registry import RUNNERS
+    from mmengine.runner import Runner
+    if 'runner_type' not in cfg:
+        return Runner.from_cfg(cfg)
+    return RUNNERS.build(cfg)
+
+
 __all__ = [
     'AnnotationFormatError', 'CPUAmpOptimWrapper', 'CPUDistributedDataParallel',
     'CheckFiniteLossHook', 'CheckpointFileError', 'DatasetNotFoundError', 'NonFiniteLossError',
-    'RELIABILITY_HOOKS', 'RandomStateHook', 'amp_optim_wrapper_type', 'check_annotation_formats',
+    'RELIABILITY_HOOKS', 'RandomStateHook', 'amp_optim_wrapper_type', 'build_runner',
+    'check_annotation_formats',
     'check_checkpoint', 'check_data', 'check_pretrained', 'coco_annotation_problem',
     'distributed_session', 'ensure_reliability_hooks', 'ensure_shapes_world',
     'find_missing_data', 'find_pretrained', 'init_cpu_dist', 'init_distributed',
