@@ -68,6 +68,28 @@ class TestShapes(TestCase):
                 torch.testing.assert_close(roi_align(outs[0], rois),
                                            roi_align(outs[0].clone(), rois))
 
+    def test_nchw_upsampling_equals_conv_transpose(self):
+        """The adapter's 2x upsampling, written into NCHW row block by row block, equals
+        nn.ConvTranspose2d in values and gradients, across block boundaries (a 20-row map in
+        blocks of 8, 8 and 4) and for a map done in one block. float64, so that only a wrong
+        index, not the summation order, can make a difference."""
+        from xcit_mm.models.xcit import _up2_to_nchw
+        torch.manual_seed(0)
+        conv = nn.ConvTranspose2d(64, 64, kernel_size=2, stride=2).double()
+        for shape in [(1, 64, 20, 1024), (2, 64, 5, 7)]:
+            x = torch.randn(shape, dtype=torch.float64).contiguous(
+                memory_format=torch.channels_last)
+            x_ref = x.detach().clone().requires_grad_()
+            x = x.requires_grad_()
+            out, ref = _up2_to_nchw(conv, x), conv(x_ref)
+            self.assertTrue(out.is_contiguous())
+            torch.testing.assert_close(out, ref)
+            grad = torch.randn_like(ref)
+            got = torch.autograd.grad(out, [x, conv.weight, conv.bias], grad)
+            want = torch.autograd.grad(ref, [x_ref, conv.weight, conv.bias], grad)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w)
+
     def test_published_archs_build_with_paper_widths(self):
         for name, arch in arch_zoo.items():
             model = XCiTBackbone(arch=name, patch_size=16)

@@ -279,8 +279,13 @@ def _up2_to_nchw(conv: nn.ConvTranspose2d, x: torch.Tensor) -> torch.Tensor:
     out = x.new_empty(B, conv.out_channels, 2 * H, 2 * W)
     grid = out.view(B, conv.out_channels, H, 2, W, 2)
     bias = conv.bias if conv.bias is not None else x.new_zeros(conv.out_channels)
-    # Input rows per matmul: temporaries of at most ~2 MB, and few calls for small maps.
-    rows = max(1, min(H, (1 << 19) // max(1, B * W * conv.out_channels)))
+    # Input rows per matmul. CPU: temporaries of at most ~2 MB (they stay in cache), and few
+    # calls for small maps. Other devices: the whole map at once, since each block costs kernel
+    # launches and memory is not the concern there.
+    if x.device.type == 'cpu':
+        rows = max(1, min(H, (1 << 19) // max(1, B * W * conv.out_channels)))
+    else:
+        rows = H
     for top in range(0, H, rows):
         block = tokens[:, top:top + rows].reshape(-1, C)
         h = min(rows, H - top)
