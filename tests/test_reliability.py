@@ -591,6 +591,39 @@ def test_dist_train_and_dist_test_on_two_cpu_processes(tmp_path, task, test_tool
     _assert_close(gathered, alone)
 
 
+@CPU_ONLY
+def test_tools_free_the_ddp_model_before_destroying_the_group(tmp_path, monkeypatch, train_tool,
+                                                              test_tool):
+    """tools/train.py and tools/test.py with --launcher pytorch (one gloo process, in this
+    process): when the process group is destroyed, no DistributedDataParallel is alive any more.
+    A DDP freed after the group joins gloo's threads with the GIL held and can hang the rank."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    for key, value in dict(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0',
+                           MASTER_ADDR='127.0.0.1').items():
+        monkeypatch.setenv(key, value)
+    live_ddp_at_destroy = []
+    destroy = dist.destroy_process_group
+
+    def checked_destroy(*args, **kwargs):
+        live_ddp_at_destroy.append(
+            sum(isinstance(obj, DistributedDataParallel) for obj in gc.get_objects()))
+        return destroy(*args, **kwargs)
+
+    monkeypatch.setattr(dist, 'destroy_process_group', checked_destroy)
+    cfg = _tiny_config(tmp_path, 'det', iters=2, ckpt=2, validate=False)
+    monkeypatch.setenv('MASTER_PORT', str(_free_port()))
+    train_tool.main([cfg, '--launcher', 'pytorch', '--work-dir', str(tmp_path / 'train')])
+    monkeypatch.setenv('MASTER_PORT', str(_free_port()))
+    test_tool.main([cfg, str(tmp_path / 'train' / 'iter_2.pth'), '--launcher', 'pytorch',
+                    '--work-dir', str(tmp_path / 'test')])
+    assert live_ddp_at_destroy == [0, 0]  # one destroy per tool, no DDP left at either
+    assert not dist.is_initialized()
+    assert 'coco/bbox_mAP' in _metrics(tmp_path / 'test')
+
+
 # A stand-in for slurm's srun: it records its own arguments and starts --ntasks copies of the
 # command with the variables a slurm step sets (one node). `scontrol show hostname` prints it.
 _FAKE_SRUN = r"""#!{python}

@@ -5,6 +5,7 @@ tools are exercised up to the point where they hand over to mmengine's Runner, p
 distributed pieces in a one-process gloo group.
 """
 import contextlib
+import gc
 import os
 import os.path as osp
 import socket
@@ -216,6 +217,7 @@ def test_cpu_ddp_in_a_gloo_group(monkeypatch):
         monkeypatch.delenv(key, raising=False)
     assert not dist.is_initialized()
     init_cpu_dist('mpi', timeout=60)
+    ddp = None
     try:
         assert dist.get_backend() == 'gloo' and dist.get_world_size() == 1
 
@@ -239,6 +241,10 @@ def test_cpu_ddp_in_a_gloo_group(monkeypatch):
         ddp(torch.randn(2, 3, 8, 8)).sum().backward()
         assert weight.grad is not None
     finally:
+        # DDP first: its C++ Reducer must not hold the group's last reference (see
+        # xcit_mm.utils.distributed_session), or destroying the group can deadlock.
+        ddp = None
+        gc.collect()
         dist.destroy_process_group()
 
 

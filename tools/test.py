@@ -29,6 +29,7 @@ import argparse
 import os
 import os.path as osp
 import sys
+from typing import Optional
 
 _REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 if _REPO_ROOT not in sys.path:
@@ -145,6 +146,18 @@ def build_cfg(args) -> Config:
     return cfg
 
 
+def evaluate(cfg, out: Optional[str] = None) -> None:
+    """Build the Runner and evaluate (and dump predictions to ``out``).
+
+    The Runner, and the DDP wrapper that holds the process group, is freed when this returns,
+    before :func:`distributed_session` destroys the group (see there why that order matters).
+    """
+    runner = build_runner(cfg)
+    if out:
+        add_output_dump(cfg, runner, out)
+    runner.test()
+
+
 def main(argv=None):
     args = parse_args(argv)
     # Evaluating a checkpoint written by our own training needs mmengine's classes allow-listed
@@ -172,10 +185,7 @@ def main(argv=None):
         except (DatasetNotFoundError, AnnotationFormatError, CheckpointFileError) as e:
             raise SystemExit(f'error: {e}')
 
-        runner = build_runner(cfg)
-        if args.out:
-            add_output_dump(cfg, runner, args.out)
-        runner.test()
+        evaluate(cfg, args.out)
 
 
 if __name__ == '__main__':

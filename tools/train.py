@@ -33,6 +33,7 @@ import logging
 import os
 import os.path as osp
 import sys
+from typing import Optional
 
 # Use this checkout's xcit_mm even when it is not pip-installed (python tools/train.py ...).
 _REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
@@ -190,6 +191,22 @@ def check_checkpoints(cfg, args) -> None:
             logger='current', level=logging.WARNING)
 
 
+def train(cfg) -> Optional[str]:
+    """Build the Runner and train; return an error message, or None on success.
+
+    The Runner, and the DDP wrapper that holds the process group, is freed when this returns,
+    before :func:`distributed_session` destroys the group (see there why that order matters).
+    So nothing is raised from here while the Runner is alive: a traceback would keep it.
+    """
+    runner = build_runner(cfg)
+    try:
+        runner.train()
+    except NonFiniteLossError as e:  # a clear message instead of a traceback through mmengine
+        runner.logger.error(str(e))
+        return f'error: {e}'
+    return None
+
+
 def main(argv=None):
     args = parse_args(argv)
     # torch >= 2.6 loads checkpoints with weights_only=True; mmengine's resume state pickles its
@@ -199,7 +216,7 @@ def main(argv=None):
 
     # Before the Runner: rank-aware data preparation needs the process group, and CPU-only
     # machines need gloo + a CPU DDP wrapper (no-op for --launcher none). The group is destroyed
-    # when the block ends, so that no rank aborts at exit.
+    # when the block ends, so that no rank aborts or hangs at exit.
     with distributed_session(cfg, args.launcher):
         ensure_shapes_world(cfg, splits=('train', 'val'))
         try:
@@ -207,13 +224,9 @@ def main(argv=None):
             check_checkpoints(cfg, args)
         except (DatasetNotFoundError, AnnotationFormatError, CheckpointFileError) as e:
             raise SystemExit(f'error: {e}')
-
-        runner = build_runner(cfg)
-        try:
-            runner.train()
-        except NonFiniteLossError as e:  # a clear message instead of a traceback through mmengine
-            runner.logger.error(str(e))
-            raise SystemExit(f'error: {e}') from e
+        error = train(cfg)
+    if error:
+        raise SystemExit(error)
 
 
 if __name__ == '__main__':

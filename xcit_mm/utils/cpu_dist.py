@@ -27,6 +27,7 @@ nothing here changes mmengine's behaviour: :func:`init_distributed` just calls
 """
 import contextlib
 import datetime
+import gc
 import os
 import subprocess
 from typing import Optional
@@ -202,9 +203,18 @@ def distributed_session(cfg, launcher: str):
     """Run a tool's body inside an initialised process group, destroyed on the way out.
 
     ``with distributed_session(cfg, args.launcher): ...`` calls :func:`init_distributed` and, when
-    the block ends (normally or by an exception), ``torch.distributed.destroy_process_group()`` if
-    a group exists, as torch asks every trainer process to do. Without it, gloo's worker threads
-    outlive the interpreter's teardown and the process may die with SIGABRT after its work is done.
+    the block ends (normally or by an exception), collects garbage and then calls
+    ``torch.distributed.destroy_process_group()`` if a group exists, as torch asks every trainer
+    process to do. Two ways a gloo rank can fail *after* its work is done are avoided:
+
+    - Left to the interpreter's exit, gloo's worker threads may still hold tensors when Python is
+      torn down, and the process aborts (``terminate called without an active exception``).
+    - Destroying the group joins those threads. torch's Python handle of the group releases the
+      GIL while doing so, but DDP's C++ ``Reducer`` holds the group too and is freed with the GIL
+      held: if it drops the last reference, the join waits for a worker that waits for the GIL,
+      forever (seen in this project's tests). So the DDP model must be gone before the group is
+      destroyed: the tools build and run their Runner in a function called inside the block,
+      and the garbage collection here frees what reference cycles kept.
 
     Args:
         cfg (mmengine.Config): The full config; modified in place on CPU.
@@ -217,4 +227,5 @@ def distributed_session(cfg, launcher: str):
         yield init_distributed(cfg, launcher)
     finally:
         if torch_dist.is_available() and torch_dist.is_initialized():
+            gc.collect()
             torch_dist.destroy_process_group()
