@@ -624,6 +624,45 @@ def test_tools_free_the_ddp_model_before_destroying_the_group(tmp_path, monkeypa
     assert 'coco/bbox_mAP' in _metrics(tmp_path / 'test')
 
 
+@HOOKS.register_module(name='_CrashHook', force=True)
+class _CrashHook(Hook):
+    """Test probe: a bug that strikes in the middle of training."""
+
+    def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):
+        raise RuntimeError('crash in iteration 1')
+
+
+@CPU_ONLY
+def test_a_crashing_rank_frees_its_ddp_before_the_group_is_destroyed(tmp_path, monkeypatch,
+                                                                     train_tool):
+    """A distributed run that crashes: the error reaches the user with its traceback, and still
+    no DDP model is alive when the process group is destroyed (the traceback's frames would
+    otherwise keep the Runner)."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    for key, value in dict(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1',
+                           MASTER_PORT=str(_free_port())).items():
+        monkeypatch.setenv(key, value)
+    live_ddp_at_destroy = []
+    destroy = dist.destroy_process_group
+
+    def checked_destroy(*args, **kwargs):
+        live_ddp_at_destroy.append(
+            sum(isinstance(obj, DistributedDataParallel) for obj in gc.get_objects()))
+        return destroy(*args, **kwargs)
+
+    monkeypatch.setattr(dist, 'destroy_process_group', checked_destroy)
+    cfg = _tiny_config(tmp_path, 'det', iters=2, ckpt=2, validate=False,
+                       extra="custom_hooks = [dict(type='_CrashHook')]")
+    with pytest.raises(RuntimeError, match='crash in iteration 1') as excinfo:
+        train_tool.main([cfg, '--launcher', 'pytorch', '--work-dir', str(tmp_path / 'train')])
+    assert live_ddp_at_destroy == [0]
+    assert not dist.is_initialized()
+    assert any(entry.name == 'after_train_iter' for entry in excinfo.traceback)
+
+
 # A stand-in for slurm's srun: it records its own arguments and starts --ntasks copies of the
 # command with the variables a slurm step sets (one node). `scontrol show hostname` prints it.
 _FAKE_SRUN = r"""#!{python}

@@ -165,7 +165,7 @@ def main(argv=None):
     allow_runner_checkpoints()
     cfg = build_cfg(args)
 
-    # The process group is destroyed when the block ends, so that no rank aborts at exit.
+    # The process group is destroyed when the block ends, so that no rank aborts or hangs at exit.
     with distributed_session(cfg, args.launcher):
         # mmengine's LoggerHook dumps the test metrics to <log_dir>/<timestamp>.json on every
         # rank, and the ranks share that path: concurrent writes can corrupt it. Rank 0 logs.

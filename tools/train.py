@@ -196,7 +196,6 @@ def train(cfg) -> Optional[str]:
 
     The Runner, and the DDP wrapper that holds the process group, is freed when this returns,
     before :func:`distributed_session` destroys the group (see there why that order matters).
-    So nothing is raised from here while the Runner is alive: a traceback would keep it.
     """
     runner = build_runner(cfg)
     try:

@@ -30,6 +30,8 @@ import datetime
 import gc
 import os
 import subprocess
+import sys
+import traceback
 from typing import Optional
 
 import torch
@@ -213,8 +215,10 @@ def distributed_session(cfg, launcher: str):
       GIL while doing so, but DDP's C++ ``Reducer`` holds the group too and is freed with the GIL
       held: if it drops the last reference, the join waits for a worker that waits for the GIL,
       forever (seen in this project's tests). So the DDP model must be gone before the group is
-      destroyed: the tools build and run their Runner in a function called inside the block,
-      and the garbage collection here frees what reference cycles kept.
+      destroyed: the tools build and run their Runner in a function called inside the block;
+      here, the locals of the frames of an exception that ends the block are cleared (its
+      traceback would keep a crashed Runner alive) and garbage collection frees what reference
+      cycles kept.
 
     Args:
         cfg (mmengine.Config): The full config; modified in place on CPU.
@@ -227,5 +231,19 @@ def distributed_session(cfg, launcher: str):
         yield init_distributed(cfg, launcher)
     finally:
         if torch_dist.is_available() and torch_dist.is_initialized():
+            _release_frames_of(sys.exc_info()[1])
             gc.collect()
             torch_dist.destroy_process_group()
+
+
+def _release_frames_of(error: Optional[BaseException]) -> None:
+    """Clear the local variables of the finished frames in ``error``'s traceback (and in those of
+    the exceptions it chains), so that a Runner that raised is not kept alive by them.
+
+    The traceback still prints (file, line and code stay); only the locals are dropped.
+    """
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
