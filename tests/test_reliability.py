@@ -591,12 +591,11 @@ def test_dist_train_and_dist_test_on_two_cpu_processes(tmp_path, task, test_tool
     _assert_close(gathered, alone)
 
 
-@CPU_ONLY
-def test_tools_free_the_ddp_model_before_destroying_the_group(tmp_path, monkeypatch, train_tool,
-                                                              test_tool):
-    """tools/train.py and tools/test.py with --launcher pytorch (one gloo process, in this
-    process): when the process group is destroyed, no DistributedDataParallel is alive any more.
-    A DDP freed after the group joins gloo's threads with the GIL held and can hang the rank."""
+@pytest.fixture
+def live_ddp_at_destroy(monkeypatch):
+    """A one-process gloo world for in-process ``--launcher pytorch`` runs (set MASTER_PORT per
+    run), and the number of live DistributedDataParallel objects at every
+    ``destroy_process_group`` call, as a list."""
     import gc
 
     import torch.distributed as dist
@@ -604,15 +603,24 @@ def test_tools_free_the_ddp_model_before_destroying_the_group(tmp_path, monkeypa
     for key, value in dict(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0',
                            MASTER_ADDR='127.0.0.1').items():
         monkeypatch.setenv(key, value)
-    live_ddp_at_destroy = []
+    counts = []
     destroy = dist.destroy_process_group
 
     def checked_destroy(*args, **kwargs):
-        live_ddp_at_destroy.append(
-            sum(isinstance(obj, DistributedDataParallel) for obj in gc.get_objects()))
+        counts.append(sum(isinstance(obj, DistributedDataParallel) for obj in gc.get_objects()))
         return destroy(*args, **kwargs)
 
     monkeypatch.setattr(dist, 'destroy_process_group', checked_destroy)
+    yield counts
+    assert not dist.is_initialized()
+
+
+@CPU_ONLY
+def test_tools_free_the_ddp_model_before_destroying_the_group(tmp_path, monkeypatch, train_tool,
+                                                              test_tool, live_ddp_at_destroy):
+    """tools/train.py and tools/test.py with --launcher pytorch (one gloo process, in this
+    process): when the process group is destroyed, no DistributedDataParallel is alive any more.
+    A DDP freed after the group joins gloo's threads with the GIL held and can hang the rank."""
     cfg = _tiny_config(tmp_path, 'det', iters=2, ckpt=2, validate=False)
     monkeypatch.setenv('MASTER_PORT', str(_free_port()))
     train_tool.main([cfg, '--launcher', 'pytorch', '--work-dir', str(tmp_path / 'train')])
@@ -620,7 +628,6 @@ def test_tools_free_the_ddp_model_before_destroying_the_group(tmp_path, monkeypa
     test_tool.main([cfg, str(tmp_path / 'train' / 'iter_2.pth'), '--launcher', 'pytorch',
                     '--work-dir', str(tmp_path / 'test')])
     assert live_ddp_at_destroy == [0, 0]  # one destroy per tool, no DDP left at either
-    assert not dist.is_initialized()
     assert 'coco/bbox_mAP' in _metrics(tmp_path / 'test')
 
 
@@ -634,32 +641,17 @@ class _CrashHook(Hook):
 
 @CPU_ONLY
 def test_a_crashing_rank_frees_its_ddp_before_the_group_is_destroyed(tmp_path, monkeypatch,
-                                                                     train_tool):
+                                                                     train_tool,
+                                                                     live_ddp_at_destroy):
     """A distributed run that crashes: the error reaches the user with its traceback, and still
     no DDP model is alive when the process group is destroyed (the traceback's frames would
     otherwise keep the Runner)."""
-    import gc
-
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-    for key, value in dict(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1',
-                           MASTER_PORT=str(_free_port())).items():
-        monkeypatch.setenv(key, value)
-    live_ddp_at_destroy = []
-    destroy = dist.destroy_process_group
-
-    def checked_destroy(*args, **kwargs):
-        live_ddp_at_destroy.append(
-            sum(isinstance(obj, DistributedDataParallel) for obj in gc.get_objects()))
-        return destroy(*args, **kwargs)
-
-    monkeypatch.setattr(dist, 'destroy_process_group', checked_destroy)
     cfg = _tiny_config(tmp_path, 'det', iters=2, ckpt=2, validate=False,
                        extra="custom_hooks = [dict(type='_CrashHook')]")
+    monkeypatch.setenv('MASTER_PORT', str(_free_port()))
     with pytest.raises(RuntimeError, match='crash in iteration 1') as excinfo:
         train_tool.main([cfg, '--launcher', 'pytorch', '--work-dir', str(tmp_path / 'train')])
     assert live_ddp_at_destroy == [0]
-    assert not dist.is_initialized()
     assert any(entry.name == 'after_train_iter' for entry in excinfo.traceback)
 
 
