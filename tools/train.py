@@ -33,7 +33,6 @@ import logging
 import os
 import os.path as osp
 import sys
-from typing import Optional
 
 # Use this checkout's xcit_mm even when it is not pip-installed (python tools/train.py ...).
 _REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
@@ -191,8 +190,8 @@ def check_checkpoints(cfg, args) -> None:
             logger='current', level=logging.WARNING)
 
 
-def train(cfg) -> Optional[str]:
-    """Build the Runner and train; return an error message, or None on success.
+def train(cfg) -> None:
+    """Build the Runner and train.
 
     The Runner, and the DDP wrapper that holds the process group, is freed when this returns,
     before :func:`distributed_session` destroys the group (see there why that order matters).
@@ -202,8 +201,7 @@ def train(cfg) -> Optional[str]:
         runner.train()
     except NonFiniteLossError as e:  # a clear message instead of a traceback through mmengine
         runner.logger.error(str(e))
-        return f'error: {e}'
-    return None
+        raise SystemExit(f'error: {e}') from e
 
 
 def main(argv=None):
@@ -223,9 +221,7 @@ def main(argv=None):
             check_checkpoints(cfg, args)
         except (DatasetNotFoundError, AnnotationFormatError, CheckpointFileError) as e:
             raise SystemExit(f'error: {e}')
-        error = train(cfg)
-    if error:
-        raise SystemExit(error)
+        train(cfg)
 
 
 if __name__ == '__main__':
