@@ -63,15 +63,15 @@ def mmpretrain_xcit():
     return importlib.import_module('mmpretrain.models.backbones.xcit').XCiT
 
 
-def _load_tool(name):
-    """tools/<name>.py as a module (tools/ is not a package), one copy per test session.
+def _load_tool(relpath):
+    """A script (e.g. ``tools/train.py``) as a module (tools/ is not a package), one copy per
+    test session.
 
-    Registered in ``sys.modules`` while it executes: dataclasses (tools/benchmark.py) look their
-    module up there.
+    Registered in ``sys.modules`` while it executes: dataclasses look their module up there.
     """
-    module_name = f'xcit_mm_tool_{name}'
+    module_name = 'xcit_mm_tool_' + osp.splitext(relpath)[0].replace('/', '_')
     if module_name not in sys.modules:
-        path = osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'tools', f'{name}.py')
+        path = osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), relpath)
         spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[module_name] = module
@@ -82,28 +82,28 @@ def _load_tool(name):
 @pytest.fixture(scope='session')
 def train_tool():
     """tools/train.py, loaded as a module."""
-    return _load_tool('train')
+    return _load_tool('tools/train.py')
 
 
 @pytest.fixture(scope='session')
 def test_tool():
     """tools/test.py, loaded as a module."""
-    return _load_tool('test')
+    return _load_tool('tools/test.py')
 
 
 @pytest.fixture(scope='session')
 def demo_tool():
-    """tools/demo.py, loaded as a module."""
-    return _load_tool('demo')
+    """demo/image_demo.py, loaded as a module."""
+    return _load_tool('demo/image_demo.py')
 
 
 @pytest.fixture(scope='session')
 def xca_tool():
-    """tools/visualize_xca.py, loaded as a module."""
-    return _load_tool('visualize_xca')
+    """tools/analysis_tools/visualize_xca.py, loaded as a module."""
+    return _load_tool('tools/analysis_tools/visualize_xca.py')
 
 
 @pytest.fixture(scope='session')
 def bench():
-    """tools/benchmark.py, loaded as a module."""
-    return _load_tool('benchmark')
+    """tools/analysis_tools/benchmark.py, loaded as a module."""
+    return _load_tool('tools/analysis_tools/benchmark.py')

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOL = os.path.join(ROOT, 'tools', 'benchmark.py')
+TOOL = os.path.join(ROOT, 'tools', 'analysis_tools', 'benchmark.py')
 
 
 def test_flop_counter_linear_is_exact(bench):

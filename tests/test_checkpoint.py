@@ -15,8 +15,10 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from xcit_mm import XCiTBackbone
-from xcit_mm.checkpoint import (CheckpointError, convert_state_dict, detect_layout,
-                                extract_state_dict, load_pretrained, read_checkpoint)
+from xcit_mm.models.utils import (convert_backbone_state_dict as convert_state_dict,
+                                  detect_layout, load_backbone_checkpoint as load_pretrained)
+from xcit_mm.utils.checkpoint_io import (CheckpointError, extract_state_dict,
+                                         load_checkpoint_file as read_checkpoint)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARCH = dict(embed_dims=64, depth=4, num_heads=4)
@@ -142,7 +144,7 @@ def test_converter_cli_round_trip(mmpretrain_xcit, tmp_path):
     ref = _mmpretrain_model(mmpretrain_xcit, 8)
     src, dst, dst2 = (str(tmp_path / n) for n in ('official.pth', 'conv.pth', 'conv2.pth'))
     write_layout('official', ref, src, 8)
-    script = os.path.join(ROOT, 'tools', 'convert_checkpoint.py')
+    script = os.path.join(ROOT, 'tools', 'model_converters', 'convert_checkpoint.py')
     res = subprocess.run([sys.executable, script, src, dst, '--arch', 'n12', '--patch-size', '8'],
                          capture_output=True, text=True)
     # n12 is the wrong arch for this tiny checkpoint: the CLI must say so and write nothing
@@ -218,7 +220,7 @@ def test_checkpoint_matching_nothing_is_an_error(tmp_path):
     torch.save({'state_dict': {'conv1.weight': torch.zeros(1)}}, path)
     with pytest.raises(CheckpointError, match='Unrecognised checkpoint layout'):
         load_pretrained(XCiTBackbone(arch=ARCH, out_indices=OUT_INDICES), path)
-    with pytest.raises(CheckpointError, match=r"not found: '.*nope\.pth'"):
+    with pytest.raises(CheckpointError, match=r"not found: .*nope\.pth"):
         load_pretrained(XCiTBackbone(arch=ARCH, out_indices=OUT_INDICES),
                         str(tmp_path / 'nope.pth'))
 
@@ -239,12 +241,12 @@ def test_pickled_code_is_refused_and_never_run(tmp_path):
     path = str(tmp_path / 'evil.pth')
     with open(path, 'wb') as f:
         torch.save({'state_dict': {'x': torch.zeros(1)}, 'hook': _Payload(str(marker))}, f)
-    with pytest.raises(CheckpointError, match=r'Refusing to unpickle .*evil\.pth.*weights_only'
+    with pytest.raises(CheckpointError, match=r'Refusing to load .*evil\.pth.*weights_only'
                                               r'=False'):
         read_checkpoint(path)
     model = XCiTBackbone(arch=ARCH, out_indices=OUT_INDICES,
                          init_cfg=dict(type='Pretrained', checkpoint=path))
-    with pytest.raises(CheckpointError, match='Refusing to unpickle'):
+    with pytest.raises(CheckpointError, match='Refusing to load'):
         model.init_weights()
     assert not marker.exists()
 
@@ -256,7 +258,7 @@ def test_trusted_full_checkpoint_opt_in(mmpretrain_xcit, tmp_path):
     torch.save({'model': to_official(ref.state_dict(), 16),
                 'args': _Namespace(lr=1e-3)}, path)
     model = XCiTBackbone(arch=ARCH, out_indices=OUT_INDICES)
-    with pytest.raises(CheckpointError, match='Refusing to unpickle'):
+    with pytest.raises(CheckpointError, match='Refusing to load'):
         load_pretrained(model, path)
     report = load_pretrained(model, path, weights_only=False)
     assert report['layout'] == 'official' and report['adapter_fresh'] == ['fpn1', 'fpn2']
@@ -275,7 +277,7 @@ def test_truncated_file_names_the_file(tmp_path):
     data = open(path, 'rb').read()
     with open(path, 'wb') as f:
         f.write(data[:len(data) // 2])
-    with pytest.raises(CheckpointError, match=r"truncated\.pth.*truncated, corrupt"):
+    with pytest.raises(CheckpointError, match=r"truncated\.pth.*truncated or corrupt"):
         read_checkpoint(path)
     garbage = str(tmp_path / 'garbage.pth')
     with open(garbage, 'wb') as f:
@@ -296,7 +298,7 @@ class _SneakyGetattr:
 def test_runner_checkpoints_load_safely(tmp_path):
     """mmengine's message hub (HistoryBuffer, numpy) loads with weights_only=True, nothing more."""
     from mmengine.logging import MessageHub
-    from xcit_mm.checkpoint import allow_runner_checkpoints
+    from xcit_mm.utils.checkpoint_io import runner_checkpoint_globals
     hub = MessageHub.get_instance('xcit_mm_test_hub')
     for i in range(3):
         hub.update_scalar('train/loss', 1.0 / (i + 1))
@@ -304,21 +306,21 @@ def test_runner_checkpoints_load_safely(tmp_path):
     path = str(tmp_path / 'iter_3.pth')
     torch.save({'meta': {'iter': 3}, 'state_dict': {'w': torch.ones(2)},
                 'message_hub': hub.state_dict()}, path)
-    allow_runner_checkpoints()
-    loaded = torch.load(path, weights_only=True)
+    with runner_checkpoint_globals():
+        loaded = torch.load(path, weights_only=True)
     restored = MessageHub.get_instance('xcit_mm_test_hub_restored')
     restored.load_state_dict(loaded['message_hub'])
     assert restored.get_scalar('train/loss').current() == pytest.approx(1 / 3)
     # the getattr stand-in serves only what mmengine writes
     sneaky = str(tmp_path / 'sneaky.pth')
     torch.save({'x': _SneakyGetattr()}, sneaky)
-    with pytest.raises(CheckpointError, match='Refusing to unpickle'):
+    with pytest.raises(CheckpointError, match='Refusing to load'):
         read_checkpoint(sneaky)
 
 
 def test_full_model_conversion_of_a_released_detector(mmpretrain_xcit, tmp_path):
     """Released mmdet 2.11 detectors: backbone renamed, neck/heads kept, backbone loads exactly."""
-    from xcit_mm.checkpoint import convert_model_state_dict
+    from xcit_mm.models.utils import convert_model_state_dict
     ref = _mmpretrain_model(mmpretrain_xcit, 16)
     official = to_official(ref.state_dict(), 16)
     detector = OrderedDict([('backbone.' + k, v) for k, v in official.items()
@@ -332,7 +334,7 @@ def test_full_model_conversion_of_a_released_detector(mmpretrain_xcit, tmp_path)
     assert torch.equal(converted['neck.lateral_convs.0.conv.weight'], torch.ones(8, 64, 1, 1))
     assert 'roi_head.bbox_head.fc_cls.weight' in converted
     assert 'backbone.layers.3.lpi.conv1.weight' in converted
-    script = os.path.join(ROOT, 'tools', 'convert_checkpoint.py')
+    script = os.path.join(ROOT, 'tools', 'model_converters', 'convert_checkpoint.py')
     res = subprocess.run([sys.executable, script, path, dst, '--full-model'], capture_output=True,
                          text=True)
     assert res.returncode == 0, res.stderr

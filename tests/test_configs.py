@@ -83,7 +83,7 @@ def test_exactly_the_paper_configs_exist():
 @pytest.mark.parametrize('task,arch,patch', ALL)
 def test_config_recipe(task, arch, patch):
     cfg = _load(task, arch, patch)
-    assert cfg.custom_imports == dict(imports=['xcit_mm', 'xcit_mm.utils'],
+    assert cfg.custom_imports == dict(imports=['xcit_mm'],
                                       allow_failed_imports=False)
     assert [h['type'] for h in cfg.custom_hooks] == ['CheckFiniteLossHook', 'RandomStateHook']
     backbone = cfg.model.backbone

@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from xcit_mm import XCiTBackbone
-from xcit_mm.models.xcit import arch_zoo
+from xcit_mm.models.backbones.xcit import arch_zoo
 
 TINY = dict(embed_dims=64, depth=4, num_heads=4)
 
@@ -73,7 +73,7 @@ class TestShapes(TestCase):
         nn.ConvTranspose2d in values and gradients, across block boundaries (a 20-row map in
         blocks of 8, 8 and 4) and for a map done in one block. float64, so that only a wrong
         index, not the summation order, can make a difference."""
-        from xcit_mm.models.xcit import _up2_to_nchw
+        from xcit_mm.models.backbones.xcit import _up2_to_nchw
         torch.manual_seed(0)
         conv = nn.ConvTranspose2d(64, 64, kernel_size=2, stride=2).double()
         for shape in [(1, 64, 20, 1024), (2, 64, 5, 7)]:

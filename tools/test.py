@@ -1,8 +1,10 @@
 """Test (and evaluate) a detector (mmdet) or a segmentor (mmseg) with an XCiT backbone.
 
 One script for both tasks; the config's ``default_scope`` decides. Modelled on mmdet's and mmseg's
-tools/test.py, with the same dataset and checkpoint checks, CPU-distributed support and checkpoint
-allow-listing as tools/train.py: the checkpoint is read with ``torch.load(weights_only=True)``
+tools/test.py, with the same dataset and checkpoint checks and CPU-distributed support as
+tools/train.py. A released XCiT COCO / ADE20k file (official detection/ and
+semantic_segmentation/ code) is evaluated as downloaded: ``XCiTRunner`` converts its keys in
+memory and loads it strictly. The checkpoint is checked before anything is built: the checkpoint is read with ``torch.load(weights_only=True)``
 before anything is built, so a missing, truncated or code-carrying file is refused with a message
 naming it, and URLs are downloaded into torch's hub cache and checked before mmengine reads them.
 In a distributed run (``tools/dist_test.sh``) every rank evaluates its share of the test set and
@@ -37,11 +39,12 @@ if _REPO_ROOT not in sys.path:
 
 from mmengine.config import Config, DictAction  # noqa: E402
 
-from xcit_mm.checkpoint import allow_runner_checkpoints  # noqa: E402
-from xcit_mm.utils import (AnnotationFormatError, CheckpointFileError,  # noqa: E402
-                           DatasetNotFoundError, build_runner, check_checkpoint,
-                           check_data, distributed_session, ensure_shapes_world)
-from xcit_mm.utils.ckpt_check import is_url  # noqa: E402
+from xcit_mm.datasets import ensure_shapes_world  # noqa: E402
+from xcit_mm.engine import build_runner  # noqa: E402
+from xcit_mm.utils import (AnnotationFormatError, CheckpointError,  # noqa: E402
+                           DatasetNotFoundError, check_checkpoint, check_data,
+                           distributed_session)
+from xcit_mm.utils.checkpoint_io import is_url  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -160,9 +163,6 @@ def evaluate(cfg, out: Optional[str] = None) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
-    # Evaluating a checkpoint written by our own training needs mmengine's classes allow-listed
-    # for torch's weights_only loading (torch >= 2.6).
-    allow_runner_checkpoints()
     cfg = build_cfg(args)
 
     # The process group is destroyed when the block ends, so that no rank aborts or hangs at exit.
@@ -182,7 +182,7 @@ def main(argv=None):
             check_data(cfg, splits=('test', ), config_name=args.config)
             if is_url(args.checkpoint):
                 cfg.load_from = check_checkpoint(args.checkpoint, 'checkpoint')
-        except (DatasetNotFoundError, AnnotationFormatError, CheckpointFileError) as e:
+        except (DatasetNotFoundError, AnnotationFormatError, CheckpointError) as e:
             raise SystemExit(f'error: {e}')
 
         evaluate(cfg, args.out)

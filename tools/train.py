@@ -11,15 +11,16 @@ tools/train.py; the differences are
 - every checkpoint the run will read (``--resume [PATH]``, ``load_from``, ``Pretrained``
   init_cfgs) is checked first: missing, truncated or pickled-code files stop the run with a
   message, and nothing beyond tensors and mmengine's own state is ever unpickled (URLs are
-  downloaded into torch's hub cache and checked; see ``xcit_mm/utils/ckpt_check.py``);
+  downloaded into torch's hub cache and checked; see ``xcit_mm/utils/checkpoint_io.py``);
 - ``CheckFiniteLossHook`` (stop at the first NaN/inf loss, naming the iteration) and
   ``RandomStateHook`` (exact ``--resume``) are added when the config lacks them
-  (``xcit_mm/utils/hooks.py``);
+  (``xcit_mm/engine/hooks/``);
 - ``--amp`` without a GPU trains under bfloat16 CPU autocast (``CPUAmpOptimWrapper``), since
   mmengine's ``AmpOptimWrapper`` needs a GPU;
-- distributed runs also work without a GPU (gloo; see ``xcit_mm/utils/cpu_dist.py``);
-- mmengine's own checkpoint classes are allow-listed for torch's ``weights_only`` loading so that
-  ``--resume`` works with torch >= 2.6.
+- distributed runs also work without a GPU (gloo; see ``xcit_mm/utils/dist_utils.py``);
+- checkpoints are loaded by ``XCiTRunner``: read safely (mmengine's own classes allow-listed for
+  torch's ``weights_only`` loading only while a file is read, so ``--resume`` works with
+  torch >= 2.6), released XCiT COCO / ADE20k files converted in memory, and loaded strictly.
 
 Examples::
 
@@ -42,13 +43,12 @@ if _REPO_ROOT not in sys.path:
 from mmengine.config import Config, DictAction  # noqa: E402
 from mmengine.logging import print_log  # noqa: E402
 
-from xcit_mm.checkpoint import allow_runner_checkpoints  # noqa: E402
-from xcit_mm.utils import (AnnotationFormatError, CheckpointFileError,  # noqa: E402
-                           DatasetNotFoundError, amp_optim_wrapper_type, build_runner,
-                           check_checkpoint, check_data, check_pretrained, distributed_session,
-                           ensure_reliability_hooks, ensure_shapes_world, resolve_auto_resume)
-from xcit_mm.utils.hooks import NonFiniteLossError  # noqa: E402
-from xcit_mm.utils.amp import CPU_AMP_TYPE  # noqa: E402
+from xcit_mm.datasets import ensure_shapes_world  # noqa: E402
+from xcit_mm.engine import (CPU_AMP_TYPE, NonFiniteLossError,  # noqa: E402
+                            amp_optim_wrapper_type, build_runner, ensure_reliability_hooks)
+from xcit_mm.utils import (AnnotationFormatError, CheckpointError,  # noqa: E402
+                           DatasetNotFoundError, check_checkpoint, check_data, check_pretrained,
+                           distributed_session, resolve_auto_resume)
 
 
 def parse_args(argv=None):
@@ -162,7 +162,7 @@ def _saves_several(cfg, checkpoint_hook) -> bool:
 
 
 def check_checkpoints(cfg, args) -> None:
-    """Check every checkpoint the run will read, before any work (see xcit_mm.utils.ckpt_check).
+    """Check every checkpoint the run will read, before any work (see xcit_mm.utils.checkpoint_io).
 
     ``--resume PATH`` / a bare ``--resume`` (the work dir's latest checkpoint) must be training
     checkpoints, ``load_from`` must hold weights, and every ``Pretrained`` init_cfg must exist;
@@ -170,7 +170,7 @@ def check_checkpoints(cfg, args) -> None:
     unpickled beyond tensors and mmengine's own training state.
 
     Raises:
-        CheckpointFileError: naming the file, the problem and the fix.
+        CheckpointError: naming the file, the problem and the fix.
     """
     if args.resume == 'auto':
         latest = resolve_auto_resume(cfg.work_dir)
@@ -206,9 +206,6 @@ def train(cfg) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
-    # torch >= 2.6 loads checkpoints with weights_only=True; mmengine's resume state pickles its
-    # own classes (HistoryBuffer, ...), which must be allow-listed first.
-    allow_runner_checkpoints()
     cfg = build_cfg(args)
 
     # Before the Runner: rank-aware data preparation needs the process group, and CPU-only
@@ -219,7 +216,7 @@ def main(argv=None):
         try:
             check_data(cfg, splits=('train', 'val'), config_name=args.config)
             check_checkpoints(cfg, args)
-        except (DatasetNotFoundError, AnnotationFormatError, CheckpointFileError) as e:
+        except (DatasetNotFoundError, AnnotationFormatError, CheckpointError) as e:
             raise SystemExit(f'error: {e}')
         train(cfg)
 

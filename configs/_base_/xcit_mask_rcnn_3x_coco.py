@@ -19,8 +19,11 @@ _base_ = [
     'mmdet::_base_/default_runtime.py',
 ]
 
-# Registers XCiTBackbone; works with our tools and with mmdet's own tools/train.py alike.
-custom_imports = dict(imports=['xcit_mm', 'xcit_mm.utils'], allow_failed_imports=False)
+# Registers XCiTBackbone, the runner and the hooks; works with our tools and mmdet's own alike.
+custom_imports = dict(imports=['xcit_mm'], allow_failed_imports=False)
+# Safe and strict checkpoint loading (load_from, --resume, evaluating a released XCiT file as
+# downloaded), with our tools and upstream mmdet/mmseg tools alike: xcit_mm.engine.XCiTRunner.
+runner_type = 'XCiTRunner'
 # Reliability (docs/reliability.md): stop at the first NaN/inf loss, naming the iteration and the
 # loss terms (mmdet's CheckInvalidLossHook only exists in the mmdet scope and asserts every 50
 # iterations without a message); save the random states in checkpoints so that --resume continues

@@ -533,3 +533,44 @@ def make_mosaic(samples: Sequence[Tuple[np.ndarray, np.ndarray, np.ndarray]], pa
     os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
     Image.fromarray(canvas).save(path)
     return canvas
+
+
+def _shapes_root(world: Dict) -> Optional[str]:
+    for key in ('root', 'data_root', 'out_dir', 'output_dir'):
+        if world.get(key):
+            return world[key]
+    return None
+
+
+def ensure_shapes_world(cfg, splits: Sequence[str] = ('train', 'val', 'test')) -> bool:
+    """Generate the built-in shapes dataset if the config asks for it and it is missing.
+
+    A config opts in with a ``shapes_world`` dict: the keyword arguments of
+    :func:`generate_shapes`. The data is (re)generated when the dict's root
+    (``root`` / ``data_root`` / ``out_dir`` key) does not exist, or, for a dict without such a key,
+    when any path the ``splits`` need is missing. In a distributed run only global rank 0 writes and
+    the other ranks wait at a barrier (the root must be on a file system all ranks share).
+
+    Args:
+        cfg (mmengine.Config | dict): The full config.
+        splits (Sequence[str]): Splits whose paths decide whether data is missing.
+
+    Returns:
+        bool: True if data was generated (on this or another rank).
+
+    """
+    from xcit_mm.utils.data_check import find_missing_data
+    world = cfg.get('shapes_world')
+    if not world:
+        return False
+    root = _shapes_root(world)
+    needed = (not osp.exists(root)) if root else bool(find_missing_data(cfg, splits))
+    if not needed:
+        return False
+
+    from mmengine.dist import barrier, get_rank, is_distributed
+    if get_rank() == 0:
+        generate_shapes(**dict(world))
+    if is_distributed():
+        barrier()
+    return True

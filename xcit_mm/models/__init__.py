@@ -1,3 +1,3 @@
-from .xcit import XCiTBackbone, arch_zoo
+from .backbones import XCiTBackbone, arch_zoo
 
 __all__ = ['XCiTBackbone', 'arch_zoo']

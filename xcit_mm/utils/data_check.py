@@ -8,12 +8,11 @@ evaluator settings of a config the same way mmengine's ``BaseDataset`` resolves 
 :class:`DatasetNotFoundError` that lists every missing path and says what to download and where to
 put it, or how to point the config elsewhere with ``--cfg-options``.
 
-:func:`ensure_shapes_world` creates the small built-in shapes dataset (``xcit_mm.datasets``) when a
-config carries a ``shapes_world`` dict and the data does not exist yet.
+The built-in shapes dataset is created on use by :func:`xcit_mm.datasets.ensure_shapes_world`.
 """
 import os
 import os.path as osp
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 # Split name -> (dataloader key, evaluator key, loop key that enables it).
 _SPLITS = {
@@ -416,58 +415,3 @@ def check_annotation_formats(cfg, splits: Sequence[str] = ('train', 'val'),
                 f'"annotations" and "categories" lists (like annotations/instances_val2017.json). '
                 f'Point {where}.{key} at a COCO file (--cfg-options {where}.{key}=PATH) or '
                 f'convert your annotations to the COCO format.', path, f'{where}.{key}')
-
-
-def _shapes_root(world: Dict) -> Optional[str]:
-    for key in ('root', 'data_root', 'out_dir', 'output_dir'):
-        if world.get(key):
-            return world[key]
-    return None
-
-
-def ensure_shapes_world(cfg, splits: Sequence[str] = ('train', 'val', 'test')) -> bool:
-    """Generate the built-in shapes dataset if the config asks for it and it is missing.
-
-    A config opts in with a ``shapes_world`` dict: the keyword arguments of
-    ``xcit_mm.datasets.generate_shapes``. The data is (re)generated when the dict's root
-    (``root`` / ``data_root`` / ``out_dir`` key) does not exist, or, for a dict without such a key,
-    when any path the ``splits`` need is missing. In a distributed run only global rank 0 writes and
-    the other ranks wait at a barrier (the root must be on a file system all ranks share).
-
-    Args:
-        cfg (mmengine.Config | dict): The full config.
-        splits (Sequence[str]): Splits whose paths decide whether data is missing.
-
-    Returns:
-        bool: True if data was generated (on this or another rank).
-
-    Raises:
-        RuntimeError: If the config needs the shapes data but ``xcit_mm.datasets`` (or its
-            ``generate_shapes``) is not available in this installation. Any other error raised while
-            importing or generating is propagated unchanged.
-    """
-    world = cfg.get('shapes_world')
-    if not world:
-        return False
-    root = _shapes_root(world)
-    needed = (not osp.exists(root)) if root else bool(find_missing_data(cfg, splits))
-    if not needed:
-        return False
-
-    from mmengine.dist import barrier, get_rank, is_distributed
-    if get_rank() == 0:
-        try:
-            from xcit_mm.datasets import generate_shapes
-        except ImportError as e:
-            # Only "this module / name does not exist" is translated; an ImportError raised *inside*
-            # xcit_mm.datasets for another module (e.name != 'xcit_mm.datasets') propagates.
-            if e.name not in ('xcit_mm.datasets', 'xcit_mm'):
-                raise
-            raise RuntimeError(
-                'This config generates the built-in shapes dataset (cfg.shapes_world), but '
-                f'`from xcit_mm.datasets import generate_shapes` failed ({e}). Update/reinstall '
-                'xcit_mm (pip install -e .) or point the config at existing data.') from e
-        generate_shapes(**dict(world))
-    if is_distributed():
-        barrier()
-    return True

@@ -20,7 +20,7 @@ False (and ``AmpOptimWrapper`` otherwise). In a config::
     optim_wrapper = dict(type='CPUAmpOptimWrapper', optimizer=...)
 
 XCiT's cross-covariance attention computes its L2 normalisation and softmax in float32 under
-autocast (see ``xcit_mm.models.xcit``), so the channel-attention maps keep full precision.
+autocast (see ``xcit_mm.models.backbones.xcit``), so the channel-attention maps keep full precision.
 """
 from contextlib import contextmanager
 from typing import List, Optional, Sequence, Union

@@ -78,7 +78,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER_MARK = '@@XCIT_BENCHMARK_WORKER@@'
 
 # arch -> (embed dims D, depth, heads); same table as XCiTBackbone / the paper.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Convert any published XCiT checkpoint to xcit_mm's backbone layout.
 
-    python tools/convert_checkpoint.py xcit_small_12_p8_224.pth xcit_s12_p8_xcit_mm.pth
+    python tools/model_converters/convert_checkpoint.py xcit_small_12_p8_224.pth xcit_s12_p8.pth
 
 Reads official/DINO (``{'model': ...}``), timm, mmpretrain and xcit_mm/mmengine files with
 ``torch.load(weights_only=True)``; ``--trust`` unpickles a file you trust (e.g. a full mmengine
@@ -10,8 +10,10 @@ training checkpoint). Writes ``{'state_dict': ..., 'meta': {...}}`` loadable wit
 that the result loads into that backbone. ``--full-model`` converts a whole released detector /
 segmentor (backbone renamed, neck and heads kept) for ``tools/test.py CONFIG DST``:
 
-    python tools/convert_checkpoint.py maskrcnn_xcit_small_12_p8.pth mask_rcnn_s12_p8.pth \\
-        --full-model
+    python tools/model_converters/convert_checkpoint.py maskrcnn_xcit_small_12_p8.pth \\
+        mask_rcnn_s12_p8.pth --full-model
+
+(``tools/test.py`` also reads the released files as downloaded; converting is optional.)
 """
 import argparse
 import os
@@ -20,10 +22,11 @@ from collections import OrderedDict
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from xcit_mm.checkpoint import (CheckpointError, convert_model_state_dict,  # noqa: E402
-                                convert_state_dict, extract_state_dict, load_converted,
-                                read_checkpoint)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from xcit_mm.models.utils import (LayoutError, convert_backbone_state_dict,  # noqa: E402
+                                  convert_model_state_dict, load_backbone_state_dict)
+from xcit_mm.utils.checkpoint_io import (CheckpointError, extract_state_dict,  # noqa: E402
+                                         load_checkpoint_file)
 
 
 def parse_args(argv=None):
@@ -44,19 +47,20 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     try:
-        raw = extract_state_dict(read_checkpoint(args.src, weights_only=not args.trust))
+        raw = extract_state_dict(
+            load_checkpoint_file(args.src, 'checkpoint', weights_only=not args.trust), args.src)
         if args.full_model:
             converted, info = convert_model_state_dict(raw)
             backbone = OrderedDict((k[len('backbone.'):], v) for k, v in converted.items()
                                    if k.startswith('backbone.'))
         else:
-            converted, info = convert_state_dict(raw, args.prefix)
+            converted, info = convert_backbone_state_dict(raw, args.prefix)
             backbone = converted
         if args.arch:
             from xcit_mm import XCiTBackbone
-            load_converted(XCiTBackbone(arch=args.arch, patch_size=args.patch_size), backbone,
-                           source=args.src)
-    except CheckpointError as e:
+            load_backbone_state_dict(XCiTBackbone(arch=args.arch, patch_size=args.patch_size),
+                                     backbone, source=args.src)
+    except (CheckpointError, LayoutError) as e:
         sys.exit(f'error: {e}')
     os.makedirs(os.path.dirname(os.path.abspath(args.dst)), exist_ok=True)
     torch.save({'state_dict': converted,

@@ -6,14 +6,16 @@ tokens, so time and memory grow linearly with the number of pixels. For detectio
 segmentation the features of four layers are rescaled by transposed convolutions / max-pooling to
 strides 4, 8, 16 and 32 (paper appendix B.2), which is what FPN-style necks consume.
 
-State-dict keys (xcit_mm's layout; ``xcit_mm.checkpoint`` converts the official, timm and
-mmpretrain layouts to it)::
+State-dict keys (xcit_mm's layout; :mod:`xcit_mm.models.utils.ckpt_convert` converts the
+official, timm and mmpretrain layouts to it)::
 
     patch_embed.proj.{i}.{conv,bn}.*      conv stem, 3x3 stride 2 each
     pos_embed.proj.*                      1x1 projection of the 64-d Fourier code
     layers.{i}.{norm1,attn.{qkv,temperature,proj},norm3,lpi.{conv1,bn,conv2},norm2,
                ffn.{fc1,fc2},gamma1,gamma2,gamma3}
-    fpn1 .. fpn4                          the stride adapter (same keys as the official detectors)
+    fpn1.{0,1,3}.*, fpn2.0.*  (p16)       the stride adapter, built as nn.Sequential exactly where
+    fpn1.0.*                  (p8)        the released detectors/segmentors have one, so their
+                                          files load under the same names
 """
 import math
 from contextlib import contextmanager
@@ -250,7 +252,12 @@ class XCiTLayer(nn.Module):
 
 
 def _build_adapter(embed_dims: int, patch_size: int, norm_cfg: dict) -> List[nn.Module]:
-    """Modules taking the stride-``patch_size`` trunk maps to strides 4, 8, 16, 32 (paper B.2)."""
+    """Modules taking the stride-``patch_size`` trunk maps to strides 4, 8, 16, 32 (paper B.2).
+
+    Wrapped in ``nn.Sequential`` exactly where the official detection / segmentation code wraps
+    them, so that parameter names (``fpn2.0.weight``, ``fpn1.1.running_mean``...) are those of the
+    released COCO / ADE20k files.
+    """
 
     def up2():
         return nn.ConvTranspose2d(embed_dims, embed_dims, kernel_size=2, stride=2)
@@ -261,9 +268,9 @@ def _build_adapter(embed_dims: int, patch_size: int, norm_cfg: dict) -> List[nn.
     if patch_size == 16:
         return [
             nn.Sequential(up2(), build_norm_layer(norm_cfg, embed_dims)[1], nn.GELU(), up2()),
-            up2(), nn.Identity(), pool(2)
+            nn.Sequential(up2()), nn.Identity(), pool(2)
         ]
-    return [up2(), nn.Identity(), pool(2), pool(4)]
+    return [nn.Sequential(up2()), nn.Identity(), nn.Sequential(pool(2)), nn.Sequential(pool(4))]
 
 
 def _up2_to_nchw(conv: nn.ConvTranspose2d, x: torch.Tensor) -> torch.Tensor:
@@ -343,7 +350,7 @@ class XCiTBackbone(BaseModule):
         init_cfg (dict, optional): ``dict(type='Pretrained', checkpoint=PATH_OR_URL)`` loads any
             published layout (official / DINO ``{'model': ...}``, timm, mmpretrain, xcit_mm or
             mmengine checkpoints; ``prefix`` selects a sub-module, ``weights_only=False`` opts in
-            to unpickling a file you trust). See :mod:`xcit_mm.checkpoint`.
+            to unpickling a file you trust). See :mod:`xcit_mm.models.utils`.
     """
 
     def __init__(self,
@@ -442,13 +449,13 @@ class XCiTBackbone(BaseModule):
     # ------------------------------------------------------------------ weights
     def init_weights(self):
         """Truncated-normal init as in the reference code, then the Pretrained checkpoint if any."""
-        from ..checkpoint import load_pretrained
+        from ..utils.ckpt_load import load_backbone_checkpoint
         self.apply(_init_module)
         init_cfg = self.init_cfg
         if isinstance(init_cfg, dict) and init_cfg.get('type') == 'Pretrained':
             if 'checkpoint' not in init_cfg:
                 raise ValueError("init_cfg type 'Pretrained' needs a 'checkpoint' path or URL")
-            load_pretrained(
+            load_backbone_checkpoint(
                 self, init_cfg['checkpoint'], prefix=init_cfg.get('prefix'),
                 weights_only=init_cfg.get('weights_only', True))
         elif init_cfg is not None:

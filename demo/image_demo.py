@@ -284,7 +284,7 @@ def load_weights(model, checkpoint_path: str) -> dict:
 
     Accepts mmengine Runner checkpoints (``state_dict`` + ``meta`` + optimizer/message hub,
     loadable under torch's ``weights_only=True`` through
-    :func:`xcit_mm.checkpoint.allow_runner_checkpoints`), bare state dicts and ``{'model': sd}``.
+    :func:`xcit_mm.utils.checkpoint_io.runner_checkpoint_globals`), bare state dicts and ``{'model': sd}``.
     Missing or unexpected keys are logged by mmengine; a checkpoint that shares no key with
     the model is an error (it belongs to another model).
 
@@ -299,13 +299,12 @@ def load_weights(model, checkpoint_path: str) -> dict:
         FileNotFoundError: If a local checkpoint path does not exist.
         ValueError: If the file holds no state dict matching the model.
     """
-    from mmengine.runner import CheckpointLoader, load_state_dict
+    from mmengine.runner import load_state_dict
 
-    from xcit_mm.checkpoint import allow_runner_checkpoints
-    allow_runner_checkpoints()
+    from xcit_mm.utils.checkpoint_io import load_checkpoint_file
     if '://' not in checkpoint_path and not osp.isfile(checkpoint_path):
         raise FileNotFoundError(f'checkpoint not found: {checkpoint_path!r}')
-    ckpt = CheckpointLoader.load_checkpoint(checkpoint_path, map_location='cpu')
+    ckpt = load_checkpoint_file(checkpoint_path, 'checkpoint')
     if not isinstance(ckpt, dict):
         raise ValueError(f'checkpoint {checkpoint_path!r} holds a {type(ckpt).__name__}, '
                          'not a state dict')

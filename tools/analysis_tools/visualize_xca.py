@@ -47,7 +47,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 # Run from a checkout without installing: make `import xcit_mm` find the repository.
-_REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+_REPO_ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
@@ -213,11 +213,9 @@ def build_backbone(model: str, arch: Union[str, dict] = 's12', patch_size: int =
                     "or use MODEL=random") if model.endswith('.py') and ckpt != checkpoint \
                 else ''
             raise FileNotFoundError(f'checkpoint not found: {ckpt!r}{hint}')
-        from xcit_mm.checkpoint import allow_runner_checkpoints
-        allow_runner_checkpoints()
     backbone = XCiTBackbone(**bb_cfg)
     # Truncated-normal init, then the checkpoint if any; the backbone's loader is strict and
-    # raises xcit_mm.checkpoint.CheckpointError for a checkpoint of another arch / patch size.
+    # raises xcit_mm.utils.checkpoint_io.CheckpointError for a checkpoint of another arch / patch size.
     backbone.init_weights()
     backbone.eval()
     return backbone, preprocess
@@ -433,7 +431,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     """Command-line entry point; returns 0 on success, 2 on a bad input or checkpoint."""
-    from xcit_mm.checkpoint import CheckpointError
+    from xcit_mm.utils.checkpoint_io import CheckpointError
     args = parse_args(argv)
     if args.cell < 32:
         print('error: --cell must be at least 32 px', file=sys.stderr)

@@ -1,0 +1,3 @@
+from .xcit import XCiTBackbone, arch_zoo
+
+__all__ = ['XCiTBackbone', 'arch_zoo']

@@ -1,0 +1,162 @@
+"""Pure key conversion of the published XCiT layouts to :class:`XCiTBackbone`'s names.
+
+No file is read here (see :mod:`xcit_mm.utils.checkpoint_io`): dicts of tensors in, dicts out.
+
+Layouts in the wild (see the README):
+
+* ``official``  - facebookresearch/xcit ImageNet and DINO files, ``{'model': state_dict}``,
+  keys ``blocks.{i}.local_mp.*``, ``pos_embeder.*``, ``patch_embed.proj.{0,2,4,6}.{0,1}.*``.
+  The released COCO / ADE20k models (official detection/ and semantic_segmentation/ code,
+  mmdet 2.11 / mmseg 0.11) use the same names under ``backbone.``, plus the stride adapter built
+  as ``nn.Sequential`` (``fpn1.{0,1,3}``, ``fpn2.0`` for p16; ``fpn1.0`` for p8), which are
+  :class:`XCiTBackbone`'s own adapter names.
+* ``timm``      - the official names with ``pos_embed.`` for ``pos_embeder.``.
+* ``mmpretrain``- ``{'state_dict': ...}`` with ``backbone.xca_layers.{i}.*`` and mmcv brick names.
+* ``xcit_mm``   - this package's names, possibly inside an mmengine checkpoint under
+  ``backbone.``. Files written before the adapter took the official names (0.1: ``fpn2.weight``
+  for p16, ``fpn1.weight`` for p8) are renamed too.
+"""
+import re
+from collections import OrderedDict
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+LAYOUTS = ('official', 'timm', 'mmpretrain', 'xcit_mm')
+
+# Keys only the ImageNet classifier has: the dense backbone drops them (and says so).
+CLASSIFIER_KEY = re.compile(r'^(cls_token|cls_attn_blocks\.|ca_layers\.|norm\.|head\.|fc_norm\.)')
+ADAPTER_KEY = re.compile(r'^fpn[1-4]\.')
+
+# A transposed conv of the adapter that an earlier xcit_mm stored outside an nn.Sequential.
+_BARE_ADAPTER_CONV = (r'^(fpn[1-4])\.(weight|bias)$', r'\1.0.\2')
+
+# (pattern, replacement) applied in order to each key, per source layout.
+_RENAMES = {
+    'official': [
+        (r'^patch_embed\.proj\.(\d+)\.0\.', lambda m: f'patch_embed.proj.{int(m[1]) // 2}.conv.'),
+        (r'^patch_embed\.proj\.(\d+)\.1\.', lambda m: f'patch_embed.proj.{int(m[1]) // 2}.bn.'),
+        (r'^pos_embed(er)?\.token_projection\.', 'pos_embed.proj.'),
+        (r'^blocks\.(\d+)\.', r'layers.\1.'),
+        (r'^(layers\.\d+)\.local_mp\.', r'\1.lpi.'),
+        (r'^(layers\.\d+)\.mlp\.', r'\1.ffn.'),
+    ],
+    'mmpretrain': [
+        (r'^pos_embed\.token_projection\.conv\.', 'pos_embed.proj.'),
+        (r'^xca_layers\.(\d+)\.', r'layers.\1.'),
+        (r'^(layers\.\d+)\.local_mp\.conv1\.conv\.', r'\1.lpi.conv1.'),
+        (r'^(layers\.\d+)\.local_mp\.conv1\.bn\.', r'\1.lpi.bn.'),
+        (r'^(layers\.\d+)\.local_mp\.conv2\.conv\.', r'\1.lpi.conv2.'),
+        (r'^(layers\.\d+)\.ffn\.layers\.0\.0\.', r'\1.ffn.fc1.'),
+        (r'^(layers\.\d+)\.ffn\.layers\.1\.', r'\1.ffn.fc2.'),
+    ],
+    'xcit_mm': [_BARE_ADAPTER_CONV],
+}
+_RENAMES['timm'] = _RENAMES['official']
+
+
+class LayoutError(ValueError):
+    """A state dict that is not in any known XCiT layout."""
+
+
+def detect_layout(state_dict: Dict[str, torch.Tensor]) -> str:
+    """Which of :data:`LAYOUTS` a (prefix-free) backbone state dict uses."""
+    keys = list(state_dict)
+    if any(k.startswith('xca_layers.') for k in keys):
+        return 'mmpretrain'
+    if any(k.startswith('blocks.') for k in keys):
+        return 'official' if any(k.startswith('pos_embeder.') for k in keys) else 'timm'
+    if any(k.startswith('layers.') for k in keys) and any('.lpi.' in k for k in keys):
+        return 'xcit_mm'
+    raise LayoutError(f'Unrecognised checkpoint layout: none of {LAYOUTS} matches. Is this an '
+                      f'XCiT checkpoint? First keys: {keys[:8]}')
+
+
+def _strip_prefix(state_dict, prefix) -> Tuple[Dict[str, torch.Tensor], List[str]]:
+    kept = OrderedDict((k[len(prefix):], v) for k, v in state_dict.items()
+                       if k.startswith(prefix))
+    dropped = [k for k in state_dict if not k.startswith(prefix)]
+    return kept, dropped
+
+
+def _strip_ddp(state_dict):
+    if state_dict and all(k.startswith('module.') for k in state_dict):
+        return _strip_prefix(state_dict, 'module.')[0]
+    return state_dict
+
+
+def convert_backbone_state_dict(state_dict: Dict[str, torch.Tensor],
+                                prefix: Optional[str] = None
+                                ) -> Tuple['OrderedDict[str, torch.Tensor]', dict]:
+    """Convert any published XCiT state dict to :class:`XCiTBackbone`'s keys.
+
+    Args:
+        state_dict: Tensors as found in the file.
+        prefix: Sub-module to take, e.g. ``'backbone.'``. By default ``module.`` (DDP) is stripped
+            and, when ``backbone.`` keys exist (mmpretrain, mmdet/mmseg models), only those are
+            taken.
+
+    Returns:
+        ``(converted, info)`` where ``info`` has ``layout``, ``classifier`` (classification-only
+        keys dropped) and ``outside`` (keys outside the backbone prefix, dropped).
+
+    Raises:
+        LayoutError: if no key has ``prefix`` or the layout is unknown.
+    """
+    outside: List[str] = []
+    if prefix is None:
+        state_dict = _strip_ddp(state_dict)
+        if any(k.startswith('backbone.') for k in state_dict):
+            prefix = 'backbone.'
+    if prefix:
+        state_dict, outside = _strip_prefix(state_dict, prefix)
+        if not state_dict:
+            raise LayoutError(f'No key starts with prefix {prefix!r}; first keys: {outside[:8]}')
+    layout = detect_layout(state_dict)
+    converted: 'OrderedDict[str, torch.Tensor]' = OrderedDict()
+    classifier: List[str] = []
+    for key, value in state_dict.items():
+        if CLASSIFIER_KEY.match(key):
+            classifier.append(key)
+            continue
+        for pattern, repl in _RENAMES[layout]:
+            key = re.sub(pattern, repl, key)
+        converted[key] = value
+    return converted, dict(layout=layout, classifier=classifier, outside=outside)
+
+
+def convert_model_state_dict(state_dict: Dict[str, torch.Tensor]
+                             ) -> Tuple['OrderedDict[str, torch.Tensor]', dict]:
+    """Convert a whole detector / segmentor (``backbone.*`` plus neck and heads).
+
+    The released COCO / ADE20k models were trained with mmdet 2.11 / mmseg 0.11, whose neck and
+    head names are unchanged in mmdet 3 / mmseg 1; only the backbone trunk keys need renaming
+    (the adapter already has :class:`XCiTBackbone`'s names). A state dict without XCiT backbone
+    keys (another backbone) is returned unchanged, with ``layout=None``.
+
+    Returns:
+        ``(converted, info)``; ``info['layout']`` is the backbone's source layout.
+    """
+    state_dict = _strip_ddp(state_dict)
+    try:
+        backbone, info = convert_backbone_state_dict(state_dict, prefix='backbone.')
+    except LayoutError:
+        return OrderedDict(state_dict), dict(layout=None, classifier=[], outside=[])
+    converted = OrderedDict(('backbone.' + k, v) for k, v in backbone.items())
+    converted.update((k, v) for k, v in state_dict.items() if not k.startswith('backbone.'))
+    return converted, dict(info, outside=[])
+
+
+def describe_backbone(state_dict: Dict[str, torch.Tensor]) -> str:
+    """Guess the arch of a converted backbone state dict, to explain a mismatch."""
+    parts = []
+    proj = state_dict.get('pos_embed.proj.weight')
+    if proj is not None:
+        parts.append(f'embed_dims={proj.shape[0]}')
+    depth = len({k.split('.')[1] for k in state_dict if k.startswith('layers.')})
+    if depth:
+        parts.append(f'depth={depth}')
+    convs = len({k.split('.')[2] for k in state_dict if k.startswith('patch_embed.proj.')})
+    if convs:
+        parts.append(f'patch_size={2**convs}')
+    return ', '.join(parts) or 'unknown'

@@ -1,0 +1,359 @@
+"""THE checkpoint reader: every file this package and its tools read goes through here.
+
+One reader, one error class (:class:`CheckpointError`), one message per kind of failure:
+
+- a missing file, an unsupported ``scheme://``, a failed download;
+- a file that is not a PyTorch checkpoint at all (an HTML error page saved as ``.pth``, a text
+  file): named as such, with its first bytes;
+- a truncated or corrupt checkpoint (a killed job, a full disk);
+- a checkpoint that holds pickled Python objects beyond tensors and mmengine's own training
+  state: refused, nothing is executed, and the way out is named.
+
+Files are read with ``torch.load(weights_only=True)``. mmengine 0.10's own training checkpoints
+pickle a ``HistoryBuffer`` (with numpy arrays and scalars) and official XCiT files carry an
+``argparse.Namespace``; :func:`runner_checkpoint_globals` allow-lists exactly those, only for
+the duration of a load (no process-wide change), under the numpy 1 *and* numpy 2 names, so a
+file written under either numpy major version loads under the other.
+
+URLs are downloaded once into torch's hub cache (the file mmengine would have downloaded) and
+then read like local files: nothing downloaded is ever unpickled unsafely.
+"""
+import argparse
+import os
+import os.path as osp
+import pickle
+import re
+from contextlib import contextmanager
+from typing import Iterator, List, Optional, Tuple
+from urllib.parse import urlparse
+
+import numpy as np
+import torch
+
+_URL = re.compile(r'^https?://')
+_ZIP_MAGIC = b'PK\x03\x04'
+_PICKLE_PROTO = 0x80  # first byte of a protocol >= 2 pickle: torch's legacy (non-zip) format
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, unreadable, unsafe to unpickle, or does not fit the model."""
+
+
+def is_url(path: str) -> bool:
+    """True for http(s) URLs."""
+    return bool(_URL.match(str(path)))
+
+
+def _scheme(path: str) -> Optional[str]:
+    match = re.match(r'^([a-zA-Z][a-zA-Z0-9+.-]*)://', str(path))
+    return match.group(1).lower() if match else None
+
+
+def hub_cache_path(url: str) -> str:
+    """Where ``torch.hub.load_state_dict_from_url`` (hence mmengine) keeps a downloaded URL."""
+    filename = osp.basename(urlparse(url).path)
+    return osp.join(torch.hub.get_dir(), 'checkpoints', filename)
+
+
+def download_checkpoint(url: str) -> str:
+    """Download ``url`` into the hub cache once per machine (local rank 0); return the path."""
+    from mmengine.dist import barrier, get_world_size
+    cached = hub_cache_path(url)
+    if int(os.environ.get('LOCAL_RANK', '0')) == 0 and not osp.isfile(cached):
+        os.makedirs(osp.dirname(cached), exist_ok=True)
+        try:
+            torch.hub.download_url_to_file(url, cached, progress=False)
+        except Exception as e:  # urllib raises URLError, HTTPError, OSError, ValueError...
+            raise CheckpointError(
+                f'Cannot download checkpoint {url}: {type(e).__name__}: {str(e)[:300]}. Check '
+                f'the URL and the network, or download it yourself and pass the local file.'
+            ) from e
+    if get_world_size() > 1:
+        barrier()
+    return cached
+
+
+# ---------------------------------------------------------------------------- allow-list
+def _history_buffer_getattr(obj, name):
+    """Stands in for ``getattr`` while unpickling: only HistoryBuffer's statistics methods.
+
+    mmengine pickles the statistics registry of its ``HistoryBuffer`` as
+    ``getattr(HistoryBuffer, 'mean')``. Allow-listing the builtin ``getattr`` would let a file
+    reach any attribute of any object; this serves exactly the lookups mmengine writes.
+    """
+    from mmengine.logging.history_buffer import HistoryBuffer
+    if obj is HistoryBuffer and name in ('min', 'max', 'current', 'mean'):
+        return getattr(HistoryBuffer, name)
+    raise pickle.UnpicklingError(f'checkpoint asks for getattr({obj!r}, {name!r}), which is not '
+                                 f'part of an mmengine checkpoint: refused')
+
+
+def _numpy_globals() -> list:
+    """numpy's unpickling entry points under both the numpy 1 and numpy 2 module names.
+
+    numpy 2 moved ``numpy.core`` to ``numpy._core``; pickles name the module they were written
+    with. The functions are taken from numpy's public pickling protocol (``__reduce__``), not from
+    private module paths.
+    """
+    reconstruct = np.zeros(1).__reduce__()[0]
+    scalar = np.float64(1).__reduce__()[0]
+    found = [np.dtype, np.ndarray]
+    found += [type(np.dtype(t)) for t in ('float64', 'float32', 'int64', 'int32', 'bool')]
+    for module in ('numpy.core.multiarray', 'numpy._core.multiarray'):
+        found += [(reconstruct, f'{module}._reconstruct'), (scalar, f'{module}.scalar')]
+    return found
+
+
+@contextmanager
+def runner_checkpoint_globals():
+    """Allow-list mmengine's training state for ``weights_only`` loads inside the block only.
+
+    What it admits cannot run code: ``HistoryBuffer``, numpy arrays / scalars / dtypes, the
+    ``argparse.Namespace`` of official XCiT files, and a ``getattr`` restricted to what mmengine
+    writes. Everything else pickled is still refused.
+    """
+    from mmengine.logging.history_buffer import HistoryBuffer
+    safe = [HistoryBuffer, argparse.Namespace, (_history_buffer_getattr, 'builtins.getattr')]
+    with torch.serialization.safe_globals(safe + _numpy_globals()):
+        yield
+
+
+# ---------------------------------------------------------------------------- reading
+def _first_bytes(path: str, n: int = 16) -> bytes:
+    with open(path, 'rb') as f:
+        return f.read(n)
+
+
+def _not_a_checkpoint(path: str, what: str, head: bytes) -> Optional[str]:
+    """A message if ``path`` is not a PyTorch checkpoint by its first bytes, else None."""
+    if head.startswith(_ZIP_MAGIC) or (head and head[0] == _PICKLE_PROTO):
+        return None
+    size = osp.getsize(path)
+    shown = head.decode('utf-8', 'replace').replace('\n', ' ').strip()
+    start = f"starts with {shown[:12]!r}..." if shown else 'is empty'
+    return (f'{what} {path} ({size} bytes) is not a PyTorch checkpoint (it {start}). A failed '
+            f'download often saves an HTML error page or a text message under the .pth name: '
+            f'download the file again, or check the path.')
+
+
+def _unsafe_detail(error: Exception) -> Optional[str]:
+    """What a weights_only refusal was about, or None if it was not about a Python object."""
+    text = str(error)
+    found = re.search(r'GLOBAL ([\w.]+)', text)
+    if found:
+        return f'it asks to import {found.group(1)}'
+    found = re.search(r'Can only build .*? but got (<class [^>]*>)', text)
+    if found:
+        return f'it asks to build a {found.group(1)}'
+    return None  # e.g. "Unsupported operand 60": not a pickle of objects at all
+
+
+def _unsafe_message(path: str, what: str, error: Exception) -> str:
+    return (
+        f'Refusing to load {what} {path}: the file contains pickled Python objects beyond '
+        f'tensors and mmengine\'s own training state ({_unsafe_detail(error)}), and unpickling '
+        f'them could run arbitrary code. Nothing from the file was executed. If you trust the '
+        f'file (e.g. you wrote it), re-save its weights once: python '
+        f'tools/model_converters/convert_checkpoint.py {path} OUT.pth --full-model --trust, '
+        f'then use OUT.pth (for a backbone init_cfg, weights_only=False also opts in).')
+
+
+def _corrupt_message(path: str, what: str, error: Exception) -> str:
+    size = osp.getsize(path)
+    text = str(error).strip()
+    found = re.search(r'WeightsUnpickler error:\s*(.+?)\s*(\n\n|$)', text, re.S)
+    first = found.group(1)[:200] if found else text.splitlines()[0][:200] if text else ''
+    return (f'Cannot read {what} {path} ({size} bytes): the file is truncated or corrupt '
+            f'({type(error).__name__}: {first}). A checkpoint cut short while being written (a '
+            f'killed job, a full disk) looks like this: use an earlier checkpoint, or copy the '
+            f'file again.')
+
+
+def resolve_checkpoint_path(path: str, what: str = 'checkpoint') -> str:
+    """The local file for ``path``: itself, or the hub-cache copy of a downloaded URL.
+
+    Raises:
+        CheckpointError: for a missing file, a failed download, or another ``scheme://``.
+    """
+    scheme = _scheme(path)
+    if is_url(path):
+        return download_checkpoint(path)
+    if scheme is not None:
+        raise CheckpointError(
+            f'{what} {path}: {scheme}:// checkpoints are resolved by mmengine and may be '
+            f'unpickled without torch\'s weights_only protection, so xcit_mm does not accept '
+            f'them. Download the file and pass its local path (or its http(s) URL).')
+    if not osp.isfile(path):
+        raise CheckpointError(
+            f'{what} not found: {osp.abspath(path)} (working directory {os.getcwd()}). '
+            f'Check the path; relative paths are relative to the working directory.')
+    return path
+
+
+def load_checkpoint_file(path: str, what: str = 'checkpoint', weights_only: bool = True,
+                         map_location='cpu', mmap: bool = False):
+    """Read a checkpoint file or URL, never running pickled code unless opted in.
+
+    Args:
+        path (str): Local path or http(s) URL.
+        what (str): How messages name the file, e.g. ``'load_from checkpoint'``.
+        weights_only (bool): Keep ``True`` for downloaded or shared files. ``False`` unpickles
+            arbitrary objects and so can run code: only for files you trust.
+        map_location: As for ``torch.load``. Defaults to ``'cpu'``.
+        mmap (bool): Memory-map a zip checkpoint (cheap checks that do not read the tensors).
+
+    Returns:
+        The unpickled object (normally a dict).
+
+    Raises:
+        CheckpointError: naming the file, the problem and the fix.
+    """
+    local = resolve_checkpoint_path(path, what)
+    head = _first_bytes(local)
+    problem = _not_a_checkpoint(local, what, head)
+    if problem:
+        raise CheckpointError(problem)
+    mmap = mmap and head.startswith(_ZIP_MAGIC)
+    try:
+        with runner_checkpoint_globals():
+            return torch.load(local, map_location=map_location, weights_only=weights_only,
+                              mmap=mmap)
+    except pickle.UnpicklingError as e:
+        if weights_only and _unsafe_detail(e):
+            raise CheckpointError(_unsafe_message(local, what, e)) from e
+        raise CheckpointError(_corrupt_message(local, what, e)) from e
+    except (RuntimeError, EOFError, OSError, ValueError, UnicodeDecodeError, KeyError) as e:
+        raise CheckpointError(_corrupt_message(local, what, e)) from e
+
+
+def extract_state_dict(checkpoint, source: str = 'checkpoint') -> dict:
+    """The tensor dict inside a checkpoint (``state_dict``, ``model``, ``module`` or itself)."""
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(f'{source} holds a {type(checkpoint).__name__}, not a dict of '
+                              f'weights: it is not a model checkpoint.')
+    for key in ('state_dict', 'model', 'module'):
+        if key in checkpoint and isinstance(checkpoint[key], dict):
+            return extract_state_dict(checkpoint[key], source)
+    tensors = {k: v for k, v in checkpoint.items() if isinstance(v, torch.Tensor)}
+    if not tensors:
+        raise CheckpointError(f'{source} has no weights (top-level keys {list(checkpoint)[:8]}): '
+                              f'expected a state_dict of tensors.')
+    return tensors
+
+
+# ---------------------------------------------------------------------------- early checks
+def check_checkpoint(path: str, what: str = 'checkpoint', kind: str = 'weights') -> str:
+    """Check that ``path`` is a readable, safe checkpoint of the expected kind, before any work.
+
+    Args:
+        path (str): Local path or http(s) URL.
+        what (str): How the message names the file (e.g. ``'--resume checkpoint'``).
+        kind (str): ``'weights'``: a dict holding a ``state_dict`` (or tensors directly), what
+            ``load_from`` and testing need; ``'resume'``: a training checkpoint written by the
+            Runner (``meta`` with the iteration/epoch, ``state_dict``, ``optimizer``).
+
+    Returns:
+        str: The local file to give the Runner: ``path`` itself, or the downloaded copy of a URL.
+
+    Raises:
+        CheckpointError: see :func:`load_checkpoint_file`, or a file not of ``kind``.
+    """
+    local = resolve_checkpoint_path(path, what)
+    checkpoint = load_checkpoint_file(local, what, mmap=True)
+    if kind == 'resume':
+        meta = checkpoint.get('meta') if isinstance(checkpoint, dict) else None
+        if not (isinstance(meta, dict) and 'iter' in meta and 'epoch' in meta
+                and 'state_dict' in checkpoint):
+            keys = list(checkpoint)[:8] if isinstance(checkpoint, dict) else type(checkpoint)
+            raise CheckpointError(
+                f'{what} {local} is not a training checkpoint (top-level keys {keys}): --resume '
+                f'needs a file written by tools/train.py, with the iteration, optimizer and '
+                f'scheduler state. To start a new training from these weights, use '
+                f'--cfg-options load_from={local} instead of --resume.')
+    else:
+        extract_state_dict(checkpoint, f'{what} {local}')
+    return local
+
+
+def find_pretrained(model_cfg, prefix: str = 'model') -> Iterator[Tuple[str, dict]]:
+    """Yield ``(config key, init_cfg dict)`` for every ``Pretrained`` init config in a model cfg.
+
+    Args:
+        model_cfg (dict): ``cfg.model`` (or any sub-dict).
+        prefix (str): Key of ``model_cfg`` in the full config, used in the returned keys.
+    """
+    if isinstance(model_cfg, dict):
+        init_cfg = model_cfg.get('init_cfg')
+        inits = init_cfg if isinstance(init_cfg, (list, tuple)) else [init_cfg]
+        for index, init in enumerate(inits):
+            if isinstance(init, dict) and init.get('type') == 'Pretrained' \
+                    and init.get('checkpoint'):
+                suffix = f'[{index}]' if isinstance(init_cfg, (list, tuple)) else ''
+                yield f'{prefix}.init_cfg{suffix}', init
+        for key, value in model_cfg.items():
+            if key != 'init_cfg':
+                yield from find_pretrained(value, f'{prefix}.{key}')
+    elif isinstance(model_cfg, (list, tuple)):
+        for index, value in enumerate(model_cfg):
+            yield from find_pretrained(value, f'{prefix}[{index}]')
+
+
+def check_pretrained(cfg) -> List[str]:
+    """Check (and, for URLs, download) every ``Pretrained`` checkpoint of ``cfg.model``.
+
+    URLs are replaced in ``cfg`` by the checked local copy, so no module's initialisation
+    unpickles a download. An init config that opts out with ``weights_only=False`` (the XCiT
+    backbone's "I trust this file" switch) is only checked for existence.
+
+    Returns:
+        list[str]: The checked local paths.
+
+    Raises:
+        CheckpointError: For the first checkpoint that fails :func:`check_checkpoint`; the
+            message names the config key to fix.
+    """
+    checked = []
+    for key, init in find_pretrained(cfg.get('model', {})):
+        path = init['checkpoint']
+        what = f'{key}.checkpoint'
+        if init.get('weights_only', True) is False:
+            if not is_url(path) and not osp.isfile(path):
+                raise CheckpointError(f'{what} not found: {osp.abspath(path)}. Fix the path '
+                                      f'(--cfg-options {what}=...) or set it to None.')
+            continue
+        try:
+            local = check_checkpoint(path, what)
+        except CheckpointError as e:
+            raise CheckpointError(f'{e} (set with --cfg-options {what}=PATH)') from e
+        init['checkpoint'] = local
+        checked.append(local)
+    return checked
+
+
+def resolve_auto_resume(work_dir: str) -> Optional[str]:
+    """The checkpoint a bare ``--resume`` continues from, checked; None if there is none.
+
+    mmengine resumes from the file named in ``WORK_DIR/last_checkpoint``. That file is written
+    after the checkpoint itself, so a job killed while saving leaves it pointing at the previous,
+    complete checkpoint; but it can also point at a file that was deleted or cut short. Then the
+    error lists the other checkpoints of the work dir, newest first.
+
+    Raises:
+        CheckpointError: If ``last_checkpoint`` names a missing or unreadable file.
+    """
+    marker = osp.join(work_dir, 'last_checkpoint')
+    if not osp.isfile(marker):
+        return None
+    with open(marker) as f:
+        last = f.read().strip()
+    try:
+        return check_checkpoint(last, f'latest checkpoint (from {marker})', kind='resume')
+    except CheckpointError as e:
+        others = sorted(
+            (osp.join(work_dir, name) for name in os.listdir(work_dir)
+             if name.endswith('.pth') and osp.join(work_dir, name) != last),
+            key=osp.getmtime, reverse=True)
+        hint = (f' Other checkpoints in {work_dir}, newest first: {others[:5]}; resume from '
+                f'one with --resume PATH.' if others else
+                f' No other checkpoint exists in {work_dir}; start again without --resume.')
+        raise CheckpointError(str(e) + hint) from e
