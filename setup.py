@@ -20,7 +20,10 @@ setup(
     python_requires='>=3.8',
     # torch/mmcv are installed by tools/install.sh: a bare `torch` requirement would pull the CUDA
     # build and mmcv needs a source build with ops. Only what pip can safely resolve is listed.
-    install_requires=['mmengine>=0.10,<0.11', 'numpy'],
+    # numpy 1.x, as tools/install.sh pins it: mmcv 2.1 / mmdet 3.3 / mmseg 1.2 were built and
+    # tested against it. Checkpoints written under numpy 2 still load (both pickled names are
+    # allow-listed, see xcit_mm/utils/checkpoint_io.py).
+    install_requires=['mmengine>=0.10,<0.11', 'numpy>=1.23,<2'],
     license='Apache-2.0',
     zip_safe=False,
 )

@@ -5,17 +5,17 @@ and randomised BN statistics; its state dict is written to disk in each layout f
 with key names mapped by hand here (independently of ``xcit_mm.checkpoint``).
 """
 import os
-import re
 import subprocess
 import sys
 from collections import OrderedDict
 
 import pytest
 import torch
-from torch.nn.modules.batchnorm import _BatchNorm
+
+from xcit_reference import mmpretrain_trunk, to_official
 
 from xcit_mm import XCiTBackbone
-from xcit_mm.models.utils import (convert_backbone_state_dict as convert_state_dict,
+from xcit_mm.models.utils import (LayoutError, convert_backbone_state_dict as convert_state_dict,
                                   detect_layout, load_backbone_checkpoint as load_pretrained)
 from xcit_mm.utils.checkpoint_io import (CheckpointError, extract_state_dict,
                                          load_checkpoint_file as read_checkpoint)
@@ -26,44 +26,8 @@ OUT_INDICES = (0, 1, 2, 3)
 
 
 def _mmpretrain_model(mmpretrain_xcit, patch_size, embed_dims=64, depth=4):
-    torch.manual_seed(patch_size + embed_dims)
-    model = mmpretrain_xcit(
-        patch_size=patch_size, embed_dims=embed_dims, depth=depth, num_heads=4,
-        cls_attn_layers=2, out_type='featmap', out_indices=OUT_INDICES[:depth], final_norm=True,
-        init_cfg=dict(type='TruncNormal', layer='Linear', std=0.02))
-    model.init_weights()
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, _BatchNorm):
-                m.running_mean.normal_(0, 0.2)
-                m.running_var.uniform_(0.5, 1.5)
-                m.weight.normal_(1, 0.2)
-                m.bias.normal_(0, 0.2)
-        for name, p in model.named_parameters():
-            if 'gamma' in name or 'temperature' in name:
-                p.uniform_(0.5, 1.5)
-    model.eval()  # mmpretrain's train() returns None
-    return model
-
-
-def to_official(sd, patch_size):
-    """mmpretrain names -> facebookresearch/xcit names, written out by hand."""
-    out = OrderedDict()
-    for k, v in sd.items():
-        m = re.match(r'patch_embed\.proj\.(\d)\.(conv|bn)\.(.*)', k)
-        if m:
-            k = f'patch_embed.proj.{int(m[1]) * 2}.{0 if m[2] == "conv" else 1}.{m[3]}'
-        k = k.replace('pos_embed.token_projection.conv.', 'pos_embeder.token_projection.')
-        k = k.replace('xca_layers.', 'blocks.').replace('ca_layers.', 'cls_attn_blocks.')
-        k = k.replace('local_mp.conv1.conv.', 'local_mp.conv1.')
-        k = k.replace('local_mp.conv1.bn.', 'local_mp.bn.')
-        k = k.replace('local_mp.conv2.conv.', 'local_mp.conv2.')
-        k = k.replace('ffn.layers.0.0.', 'mlp.fc1.').replace('ffn.layers.1.', 'mlp.fc2.')
-        out[k] = v
-    out['norm.weight'] = torch.ones(sd['cls_token'].shape[-1])
-    out['head.weight'] = torch.zeros(1000, sd['cls_token'].shape[-1])
-    out['head.bias'] = torch.zeros(1000)
-    return out
+    return mmpretrain_trunk(mmpretrain_xcit, patch_size, embed_dims=embed_dims, depth=depth,
+                            out_indices=OUT_INDICES[:depth])
 
 
 def write_layout(layout, model, path, patch_size):
@@ -73,10 +37,10 @@ def write_layout(layout, model, path, patch_size):
             [('backbone.' + k, v) for k, v in sd.items()] +
             [('head.fc.weight', torch.zeros(1000, 64)), ('head.fc.bias', torch.zeros(1000))])}
     elif layout == 'official':
-        obj = {'model': to_official(sd, patch_size), 'epoch': 400}
+        obj = {'model': to_official(sd), 'epoch': 400}
     elif layout == 'timm':
         obj = OrderedDict((k.replace('pos_embeder.', 'pos_embed.'), v)
-                          for k, v in to_official(sd, patch_size).items())
+                          for k, v in to_official(sd).items())
     else:
         raise ValueError(layout)
     torch.save(obj, path)
@@ -172,7 +136,7 @@ def test_detect_layout():
     assert detect_layout({'blocks.0.attn.qkv.weight': 0, 'pos_embed.x': 0}) == 'timm'
     assert detect_layout({'xca_layers.0.attn.qkv.weight': 0}) == 'mmpretrain'
     assert detect_layout({'layers.0.lpi.conv1.weight': 0}) == 'xcit_mm'
-    with pytest.raises(CheckpointError, match='Unrecognised checkpoint layout'):
+    with pytest.raises(LayoutError, match='Unrecognised checkpoint layout'):
         detect_layout({'conv1.weight': 0, 'fc.weight': 0})
 
 
@@ -206,7 +170,7 @@ def test_wrong_patch_size_and_depth(mmpretrain_xcit, tmp_path):
 
 def test_missing_trunk_key_is_an_error(mmpretrain_xcit, tmp_path):
     ref = _mmpretrain_model(mmpretrain_xcit, 16)
-    sd = to_official(ref.state_dict(), 16)
+    sd = to_official(ref.state_dict())
     del sd['blocks.2.attn.temperature']
     path = str(tmp_path / 'partial.pth')
     torch.save({'model': sd}, path)
@@ -255,7 +219,7 @@ def test_trusted_full_checkpoint_opt_in(mmpretrain_xcit, tmp_path):
     """A checkpoint with non-tensor objects loads only with the explicit opt-in."""
     ref = _mmpretrain_model(mmpretrain_xcit, 16)
     path = str(tmp_path / 'full.pth')
-    torch.save({'model': to_official(ref.state_dict(), 16),
+    torch.save({'model': to_official(ref.state_dict()),
                 'args': _Namespace(lr=1e-3)}, path)
     model = XCiTBackbone(arch=ARCH, out_indices=OUT_INDICES)
     with pytest.raises(CheckpointError, match='Refusing to load'):
@@ -318,43 +282,67 @@ def test_runner_checkpoints_load_safely(tmp_path):
         read_checkpoint(sneaky)
 
 
-def test_full_model_conversion_of_a_released_detector(mmpretrain_xcit, tmp_path):
-    """Released mmdet 2.11 detectors: backbone renamed, neck/heads kept, backbone loads exactly."""
-    from xcit_mm.models.utils import convert_model_state_dict
-    ref = _mmpretrain_model(mmpretrain_xcit, 16)
-    official = to_official(ref.state_dict(), 16)
-    detector = OrderedDict([('backbone.' + k, v) for k, v in official.items()
-                            if not k.startswith(('cls_', 'head.', 'norm.'))])
-    detector['neck.lateral_convs.0.conv.weight'] = torch.ones(8, 64, 1, 1)
-    detector['roi_head.bbox_head.fc_cls.weight'] = torch.ones(81, 8)
-    path, dst = str(tmp_path / 'maskrcnn.pth'), str(tmp_path / 'converted.pth')
-    torch.save({'state_dict': detector, 'meta': {'mmdet_version': '2.11.0'}}, path)
-    converted, info = convert_model_state_dict(extract_state_dict(torch.load(path)))
-    assert info['layout'] == 'official'
-    assert torch.equal(converted['neck.lateral_convs.0.conv.weight'], torch.ones(8, 64, 1, 1))
-    assert 'roi_head.bbox_head.fc_cls.weight' in converted
-    assert 'backbone.layers.3.lpi.conv1.weight' in converted
-    script = os.path.join(ROOT, 'tools', 'model_converters', 'convert_checkpoint.py')
-    res = subprocess.run([sys.executable, script, path, dst, '--full-model'], capture_output=True,
-                         text=True)
-    assert res.returncode == 0, res.stderr
-    assert '2 neck/head tensors unchanged' in res.stdout
-    model = XCiTBackbone(arch=ARCH, out_indices=OUT_INDICES,
-                         init_cfg=dict(type='Pretrained', checkpoint=dst))
-    model.init_weights()
-    model.eval()
-    x = torch.randn(1, 3, 64, 64)
-    with torch.no_grad():
-        for g, e in zip(model.forward_trunk(x), ref(x)):
-            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
-
-
 def test_official_file_with_training_args_loads(mmpretrain_xcit, tmp_path):
     """DeiT-style files keep an argparse.Namespace next to the weights: harmless, allowed."""
     import argparse
     ref = _mmpretrain_model(mmpretrain_xcit, 16)
     path = str(tmp_path / 'xcit_official_with_args.pth')
-    torch.save({'model': to_official(ref.state_dict(), 16), 'epoch': 399,
+    torch.save({'model': to_official(ref.state_dict()), 'epoch': 399,
                 'args': argparse.Namespace(model='xcit_tiny', lr=5e-4)}, path)
     report = load_pretrained(XCiTBackbone(arch=ARCH, out_indices=OUT_INDICES), path)
     assert report['layout'] == 'official'
+
+
+# ------------------------------------------------------------------------- numpy 1 / numpy 2
+@pytest.mark.parametrize('module', ['numpy.core.multiarray', 'numpy._core.multiarray'])
+def test_training_checkpoints_load_under_either_numpy_major_version(tmp_path, module):
+    """numpy 2 pickles arrays as numpy._core.multiarray._reconstruct, numpy 1 as
+    numpy.core.multiarray._reconstruct: a file written under one must load under the other."""
+    import numpy as np
+    from mmengine.logging import MessageHub
+    hub = MessageHub.get_instance(f'xcit_mm_numpy_{module}')
+    hub.update_scalar('train/loss', 0.5)
+    hub.update_info('seed_array', np.arange(3, dtype=np.float32))
+    written = str(tmp_path / 'native.pth')
+    # torch's legacy format is a plain pickle stream: its GLOBAL opcodes can be renamed in place
+    torch.save({'meta': {'iter': 1, 'epoch': 0}, 'state_dict': {'w': torch.ones(2)},
+                'message_hub': hub.state_dict()}, written, _use_new_zipfile_serialization=False)
+    data = open(written, 'rb').read()
+    names = [b'cnumpy.core.multiarray\n', b'cnumpy._core.multiarray\n']
+    present = [n for n in names if n in data]
+    assert present, 'the checkpoint pickles no numpy array: the test would prove nothing'
+    data = data.replace(present[0], b'c' + module.encode() + b'\n')
+    assert (b'c' + module.encode() + b'\n') in data
+    path = str(tmp_path / 'renamed.pth')
+    open(path, 'wb').write(data)
+    loaded = read_checkpoint(path)
+    restored = MessageHub.get_instance(f'xcit_mm_numpy_{module}_restored')
+    restored.load_state_dict(loaded['message_hub'])
+    np.testing.assert_array_equal(restored.get_info('seed_array'), np.arange(3))
+    assert restored.get_scalar('train/loss').current() == 0.5
+
+
+def test_an_html_page_saved_as_pth_is_named_as_such(tmp_path):
+    """A failed download: 'not a PyTorch checkpoint', with its first bytes, even with --trust."""
+    page = tmp_path / 'xcit_small_12_p16_384_dist.pth'
+    page.write_text('<html><head><title>403 Forbidden</title></head></html>')
+    for weights_only in (True, False):
+        with pytest.raises(CheckpointError, match=r"xcit_small_12_p16_384_dist\.pth .*not a "
+                                                  r"PyTorch checkpoint \(it starts with '<html"):
+            read_checkpoint(str(page), weights_only=weights_only)
+    text = tmp_path / 'six.pth'
+    text.write_text('hello\n')
+    res = subprocess.run([sys.executable, os.path.join(ROOT, 'tools', 'model_converters',
+                                                       'convert_checkpoint.py'),
+                          str(text), str(tmp_path / 'out.pth'), '--trust'],
+                         capture_output=True, text=True)
+    assert res.returncode == 1 and 'Traceback' not in res.stderr, res.stderr
+    assert "six.pth (6 bytes) is not a PyTorch checkpoint (it starts with 'hello'" in res.stderr
+
+
+def test_converter_rejects_an_unknown_arch_with_the_choices(tmp_path):
+    res = subprocess.run([sys.executable, os.path.join(ROOT, 'tools', 'model_converters',
+                                                       'convert_checkpoint.py'),
+                          'a.pth', 'b.pth', '--arch', 'tiny12'], capture_output=True, text=True)
+    assert res.returncode == 2 and 'Traceback' not in res.stderr
+    assert "invalid choice: 'tiny12'" in res.stderr and "'s12'" in res.stderr

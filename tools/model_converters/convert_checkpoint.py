@@ -23,6 +23,7 @@ from collections import OrderedDict
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from xcit_mm.models import arch_zoo  # noqa: E402
 from xcit_mm.models.utils import (LayoutError, convert_backbone_state_dict,  # noqa: E402
                                   convert_model_state_dict, load_backbone_state_dict)
 from xcit_mm.utils.checkpoint_io import (CheckpointError, extract_state_dict,  # noqa: E402
@@ -39,8 +40,9 @@ def parse_args(argv=None):
                         help='unpickle SRC (weights_only=False): only for files you trust')
     parser.add_argument('--full-model', action='store_true',
                         help='keep neck and heads (a whole detector/segmentor checkpoint)')
-    parser.add_argument('--arch', default=None, help='check the result loads into this arch')
-    parser.add_argument('--patch-size', type=int, default=16)
+    parser.add_argument('--arch', default=None, choices=sorted(arch_zoo),
+                        help='check the result loads into this arch')
+    parser.add_argument('--patch-size', type=int, default=16, choices=(8, 16))
     return parser.parse_args(argv)
 
 

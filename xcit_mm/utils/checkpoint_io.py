@@ -145,6 +145,9 @@ def _unsafe_detail(error: Exception) -> Optional[str]:
     found = re.search(r'Can only build .*? but got (<class [^>]*>)', text)
     if found:
         return f'it asks to build a {found.group(1)}'
+    found = re.search(r'asks for (getattr\(.*?\)), which is not part', text)
+    if found:  # refused by _history_buffer_getattr
+        return f'it asks for {found.group(1)}'
     return None  # e.g. "Unsupported operand 60": not a pickle of objects at all
 
 

@@ -1,10 +1,10 @@
 from .ckpt_convert import (LAYOUTS, LayoutError, convert_backbone_state_dict,
                            convert_model_state_dict, detect_layout)
 from .ckpt_load import (is_released_layout, load_backbone_checkpoint, load_backbone_state_dict,
-                        load_model_state_dict)
+                        load_model_checkpoint, load_model_state_dict)
 
 __all__ = [
     'LAYOUTS', 'LayoutError', 'convert_backbone_state_dict', 'convert_model_state_dict',
     'detect_layout', 'is_released_layout', 'load_backbone_checkpoint', 'load_backbone_state_dict',
-    'load_model_state_dict'
+    'load_model_checkpoint', 'load_model_state_dict'
 ]

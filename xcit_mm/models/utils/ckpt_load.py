@@ -131,12 +131,26 @@ def load_model_state_dict(model: torch.nn.Module, state_dict: Dict[str, torch.Te
     return dict(layout=info['layout'], loaded=len(converted))
 
 
+def load_model_checkpoint(model: torch.nn.Module, filename: str, map_location='cpu'):
+    """Read a whole-model checkpoint safely and load it strictly (released layouts converted).
+
+    Returns:
+        tuple: ``(checkpoint, report)``: the checkpoint dict as read, and
+        :func:`load_model_state_dict`'s report.
+    """
+    checkpoint = load_checkpoint_file(filename, 'checkpoint', map_location=map_location)
+    report = load_model_state_dict(model, extract_state_dict(checkpoint, str(filename)),
+                                   source=str(filename))
+    return checkpoint, report
+
+
 def is_released_layout(layout: Optional[str]) -> bool:
     """True when a whole-model file needed key conversion (official / timm / mmpretrain)."""
     return layout is not None and layout != 'xcit_mm'
 
 
 __all__ = [
-    'load_backbone_checkpoint', 'load_backbone_state_dict', 'load_model_state_dict',
+    'load_backbone_checkpoint', 'load_backbone_state_dict', 'load_model_checkpoint',
+    'load_model_state_dict',
     'is_released_layout'
 ]

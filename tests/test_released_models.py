@@ -1,0 +1,231 @@
+"""Released COCO / ADE20k XCiT models load exactly, strictly and without a conversion step.
+
+The files are built in the exact layouts of the official detection/ and semantic_segmentation/
+code (mmdet 2.11 Mask R-CNN, mmseg 0.11 Semantic FPN and UperNet): the backbone under
+``backbone.`` with the official trunk names and the adapter as ``nn.Sequential`` modules (with
+its SyncBN buffers), and mmdet's / mmseg's neck and head names. Expected values come from
+``tests/xcit_reference.py`` (mmpretrain's trunk + plain ``torch.nn`` adapter in the official
+structure) and from upstream neck / head modules built separately, never from ``XCiTBackbone``.
+"""
+import os.path as osp
+from collections import OrderedDict
+
+import pytest
+import torch
+from mmengine.config import Config
+from mmengine.registry import init_default_scope
+from xcit_reference import OfficialDenseXCiT, mmpretrain_trunk
+
+from xcit_mm.models.utils import convert_model_state_dict, load_model_checkpoint
+from xcit_mm.utils.checkpoint_io import CheckpointError
+
+REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
+D, DEPTH, HEADS = 64, 4, 4
+SMALL_BACKBONE = dict(arch=dict(embed_dims=D, depth=DEPTH, num_heads=HEADS),
+                      out_indices=(0, 1, 2, 3), norm_cfg=dict(type='BN', requires_grad=True),
+                      init_cfg=None)
+
+# Names the released files use for the neck and heads (mmdet 2.11 / mmseg 0.11), by hand.
+RELEASED_HEAD_KEYS = {
+    'mask_rcnn': [
+        'neck.lateral_convs.0.conv.weight', 'neck.fpn_convs.3.conv.bias',
+        'rpn_head.rpn_conv.weight', 'rpn_head.rpn_cls.weight', 'rpn_head.rpn_reg.bias',
+        'roi_head.bbox_head.shared_fcs.0.weight', 'roi_head.bbox_head.shared_fcs.1.bias',
+        'roi_head.bbox_head.fc_cls.weight', 'roi_head.bbox_head.fc_reg.weight',
+        'roi_head.mask_head.convs.3.conv.weight', 'roi_head.mask_head.upsample.weight',
+        'roi_head.mask_head.conv_logits.weight'],
+    'sem_fpn': [
+        'neck.lateral_convs.0.conv.weight', 'neck.fpn_convs.3.conv.weight',
+        'decode_head.scale_heads.0.0.conv.weight', 'decode_head.scale_heads.3.2.bn.running_var',
+        'decode_head.conv_seg.weight'],
+    'upernet': [
+        'decode_head.psp_modules.3.1.conv.weight', 'decode_head.bottleneck.bn.running_mean',
+        'decode_head.lateral_convs.0.conv.weight', 'decode_head.fpn_convs.2.conv.weight',
+        'decode_head.fpn_bottleneck.conv.weight', 'decode_head.conv_seg.weight',
+        'auxiliary_head.convs.0.conv.weight', 'auxiliary_head.conv_seg.bias'],
+}
+PAPER_CONFIG = {
+    'mask_rcnn': 'configs/mask_rcnn_xcit_t12_p{p}_3x_coco.py',
+    'sem_fpn': 'configs/sem_fpn_xcit_t12_p{p}_80k_ade20k.py',
+    'upernet': 'configs/upernet_xcit_t12_p{p}_160k_ade20k.py',
+}
+
+
+def small_model_cfg(family: str, patch_size: int) -> Config:
+    """The paper config of ``family`` with a small trunk (D=64, 4 layers) and BN for SyncBN."""
+    cfg = Config.fromfile(osp.join(REPO, PAPER_CONFIG[family].format(p=patch_size)))
+    cfg.model.backbone.update(SMALL_BACKBONE, patch_size=patch_size)
+    cfg.model.backbone.arch = dict(SMALL_BACKBONE['arch'])
+    if family == 'upernet':
+        cfg.model.decode_head.in_channels = [D] * 4
+        cfg.model.auxiliary_head.in_channels = D
+    else:
+        cfg.model.neck.in_channels = [D] * 4
+    if family == 'sem_fpn':
+        cfg.model.neck.out_channels = D
+        cfg.model.decode_head.in_channels = [D] * 4
+    for module in (cfg.model.get('decode_head'), cfg.model.get('auxiliary_head')):
+        if module is not None:
+            module.norm_cfg = dict(type='BN', requires_grad=True)
+    return cfg
+
+
+def build(cfg_model, scope):
+    init_default_scope(scope)
+    from mmengine.registry import MODELS
+    return MODELS.build(cfg_model)
+
+
+def _scope(family):
+    return 'mmdet' if family == 'mask_rcnn' else 'mmseg'
+
+
+def released_file(mmpretrain_xcit, family, patch_size, tmp_path):
+    """Write a released file of ``family``; return its path, the official backbone and the
+    neck/head tensors it holds."""
+    cfg = small_model_cfg(family, patch_size)
+    trunk = mmpretrain_trunk(mmpretrain_xcit, patch_size, D, DEPTH, HEADS)
+    official = OfficialDenseXCiT(trunk, D, patch_size)
+    # Neck and heads: the upstream modules' own names (unchanged since mmdet 2.11 / mmseg 0.11),
+    # with random values so that a tensor that is not loaded cannot go unnoticed.
+    upstream = build(cfg.model, _scope(family))
+    torch.manual_seed(7)
+    heads = OrderedDict((k, 0.1 * torch.randn_like(v) if v.is_floating_point()
+                         else v.clone()) for k, v in upstream.state_dict().items()
+                        if not k.startswith('backbone.'))
+    for key in heads:
+        if key.endswith('running_var'):
+            heads[key] = heads[key].abs() + 0.5
+    state = OrderedDict(('backbone.' + k, v) for k, v in official.released_state_dict().items())
+    state.update(heads)
+    path = str(tmp_path / f'{family}_xcit_p{patch_size}.pth')
+    # mmcv 1.x checkpoints: meta with versions and classes, the weights, the optimizer state.
+    torch.save({'meta': {'mmdet_version' if family == 'mask_rcnn' else 'mmseg_version': '2.11.0',
+                         'CLASSES': ('a', 'b'), 'epoch': 36, 'iter': 1000},
+                'state_dict': state, 'optimizer': {'state': {}, 'param_groups': []}}, path)
+    return path, official, heads, cfg
+
+
+def test_released_layouts_are_the_official_ones(mmpretrain_xcit, tmp_path):
+    """The files built here really have the released key names (adapter, SyncBN buffers...)."""
+    for family, patch_size in (('mask_rcnn', 16), ('sem_fpn', 8), ('upernet', 16)):
+        path, _, heads, _ = released_file(mmpretrain_xcit, family, patch_size, tmp_path)
+        keys = set(torch.load(path)['state_dict'])
+        assert set(RELEASED_HEAD_KEYS[family]) <= keys, family
+        adapter = {'backbone.fpn1.0.weight', 'backbone.fpn1.1.running_var',
+                   'backbone.fpn1.1.num_batches_tracked', 'backbone.fpn1.3.bias',
+                   'backbone.fpn2.0.weight'} if patch_size == 16 else {'backbone.fpn1.0.weight'}
+        assert adapter <= keys
+        assert not any(k.startswith(('backbone.fpn3', 'backbone.fpn4')) for k in keys)
+        assert 'backbone.blocks.3.local_mp.bn.running_mean' in keys
+        assert 'backbone.pos_embeder.token_projection.weight' in keys
+
+
+@pytest.mark.parametrize('patch_size', [8, 16])
+@pytest.mark.parametrize('family', ['mask_rcnn', 'sem_fpn', 'upernet'])
+def test_released_model_equals_the_official_structure(mmpretrain_xcit, tmp_path, family,
+                                                      patch_size):
+    """All four backbone levels equal the official construction; neck and heads carry the file's
+    tensors; the model's outputs equal upstream neck / heads run on the official levels."""
+    path, official, heads, cfg = released_file(mmpretrain_xcit, family, patch_size, tmp_path)
+    model = build(cfg.model, _scope(family))
+    checkpoint, report = load_model_checkpoint(model, path)
+    assert report['layout'] == 'official'
+    assert checkpoint['meta']['epoch'] == 36
+    model.eval()
+    own = model.state_dict()
+    for key, value in heads.items():
+        assert torch.equal(own[key], value), key
+    x = torch.randn(2, 3, 96, 128)
+    with torch.no_grad():
+        expected = official(x)
+        got = model.backbone(x)
+        for level, (g, e) in enumerate(zip(got, expected)):
+            assert g.shape == e.shape, level
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, msg=f'level {level}')
+        # the rest of the model on top of the official levels, with separately built modules
+        if 'neck' in cfg.model:
+            neck = build(cfg.model.neck, _scope(family))
+            neck.load_state_dict({k[5:]: v for k, v in heads.items() if k.startswith('neck.')})
+            feats = neck.eval()(expected)
+        else:  # UperNet: the head reads the backbone levels
+            feats = expected
+        for g, e in zip(model.extract_feat(x), feats):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+        if family == 'mask_rcnn':
+            rpn = build(cfg.model.rpn_head, 'mmdet')
+            rpn.load_state_dict({k[9:]: v for k, v in heads.items()
+                                 if k.startswith('rpn_head.')})
+            for g, e in zip(model.rpn_head(feats), rpn(feats)):
+                for gl, el in zip(g, e):
+                    _close(gl, el)
+        else:
+            head_cfg = dict(cfg.model.decode_head)
+            decode = build(head_cfg, 'mmseg')
+            decode.load_state_dict({k[12:]: v for k, v in heads.items()
+                                    if k.startswith('decode_head.')})
+            decode.eval()
+            _close(model._forward(x), decode(feats))
+
+
+def _close(got, expected):
+    """float32 rounding, relative to the map's scale (random heads amplify the inputs' ulps)."""
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5 * max(scale, 1.0))
+
+
+def test_loading_a_whole_model_is_strict(mmpretrain_xcit, tmp_path):
+    """Wrong patch size, wrong task, a missing or an extra tensor: an error naming keys and cause,
+    never a model left partly random."""
+    path16, _, _, cfg16 = released_file(mmpretrain_xcit, 'mask_rcnn', 16, tmp_path)
+    det8 = build(small_model_cfg('mask_rcnn', 8).model, 'mmdet')
+    with pytest.raises(CheckpointError, match=r'wrong shape.*patch_size=16.*patch_size=8'):
+        load_model_checkpoint(det8, path16)
+    seg = build(small_model_cfg('sem_fpn', 16).model, 'mmseg')
+    with pytest.raises(CheckpointError, match='detector checkpoint'):
+        load_model_checkpoint(seg, path16)
+    checkpoint = torch.load(path16)
+    for change, pattern in (('drop', r'1 model weights are not in the file.*fpn2\.0\.weight'),
+                            ('extra', r'1 keys of the file do not exist.*backbone\.fpn5')):
+        state = OrderedDict(checkpoint['state_dict'])
+        if change == 'drop':
+            del state['backbone.fpn2.0.weight']
+        else:
+            state['backbone.fpn5.weight'] = torch.zeros(1)
+        bad = str(tmp_path / f'{change}.pth')
+        torch.save({'state_dict': state}, bad)
+        det16 = build(cfg16.model, 'mmdet')
+        before = det16.backbone.fpn1[0].weight.clone()
+        with pytest.raises(CheckpointError, match=pattern):
+            load_model_checkpoint(det16, bad)
+        assert torch.equal(det16.backbone.fpn1[0].weight, before)  # nothing half-loaded
+
+
+# Paper Table 1 (embed_dims, depth, heads): an outside source for the sizes of every arch.
+PAPER_ARCHS = {'n12': (128, 12, 4), 't12': (192, 12, 4), 't24': (192, 24, 4),
+               's12': (384, 12, 8), 's24': (384, 24, 8), 'm24': (512, 24, 8),
+               'l24': (768, 24, 16)}
+
+
+@pytest.mark.parametrize('patch_size', [8, 16])
+@pytest.mark.parametrize('arch', sorted(PAPER_ARCHS))
+def test_every_published_size_has_the_released_keys(mmpretrain_xcit, arch, patch_size):
+    """For every arch and patch size, a released backbone converts to exactly the model's keys
+    and shapes (built on the meta device: no memory, no time)."""
+    from xcit_mm import XCiTBackbone
+    dims, depth, heads = PAPER_ARCHS[arch]
+    with torch.device('meta'):
+        trunk = mmpretrain_xcit(patch_size=patch_size, embed_dims=dims, depth=depth,
+                                num_heads=heads, out_type='featmap',
+                                out_indices=(depth // 3 - 1, depth // 2 - 1,
+                                             2 * depth // 3 - 1, depth - 1))
+        official = OfficialDenseXCiT(trunk, dims, patch_size, randomise=False)
+        model = XCiTBackbone(arch=arch, patch_size=patch_size)
+    released = OrderedDict(('backbone.' + k, v)
+                           for k, v in official.released_state_dict().items())
+    converted, info = convert_model_state_dict(released)
+    assert info['layout'] == 'official'
+    own = OrderedDict(('backbone.' + k, v) for k, v in model.state_dict().items())
+    assert set(converted) == set(own)
+    for key, value in converted.items():
+        assert value.shape == own[key].shape, key
