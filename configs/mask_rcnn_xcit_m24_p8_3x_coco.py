@@ -3,8 +3,12 @@
 # Released detector weights: https://dl.fbaipublicfiles.com/xcit/coco/maskrcnn_xcit_medium_24_p8.pth
 _base_ = ['./_base_/xcit_mask_rcnn_3x_coco.py']
 
-# ImageNet-1k weights of XCiT-M24/8 (224 px) from the official model zoo.
-pretrained = 'https://dl.fbaipublicfiles.com/xcit/xcit_medium_24_p8_224.pth'
+# ImageNet-1k initialisation as released: the official README's training command
+# (facebookresearch/xcit detection/README.md) starts from the distilled 384-px weights
+# (S12/16: model.pretrained=.../xcit_small_12_p16_384_dist.pth); here those of XCiT-M24/8.
+# For the 224-px ImageNet-1k weights (not distilled) instead, add `--cfg-options
+# model.backbone.init_cfg.checkpoint=https://dl.fbaipublicfiles.com/xcit/xcit_medium_24_p8_224.pth`
+pretrained = 'https://dl.fbaipublicfiles.com/xcit/xcit_medium_24_p8_384_dist.pth'
 
 model = dict(
     backbone=dict(

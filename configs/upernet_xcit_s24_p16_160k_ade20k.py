@@ -3,8 +3,12 @@
 # Released weights: https://dl.fbaipublicfiles.com/xcit/ade/upernet_xcit_small_24_p16.pth
 _base_ = ['./_base_/xcit_upernet_160k_ade20k.py']
 
-# ImageNet-1k weights of XCiT-S24/16 (224 px) from the official model zoo.
-pretrained = 'https://dl.fbaipublicfiles.com/xcit/xcit_small_24_p16_224.pth'
+# ImageNet-1k initialisation as released: the official README's training command
+# (facebookresearch/xcit semantic_segmentation/README.md) starts from the distilled 384-px weights
+# (S12/16: model.pretrained=.../xcit_small_12_p16_384_dist.pth); here those of XCiT-S24/16.
+# For the 224-px ImageNet-1k weights (not distilled) instead, add `--cfg-options
+# model.backbone.init_cfg.checkpoint=https://dl.fbaipublicfiles.com/xcit/xcit_small_24_p16_224.pth`
+pretrained = 'https://dl.fbaipublicfiles.com/xcit/xcit_small_24_p16_384_dist.pth'
 
 model = dict(
     backbone=dict(

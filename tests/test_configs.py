@@ -9,6 +9,8 @@ import functools
 import glob
 import math
 import os.path as osp
+import re
+import textwrap
 
 import pytest
 import torch
@@ -95,21 +97,22 @@ def test_config_recipe(task, arch, patch):
     assert backbone.init_cfg == dict(
         type='Pretrained',
         checkpoint=('https://dl.fbaipublicfiles.com/xcit/'
-                    f'xcit_{OFFICIAL_NAMES[arch]}_p{patch}_224.pth'))
+                    f'xcit_{OFFICIAL_NAMES[arch]}_p{patch}_384_dist.pth'))
     assert 'depth' not in backbone and 'pretrained' not in backbone  # ResNet leftovers deleted
     assert cfg.train_dataloader.batch_size == 2
     assert cfg.auto_scale_lr == dict(enable=False, base_batch_size=16)
     optim = cfg.optim_wrapper
     assert optim.optimizer.type == 'AdamW'
     assert set(optim.optimizer) == {'type', 'lr', 'betas', 'weight_decay'}  # no SGD momentum
-    assert optim.paramwise_cfg.norm_decay_mult == 0.0
+    # The released rule, nothing else: no decay for names containing 'norm'.
+    assert optim.paramwise_cfg == dict(custom_keys={'norm': dict(decay_mult=0.0)})
     D = EMBED_DIMS[arch]
     if task == 'mask_rcnn':
         assert cfg.default_scope == 'mmdet'
         assert (optim.optimizer.lr, optim.optimizer.weight_decay) == (1e-4, 0.05)
         assert cfg.train_cfg.max_epochs == 36
         warmup, steps = cfg.param_scheduler
-        assert (warmup.type, warmup.end, warmup.by_epoch) == ('LinearLR', 500, False)
+        assert (warmup.type, warmup.end, warmup.by_epoch) == ('LinearLR', 501, False)
         assert (steps.type, steps.milestones, steps.end) == ('MultiStepLR', [27, 33], 36)
         assert cfg.model.neck.in_channels == [D] * 4
         assert cfg.model.neck.out_channels == 256 and cfg.model.neck.num_outs == 5
@@ -131,9 +134,9 @@ def test_config_recipe(task, arch, patch):
         iters = 80000 if task == 'sem_fpn' else 160000
         assert cfg.train_cfg.max_iters == iters
         warmup, poly = cfg.param_scheduler
-        assert (warmup.type, warmup.end) == ('LinearLR', 1500)
+        assert (warmup.type, warmup.begin, warmup.end) == ('LinearLR', 0, 1501)
         assert (poly.type, poly.power, poly.eta_min, poly.begin, poly.end) == (
-            'PolyLR', 1.0, 0.0, 1500, iters)
+            'PolyLR', 1.0, 0.0, 0, iters + 1)
         assert cfg.model.pretrained is None
         assert cfg.model.data_preprocessor.size == (512, 512)
         assert cfg.model.data_preprocessor.type == 'SegDataPreProcessor'  # upstream kept
@@ -185,31 +188,156 @@ def test_segmentor_heads_use_official_dims(task, arch, patch):
         assert aux.loss_decode.loss_weight == 0.4
 
 
-def test_no_weight_decay_on_norms_temperature_and_gamma():
-    """The paramwise rules reach the backbone's real parameter names."""
+IMAGENET_URL = re.compile(r'https://dl\.fbaipublicfiles\.com/xcit/'
+                          r'xcit_(tiny|small|medium)_(12|24)_p(8|16)_384_dist\.pth')
+ARCH_OF_URL = {('tiny', '12'): 't12', ('small', '12'): 's12', ('small', '24'): 's24',
+               ('medium', '24'): 'm24'}
+
+
+@pytest.mark.parametrize('task,arch,patch', ALL)
+def test_imagenet_init_is_the_released_384_distilled_file(task, arch, patch):
+    """Each config starts from the 384-px distilled weights of its own arch and patch size, as the
+    official READMEs' training commands; the 224-px file is one documented override away."""
+    cfg = _load(task, arch, patch)
+    url = cfg.model.backbone.init_cfg.checkpoint
+    match = IMAGENET_URL.fullmatch(url)
+    assert match, url
+    name, depth, url_patch = match.groups()
+    assert (ARCH_OF_URL[(name, depth)], int(url_patch)) == (arch, patch)
+    with open(_cfg_path(task, arch, patch)) as f:
+        text = f.read()
+    url_224 = url.replace('_384_dist.pth', '_224.pth')
+    assert f'--cfg-options\n# model.backbone.init_cfg.checkpoint={url_224}`' in text
+
+
+def _small(task, arch='s12', patch=16):
+    """A paper config with a 4-layer, 64-d trunk (same module and parameter names)."""
+    cfg = _load(task, arch, patch)
+    cfg.model.backbone.arch = dict(embed_dims=64, depth=4, num_heads=4)  # replaces the name
+    small = {}
+    if task == 'mask_rcnn':
+        small['model.neck.in_channels'] = [64] * 4
+    elif task == 'sem_fpn':
+        small.update({'model.neck.in_channels': [64] * 4, 'model.neck.out_channels': 64,
+                      'model.decode_head.in_channels': [64] * 4})
+    else:
+        small.update({'model.decode_head.in_channels': [64] * 4,
+                      'model.auxiliary_head.in_channels': 64})
+    cfg.merge_from_dict(small)
+    return cfg
+
+
+def _weight_decays(cfg):
+    """{parameter name: weight decay} of the optimizer mmengine builds from cfg.optim_wrapper."""
     from mmengine.optim import build_optim_wrapper
-    cfg = _load('mask_rcnn', 't12', 16)
-    model = revert_sync_batchnorm(_build(cfg, device='cpu'))
-    init_default_scope('mmdet')
+    model = _build(cfg)
+    init_default_scope(cfg.default_scope)
     wrapper = build_optim_wrapper(model, cfg.optim_wrapper)
-    decay = {}
     names = {id(p): n for n, p in model.named_parameters()}
+    decay = {}
     for group in wrapper.optimizer.param_groups:
         for p in group['params']:
+            assert names[id(p)] not in decay
             decay[names[id(p)]] = group['weight_decay']
-    assert len(decay) == len(names)
-    no_decay = {n for n, wd in decay.items() if wd == 0}
-    temperature = [n for n in names.values() if n.endswith('temperature')]
-    gammas = [n for n in names.values() if '.gamma' in n]
-    norms = [n for n, m in model.named_modules()
-             if isinstance(m, (torch.nn.LayerNorm, torch.nn.modules.batchnorm._BatchNorm))]
-    assert len(temperature) == 12 and len(gammas) == 36 and len(norms) > 36
-    assert set(temperature) <= no_decay and set(gammas) <= no_decay
-    for norm in norms:
-        assert {f'{norm}.weight', f'{norm}.bias'} <= no_decay
-    qkv = [n for n in names.values() if n.endswith('qkv.weight')]
-    assert qkv and all(decay[n] == 0.05 for n in qkv)
-    assert decay['neck.fpn_convs.0.conv.weight'] == 0.05
+    assert set(decay) == set(names.values())  # every parameter exactly once
+    return decay
+
+
+@pytest.mark.parametrize('task', ['mask_rcnn', 'sem_fpn', 'upernet'])
+def test_weight_decay_is_the_released_rule(task):
+    """As the released configs: no decay exactly for names containing 'norm', else the config's
+    weight decay (the XCA temperature, gammas, biases and the BatchNorms named `bn` included)."""
+    cfg = _small(task)
+    wd = cfg.optim_wrapper.optimizer.weight_decay
+    assert wd == (0.05 if task == 'mask_rcnn' else 0.01)
+    decay = _weight_decays(cfg)
+    for name, value in decay.items():
+        assert value == (0.0 if 'norm' in name else wd), name
+    for name in ['backbone.layers.0.attn.temperature', 'backbone.layers.0.gamma1',
+                 'backbone.layers.3.gamma3', 'backbone.layers.0.lpi.bn.weight',
+                 'backbone.layers.0.lpi.bn.bias', 'backbone.layers.0.attn.qkv.bias',
+                 'backbone.layers.0.ffn.fc2.bias', 'backbone.patch_embed.proj.0.bn.weight',
+                 'backbone.pos_embed.proj.bias', 'backbone.fpn1.1.weight',
+                 'backbone.fpn1.0.bias', 'backbone.layers.0.attn.qkv.weight']:
+        assert decay[name] == wd, name
+    for name in ['backbone.layers.0.norm1.weight', 'backbone.layers.0.norm1.bias',
+                 'backbone.layers.3.norm2.weight', 'backbone.layers.2.norm3.bias']:
+        assert decay[name] == 0.0, name
+    assert sum('norm' in n for n in decay) == 4 * 3 * 2  # the trunk's LayerNorms, nothing else
+    if task != 'mask_rcnn':  # the heads' ConvModule BatchNorms are named `bn`: decayed
+        bns = [n for n in decay if n.startswith('decode_head.') and '.bn.' in n]
+        assert bns and all(decay[n] == wd for n in bns)
+
+
+def _docs_opt_in_snippet():
+    with open(osp.join(osp.dirname(CONFIG_DIR), 'docs', 'configs.md')) as f:
+        text = f.read()
+    blocks = re.findall(r'```python\n(.*?)```', text, re.S)
+    block = [b for b in blocks if '_no_decay_norm_scale.py' in b]
+    assert len(block) == 1
+    namespace = {}
+    exec(textwrap.dedent(block[0]).replace('_base_ = ', '_unused = '), namespace)
+    return namespace['optim_wrapper']
+
+
+@pytest.mark.parametrize('task', ['mask_rcnn', 'upernet'])
+def test_documented_opt_in_also_exempts_batchnorms_temperature_and_gammas(task):
+    """The opt-in of docs/configs.md (the rule these configs had before following the release):
+    also no decay for every BatchNorm (by type), the XCA temperature and the layer-scale gammas."""
+    cfg = _small(task)
+    cfg.merge_from_dict({'optim_wrapper': _docs_opt_in_snippet()})
+    wd = cfg.optim_wrapper.optimizer.weight_decay
+    model = _build(cfg)
+    norms = {f'{m}.{p}' for m, mod in model.named_modules()
+             if isinstance(mod, (torch.nn.LayerNorm, torch.nn.modules.batchnorm._BatchNorm))
+             for p in ('weight', 'bias')}
+    decay = _weight_decays(cfg)
+    exempt = {n for n in decay if n in norms or n.endswith('.temperature') or
+              re.search(r'\.gamma[123]$', n)}
+    assert len([n for n in exempt if n.endswith('temperature')]) == 4
+    assert len([n for n in exempt if 'gamma' in n]) == 12
+    assert 'backbone.layers.0.lpi.bn.weight' in exempt and 'backbone.fpn1.1.bias' in exempt
+    for name, value in decay.items():
+        assert value == (0.0 if name in exempt else wd), name
+
+
+def _lr_factors(cfg, iters):
+    """lr / base lr at iterations 0..iters-1 under cfg.param_scheduler (iteration-based ones)."""
+    from mmengine.registry import PARAM_SCHEDULERS
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedulers = [PARAM_SCHEDULERS.build(dict(s, optimizer=optimizer))
+                  for s in copy.deepcopy(cfg.param_scheduler) if not s.get('by_epoch', True)]
+    factors = []
+    for _ in range(iters):
+        factors.append(optimizer.param_groups[0]['lr'])
+        for scheduler in schedulers:
+            scheduler.step()
+    return factors
+
+
+@pytest.mark.filterwarnings('ignore:Detected call of')
+@pytest.mark.parametrize('task', ['sem_fpn', 'upernet'])
+def test_ade_schedule_equals_released_mmcv_poly_with_linear_warmup(task):
+    """mmcv 1.x `policy='poly', power=1, min_lr=0, warmup='linear', warmup_iters=1500,
+    warmup_ratio=1e-6`: lr(t) = (1 - t/T) * (1e-6 + (1 - 1e-6) * t/1500) for t < 1500, else
+    (1 - t/T), over the T iterations of the run."""
+    cfg = _load(task, 't12', 16)
+    T = cfg.train_cfg.max_iters
+    factors = _lr_factors(cfg, T)
+    for t, got in enumerate(factors):
+        poly = 1 - t / T
+        expected = poly * (1e-6 + (1 - 1e-6) * t / 1500) if t < 1500 else poly
+        assert got == pytest.approx(expected, rel=1e-9), t
+
+
+@pytest.mark.filterwarnings('ignore:Detected call of')
+def test_detection_warmup_equals_released_mmcv_linear_warmup():
+    cfg = _load('mask_rcnn', 't12', 16)
+    for t, got in enumerate(_lr_factors(cfg, 600)):
+        expected = 0.001 + 0.999 * t / 500 if t < 500 else 1.0
+        assert got == pytest.approx(expected, rel=1e-12), t
+    steps = [s for s in cfg.param_scheduler if s.get('by_epoch', True)]
+    assert len(steps) == 1 and steps[0].milestones == [27, 33] and steps[0].gamma == 0.1
 
 
 def test_small_detector_trains_one_step_and_predicts():

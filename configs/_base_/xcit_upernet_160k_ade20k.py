@@ -26,5 +26,6 @@ optimizer = dict(_delete_=True, **_base_.xcit_optimizer)
 optim_wrapper = dict(_delete_=True, **_base_.xcit_optim_wrapper)
 param_scheduler = [
     _base_.xcit_warmup,
-    dict(type='PolyLR', eta_min=0.0, power=1.0, begin=1500, end=160000, by_epoch=False),
+    # Over the whole run, overlapping the warm-up, as released (see ./xcit_ade20k_recipe.py).
+    dict(type='PolyLR', eta_min=0.0, power=1.0, begin=0, end=160000 + 1, by_epoch=False),
 ]
