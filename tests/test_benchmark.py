@@ -1,8 +1,17 @@
-"""Tests of tools/benchmark.py: FLOP-counter exactness, model names and a tiny end-to-end run.
+"""Tests of the benchmark library (xcit_mm.utils.benchmark) and its CLIs
+(tools/analysis_tools/benchmark.py, get_flops.py): FLOP-counter exactness, model names, the spec,
+the docs tables, and a tiny end-to-end run.
 
 No timing assertions: the machine is shared and timings are noise here.
+
+mmpretrain's port is never loaded through the tools' loader in this process (its placeholder
+packages for ``mmpretrain.models`` would stay in ``sys.modules``): in-process tests get the port
+from conftest's ``mmpretrain_xcit`` fixture (``port_module``), and the loader itself runs in a
+subprocess (``test_loader_in_a_fresh_process``).  ``no_placeholder_leak`` checks it after every
+test.
 """
 import csv
+import importlib.util
 import json
 import os
 import subprocess
@@ -11,27 +20,73 @@ import sys
 import pytest
 import torch
 
+from xcit_mm.utils import benchmark as lib
+from xcit_mm.utils.benchmark import goals as lib_goals
+from xcit_mm.utils.benchmark import models as lib_models
+from xcit_mm.utils.benchmark.spec import SpecError, validate_spec
+from xcit_mm.utils.benchmark.timing import time_interleaved
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, 'tools', 'analysis_tools', 'benchmark.py')
+FLOPS_TOOL = os.path.join(ROOT, 'tools', 'analysis_tools', 'get_flops.py')
+ARTIFACTS = os.path.join(ROOT, 'docs', 'benchmark')
 
 
-def test_flop_counter_linear_is_exact(bench):
+def _placeholders():
+    return sorted(name for name, mod in list(sys.modules.items())
+                  if name.startswith('mmpretrain')
+                  and vars(mod).get('__xcit_benchmark_placeholder__', False))
+
+
+@pytest.fixture(autouse=True)
+def no_placeholder_leak():
+    yield
+    assert _placeholders() == [], 'the mmpretrain loader ran inside the pytest process'
+
+
+@pytest.fixture
+def port_module(mmpretrain_xcit, monkeypatch):
+    """mmpretrain's ``xcit`` module (conftest's scoped import), served to the library instead of
+    its process-wide loader."""
+    module = sys.modules[mmpretrain_xcit.__module__]
+    monkeypatch.setattr(lib_models, 'load_mmpretrain_xcit', lambda: module)
+    return module
+
+
+@pytest.fixture(scope='module')
+def flops_tool():
+    """tools/analysis_tools/get_flops.py, loaded as a module."""
+    spec = importlib.util.spec_from_file_location('xcit_mm_tool_get_flops', FLOPS_TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _artifact(name):
+    with open(os.path.join(ARTIFACTS, name)) as f:
+        return json.load(f)
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs
+# ---------------------------------------------------------------------------------------------
+def test_flop_counter_linear_is_exact():
     linear = torch.nn.Linear(16, 8)
     x = torch.randn(4, 16)
-    assert bench.count_flops(lambda: linear(x)) == 2 * 4 * 16 * 8
+    assert lib.count_flops(lambda: linear(x)) == 2 * 4 * 16 * 8
 
 
-def test_flop_counter_depthwise_conv_and_channel_attention_are_exact(bench):
+def test_flop_counter_depthwise_conv_and_channel_attention_are_exact():
     conv = torch.nn.Conv2d(6, 6, 3, padding=1, groups=6)
     x = torch.randn(1, 6, 10, 10)
-    assert bench.count_flops(lambda: conv(x)) == 2 * 6 * 10 * 10 * 9
+    assert lib.count_flops(lambda: conv(x)) == 2 * 6 * 10 * 10 * 9
     # the XCA products: (B, h, d, N) @ (B, h, N, d) -> (B, h, d, d), then @ (B, h, d, N)
     q, k, v = (torch.randn(2, 3, 5, 30) for _ in range(3))
-    assert bench.count_flops(lambda: (q @ k.transpose(-2, -1)).softmax(-1) @ v) == \
+    assert lib.count_flops(lambda: (q @ k.transpose(-2, -1)).softmax(-1) @ v) == \
         2 * (2 * 3 * 5 * 5 * 30) * 2
 
 
-def test_trunk_flops_match_the_formula(bench):
+def test_trunk_flops_match_the_formula(port_module):
     """The counter sees every MAC of the XCiT trunk, the XCA products included.
 
     mmpretrain's port computes XCA exactly as the paper, so its count equals the formula.
@@ -39,47 +94,225 @@ def test_trunk_flops_match_the_formula(bench):
     which moves its count by a few percent at 224 px, not more.
     """
     for arch, patch, res in (('n12', 16, 64), ('t12', 8, 96)):
-        port = bench.point_flops(bench.parse_model(f'mmpretrain_xcit_{arch}_p{patch}'), res,
-                                 'inference')
+        port = lib.point_flops(lib.parse_model(f'mmpretrain_xcit_{arch}_p{patch}'), res,
+                               'inference')
         assert port['gmacs'] * 1e9 == pytest.approx(
-            bench.analytic_trunk_macs(arch, patch, res, res), rel=1e-9)
-    ours = bench.point_flops(bench.parse_model('xcit_n12_p16_trunk'), 224, 'inference')
+            lib.analytic_trunk_macs(arch, patch, res, res), rel=1e-9)
+    ours = lib.point_flops(lib.parse_model('xcit_n12_p16_trunk'), 224, 'inference')
     assert ours['gmacs'] * 1e9 == pytest.approx(
-        bench.analytic_trunk_macs('n12', 16, 224, 224), rel=0.05)
+        lib.analytic_trunk_macs('n12', 16, 224, 224), rel=0.05)
     assert ours['params_m'] > 0
 
 
-def test_train_step_flops_are_three_forwards(bench):
+def test_train_step_flops_are_three_forwards(port_module):
     """Backward = 2x forward for every layer, depthwise convs included (torch's own formula
-    overcounts grouped conv weight gradients; the tool corrects it)."""
+    overcounts grouped conv weight gradients; the library corrects it)."""
     conv = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8)
     x = torch.randn(1, 8, 10, 10, requires_grad=True)
-    assert bench.count_flops(lambda: conv(x).sum().backward()) == 3 * 2 * 8 * 100 * 9
-    info = bench.point_flops(bench.parse_model('mmpretrain_xcit_n12_p16'), 64, 'train')
+    assert lib.count_flops(lambda: conv(x).sum().backward()) == 3 * 2 * 8 * 100 * 9
+    info = lib.point_flops(lib.parse_model('mmpretrain_xcit_n12_p16'), 64, 'train')
     # the first conv has no input gradient: a little less than 3 forwards
     assert 2.9 < info['gflop_exec'] / (2 * info['gmacs']) <= 3.0
 
 
-def test_parse_model_names_and_errors(bench):
-    spec = bench.parse_model('xcit_s12_p8_trunk')
+def test_flops_report_reproduces_the_committed_rows(port_module):
+    """docs/benchmark/flops.json is what the current code counts (N12 re-counted)."""
+    spec = lib.load_spec()['flops_report']
+    rows = lib.flops_report(spec['paper_table1'], spec['tolerance'], archs=['n12'],
+                            xcit_module=port_module)
+    committed = [r for r in _artifact('flops.json')['rows'] if r['arch'] == 'n12']
+    assert [r['setting'] for r in rows] == [r['setting'] for r in committed] == \
+        ['224/p16', '384/p8']
+    for new, old in zip(rows, committed):
+        for key, value in old.items():
+            if isinstance(value, float):
+                assert new[key] == pytest.approx(value, rel=1e-6), (new['setting'], key)
+            else:
+                assert new[key] == value, (new['setting'], key)
+    assert all(r['ok'] for r in rows)
+
+
+def test_get_flops_counts_models(flops_tool, tmp_path, capsys):
+    out_dir = tmp_path / 'flops'
+    assert flops_tool.main(['--models', 'xcit_n12_p16_trunk', 'resnet50', '--resolutions', '224',
+                            '--out-dir', str(out_dir)]) == 0
+    text = capsys.readouterr().out
+    assert 'xcit_n12_p16_trunk' in text and 'wrote ' in text
+    with open(out_dir / 'model_flops.csv') as f:
+        rows = {r['model']: r for r in csv.DictReader(f)}
+    assert float(rows['xcit_n12_p16_trunk']['gmacs']) * 1e9 == pytest.approx(
+        lib.analytic_trunk_macs('n12', 16, 224, 224), rel=0.05)
+    assert float(rows['resnet50']['params_m']) == pytest.approx(23.5, rel=0.01)
+    with pytest.raises(SystemExit) as exc:
+        flops_tool.main(['--models', 'xcit_s13_p16'])
+    assert exc.value.code == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# names and command lines
+# ---------------------------------------------------------------------------------------------
+def test_parse_model_names_and_errors():
+    spec = lib.parse_model('xcit_s12_p8_trunk')
     assert (spec.family, spec.arch, spec.patch, spec.with_cp) == ('xcit_trunk', 's12', 8, False)
-    assert bench.parse_model('swin_t+cp').with_cp
+    assert lib.parse_model('swin_t+cp').with_cp
+    assert lib.parse_model('mmpretrain_xcit_t24_p16').family == 'mmpretrain_xcit'
     for bad in ('xcit_x12_p16', 'xcit_s12_p4', 'mmpretrain_xcit_s12_p8+cp',
                 'mmpretrain_xcit_s12_p8_trunk', 'resnet18'):
         with pytest.raises(ValueError):
-            bench.parse_model(bad)
+            lib.parse_model(bad)
+    # the archs are XCiTBackbone's
+    assert set(lib.XCIT_ARCHS) == {'n12', 't12', 't24', 's12', 's24', 'm24', 'l24'}
 
 
-def test_compare_times_the_same_trunk(bench):
+def test_unknown_model_is_an_argparse_error(bench, capsys):
+    """issue 16.6: no ValueError traceback, but usage + the valid names, exit status 2."""
+    with pytest.raises(SystemExit) as exc:
+        bench.main(['--models', 'xcit_s13_p16'])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert 'usage:' in err and "invalid choice: 'xcit_s13_p16'" in err
+    assert 'xcit_<n12|t12|t24|s12|s24|m24|l24>_p<8|16>' in err and 'swin_t' in err
+    assert 'Traceback' not in err
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(['--compare', '--models', 'resnet50'])
+    assert exc.value.code == 2
+
+
+def test_with_cp_variants_and_compare_pairs():
+    specs = [lib.parse_model(n) for n in ('xcit_s12_p16', 'mmpretrain_xcit_s12_p8')]
+    pairs = []
+    out = lib.with_cp_variants(specs, 'both', pairs)
+    assert [s.name for s in out] == ['xcit_s12_p16', 'xcit_s12_p16+cp', 'mmpretrain_xcit_s12_p8']
+    assert pairs == [('xcit_s12_p16+cp', 'xcit_s12_p16')]
+    specs, pairs = lib.compare_pairs([lib.parse_model('xcit_s12_p8'), lib.parse_model('swin_t')])
+    assert [s.name for s in specs] == ['xcit_s12_p8_trunk', 'mmpretrain_xcit_s12_p8']
+    assert pairs == [('xcit_s12_p8_trunk', 'mmpretrain_xcit_s12_p8')]
+
+
+def test_time_interleaved_rotates_the_order():
+    calls = []
+    steps = {name: (lambda n=name: calls.append(n)) for name in 'abc'}
+    times = time_interleaved(steps, warmup=1, repeats=3, device='cpu')
+    assert calls == list('abc') + list('abc') + list('bca') + list('cab')
+    assert {k: len(v) for k, v in times.items()} == {'a': 3, 'b': 3, 'c': 3}
+
+
+def test_compare_times_the_same_trunk(port_module):
     """--compare's premise: with the port's weights, XCiTBackbone's trunk gives the same maps."""
-    verdict = bench.check_same_trunk('n12', 16)
+    verdict = lib.check_same_trunk('n12', 16)
     assert 'max |diff|' in verdict, verdict
     diff = float(verdict.split('= ')[1].split(' ')[0])
     assert diff < 1e-4, verdict
 
 
-def test_tiny_run_writes_sane_csv_json_png(bench, tmp_path):
-    analytic_n12_64 = bench.analytic_trunk_macs('n12', 16, 64, 64)
+# ---------------------------------------------------------------------------------------------
+# the spec and the docs
+# ---------------------------------------------------------------------------------------------
+def test_spec_drives_the_defaults_and_reproduces_the_committed_goals(bench):
+    spec = lib.load_spec()
+    args = bench.parse_args([])
+    assert args.models == spec['default_models'] and args.resolutions == \
+        spec['default_resolutions']
+    committed = _artifact('goals.json')
+    goals = lib.evaluate_goals(committed['records'], spec['goals']['checks'],
+                               committed['meta']['options']['repeats'])
+    assert goals == committed['meta']['goals']
+    # the measured points are the spec's runs, in order
+    points = [(n, r, run['mode']) for run in spec['goals']['runs'] for n, r in run['points']]
+    assert sorted(points) == sorted((r['model'], r['resolution'], r['mode'])
+                                    for r in committed['records'])
+
+
+def test_run_goals_measures_the_spec_runs(monkeypatch):
+    """--goals runs the spec's runs in order, with its batch / precision / mode and timing only
+    where asked; the verdicts come from the records (here: the committed ones)."""
+    spec = lib.load_spec()['goals']
+    committed = _artifact('goals.json')
+    calls = []
+
+    def fake_run_points(points, opts, progress_factory=None, log=None):
+        calls.append(([(s.name, r) for s, r in points], opts))
+        wanted = {(s.name, r, opts.mode) for s, r in points}
+        return [r for r in committed['records']
+                if (r['model'], r['resolution'], r['mode']) in wanted], dict(run=len(calls))
+
+    monkeypatch.setattr(lib_goals, 'run_points', fake_run_points)
+    logs = []
+    opts = lib.RunOptions(batch=4, precision='amp', mode='train', warmup=2, repeats=10)
+    goals, records, meta = lib.run_goals(opts, spec, log=logs.append)
+    assert logs == [run['label'] for run in spec['runs']]
+    assert [points for points, _ in calls] == \
+        [[tuple(p) for p in run['points']] for run in spec['runs']]
+    for (_, o), run in zip(calls, spec['runs']):
+        assert (o.batch, o.precision, o.mode, o.do_time, o.warmup, o.repeats) == \
+            (1, 'fp32', run['mode'], run['time'], 2, 10)
+    assert meta == dict(run=1) and len(records) == len(committed['records'])
+    assert goals == committed['meta']['goals']
+
+
+def test_spec_errors_name_the_entry():
+    spec = lib.load_spec()
+    bad = json.loads(json.dumps(spec))
+    bad['goals']['checks'][0]['a'] = ['xcit_s12_p16', 2048]
+    with pytest.raises(SpecError, match=r'goals.checks\[0\].a: xcit_s12_p16@2048'):
+        validate_spec(bad, 'x.json')
+    bad = json.loads(json.dumps(spec))
+    bad['default_models'].append('xcit_s13_p16')
+    with pytest.raises(SpecError, match="default_models: unknown XCiT arch 's13'"):
+        validate_spec(bad, 'x.json')
+    with pytest.raises(SpecError, match='not found'):
+        lib.load_spec(os.path.join(ARTIFACTS, 'no_such_spec.json'))
+
+
+@pytest.mark.parametrize('name', ['goals.json', 'cpu_inference_fp32.json', 'flops.json'])
+def test_docs_tables_quote_the_committed_artifacts(bench, capsys, name):
+    """Every table row docs/benchmark.md shows for a result is rendered from its JSON."""
+    assert bench.main(['--markdown', os.path.join(ARTIFACTS, name)]) == 0
+    rendered = capsys.readouterr().out.strip()
+    with open(os.path.join(ROOT, 'docs', 'benchmark.md')) as f:
+        doc = f.read()
+    missing = [line for line in rendered.splitlines() if line and line not in doc]
+    assert not missing, f'docs/benchmark.md does not quote {name}: {missing}'
+
+
+# ---------------------------------------------------------------------------------------------
+# fresh processes
+# ---------------------------------------------------------------------------------------------
+LOADER_SCRIPT = r'''
+import importlib.util, json, sys
+import torch
+import xcit_mm
+report = dict(bench_modules=sorted(m for m in sys.modules
+                                   if m.startswith('xcit_mm.utils.benchmark')))
+from xcit_mm.utils.benchmark import build_model, parse_model
+model, forward = build_model(parse_model('mmpretrain_xcit_n12_p16'))
+model.eval()
+with torch.no_grad():
+    outs = forward(torch.randn(1, 3, 64, 64))
+report.update(
+    shapes=[list(o.shape) for o in outs],
+    placeholder=getattr(sys.modules['mmpretrain.models'], '__xcit_benchmark_placeholder__', False),
+    torchvision_installed=importlib.util.find_spec('torchvision') is not None,
+    torchvision_imported='torchvision' in sys.modules)
+print('@@' + json.dumps(report))
+'''
+
+
+def test_loader_in_a_fresh_process():
+    """``import xcit_mm`` does not import the benchmark; the loader builds mmpretrain's trunk
+    without torchvision (placeholder packages only where torchvision is missing)."""
+    proc = subprocess.run([sys.executable, '-c', LOADER_SCRIPT], capture_output=True, text=True,
+                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS='1'), timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout.split('@@')[-1])
+    assert report['bench_modules'] == []
+    assert report['shapes'] == [[1, 128, 4, 4]] * 4
+    assert report['placeholder'] is not report['torchvision_installed']
+    assert report['torchvision_imported'] is report['torchvision_installed']
+
+
+def test_tiny_run_writes_sane_csv_json_png(tmp_path):
+    analytic_n12_64 = lib.analytic_trunk_macs('n12', 16, 64, 64)
     out_dir = tmp_path / 'bench'
     cmd = [sys.executable, TOOL, '--models', 'xcit_n12_p16', '--resolutions', '64',
            '--repeats', '1', '--warmup', '0', '--device', 'cpu', '--threads', '1',
@@ -92,6 +325,7 @@ def test_tiny_run_writes_sane_csv_json_png(bench, tmp_path):
         rows = list(csv.DictReader(f))
     assert len(rows) == 1
     r = rows[0]
+    assert list(r) == lib.CSV_FIELDS
     assert (r['model'], r['status'], r['resolution'], r['batch'], r['device'], r['mode']) == \
         ('xcit_n12_p16', 'ok', '64', '1', 'cpu', 'inference')
     for key in ('ms_per_img', 'imgs_per_s', 'peak_mem_mb', 'gmacs', 'gflop_exec', 'params_m',
@@ -102,12 +336,14 @@ def test_tiny_run_writes_sane_csv_json_png(bench, tmp_path):
     assert float(r['imgs_per_s']) == pytest.approx(1e3 / float(r['ms_per_img']), rel=1e-3)
     # trunk + adapter costs more than the trunk formula alone
     assert float(r['gmacs']) * 1e9 > analytic_n12_64
+    assert 'MALLOC_MMAP_THRESHOLD_=65536' in r['mem_method']
 
     with open(out_dir / 'tiny.json') as f:
         data = json.load(f)
     assert len(data['records']) == 1 and len(data['records'][0]['times_s']) == 1
     assert data['meta']['torch'] == torch.__version__
     assert data['meta']['matmul_gflop_s_before'] > 0
+    assert data['meta']['options']['repeats'] == 1
 
     png = (out_dir / 'tiny.png').read_bytes()
     assert png[:8] == b'\x89PNG\r\n\x1a\n' and len(png) > 10_000

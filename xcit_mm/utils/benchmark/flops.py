@@ -1,0 +1,212 @@
+"""FLOP counting: the exact counter, the XCiT trunk formula, per-point FLOPs and the paper
+Table 1 report.
+
+Counted with ``torch.utils.flop_counter.FlopCounterMode`` (aten-level: mm/addmm/bmm, convolutions
+incl. depthwise and transposed, SDPA; matmul/einsum decompose into bmm, so the XCA ``q @ k^T`` and
+``attn @ v`` products are counted; norms, softmax and element-wise ops are not, as in fvcore).
+``gmacs`` = forward multiply-accumulates per image, the unit the XCiT/Swin/DeiT papers call
+"GFLOPs"; ``gflop_exec`` = 2 FLOPs per MAC of everything executed (forward, plus backward and
+checkpoint recomputation in train mode).
+"""
+import math
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from .models import (XCIT_ARCHS, ModelSpec, build_model, count_params, load_mmpretrain_xcit,
+                     parse_model)
+
+
+def _conv_backward_flop(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation,
+                        transposed, _output_padding, _groups, output_mask, out_shape=None,
+                        **kwargs) -> int:
+    """FLOPs of ``aten.convolution_backward``, correct for grouped (depthwise) convolutions.
+
+    torch 2.13's built-in formula ignores ``groups`` for the weight gradient and counts a depthwise
+    3x3 conv's backward as if it were dense (x C too much).  Each gradient (input, weight) of a
+    convolution costs exactly the MACs of its forward, whatever the groups, so this returns the
+    forward count times the number of gradients requested in ``output_mask``; for groups=1 it
+    equals torch's formula.
+    """
+    from torch.utils.flop_counter import conv_flop_count
+    forward = conv_flop_count(list(x_shape), list(w_shape), list(grad_out_shape), transposed)
+    return forward * (int(bool(output_mask[0])) + int(bool(output_mask[1])))
+
+
+def count_flops(fn: Callable[[], object]) -> int:
+    """FLOPs executed by ``fn()`` according to ``torch.utils.flop_counter.FlopCounterMode``.
+
+    2 FLOPs per multiply-accumulate (a ``Linear(16, 8)`` on 4 rows is ``2 * 4 * 16 * 8``); biases,
+    norms, softmax and element-wise ops are not counted.  Backward ops are counted when ``fn``
+    runs a backward pass (with :func:`_conv_backward_flop` replacing torch's formula that
+    overcounts grouped convolutions).
+
+    Args:
+        fn: Zero-argument callable to run under the counter.
+
+    Returns:
+        int: Total FLOPs.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+    mapping = {torch.ops.aten.convolution_backward: _conv_backward_flop}
+    with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+def analytic_trunk_macs(arch: str, patch: int, height: int, width: int) -> int:
+    """Multiply-accumulates of an XCiT trunk by formula (cross-check of the counter).
+
+    Counts the conv patch embedding, the 1x1 position projection and per layer
+    ``N * (12 D^2 + 2 D d_h + 18 D)``: qkv 3D^2, XCA ``q k^T`` and ``A v`` 2 D d_h, proj D^2,
+    LPI 2 depthwise 3x3 = 18 D, FFN 8 D^2.  No biases, norms or softmax (as the counter).
+
+    Args:
+        arch: XCiT arch key.
+        patch: 8 or 16.
+        height: Image height.
+        width: Image width.
+
+    Returns:
+        int: MACs for one image.
+    """
+    dims, depth, heads = XCIT_ARCHS[arch]
+    chans = [3, dims // 8, dims // 4, dims // 2, dims] if patch == 16 else \
+        [3, dims // 4, dims // 2, dims]
+    h, w, macs = height, width, 0
+    for cin, cout in zip(chans[:-1], chans[1:]):
+        h, w = math.ceil(h / 2), math.ceil(w / 2)
+        macs += h * w * cout * cin * 9
+    tokens = h * w
+    macs += tokens * 64 * dims
+    macs += depth * tokens * (12 * dims * dims + 2 * dims * (dims // heads) + 18 * dims)
+    return macs
+
+
+def _count_model_flops(model: nn.Module, forward: Callable, resolution: int,
+                       mode: str) -> Tuple[int, int]:
+    """(forward FLOPs, executed FLOPs of ``mode``) of one ``resolution`` x ``resolution`` image."""
+    img = torch.randn(1, 3, resolution, resolution)
+    model.eval()
+    with torch.no_grad():
+        fwd = count_flops(lambda: forward(img))
+    if mode == 'inference':
+        return fwd, fwd
+    model.train()
+
+    def train_step():
+        sum(o.float().mean() for o in forward(img)).backward()
+    try:
+        return fwd, count_flops(train_step)
+    finally:
+        for p in model.parameters():
+            p.grad = None
+
+
+def point_flops(spec: ModelSpec, resolution: int, mode: str,
+                cache: Optional[Dict[str, Tuple[nn.Module, Callable]]] = None) -> dict:
+    """Forward MACs and executed FLOPs for one image of one point.
+
+    Counted without computing: real weights, but the input is a ``FakeTensor``
+    (``FakeTensorMode(allow_non_fake_inputs=True)``), so every op only propagates shapes -- any
+    size is cheap, and models that query their device (autocast) or call ``.item()`` on real
+    buffers still run.  If a model cannot run on fake tensors it is counted with one real image.
+
+    Args:
+        spec: The model.
+        resolution: Square input side.
+        mode: ``'inference'`` or ``'train'``.
+        cache: Optional name -> (model, forward) dict of CPU models reused for counting (a model
+            found there is not built).
+
+    Returns:
+        dict: ``gmacs`` (forward, paper "GFLOPs"), ``gflop_exec`` (2 per MAC, incl. backward and
+        checkpoint recomputation in train mode), ``params_m``, ``flops_counter``.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    cache = {} if cache is None else cache
+    if spec.name not in cache:
+        torch.manual_seed(0)
+        cache[spec.name] = build_model(spec, 'cpu')
+    model, forward = cache[spec.name]
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fwd, executed = _count_model_flops(model, forward, resolution, mode)
+        counter = 'torch FlopCounterMode, fake tensors'
+    except Exception:  # data-dependent control flow: count a real image instead
+        fwd, executed = _count_model_flops(model, forward, resolution, mode)
+        counter = 'torch FlopCounterMode, real CPU pass'
+    return dict(gmacs=fwd / 2e9, gflop_exec=executed / 1e9, params_m=count_params(model) / 1e6,
+                flops_counter=counter)
+
+
+def flops_report(paper_table: Dict[str, Dict[str, float]], tolerance: float = 0.05,
+                 archs: Optional[Sequence[str]] = None, xcit_module=None) -> List[dict]:
+    """FLOPs of every XCiT arch vs paper Table 1 (224/p16 and 384/p8).
+
+    What is counted (``FlopCounterMode``, MACs = FLOPs / 2, the paper's "GFLOPs"):
+
+    * ``trunk``: ``XCiTBackbone.forward_trunk`` (conv patch embed, position projection, all XCiT
+      layers incl. the XCA products; no adapter).
+    * ``cls_part``: what the ImageNet classifier adds on top of the trunk, built from mmpretrain's
+      modules: 2 ``ClassAttentionBlock`` on the N+1 tokens, LayerNorm, ``Linear(D, 1000)``.
+    * ``classifier = trunk + cls_part`` is compared with the paper (``ok``: within
+      ``tolerance``).
+    * ``port_classifier``: mmpretrain's full ``XCiT`` classifier (cls_attn_layers=2, final norm) +
+      head, counted in one go, as an independent check; ``analytic``: formula of the trunk.
+
+    Args:
+        paper_table: arch -> ``params_m``, ``gmacs_224_p16``, ``gmacs_384_p8`` (the spec's
+            ``flops_report.paper_table1``).
+        tolerance: Allowed relative difference of the classifier from the paper.
+        archs: The archs to report (default: all of ``paper_table``, in its order).
+        xcit_module: mmpretrain's ``xcit`` module (default: :func:`load_mmpretrain_xcit`).
+
+    Returns:
+        list: One row per (arch, setting).
+    """
+    xcit_mod = xcit_module if xcit_module is not None else load_mmpretrain_xcit()
+    rows = []
+    for arch in (archs if archs is not None else list(paper_table)):
+        dims, depth, heads = XCIT_ARCHS[arch]
+        eta = 1.0 if depth == 12 else 1e-5
+        for res, patch, key in ((224, 16, 'gmacs_224_p16'), (384, 8, 'gmacs_384_p8')):
+            trunk_info = point_flops(parse_model(f'xcit_{arch}_p{patch}_trunk'), res, 'inference')
+            tokens = math.ceil(res / patch) ** 2
+            with torch.device('meta'):
+                cls_part = nn.ModuleList(
+                    [xcit_mod.ClassAttentionBlock(dim=dims, num_heads=heads, qkv_bias=True,
+                                                  layer_scale_init_value=eta)
+                     for _ in range(2)] + [nn.LayerNorm(dims), nn.Linear(dims, 1000)])
+                tok = torch.randn(1, tokens + 1, dims)
+
+            def run_cls():
+                x = tok
+                for blk in cls_part[:2]:
+                    x = blk(x)
+                return cls_part[3](cls_part[2](x)[:, 0])
+            with torch.no_grad():
+                cls_macs = count_flops(run_cls) / 2
+            with torch.device('meta'):
+                port = xcit_mod.XCiT(img_size=res, patch_size=patch, embed_dims=dims, depth=depth,
+                                     num_heads=heads, cls_attn_layers=2, out_type='cls_token',
+                                     layer_scale_init_value=eta, init_cfg=None)
+                head = nn.Linear(dims, 1000)
+                img = torch.randn(1, 3, res, res)
+            port.eval()
+            with torch.no_grad():
+                port_macs = count_flops(lambda: head(port(img)[-1])) / 2
+            trunk = trunk_info['gmacs']
+            classifier = trunk + cls_macs / 1e9
+            paper = paper_table[arch][key]
+            rows.append(dict(
+                arch=arch, setting=f'{res}/p{patch}', trunk_gmacs=trunk,
+                analytic_trunk_gmacs=analytic_trunk_macs(arch, patch, res, res) / 1e9,
+                cls_part_gmacs=cls_macs / 1e9, classifier_gmacs=classifier,
+                port_classifier_gmacs=port_macs / 1e9, paper_gmacs=paper,
+                rel_diff=classifier / paper - 1, ok=abs(classifier / paper - 1) <= tolerance,
+                classifier_params_m=(count_params(port) + count_params(head)) / 1e6,
+                paper_params_m=paper_table[arch]['params_m'],
+                backbone_params_m=trunk_info['params_m']))
+    return rows

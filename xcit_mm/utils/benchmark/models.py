@@ -1,0 +1,260 @@
+"""The benchmark's model zoo: names, parsing and the factory.
+
+Names (``--models``; :func:`list_models` prints them):
+
+* ``xcit_<arch>_p<8|16>``            ``XCiTBackbone.forward``: trunk + dense adapter (4 maps).
+* ``xcit_<arch>_p<8|16>_trunk``      ``XCiTBackbone.forward_trunk``: trunk only (paper layers).
+* ``mmpretrain_xcit_<arch>_p<8|16>`` mmpretrain's port of the same trunk
+  (``mmpretrain.models.backbones.xcit.XCiT`` with ``cls_attn_layers=0``, ``out_type='featmap'``,
+  ``final_norm=False``, ``out_indices`` = the paper layers), i.e. the same work as ``*_trunk``.
+* ``resnet50``  mmdet ``ResNet`` depth 50; ``swin_t`` mmdet ``SwinTransformer`` (embed 96, depths
+  2,2,6,2, window 7); ``vit_s16`` mmseg ``VisionTransformer`` (DeiT-S: embed 384, depth 12, 6 heads,
+  img_size 224, position embedding interpolated to the input size on the fly).
+* Suffix ``+cp`` builds the model with ``with_cp=True`` (gradient checkpointing; only changes the
+  train-step numbers).
+
+Every model is built untrained, all parameters trainable, drop-path 0, BatchNorm (no SyncBN).
+
+Nothing here imports torchvision: mmpretrain's XCiT module is loaded without executing the
+``mmpretrain.models`` package ``__init__`` (see :func:`load_mmpretrain_xcit`).
+"""
+import importlib
+import importlib.machinery
+import importlib.util
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import torch.nn as nn
+
+from xcit_mm.models import arch_zoo
+
+# arch -> (embed dims D, depth, heads): XCiTBackbone's table (= the paper's).
+XCIT_ARCHS: Dict[str, Tuple[int, int, int]] = {
+    k: (v['embed_dims'], v['depth'], v['num_heads']) for k, v in arch_zoo.items()}
+XCIT_PATCHES = (8, 16)
+
+BASELINES = {
+    'resnet50': 'mmdet ResNet-50 (4 stages, strides 4-32)',
+    'swin_t': 'mmdet SwinTransformer Swin-T (embed 96, depths 2,2,6,2, window 7)',
+    'vit_s16': 'mmseg VisionTransformer ViT-S/16 = DeiT-S (embed 384, depth 12, 6 heads)'}
+_XCIT_RE = re.compile(r'(?P<port>mmpretrain_)?xcit_(?P<arch>[a-z]\d\d)_p(?P<patch>\d+)'
+                      r'(?P<trunk>_trunk)?')
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A parsed ``--models`` entry.
+
+    Attributes:
+        name: Canonical name, including the ``+cp`` suffix.
+        family: One of ``xcit``, ``xcit_trunk``, ``mmpretrain_xcit``, ``resnet50``, ``swin_t``,
+            ``vit_s16``.
+        arch: XCiT arch key (``'s12'`` ...) or None.
+        patch: XCiT patch size or None.
+        with_cp: Whether the model is built with gradient checkpointing.
+    """
+
+    name: str
+    family: str
+    arch: Optional[str] = None
+    patch: Optional[int] = None
+    with_cp: bool = False
+
+    @property
+    def is_xcit(self) -> bool:
+        """bool: Whether this is one of the XCiT variants (ours or mmpretrain's)."""
+        return self.family in ('xcit', 'xcit_trunk', 'mmpretrain_xcit')
+
+    @property
+    def description(self) -> str:
+        """str: Human readable description used in tables and plots."""
+        cp = ' +with_cp' if self.with_cp else ''
+        if self.family in BASELINES:
+            return BASELINES[self.family] + cp
+        label = f'XCiT-{self.arch.upper()}/{self.patch}'
+        if self.family == 'xcit':
+            return f'xcit_mm XCiTBackbone {label} (trunk + adapter){cp}'
+        if self.family == 'xcit_trunk':
+            return f'xcit_mm XCiTBackbone.forward_trunk {label}{cp}'
+        return f'mmpretrain XCiT port {label} (trunk, cls_attn_layers=0){cp}'
+
+
+def parse_model(name: str) -> ModelSpec:
+    """Parse a model name of ``--models``.
+
+    Args:
+        name: e.g. ``'xcit_s12_p16'``, ``'xcit_s12_p8_trunk'``, ``'mmpretrain_xcit_s12_p8'``,
+            ``'swin_t+cp'``.
+
+    Returns:
+        ModelSpec: The parsed spec.
+
+    Raises:
+        ValueError: For an unknown name or an impossible combination.
+    """
+    base, with_cp = (name[:-3], True) if name.endswith('+cp') else (name, False)
+    if base in BASELINES:
+        return ModelSpec(name=name, family=base, with_cp=with_cp)
+    m = _XCIT_RE.fullmatch(base)
+    if m is None:
+        raise ValueError(f'unknown model {name!r}; see --list-models')
+    arch, patch = m.group('arch'), int(m.group('patch'))
+    if arch not in XCIT_ARCHS:
+        raise ValueError(f'unknown XCiT arch {arch!r} in {name!r}; choose from '
+                         f'{sorted(XCIT_ARCHS)}')
+    if patch not in XCIT_PATCHES:
+        raise ValueError(f'XCiT patch size must be 8 or 16, got {patch} in {name!r}')
+    if m.group('port'):
+        if m.group('trunk'):
+            raise ValueError(f'{name!r}: mmpretrain_xcit_* already is the trunk only; drop _trunk')
+        if with_cp:
+            raise ValueError(f'{name!r}: mmpretrain\'s XCiT has no with_cp option')
+        family = 'mmpretrain_xcit'
+    else:
+        family = 'xcit_trunk' if m.group('trunk') else 'xcit'
+    return ModelSpec(name=name, family=family, arch=arch, patch=patch, with_cp=with_cp)
+
+
+def model_name_patterns() -> str:
+    """The accepted names in one line (for error messages)."""
+    archs = '|'.join(XCIT_ARCHS)
+    return (f'xcit_<{archs}>_p<8|16>[_trunk], mmpretrain_xcit_<{archs}>_p<8|16>, '
+            f'{", ".join(BASELINES)}; any but mmpretrain_xcit_* may end in +cp')
+
+
+def list_models() -> str:
+    """The model names ``--models`` accepts, as text."""
+    archs = '|'.join(XCIT_ARCHS)
+    lines = [f'xcit_<{archs}>_p<8|16>           XCiTBackbone (trunk + adapter)',
+             f'xcit_<{archs}>_p<8|16>_trunk     XCiTBackbone.forward_trunk',
+             f'mmpretrain_xcit_<{archs}>_p<8|16> mmpretrain XCiT port, trunk only']
+    lines += [f'{k:<32}{v}' for k, v in BASELINES.items()]
+    lines.append('any name + "+cp": built with with_cp=True (not for mmpretrain_xcit_*)')
+    return '\n'.join(lines)
+
+
+def paper_out_indices(depth: int) -> Tuple[int, ...]:
+    """The paper's dense-prediction layers (0-based) for a trunk of ``depth`` layers."""
+    return (3, 5, 7, 11) if depth == 12 else (7, 11, 15, 23)
+
+
+def load_mmpretrain_xcit():
+    """Import ``mmpretrain.models.backbones.xcit`` without running ``mmpretrain.models``' __init__.
+
+    What fails otherwise: ``import mmpretrain.models`` executes the package ``__init__``, which
+    imports all heads; ``heads/cls_head.py`` imports ``mmpretrain.evaluation``, whose
+    ``metrics/visual_grounding_eval.py`` does ``import torchvision.ops.boxes`` -- and torchvision
+    is not installed (there is no build for this torch).  ``xcit.py`` itself only needs
+    mmcv/mmengine, ``mmpretrain.registry``, ``mmpretrain.models.utils`` and ``.base_backbone``,
+    none of which touch torchvision.
+
+    So, only when torchvision is missing, this registers *bare* package objects for
+    ``mmpretrain.models`` and ``mmpretrain.models.backbones`` (their real directories as
+    ``__path__``, their ``__init__`` NOT executed, marked with ``__xcit_benchmark_placeholder__``)
+    and imports the submodule through them.  The placeholders stay for the life of the process:
+    mmpretrain's ``MODELS`` registry imports its location ``mmpretrain.models`` lazily at its first
+    lookup (``build_norm_layer('LN')``), which must not run the real ``__init__`` either; 'LN',
+    'BN', 'GELU' are then found in mmengine's root registry (mmcv registers them there).  Hence:
+    call it only in a process of its own (the benchmark tools and their memory workers), never in
+    a process that imports ``mmpretrain.models`` for real later (e.g. pytest).  No torchvision stub
+    is created.  Where torchvision exists the ordinary import is used.
+
+    Returns:
+        module: mmpretrain's ``xcit`` module (``XCiT``, ``ClassAttentionBlock``, ...).
+
+    Raises:
+        ImportError: If mmpretrain is not installed.
+    """
+    name = 'mmpretrain.models.backbones.xcit'
+    if importlib.util.find_spec('mmpretrain') is None:
+        raise ImportError('mmpretrain is not installed; it is needed for the mmpretrain_xcit_* '
+                          'models and the class-attention part of the FLOPs report')
+    if importlib.util.find_spec('torchvision') is not None:
+        return importlib.import_module(name)
+    # mmdet's optional `from mmpretrain.models.classifiers import ...` (inside try/except) may
+    # already have failed half-way: the submodules stay in sys.modules, 'mmpretrain.models' not.
+    import mmpretrain  # the top-level package does not import mmpretrain.models
+    parent = mmpretrain
+    for pkg in ('mmpretrain.models', 'mmpretrain.models.backbones'):
+        if pkg not in sys.modules:
+            spec = importlib.machinery.ModuleSpec(pkg, None, is_package=True)
+            spec.submodule_search_locations = [
+                os.path.join(parent.__path__[0], pkg.rpartition('.')[2])]
+            module = importlib.util.module_from_spec(spec)
+            module.__xcit_benchmark_placeholder__ = True
+            sys.modules[pkg] = module
+            setattr(parent, pkg.rpartition('.')[2], module)
+        parent = sys.modules[pkg]
+    return importlib.import_module(name)
+
+
+def build_mmpretrain_trunk(xcit_module, arch: str, patch: int) -> nn.Module:
+    """mmpretrain's ``XCiT`` configured as the trunk only (see the module docstring).
+
+    Args:
+        xcit_module: ``mmpretrain.models.backbones.xcit`` (e.g. from
+            :func:`load_mmpretrain_xcit`).
+        arch: XCiT arch key.
+        patch: 8 or 16.
+    """
+    dims, depth, heads = XCIT_ARCHS[arch]
+    return xcit_module.XCiT(
+        img_size=224, patch_size=patch, embed_dims=dims, depth=depth, num_heads=heads,
+        cls_attn_layers=0, out_type='featmap', out_indices=paper_out_indices(depth),
+        final_norm=False, layer_scale_init_value=1.0 if depth == 12 else 1e-5,
+        bn_norm_cfg=dict(type='BN'), init_cfg=None)
+
+
+def build_model(spec: ModelSpec, device: str = 'cpu') -> Tuple[nn.Module, Callable]:
+    """Build one benchmark model.
+
+    Args:
+        spec: The parsed model spec.
+        device: ``'cpu'`` or ``'cuda'``.
+
+    Returns:
+        tuple: ``(module, forward)`` where ``forward(img)`` returns a sequence of tensors.
+    """
+    cp = spec.with_cp
+    if spec.family in ('xcit', 'xcit_trunk'):
+        from mmengine.registry import MODELS  # XCiTBackbone is registered by `import xcit_mm`
+        model = MODELS.build(dict(type='XCiTBackbone', arch=spec.arch, patch_size=spec.patch,
+                                  norm_cfg=dict(type='BN'), drop_path_rate=0.0, with_cp=cp))
+        forward = model.forward_trunk if spec.family == 'xcit_trunk' else model
+    elif spec.family == 'mmpretrain_xcit':
+        model = build_mmpretrain_trunk(load_mmpretrain_xcit(), spec.arch, spec.patch)
+        forward = model
+    elif spec.family in ('resnet50', 'swin_t'):
+        import mmdet.models  # noqa: F401  (fills mmdet's MODELS registry)
+        from mmdet.registry import MODELS as DET_MODELS
+        if spec.family == 'resnet50':
+            cfg = dict(type='ResNet', depth=50, num_stages=4, out_indices=(0, 1, 2, 3),
+                       frozen_stages=-1, norm_cfg=dict(type='BN', requires_grad=True),
+                       norm_eval=False, style='pytorch', with_cp=cp)
+        else:
+            cfg = dict(type='SwinTransformer', embed_dims=96, depths=(2, 2, 6, 2),
+                       num_heads=(3, 6, 12, 24), window_size=7, mlp_ratio=4, qkv_bias=True,
+                       drop_path_rate=0.0, patch_norm=True, out_indices=(0, 1, 2, 3),
+                       with_cp=cp, convert_weights=False)
+        model = DET_MODELS.build(cfg)
+        forward = model
+    elif spec.family == 'vit_s16':
+        import mmseg.models  # noqa: F401  (fills mmseg's MODELS registry)
+        from mmseg.registry import MODELS as SEG_MODELS
+        model = SEG_MODELS.build(dict(
+            type='VisionTransformer', img_size=224, patch_size=16, embed_dims=384, num_layers=12,
+            num_heads=6, mlp_ratio=4, out_indices=(2, 5, 8, 11), qkv_bias=True,
+            with_cls_token=True, final_norm=False, interpolate_mode='bicubic',
+            drop_path_rate=0.0, with_cp=cp))
+        forward = model
+    else:  # pragma: no cover - parse_model guards this
+        raise ValueError(f'unknown model family {spec.family!r}')
+    return model.to(device), forward
+
+
+def count_params(model: nn.Module) -> int:
+    """Number of parameters of ``model``."""
+    return sum(p.numel() for p in model.parameters())

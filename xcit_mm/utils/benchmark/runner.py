@@ -1,0 +1,195 @@
+"""Measure a list of (model, resolution) points: FLOPs, fresh-process peak memory, interleaved
+timing; plus the run metadata stored with every result."""
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from .flops import point_flops
+from .memory import run_memory_worker
+from .models import ModelSpec, build_model
+from .timing import (MATMUL_STEP, make_matmul_step, make_step, matmul_gflops,
+                     measure_matmul_gflops, set_threads, time_interleaved)
+
+# A progress bar factory: (total, description) -> object with update(n=1), set_postfix_str(s)
+# and close() (e.g. tqdm); the CLI supplies one.
+ProgressFactory = Callable[[int, str], object]
+
+
+def log_stderr(message: str):
+    """The default ``log`` of :func:`run_points`: one line on stderr."""
+    print(message, file=sys.stderr)
+
+
+@dataclass
+class RunOptions:
+    """Options shared by all points of one run (see the argparse help of the benchmark tool)."""
+
+    batch: int = 1
+    mode: str = 'inference'
+    precision: str = 'fp32'
+    device: str = 'cpu'
+    threads: Optional[int] = None
+    warmup: int = 1
+    repeats: int = 5
+    mem_iters: int = 2
+    cpu_mem_mode: str = 'live'
+    mem_limit_bytes: int = 8 * 2 ** 30
+    mem_timeout_s: float = 1800.
+    do_time: bool = True
+    do_mem: bool = True
+    do_flops: bool = True
+    quiet: bool = False
+
+
+def load_warning(opts: RunOptions) -> Optional[str]:
+    """A warning when other processes compete for the cores this run's threads need, or None."""
+    if opts.device != 'cpu' or not opts.do_time:
+        return None
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return None
+    cores, threads = os.cpu_count() or 1, torch.get_num_threads()
+    if load + threads > cores + 0.5 and threads > 1:
+        return (f'WARNING: load average {load:.1f} on {cores} cores: with {threads} threads the '
+                'OpenMP barriers wait for descheduled threads and CPU times are inflated several '
+                'fold (and noisy). On a shared machine use --threads 1 for speed comparisons.')
+    return None
+
+
+def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions,
+               progress_factory: Optional[ProgressFactory] = None,
+               log: Callable[[str], None] = log_stderr) -> Tuple[List[dict], dict]:
+    """Measure a list of (model, resolution) points.
+
+    Per resolution: FLOPs (fake tensors), then one fresh memory-worker process per point, then the
+    interleaved timing of every point that fitted, in this process (models built once).
+
+    Args:
+        points: (spec, resolution) pairs; each pair once.
+        opts: Run options.
+        progress_factory: Makes the progress bar (not called when ``opts.quiet``); None: no bar.
+        log: Where the machine-load warning goes.
+
+    Returns:
+        tuple: (records, meta) -- one dict per point (CSV_FIELDS plus ``times_s``) and run metadata.
+    """
+    if opts.device == 'cuda' and not torch.cuda.is_available():
+        raise RuntimeError('--device cuda requested but torch.cuda.is_available() is False')
+    set_threads(opts.threads)
+    warning = load_warning(opts)
+    if warning:
+        log(warning)
+    resolutions = sorted({r for _, r in points})
+    n_time_calls = (opts.warmup + opts.repeats) if opts.do_time else 0
+    progress = None
+    if progress_factory is not None and not opts.quiet:
+        progress = progress_factory(len(points) * (int(opts.do_mem) + n_time_calls + 1),
+                                    f'benchmark ({opts.device}, {opts.mode}, {opts.precision})')
+    matmul_before = measure_matmul_gflops(opts.device)
+    records: List[dict] = []
+    built: Dict[str, Tuple[nn.Module, Callable]] = {}
+    flops_models: Dict[str, Tuple[nn.Module, Callable]] = {}
+    for res in resolutions:
+        specs = [s for s, r in points if r == res]
+        recs: Dict[str, dict] = {}
+        for spec in specs:
+            rec = dict(model=spec.name, description=spec.description, resolution=res,
+                       batch=opts.batch, mode=opts.mode, precision=opts.precision,
+                       device=opts.device, threads=opts.threads or torch.get_num_threads(),
+                       with_cp=spec.with_cp, status='ok', warmup=opts.warmup,
+                       repeats=opts.repeats, note='')
+            if progress is not None:
+                progress.set_postfix_str(f'{spec.name}@{res} flops/memory')
+            if opts.do_flops:
+                rec.update(point_flops(spec, res, opts.mode, flops_models))
+            if progress is not None:
+                progress.update()
+            if opts.do_mem:
+                rec.update(run_memory_worker(dict(
+                    model=spec.name, resolution=res, batch=opts.batch, mode=opts.mode,
+                    precision=opts.precision, device=opts.device, threads=opts.threads,
+                    mem_iters=opts.mem_iters, cpu_mem_mode=opts.cpu_mem_mode),
+                    opts.mem_limit_bytes, opts.mem_timeout_s))
+                if progress is not None:
+                    progress.update()
+            recs[spec.name] = rec
+        if opts.do_time:
+            steps = {}
+            img = torch.randn(opts.batch, 3, res, res, device=opts.device)
+            for spec in specs:
+                if recs[spec.name]['status'] != 'ok':
+                    if progress is not None:
+                        progress.update(n_time_calls)
+                    continue
+                if spec.name not in built:
+                    torch.manual_seed(0)
+                    built[spec.name] = build_model(spec, opts.device)
+                model, forward = built[spec.name]
+                steps[spec.name] = make_step(model, forward, img, opts.mode, opts.device,
+                                             opts.precision)
+            if progress is not None:
+                progress.set_postfix_str(f'timing {len(steps)} models @{res}')
+            if steps:  # the reference matmul rate, interleaved with the models: same load
+                steps[MATMUL_STEP] = make_matmul_step(opts.device)
+            try:
+                times = time_interleaved(steps, opts.warmup, opts.repeats, opts.device,
+                                         progress) if steps else {}
+            except torch.cuda.OutOfMemoryError as e:
+                for name in steps:
+                    recs[name].update(status='oom', note=f'CUDA OOM while timing: {e}'[:200])
+                times = {}
+                torch.cuda.empty_cache()
+            mm_times = times.pop(MATMUL_STEP, None)
+            for name, ts in times.items():
+                recs[name]['matmul_gflop_s'] = matmul_gflops(statistics.median(mm_times))
+                per_img = [t / opts.batch for t in ts]
+                q = statistics.quantiles(per_img, n=4) if len(per_img) > 1 else per_img * 3
+                med = statistics.median(per_img)
+                recs[name].update(ms_per_img=med * 1e3, ms_p25=q[0] * 1e3, ms_p75=q[2] * 1e3,
+                                  imgs_per_s=1.0 / med, times_s=ts)
+            del img, steps
+        records.extend(recs[s.name] for s in specs)
+    del flops_models
+    matmul_after = measure_matmul_gflops(opts.device)
+    if progress is not None:
+        progress.close()
+    matmul = (matmul_before + matmul_after) / 2
+    for rec in records:
+        rec.setdefault('matmul_gflop_s', matmul)
+        if 'ms_per_img' in rec and 'gflop_exec' in rec:
+            rec['achieved_gflop_s'] = rec['gflop_exec'] / (rec['ms_per_img'] / 1e3)
+            rec['matmul_frac'] = rec['achieved_gflop_s'] / matmul
+    meta = run_metadata()
+    meta.update(matmul_gflop_s_before=matmul_before, matmul_gflop_s_after=matmul_after,
+                options={k: v for k, v in vars(opts).items()})
+    return records, meta
+
+
+def run_metadata() -> dict:
+    """Machine, software and load information stored with every result."""
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    cpu = platform.processor()
+    try:
+        with open('/proc/cpuinfo') as f:
+            cpu = next((ln.split(':', 1)[1].strip() for ln in f if ln.startswith('model name')),
+                       cpu)
+    except OSError:
+        pass
+    meta = dict(date=time.strftime('%Y-%m-%d %H:%M:%S'), host=platform.node(), cpu=cpu,
+                cpu_count=os.cpu_count(), torch=torch.__version__, python=platform.python_version(),
+                torch_threads=torch.get_num_threads(), loadavg_1_5_15=load,
+                command=' '.join([os.path.basename(sys.argv[0])] + sys.argv[1:]))
+    if torch.cuda.is_available():
+        meta['gpu'] = torch.cuda.get_device_name()
+    return meta
