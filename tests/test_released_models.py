@@ -80,10 +80,11 @@ def _scope(family):
     return 'mmdet' if family == 'mask_rcnn' else 'mmseg'
 
 
-def released_file(mmpretrain_xcit, family, patch_size, tmp_path):
-    """Write a released file of ``family``; return its path, the official backbone and the
-    neck/head tensors it holds."""
-    cfg = small_model_cfg(family, patch_size)
+def released_file(mmpretrain_xcit, family, patch_size, tmp_path, cfg=None):
+    """Write a released file of ``family`` (for the model of ``cfg``, by default
+    :func:`small_model_cfg`); return its path, the official backbone, the neck/head tensors it
+    holds and the config."""
+    cfg = cfg or small_model_cfg(family, patch_size)
     trunk = mmpretrain_trunk(mmpretrain_xcit, patch_size, D, DEPTH, HEADS)
     official = OfficialDenseXCiT(trunk, D, patch_size)
     # Neck and heads: the upstream modules' own names (unchanged since mmdet 2.11 / mmseg 0.11),
@@ -229,3 +230,69 @@ def test_every_published_size_has_the_released_keys(mmpretrain_xcit, arch, patch
     assert set(converted) == set(own)
     for key, value in converted.items():
         assert value.shape == own[key].shape, key
+
+
+# ----------------------------------------------------------------------------- through the tools
+@pytest.fixture(scope='module')
+def shapes_roots(tmp_path_factory):
+    from xcit_mm.datasets import generate_shapes
+    base = tmp_path_factory.mktemp('released_data')
+    roots = {}
+    for task in ('coco', 'ade'):
+        roots[task] = str(base / f'shapes_{task}')
+        generate_shapes(roots[task], task=task, num_train=2, num_val=3, image_size=64, seed=0)
+    return roots
+
+
+def _tool_config(family, patch_size, roots, tmp_path):
+    """The paper config of ``family`` with the small model, evaluating on the shapes data in
+    its COCO / ADE20k layout, written out as a config file."""
+    cfg = small_model_cfg(family, patch_size)
+    if family == 'mask_rcnn':
+        root = roots['coco'] + '/'
+        cfg.model.roi_head.bbox_head.num_classes = 3
+        cfg.model.roi_head.mask_head.num_classes = 3
+        cfg.test_dataloader.dataset.update(
+            data_root=root, metainfo=dict(classes=('circle', 'square', 'triangle')),
+            ann_file='annotations/instances_val.json', data_prefix=dict(img='val/'))
+        cfg.test_evaluator.ann_file = root + 'annotations/instances_val.json'
+    else:  # ADE20KDataset reads the shapes world's ADE20k layout as it is
+        cfg.test_dataloader.dataset.data_root = roots['ade']
+        cfg.train_dataloader.dataset.data_root = roots['ade']
+    cfg.val_dataloader = cfg.test_dataloader
+    cfg.val_evaluator = cfg.test_evaluator
+    path = str(tmp_path / f'{family}_p{patch_size}_small.py')
+    cfg.dump(path)
+    return path, Config.fromfile(path)
+
+
+@pytest.mark.parametrize('family,patch_size', [('mask_rcnn', 16), ('sem_fpn', 8),
+                                               ('upernet', 16)])
+def test_tools_test_evaluates_a_released_file_as_downloaded(mmpretrain_xcit, tmp_path, family,
+                                                           patch_size, shapes_roots, test_tool,
+                                                           capsys):
+    """``tools/test.py CONFIG RELEASED.pth``: no conversion step, the metric comes out."""
+    config, cfg = _tool_config(family, patch_size, shapes_roots, tmp_path)
+    path, _, _, _ = released_file(mmpretrain_xcit, family, patch_size, tmp_path, cfg=cfg)
+    work_dir = tmp_path / 'work'
+    test_tool.main([config, path, '--work-dir', str(work_dir)])
+    logs = ''.join(p.read_text() for p in work_dir.rglob('*.log'))
+    assert 'released official layout, converted in memory' in logs, logs[-2000:]
+    metric = 'coco/bbox_mAP' if family == 'mask_rcnn' else 'mIoU'
+    assert metric in logs
+
+
+def test_load_from_a_released_file_in_training(mmpretrain_xcit, tmp_path, shapes_roots,
+                                               train_tool):
+    """``load_from`` in training reads the released layout the same way (strict, in memory)."""
+    config, cfg = _tool_config('sem_fpn', 16, shapes_roots, tmp_path)
+    path, _, _, _ = released_file(mmpretrain_xcit, 'sem_fpn', 16, tmp_path, cfg=cfg)
+    work_dir = tmp_path / 'train'
+    train_tool.main([config, '--work-dir', str(work_dir), '--cfg-options', f'load_from={path}',
+                     'train_cfg.max_iters=1', 'train_cfg.val_interval=10',
+                     'train_dataloader.batch_size=1', 'train_dataloader.num_workers=0',
+                     'train_dataloader.persistent_workers=False',
+                     'default_hooks.checkpoint.interval=10'])
+    logs = ''.join(p.read_text() for p in work_dir.rglob('*.log'))
+    assert 'released official layout, converted in memory' in logs
+    assert (work_dir / 'iter_1.pth').is_file()  # it trained from there
