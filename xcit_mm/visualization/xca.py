@@ -1,0 +1,310 @@
+# Copyright (c) xcit_mm contributors. All rights reserved.
+"""What XCiT's cross-covariance attention (XCA) looks at: per-head maps and their PNG grid.
+
+For every chosen layer and head (paper Figure D.2 and Section 3):
+
+* ``|q̂|``: for each patch token, the L2 norm over the head's d channels of the queries q̂
+  (queries L2-normalised along the token axis), on the (Hp, Wp) patch grid;
+* ``|k̂|``: the same for the keys;
+* ``XCA``: the d x d channel attention ``softmax(q̂ k̂ᵀ · τ)`` (rows: query channels).
+
+:func:`xca_maps` computes them from ``XCiTBackbone.capture_xca``; :func:`draw_grid` draws them;
+:func:`visualize_xca` does image -> backbone -> PNG. Every map has its own min-max colour scale
+(viridis for norms, magma for attention), printed under it as ``min .. max``.
+
+Figure layout (pixels, at :data:`DPI`): ``1 + heads`` columns (the image, then one per head) of
+``cell`` x ``cell`` cells and ``3 x len(layers)`` rows, plus a left margin of :data:`LEFT_PX` for
+the row titles and a top margin of :data:`TOP_PX` for the title and the column titles:
+``width = LEFT_PX + cell * (1 + heads)``, ``height = TOP_PX + cell * 3 * len(layers)``
+(:func:`figure_size`). The title gives the image and the patch grid both as H x W.
+"""
+import os
+import os.path as osp
+import sys
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+LEFT_PX = 110
+TOP_PX = 70
+DPI = 100
+SAMPLE_IMAGES = ('grace_hopper', 'astronaut', 'chelsea', 'coffee')
+
+
+class XCAFigure(NamedTuple):
+    """What :func:`visualize_xca` drew."""
+    maps: Dict[int, Dict[str, np.ndarray]]  #: the output of :func:`xca_maps`
+    title: str  #: the figure title (also the PNG's ``Title`` metadata)
+    image_hw: Tuple[int, int]  #: (H, W) of the image fed to the network
+    grid_hw: Tuple[int, int]  #: (Hp, Wp) patch grid
+    png_size: Tuple[int, int]  #: (width, height) of the PNG, as :func:`figure_size`
+
+
+# --------------------------------------------------------------------------------------------
+# image
+# --------------------------------------------------------------------------------------------
+def load_image(spec: str) -> Tuple[np.ndarray, str]:
+    """Load an RGB image from a file or one of the offline sample photos.
+
+    Args:
+        spec: Image path, or a name in :data:`SAMPLE_IMAGES` (``grace_hopper`` comes with
+            matplotlib, the others with scikit-image).
+
+    Returns:
+        ``(image, name)``: an (H, W, 3) uint8 RGB array and a short name for titles.
+
+    Raises:
+        FileNotFoundError: If ``spec`` is neither a file nor a sample name.
+        ValueError: If the file cannot be decoded as an image (the message names it).
+    """
+    if osp.isfile(spec):
+        import cv2
+        data = np.fromfile(spec, dtype=np.uint8)
+        img = cv2.imdecode(data, cv2.IMREAD_COLOR) if data.size else None
+        if img is None:
+            raise ValueError(f'cannot read image {spec!r}: not a decodable image file')
+        return np.ascontiguousarray(img[..., ::-1]), osp.basename(spec)
+    name = osp.splitext(spec)[0].lower()
+    if name == 'grace_hopper':
+        import matplotlib.cbook as cbook
+        import matplotlib.image as mpimg
+        with cbook.get_sample_data('grace_hopper.jpg') as f:
+            img = mpimg.imread(f, format='jpg')
+    elif name in SAMPLE_IMAGES:
+        import skimage.data
+        img = getattr(skimage.data, name)()
+    else:
+        raise FileNotFoundError(f'IMAGE {spec!r} is not a file nor one of the sample images '
+                                f'{", ".join(SAMPLE_IMAGES)}')
+    img = np.asarray(img)
+    if img.dtype != np.uint8:
+        img = (np.clip(img, 0, 1) * 255).astype(np.uint8) if img.max() <= 1 else \
+            img.astype(np.uint8)
+    if img.ndim == 2:
+        img = np.repeat(img[..., None], 3, axis=2)
+    return np.ascontiguousarray(img[..., :3]), name
+
+
+def resize_longer_side(img: np.ndarray, size: int) -> np.ndarray:
+    """Resize so that the longer side is ``size`` px, keeping the aspect; 0 keeps the image."""
+    if size <= 0:
+        return img
+    import cv2
+    h, w = img.shape[:2]
+    scale = size / max(h, w)
+    new_w, new_h = max(1, round(w * scale)), max(1, round(h * scale))
+    if (new_h, new_w) == (h, w):
+        return img
+    interp = cv2.INTER_AREA if scale < 1 else cv2.INTER_LINEAR
+    return cv2.resize(img, (new_w, new_h), interpolation=interp)
+
+
+def to_tensor(img_rgb: np.ndarray, mean: Sequence[float], std: Sequence[float],
+              rgb: bool = True):
+    """Normalise an (H, W, 3) uint8 RGB image into a (1, 3, H, W) float tensor.
+
+    ``mean`` / ``std`` are in the model's channel order; ``rgb=False`` feeds BGR.
+    """
+    import torch
+    img = img_rgb if rgb else img_rgb[..., ::-1]
+    x = (img.astype(np.float32) - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+    return torch.from_numpy(np.ascontiguousarray(x.transpose(2, 0, 1)))[None]
+
+
+# --------------------------------------------------------------------------------------------
+# maps
+# --------------------------------------------------------------------------------------------
+def resolve_layers(layers: Optional[Sequence[int]], num_layers: int) -> List[int]:
+    """Validate layer indices (negative ones count from the end); default first/middle/last.
+
+    Raises:
+        ValueError: If an index is out of range.
+    """
+    if not layers:
+        layers = [0, num_layers // 2 - 1, num_layers - 1] if num_layers > 2 else \
+            list(range(num_layers))
+    out = []
+    for i in layers:
+        j = i + num_layers if i < 0 else i
+        if not 0 <= j < num_layers:
+            raise ValueError(f'layer {i} out of range: the backbone has {num_layers} layers '
+                             f'(0..{num_layers - 1})')
+        if j not in out:
+            out.append(j)
+    return out
+
+
+def xca_maps(backbone, x, layers: Sequence[int]) -> Dict[int, Dict[str, np.ndarray]]:
+    """Run the trunk once and turn the captured XCA tensors into per-head maps.
+
+    Uses ``backbone.capture_xca(layers)``; for each layer the captured ``q`` / ``k`` are
+    (B, h, d, N) L2-normalised along N, ``attn`` is (B, h, d, d), ``grid`` is (Hp, Wp).
+
+    Args:
+        backbone: An ``XCiTBackbone``.
+        x: (1, 3, H, W) normalised image tensor.
+        layers: 0-based layer indices.
+
+    Returns:
+        ``{layer: dict(q_norm=(h, Hp, Wp), k_norm=(h, Hp, Wp), attn=(h, d, d), grid=(Hp, Wp))}``
+        as float numpy arrays, for the first image of the batch.
+    """
+    import torch
+    with torch.no_grad(), backbone.capture_xca(list(layers)) as record:
+        backbone.forward_trunk(x)
+    maps = {}
+    for layer in layers:
+        if layer not in record:
+            raise RuntimeError(f'capture_xca recorded nothing for layer {layer}')
+        rec = record[layer]
+        hp, wp = rec['grid']
+        q, k, attn = rec['q'][0].float(), rec['k'][0].float(), rec['attn'][0].float()
+        heads = q.shape[0]
+        maps[layer] = dict(
+            q_norm=q.norm(dim=1).reshape(heads, hp, wp).cpu().numpy(),
+            k_norm=k.norm(dim=1).reshape(heads, hp, wp).cpu().numpy(),
+            attn=attn.cpu().numpy(),
+            grid=(int(hp), int(wp)))
+    return maps
+
+
+# --------------------------------------------------------------------------------------------
+# figure
+# --------------------------------------------------------------------------------------------
+def figure_size(num_layers: int, num_heads: int, cell: int = 160) -> Tuple[int, int]:
+    """Pixel size ``(width, height)`` of the grid PNG (the order of ``PIL.Image.size``).
+
+    Args:
+        num_layers: Number of visualised layers (3 rows each).
+        num_heads: Number of heads (one column each, after the image column).
+        cell: Cell side in pixels.
+    """
+    return LEFT_PX + cell * (1 + num_heads), TOP_PX + cell * 3 * num_layers
+
+
+def xca_title(source: str, image_name: str, image_hw: Tuple[int, int],
+              grid_hw: Tuple[int, int]) -> str:
+    """The figure title; the image and the patch grid are both given as H x W, and say so."""
+    return (f'XCA of {source} on {image_name}: image {image_hw[0]}x{image_hw[1]} px, '
+            f'patch grid {grid_hw[0]}x{grid_hw[1]} (both HxW)')
+
+
+def draw_grid(image: np.ndarray, maps: Dict[int, Dict[str, np.ndarray]], out_file: str,
+              cell: int = 160, title: str = '', progress: bool = False) -> Tuple[int, int]:
+    """Draw the image, the |q̂| / |k̂| norm maps and the XCA matrices as one PNG.
+
+    Args:
+        image: (H, W, 3) uint8 RGB image that went through the network.
+        maps: Output of :func:`xca_maps`.
+        out_file: PNG path (folders are created).
+        cell: Cell side in pixels (each map is fitted into its cell, aspect kept).
+        title: Figure title, also written as the PNG's ``Title`` metadata.
+        progress: Show a tqdm bar over layers (useful for many layers / heads).
+
+    Returns:
+        The PNG's ``(width, height)`` in pixels, equal to :func:`figure_size`.
+    """
+    import matplotlib
+    matplotlib.use('Agg', force=False)
+    import matplotlib.pyplot as plt
+    from tqdm import tqdm
+
+    layers = list(maps)
+    heads = maps[layers[0]]['q_norm'].shape[0]
+    width, height = figure_size(len(layers), heads, cell)
+    fig = plt.figure(figsize=(width / DPI, height / DPI), dpi=DPI)
+    pad = 0.05 * cell
+    foot = 0.09 * cell  # room under each map for its value range
+    fs = max(6.0, cell / 18)
+
+    def axes_at(row, col):
+        x0 = LEFT_PX + col * cell + pad
+        y0 = height - TOP_PX - (row + 1) * cell + pad + foot
+        ax = fig.add_axes([x0 / width, y0 / height, (cell - 2 * pad) / width,
+                           (cell - 2 * pad - foot) / height])
+        ax.set_xticks([])
+        ax.set_yticks([])
+        return ax
+
+    fig.text(0.5, 1 - 18 / height, title, ha='center', va='center', fontsize=fs * 1.3,
+             weight='bold')
+    col_titles = ['image'] + [f'head {h}' for h in range(heads)]
+    for col, text in enumerate(col_titles):
+        fig.text((LEFT_PX + (col + 0.5) * cell) / width, 1 - (TOP_PX - 14) / height, text,
+                 ha='center', va='center', fontsize=fs)
+    row_kinds = [('q_norm', '|q̂| per token', 'viridis'), ('k_norm', '|k̂| per token', 'viridis'),
+                 ('attn', 'XCA softmax\n(q̂k̂ᵀτ), d×d', 'magma')]
+    for li, layer in enumerate(tqdm(layers, desc='drawing', unit='layer',
+                                    disable=not progress, file=sys.stderr)):
+        for ki, (key, label, cmap) in enumerate(row_kinds):
+            row = 3 * li + ki
+            fig.text(8 / width, (height - TOP_PX - (row + 0.5) * cell) / height,
+                     f'layer {layer}\n{label}', ha='left', va='center', fontsize=fs * 0.9)
+            if key != 'attn':
+                ax = axes_at(row, 0)
+                ax.imshow(image)
+            for h in range(heads):
+                ax = axes_at(row, 1 + h)
+                m = maps[layer][key][h]
+                lo, hi = float(m.min()), float(m.max())
+                ax.imshow(m, cmap=cmap, vmin=lo, vmax=hi if hi > lo else lo + 1e-12,
+                          interpolation='nearest')
+                fmt = '.3f' if key == 'attn' else '.2f'
+                fig.text((LEFT_PX + (1.5 + h) * cell) / width,
+                         (height - TOP_PX - (row + 1) * cell + pad + foot / 2) / height,
+                         f'{lo:{fmt}} .. {hi:{fmt}}', ha='center', va='center',
+                         fontsize=fs * 0.75, color='0.3')
+    os.makedirs(osp.dirname(osp.abspath(out_file)), exist_ok=True)
+    fig.savefig(out_file, dpi=DPI, metadata={'Title': title} if title else None)
+    plt.close(fig)
+    return width, height
+
+
+def visualize_xca(image: str, model: str, out_file: str, arch: Union[str, dict] = 's12',
+                  patch_size: int = 16, checkpoint: Optional[str] = None,
+                  layers: Optional[Sequence[int]] = None, size: int = 512, cell: int = 160,
+                  device: str = 'cpu', progress: bool = False) -> XCAFigure:
+    """Load an image and a backbone, capture XCA at ``layers`` and write the grid PNG.
+
+    Args:
+        image: Image path or sample name (see :func:`load_image`).
+        model: Config, checkpoint or ``'random'`` (see :func:`xcit_mm.apis.init_backbone`).
+        out_file: Output PNG.
+        arch: Arch for checkpoint / random models.
+        patch_size: Patch size for checkpoint / random models.
+        checkpoint: Weights for a config's (or a random model's) backbone.
+        layers: Layer indices (default: first, middle, last).
+        size: Longer image side fed to the network (0: unchanged).
+        cell: Figure cell size in pixels.
+        device: Torch device.
+        progress: Show a progress bar while drawing.
+
+    Raises:
+        FileNotFoundError / ValueError: a bad image, config or argument;
+        CheckpointError: a bad checkpoint, before the backbone is built.
+    """
+    from xcit_mm.apis.inference import init_backbone
+    img, name = load_image(image)
+    img = resize_longer_side(img, size)
+    if min(img.shape[:2]) < 32:
+        raise ValueError(f'image {name!r} is {img.shape[0]}x{img.shape[1]} px (HxW) after '
+                         'resizing; XCiTBackbone needs sides of at least 32 px (raise --size)')
+    backbone, pre = init_backbone(model, arch, patch_size, checkpoint, device=device)
+    layers = resolve_layers(layers, backbone.num_layers)
+    x = to_tensor(img, pre['mean'], pre['std'], pre['rgb']).to(device)
+    maps = xca_maps(backbone, x, layers)
+    grid_hw = maps[layers[0]]['grid']
+    src = osp.basename(model) if model != 'random' else f'random-init {arch}/{patch_size}'
+    if checkpoint:
+        src += f' + {osp.basename(checkpoint)}'
+    image_hw = (int(img.shape[0]), int(img.shape[1]))
+    title = xca_title(src, name, image_hw, grid_hw)
+    png_size = draw_grid(img, maps, out_file, cell=cell, title=title, progress=progress)
+    return XCAFigure(maps, title, image_hw, grid_hw, png_size)
+
+
+__all__ = [
+    'DPI', 'LEFT_PX', 'SAMPLE_IMAGES', 'TOP_PX', 'XCAFigure', 'draw_grid', 'figure_size',
+    'load_image', 'resize_longer_side', 'resolve_layers', 'to_tensor', 'visualize_xca',
+    'xca_maps', 'xca_title'
+]
