@@ -65,8 +65,10 @@ class TestShapes(TestCase):
                 outs = model(torch.randn(2, 3, 97, 131))  # cropped outputs too
                 for out in outs:
                     self.assertTrue(out.is_contiguous(), f'p{patch_size} {tuple(out.shape)}')
-                torch.testing.assert_close(roi_align(outs[0], rois),
-                                           roi_align(outs[0].clone(), rois))
+                # the premise: the same values laid out channels-last give other RoI features
+                channels_last = outs[0].contiguous(memory_format=torch.channels_last)
+                self.assertFalse(torch.allclose(roi_align(outs[0], rois),
+                                                roi_align(channels_last, rois)))
 
     def test_nchw_upsampling_equals_conv_transpose(self):
         """The adapter's 2x upsampling, written into NCHW row block by row block, equals
@@ -91,15 +93,24 @@ class TestShapes(TestCase):
                 torch.testing.assert_close(g, w)
 
     def test_published_archs_build_with_paper_widths(self):
-        for name, arch in arch_zoo.items():
-            model = XCiTBackbone(arch=name, patch_size=16)
-            self.assertEqual(model.embed_dims, arch['embed_dims'])
-            self.assertEqual(len(model.layers), arch['depth'])
-            self.assertEqual(model.layers[0].attn.num_heads, arch['num_heads'])
-            expected = (3, 5, 7, 11) if arch['depth'] == 12 else (7, 11, 15, 23)
+        # Paper Table 1 (D, depth, heads), written out here: an outside source for arch_zoo.
+        paper = {'n12': (128, 12, 4), 't12': (192, 12, 4), 't24': (192, 24, 4),
+                 's12': (384, 12, 8), 's24': (384, 24, 8), 'm24': (512, 24, 8),
+                 'l24': (768, 24, 16)}
+        self.assertEqual(sorted(arch_zoo), sorted(paper))
+        for name, (dims, depth, heads) in paper.items():
+            with torch.device('meta'):  # shapes only: no memory for L24
+                model = XCiTBackbone(arch=name, patch_size=16)
+            self.assertEqual(model.embed_dims, dims)
+            self.assertEqual(len(model.layers), depth)
+            self.assertEqual(model.layers[0].attn.num_heads, heads)
+            self.assertEqual(tuple(model.layers[0].attn.qkv.weight.shape), (3 * dims, dims))
+            self.assertEqual(tuple(model.layers[0].ffn.fc1.weight.shape), (4 * dims, dims))
+            expected = (3, 5, 7, 11) if depth == 12 else (7, 11, 15, 23)
             self.assertEqual(model.out_indices, expected)
-            gamma = model.layers[0].gamma1.detach()
-            self.assertTrue(torch.all(gamma == (1.0 if arch['depth'] == 12 else 1e-5)))
+        for depth, eta in ((12, 1.0), (24, 1e-5)):
+            model = XCiTBackbone(arch=dict(embed_dims=64, depth=depth, num_heads=4))
+            self.assertTrue(torch.all(model.layers[0].gamma1.detach() == eta))
 
     def test_out_indices_order_is_respected(self):
         model = tiny(out_indices=(3, 0, -1, 1)).eval()
@@ -113,11 +124,19 @@ class TestShapes(TestCase):
         torch.testing.assert_close(feats[1], ref_feats[0])
         torch.testing.assert_close(feats[3], ref_feats[1])
 
-    def test_padding_does_not_leak_into_valid_region_shape(self):
-        # 100 px is not a multiple of 16: padded to 112, cropped back to ceil(100/s).
-        model = tiny(patch_size=16).eval()
-        outs = model(torch.randn(1, 3, 100, 100))
-        self.assertEqual([o.shape[-1] for o in outs], [25, 13, 7, 4])
+    def test_sides_not_multiple_of_the_patch_are_zero_padded_bottom_right(self):
+        # 100 x 90 px with p16: zero-padded to 112 x 96, outputs cropped to ceil(side / stride).
+        model = randomise_bn(tiny(patch_size=16)).eval()
+        x = torch.randn(1, 3, 100, 90)
+        padded = torch.zeros(1, 3, 112, 96)
+        padded[..., :100, :90] = x
+        with torch.no_grad():
+            outs, full = model(x), model(padded)
+        self.assertEqual([tuple(o.shape[-2:]) for o in outs],
+                         [(25, 23), (13, 12), (7, 6), (4, 3)])
+        for out, ref in zip(outs, full):
+            h, w = out.shape[-2:]
+            torch.testing.assert_close(out, ref[..., :h, :w])
 
 
 class TestErrors(TestCase):
@@ -232,7 +251,10 @@ class TestTrainingOptions(TestCase):
         model = tiny(drop_path_rate=0.5)
         x = torch.randn(4, 3, 64, 64)
         model.eval()
-        torch.testing.assert_close(model(x)[2], model(x)[2])
+        no_drop = tiny(drop_path_rate=0.0).eval()
+        no_drop.load_state_dict(model.state_dict())
+        with torch.no_grad():  # eval: exactly the model without stochastic depth
+            torch.testing.assert_close(model(x)[2], no_drop(x)[2])
         model.train()
         torch.manual_seed(1)
         a = model(x)[2]
