@@ -346,3 +346,23 @@ def test_converter_rejects_an_unknown_arch_with_the_choices(tmp_path):
                           'a.pth', 'b.pth', '--arch', 'tiny12'], capture_output=True, text=True)
     assert res.returncode == 2 and 'Traceback' not in res.stderr
     assert "invalid choice: 'tiny12'" in res.stderr and "'s12'" in res.stderr
+
+
+@pytest.mark.parametrize('zip_format', [True, False])
+def test_every_truncation_is_reported_as_truncated(tmp_path, zip_format):
+    """Cut a checkpoint at every byte: always the 'truncated or corrupt' message naming the
+    file, never a raw traceback nor the advice for pickled code (a name cut short by the
+    truncation is not a request to import something)."""
+    from collections import OrderedDict as OD
+    full = str(tmp_path / 'full.pth')
+    torch.save({'meta': {'iter': 2}, 'state_dict': OD(w=torch.arange(40.))}, full,
+               _use_new_zipfile_serialization=zip_format)
+    data = open(full, 'rb').read()
+    cut = str(tmp_path / 'cut.pth')
+    step = max(1, len(data) // 400)
+    for n in range(1, len(data), step):
+        open(cut, 'wb').write(data[:n])
+        with pytest.raises(CheckpointError) as info:
+            read_checkpoint(cut)
+        message = str(info.value)
+        assert 'truncated or corrupt' in message and 'cut.pth' in message, (n, message)

@@ -19,10 +19,12 @@ URLs are downloaded once into torch's hub cache (the file mmengine would have do
 then read like local files: nothing downloaded is ever unpickled unsafely.
 """
 import argparse
+import importlib
 import os
 import os.path as osp
 import pickle
 import re
+import struct
 from contextlib import contextmanager
 from typing import Iterator, List, Optional, Tuple
 from urllib.parse import urlparse
@@ -136,12 +138,21 @@ def _not_a_checkpoint(path: str, what: str, head: bytes) -> Optional[str]:
             f'download the file again, or check the path.')
 
 
+def _importable(dotted: str) -> bool:
+    module, _, name = dotted.rpartition('.')
+    try:
+        return hasattr(importlib.import_module(module), name)
+    except Exception:  # ImportError, ValueError for an empty name...
+        return False
+
+
 def _unsafe_detail(error: Exception) -> Optional[str]:
     """What a weights_only refusal was about, or None if it was not about a Python object."""
     text = str(error)
     found = re.search(r'GLOBAL ([\w.]+)', text)
     if found:
-        return f'it asks to import {found.group(1)}'
+        # a name cut short by truncation names nothing importable: that file is corrupt
+        return f'it asks to import {found.group(1)}' if _importable(found.group(1)) else None
     found = re.search(r'Can only build .*? but got (<class [^>]*>)', text)
     if found:
         return f'it asks to build a {found.group(1)}'
@@ -165,7 +176,8 @@ def _corrupt_message(path: str, what: str, error: Exception) -> str:
     size = osp.getsize(path)
     text = str(error).strip()
     found = re.search(r'WeightsUnpickler error:\s*(.+?)\s*(\n\n|$)', text, re.S)
-    first = found.group(1)[:200] if found else text.splitlines()[0][:200] if text else ''
+    first = found.group(1) if found else text.splitlines()[0] if text else ''
+    first = re.split(r'(?<=[.:])\s', first, maxsplit=1)[0][:200]  # its first sentence
     return (f'Cannot read {what} {path} ({size} bytes): the file is truncated or corrupt '
             f'({type(error).__name__}: {first}). A checkpoint cut short while being written (a '
             f'killed job, a full disk) looks like this: use an earlier checkpoint, or copy the '
@@ -225,7 +237,8 @@ def load_checkpoint_file(path: str, what: str = 'checkpoint', weights_only: bool
         if weights_only and _unsafe_detail(e):
             raise CheckpointError(_unsafe_message(local, what, e)) from e
         raise CheckpointError(_corrupt_message(local, what, e)) from e
-    except (RuntimeError, EOFError, OSError, ValueError, UnicodeDecodeError, KeyError) as e:
+    except (RuntimeError, EOFError, OSError, ValueError, UnicodeDecodeError, KeyError,
+            IndexError, struct.error) as e:
         raise CheckpointError(_corrupt_message(local, what, e)) from e
 
 
