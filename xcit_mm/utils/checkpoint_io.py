@@ -130,6 +130,8 @@ def _not_a_checkpoint(path: str, what: str, head: bytes) -> Optional[str]:
     """A message if ``path`` is not a PyTorch checkpoint by its first bytes, else None."""
     if head.startswith(_ZIP_MAGIC) or (head and head[0] == _PICKLE_PROTO):
         return None
+    if head and _ZIP_MAGIC.startswith(head):  # a zip checkpoint cut within its first 4 bytes
+        return None
     size = osp.getsize(path)
     shown = head.decode('utf-8', 'replace').replace('\n', ' ').strip()
     start = f"starts with {shown[:12]!r}..." if shown else 'is empty'
