@@ -345,3 +345,23 @@ def test_package_never_imports_torchvision():
     code = ('import sys, xcit_mm, torch; m = xcit_mm.XCiTBackbone(arch="n12"); '
             'm(torch.randn(1, 3, 32, 32)); assert "torchvision" not in sys.modules, "imported"')
     subprocess.run([sys.executable, '-c', code], check=True)
+
+
+def test_importing_the_package_changes_nothing_process_wide():
+    """``import xcit_mm`` registers modules and nothing else: torch's weights_only allow-list,
+    the warning filters and the default dtype are as before (an earlier version allow-listed
+    mmengine's classes for the whole process on import)."""
+    import subprocess
+    import sys
+    code = (
+        'import warnings, torch, mmengine, mmcv.cnn\n'
+        'before = (list(torch.serialization.get_safe_globals()), list(warnings.filters), '
+        'torch.get_default_dtype())\n'
+        'import xcit_mm\n'
+        'after = (list(torch.serialization.get_safe_globals()), list(warnings.filters), '
+        'torch.get_default_dtype())\n'
+        'assert before == after, (before, after)\n'
+        'from mmengine.registry import HOOKS, MODELS, RUNNERS\n'
+        'assert MODELS.get("XCiTBackbone") and RUNNERS.get("XCiTRunner") '
+        'and HOOKS.get("RandomStateHook")\n')
+    subprocess.run([sys.executable, '-c', code], check=True)
