@@ -6,6 +6,8 @@ distributed pieces in a one-process gloo group.
 """
 import contextlib
 import gc
+import json
+import logging
 import os
 import os.path as osp
 import socket
@@ -161,18 +163,147 @@ def test_test_options(test_tool, tmp_path):
     assert 'checkpoint not found' in str(info.value.code)
 
 
+# ----------------------------------------------------------------------------- config path
+def test_missing_config_is_one_line_not_a_traceback(tmp_path, train_tool, test_tool, capsys):
+    """A mistyped config path: argparse-style ``error: config not found: PATH``, exit status 2."""
+    missing = str(tmp_path / 'configs' / 'no_such_config.py')
+    for run in (lambda: train_tool.main([missing]),
+                lambda: test_tool.main([missing, str(tmp_path / 'ckpt.pth')])):
+        with pytest.raises(SystemExit) as info:
+            run()
+        assert info.value.code == 2
+        assert capsys.readouterr().err.strip() == f'error: config not found: {missing}'
+
+
+# ----------------------------------------------------------------------------- --amp on a CPU
+@pytest.mark.skipif(torch.cuda.is_available(), reason='CPU-only code path')
+@pytest.mark.parametrize('native_bf16', [False, True, None])
+def test_amp_warns_once_on_a_cpu_without_native_bf16(train_tool, monkeypatch, native_bf16):
+    """--amp on a CPU without avx512_bf16 / AMX: one warning (measured slowdown, advice to train
+    in float32) per process; none where bfloat16 is native or the CPU cannot be told."""
+    import xcit_mm.engine.optimizers.cpu_amp_optim_wrapper as amp
+    monkeypatch.setattr(amp, 'cpu_has_native_bf16', lambda: native_bf16)
+    monkeypatch.setattr(amp, '_warned_slow_bf16', False)
+    monkeypatch.delenv('RANK', raising=False)
+    logged = []
+    monkeypatch.setattr(amp, 'print_log', lambda msg, **kw: logged.append((msg, kw)))
+    for _ in range(2):
+        cfg = train_tool.build_cfg(train_tool.parse_args([ADE_CFG, '--amp']))
+        assert cfg.optim_wrapper.type == 'CPUAmpOptimWrapper'
+    train_tool.build_cfg(train_tool.parse_args([ADE_CFG]))  # float32: never a warning
+    if native_bf16 is False:
+        assert len(logged) == 1
+        message, kwargs = logged[0]
+        assert kwargs['level'] == logging.WARNING
+        assert 'avx512_bf16' in message and '7-10x' in message and '0.24-0.28 s/iter' in message
+        assert 'drop --amp' in message
+    else:
+        assert logged == []
+
+
+def test_cpu_bf16_detection_reads_the_cpu_flags(tmp_path):
+    from xcit_mm.engine.optimizers.cpu_amp_optim_wrapper import cpu_has_native_bf16
+    cpuinfo = tmp_path / 'cpuinfo'
+    cpuinfo.write_text('processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n')
+    assert cpu_has_native_bf16(str(cpuinfo)) is False
+    cpuinfo.write_text('processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\n')
+    assert cpu_has_native_bf16(str(cpuinfo)) is True
+    cpuinfo.write_text('processor\t: 0\nflags\t\t: fpu avx512f amx_tile amx_bf16\n')
+    assert cpu_has_native_bf16(str(cpuinfo)) is True
+    cpuinfo.write_text('processor\t: 0\nFeatures\t: fp asimd sve bf16\n')  # Arm
+    assert cpu_has_native_bf16(str(cpuinfo)) is True
+    assert cpu_has_native_bf16(str(tmp_path / 'absent')) is None
+
+
 # ----------------------------------------------------------------------------- shapes data
-def test_shapes_world_generated_only_when_missing(tmp_path, monkeypatch):
-    import xcit_mm.datasets.shapes as shapes
-    calls = []
-    monkeypatch.setattr(shapes, 'generate_shapes', lambda **kw: calls.append(kw))
+_TINY_WORLD = dict(task='coco', num_train=2, num_val=1, image_size=32, seed=0, progress=False)
+
+
+def test_shapes_world_generated_only_when_missing(tmp_path):
     root = tmp_path / 'shapes'
-    cfg = Config(dict(shapes_world=dict(root=str(root), task='coco', num_train=4)))
+    cfg = Config(dict(shapes_world=dict(root=str(root), **_TINY_WORLD)))
     assert ensure_shapes_world(cfg) is True
-    assert calls == [dict(root=str(root), task='coco', num_train=4)]
-    root.mkdir()
-    assert ensure_shapes_world(cfg) is False and len(calls) == 1
+    assert (root / 'shapes_world.json').is_file()
+    stamp = (root / 'annotations' / 'instances_train.json').stat().st_mtime_ns
+    assert ensure_shapes_world(cfg) is False  # same arguments: kept as it is
+    assert (root / 'annotations' / 'instances_train.json').stat().st_mtime_ns == stamp
     assert ensure_shapes_world(Config(dict(model=dict()))) is False
+    empty = tmp_path / 'empty'
+    empty.mkdir()
+    cfg.shapes_world.root = str(empty)
+    assert ensure_shapes_world(cfg) is True and (empty / 'shapes_world.json').is_file()
+
+
+def test_stale_shapes_world_is_regenerated_with_a_warning(tmp_path, monkeypatch):
+    """A world left by a run with other arguments (``--cfg-options shapes_world.num_train=8``) is
+    not used silently: it is regenerated as the config asks, and the log says so."""
+    import mmengine.logging
+    logged = []
+    monkeypatch.setattr(mmengine.logging, 'print_log',
+                        lambda msg, **kw: logged.append((msg, kw.get('level'))))
+    root = tmp_path / 'shapes'
+    small = Config(dict(shapes_world=dict(root=str(root), **dict(_TINY_WORLD, num_train=1))))
+    assert ensure_shapes_world(small) is True
+    cfg = Config(dict(shapes_world=dict(root=str(root), **_TINY_WORLD)))
+    assert ensure_shapes_world(cfg) is True
+    with open(root / 'shapes_world.json') as f:
+        meta = json.load(f)
+    assert (meta['num_train'], meta['train']['images']) == (2, 2)
+    assert len(os.listdir(root / 'train')) == 2
+    [(message, level)] = logged
+    assert level == logging.WARNING and 'regenerating' in message
+    assert 'num_train=1 (wanted num_train=2)' in message and str(root) in message
+
+
+def test_foreign_data_at_the_shapes_root_is_refused_not_deleted(tmp_path, train_tool):
+    from xcit_mm.datasets.shapes import ShapesWorldError
+    root = tmp_path / 'shapes'
+    root.mkdir()
+    (root / 'mine.txt').write_text('keep')
+    cfg = Config(dict(shapes_world=dict(root=str(root), **_TINY_WORLD)))
+    with pytest.raises(ShapesWorldError, match='not a generated shapes world'):
+        ensure_shapes_world(cfg)
+    assert (root / 'mine.txt').read_text() == 'keep'
+    with pytest.raises(ShapesWorldError, match='needs a root'):
+        ensure_shapes_world(Config(dict(shapes_world=dict(task='coco'))))
+    # tools/train.py: a one-line error instead of a traceback
+    with pytest.raises(SystemExit) as info:
+        train_tool.main([osp.join(REPO, 'configs', 'shapes', 'mask_rcnn_xcit_shapes_coco.py'),
+                         '--work-dir', str(tmp_path / 'w'), '--cfg-options',
+                         f'shapes_world.root={root}'])
+    assert str(info.value.code).startswith(f'error: shapes_world.root {root} already exists')
+
+
+# ----------------------------------------------------------------------------- launch scripts
+_FAKE_COMMAND = """#!/usr/bin/env bash
+echo "$(basename "$0") $*" >> "$FAKE_RECORD"
+if [ "$(basename "$0")" = srun ]; then shift 8; exec "$@"; fi
+"""
+
+
+@pytest.mark.parametrize('script, args', [
+    ('dist_train.sh', ['CFG', '2', '--amp']),
+    ('dist_test.sh', ['CFG', 'CKPT', '2']),
+    ('slurm_train.sh', ['PART', 'JOB', 'CFG', 'WORK']),
+    ('slurm_test.sh', ['PART', 'JOB', 'CFG', 'CKPT']),
+])
+def test_launch_scripts_use_the_python_in_PYTHON(tmp_path, script, args):
+    """tools/{dist,slurm}_{train,test}.sh start $PYTHON (default python), as tools/install.sh."""
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    for name in ('my-python', 'srun'):
+        (bin_dir / name).write_text(_FAKE_COMMAND)
+        (bin_dir / name).chmod(0o755)
+    record = tmp_path / 'record.txt'
+    env = dict(os.environ, PYTHON=str(bin_dir / 'my-python'), FAKE_RECORD=str(record),
+               PATH=f'{bin_dir}:{os.environ["PATH"]}')
+    proc = subprocess.run(['bash', osp.join(REPO, 'tools', script)] + args, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    calls = record.read_text().splitlines()
+    assert calls[-1].startswith('my-python '), calls
+    tool = 'train.py' if 'train' in script else 'test.py'
+    assert osp.join('tools', tool) in calls[-1] and 'CFG' in calls[-1]
 
 
 # ----------------------------------------------------------------------------- CPU distributed
@@ -262,6 +393,50 @@ def test_distributed_session_destroys_the_group(monkeypatch, failing):
     assert not dist.is_initialized()
     with distributed_session(cfg, 'none') as is_distributed:
         assert is_distributed is False and not dist.is_initialized()
+
+
+_DDP_STEP = r"""
+import os, sys, warnings
+import torch
+import torch.distributed as dist
+from mmengine.registry import MODEL_WRAPPERS
+from xcit_mm.models.backbones.xcit import XCiTBackbone
+from xcit_mm.utils import init_cpu_dist
+init_cpu_dist('pytorch', timeout=60)
+torch.manual_seed(0)
+model = XCiTBackbone(arch=dict(embed_dims=64, depth=2, num_heads=4), patch_size=16,
+                     out_indices=(0, 1, 1, 1), norm_cfg=dict(type='BN', requires_grad=True))
+strides = {name: p.stride() for name, p in model.named_parameters()}
+ddp = MODEL_WRAPPERS.build(dict(type='CPUDistributedDataParallel'),
+                           default_args=dict(module=model, device_ids=[0]))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    for _ in range(2):
+        sum(out.sum() for out in ddp(torch.randn(2, 3, 64, 64))).backward()
+for w in caught:
+    print('WARNING:', str(w.message).splitlines()[0])
+for name, p in model.named_parameters():
+    if p.grad is not None and p.grad.stride() != strides[name]:
+        print('MISMATCH:', name, tuple(p.shape), strides[name], p.grad.stride())
+del ddp
+dist.destroy_process_group()
+print('DONE')
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='CPU-only code path')
+def test_cpu_ddp_step_has_no_grad_stride_warning():
+    """Every gradient of the backbone has its parameter's exact strides, so DDP's reducer does
+    not warn "Grad strides do not match bucket view strides" (it did for the LPI depthwise convs:
+    channels-last gradients of (D, 1, 3, 3) weights). In a fresh process: torch warns once."""
+    env = dict(os.environ, RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1',
+               MASTER_PORT=str(_free_port()), OMP_NUM_THREADS='1', PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, '-c', _DDP_STEP], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and 'DONE' in proc.stdout, out[-3000:]
+    assert 'Grad strides do not match' not in out
+    assert 'MISMATCH' not in out
 
 
 # The 2-process CPU runs (tools/dist_train.sh and tools/dist_test.sh, mmdet and mmseg, metric of

@@ -3,6 +3,7 @@
 #
 #   tools/dist_test.sh CONFIG CHECKPOINT GPUS [test.py arguments...]
 #
+# The interpreter is $PYTHON (default: python), as for tools/install.sh.
 # Multi-node: run on every node with NNODES, NODE_RANK, MASTER_ADDR (node 0's address) and PORT.
 set -euo pipefail
 
@@ -13,9 +14,10 @@ NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 PORT=${PORT:-29500}
 MASTER_ADDR=${MASTER_ADDR:-"127.0.0.1"}
+PYTHON=${PYTHON:-python}
 
 PYTHONPATH="$(dirname "$0")/..${PYTHONPATH:+:$PYTHONPATH}" \
-python -m torch.distributed.run \
+"$PYTHON" -m torch.distributed.run \
     --nnodes="$NNODES" \
     --node_rank="$NODE_RANK" \
     --master_addr="$MASTER_ADDR" \

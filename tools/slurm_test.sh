@@ -4,7 +4,8 @@
 #   [GPUS=8 GPUS_PER_NODE=8 CPUS_PER_TASK=5 SRUN_ARGS=...] \
 #   tools/slurm_test.sh PARTITION JOB_NAME CONFIG CHECKPOINT [test.py arguments...]
 #
-# The master port is MASTER_PORT if set, else 29500.
+# The master port is MASTER_PORT if set, else 29500; the interpreter is $PYTHON (default: python),
+# as for tools/install.sh.
 set -x
 
 PARTITION=$1
@@ -15,6 +16,7 @@ GPUS=${GPUS:-8}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 CPUS_PER_TASK=${CPUS_PER_TASK:-5}
 SRUN_ARGS=${SRUN_ARGS:-""}
+PYTHON=${PYTHON:-python}
 PY_ARGS=("${@:5}")
 
 PYTHONPATH="$(dirname "$0")/..${PYTHONPATH:+:$PYTHONPATH}" \
@@ -26,5 +28,5 @@ srun -p "${PARTITION}" \
     --cpus-per-task="${CPUS_PER_TASK}" \
     --kill-on-bad-exit=1 \
     ${SRUN_ARGS} \
-    python -u "$(dirname "$0")/test.py" "${CONFIG}" "${CHECKPOINT}" \
+    "$PYTHON" -u "$(dirname "$0")/test.py" "${CONFIG}" "${CHECKPOINT}" \
     --launcher=slurm "${PY_ARGS[@]}"

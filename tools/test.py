@@ -4,11 +4,12 @@ One script for both tasks; the config's ``default_scope`` decides. Modelled on m
 tools/test.py, with the same dataset and checkpoint checks and CPU-distributed support as
 tools/train.py. A released XCiT COCO / ADE20k file (official detection/ and
 semantic_segmentation/ code) is evaluated as downloaded: ``XCiTRunner`` converts its keys in
-memory and loads it strictly. The checkpoint is checked before anything is built: the checkpoint is read with ``torch.load(weights_only=True)``
+memory and loads it strictly. The checkpoint is read with ``torch.load(weights_only=True)``
 before anything is built, so a missing, truncated or code-carrying file is refused with a message
 naming it, and URLs are downloaded into torch's hub cache and checked before mmengine reads them.
 In a distributed run (``tools/dist_test.sh``) every rank evaluates its share of the test set and
 mmengine's evaluator gathers the predictions, so the metric is that of the whole set.
+A config path that does not exist gives ``error: config not found: PATH`` (exit status 2).
 
 ``--out`` dumps the predictions:
 
@@ -40,6 +41,7 @@ if _REPO_ROOT not in sys.path:
 from mmengine.config import Config, DictAction  # noqa: E402
 
 from xcit_mm.datasets import ensure_shapes_world  # noqa: E402
+from xcit_mm.datasets.shapes import ShapesWorldError  # noqa: E402
 from xcit_mm.engine import build_runner  # noqa: E402
 from xcit_mm.utils import (AnnotationFormatError, CheckpointError,  # noqa: E402
                            DatasetNotFoundError, check_checkpoint, check_data,
@@ -73,6 +75,9 @@ def parse_args(argv=None):
         help='job launcher')
     parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
     args = parser.parse_args(argv)
+    if not osp.isfile(args.config):  # as argparse: one line and status 2, not a traceback
+        print(f'error: config not found: {args.config}', file=sys.stderr)
+        raise SystemExit(2)
     if 'LOCAL_RANK' not in os.environ:
         os.environ['LOCAL_RANK'] = str(args.local_rank)
     return args
@@ -182,7 +187,8 @@ def main(argv=None):
             check_data(cfg, splits=('test', ), config_name=args.config)
             if is_url(args.checkpoint):
                 cfg.load_from = check_checkpoint(args.checkpoint, 'checkpoint')
-        except (DatasetNotFoundError, AnnotationFormatError, CheckpointError) as e:
+        except (ShapesWorldError, DatasetNotFoundError, AnnotationFormatError,
+                CheckpointError) as e:
             raise SystemExit(f'error: {e}')
 
         evaluate(cfg, args.out)

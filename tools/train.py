@@ -6,7 +6,8 @@ tools/train.py; the differences are
 
 - the dataset is checked before anything is built (missing COCO / ADE20k -> a message saying what
   to download and where to put it), and the built-in shapes dataset is generated when a config asks
-  for it (``shapes_world``);
+  for it (``shapes_world``), or regenerated, with a warning, when it was made with other arguments;
+- a config path that does not exist gives ``error: config not found: PATH`` (exit status 2);
 - a COCO annotation file that is not one (a JSON list, no ``images``...) is reported by name;
 - every checkpoint the run will read (``--resume [PATH]``, ``load_from``, ``Pretrained``
   init_cfgs) is checked first: missing, truncated or pickled-code files stop the run with a
@@ -16,7 +17,8 @@ tools/train.py; the differences are
   ``RandomStateHook`` (exact ``--resume``) are added when the config lacks them
   (``xcit_mm/engine/hooks/``);
 - ``--amp`` without a GPU trains under bfloat16 CPU autocast (``CPUAmpOptimWrapper``), since
-  mmengine's ``AmpOptimWrapper`` needs a GPU;
+  mmengine's ``AmpOptimWrapper`` needs a GPU; on a CPU without native bfloat16 (no
+  ``avx512_bf16`` / ``amx_bf16``) that is several times slower than float32, and a warning says so;
 - distributed runs also work without a GPU (gloo; see ``xcit_mm/utils/dist_utils.py``);
 - checkpoints are loaded by ``XCiTRunner``: read safely (mmengine's own classes allow-listed for
   torch's ``weights_only`` loading only while a file is read, so ``--resume`` works with
@@ -44,8 +46,11 @@ from mmengine.config import Config, DictAction  # noqa: E402
 from mmengine.logging import print_log  # noqa: E402
 
 from xcit_mm.datasets import ensure_shapes_world  # noqa: E402
+from xcit_mm.datasets.shapes import ShapesWorldError  # noqa: E402
 from xcit_mm.engine import (CPU_AMP_TYPE, NonFiniteLossError,  # noqa: E402
                             amp_optim_wrapper_type, build_runner, ensure_reliability_hooks)
+from xcit_mm.engine.optimizers.cpu_amp_optim_wrapper import (  # noqa: E402
+    warn_if_cpu_bf16_is_slow)
 from xcit_mm.utils import (AnnotationFormatError, CheckpointError,  # noqa: E402
                            DatasetNotFoundError, check_checkpoint, check_data, check_pretrained,
                            distributed_session, resolve_auto_resume)
@@ -83,6 +88,9 @@ def parse_args(argv=None):
     # torch.distributed.launch passes --local-rank (torch >= 2.0) or --local_rank.
     parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
     args = parser.parse_args(argv)
+    if not osp.isfile(args.config):  # as argparse: one line and status 2, not a traceback
+        print(f'error: config not found: {args.config}', file=sys.stderr)
+        raise SystemExit(2)
     if 'LOCAL_RANK' not in os.environ:
         os.environ['LOCAL_RANK'] = str(args.local_rank)
     return args
@@ -110,6 +118,9 @@ def build_cfg(args) -> Config:
             cfg.optim_wrapper.type = 'AmpOptimWrapper'
             cfg.optim_wrapper.loss_scale = 'dynamic'
     use_cpu_amp(cfg)
+    if (cfg.get('optim_wrapper') or {}).get('type') == CPU_AMP_TYPE:
+        # bfloat16 is emulated, several times slower than float32, on CPUs without native support
+        warn_if_cpu_bf16_is_slow()
     # Stop at the first NaN/inf loss; save and restore random states for exact resumption.
     ensure_reliability_hooks(cfg)
 
@@ -212,11 +223,12 @@ def main(argv=None):
     # machines need gloo + a CPU DDP wrapper (no-op for --launcher none). The group is destroyed
     # when the block ends, so that no rank aborts or hangs at exit.
     with distributed_session(cfg, args.launcher):
-        ensure_shapes_world(cfg, splits=('train', 'val'))
         try:
+            ensure_shapes_world(cfg, splits=('train', 'val'))
             check_data(cfg, splits=('train', 'val'), config_name=args.config)
             check_checkpoints(cfg, args)
-        except (DatasetNotFoundError, AnnotationFormatError, CheckpointError) as e:
+        except (ShapesWorldError, DatasetNotFoundError, AnnotationFormatError,
+                CheckpointError) as e:
             raise SystemExit(f'error: {e}')
         train(cfg)
 

@@ -106,6 +106,6 @@ param_scheduler = [
 optim_wrapper = dict(optimizer=dict(lr=6e-4))
 default_hooks = dict(
     logger=dict(interval=25),
-    checkpoint=dict(by_epoch=False, interval=max_iters, max_keep_ckpts=1))
+    checkpoint=dict(by_epoch=False, interval=max_iters, max_keep_ckpts=2))
 log_processor = dict(by_epoch=False, window_size=25)
 randomness = dict(seed=0)

@@ -94,5 +94,5 @@ param_scheduler = [
 optim_wrapper = dict(optimizer=dict(lr=1e-3))
 default_hooks = dict(
     logger=dict(interval=100),
-    checkpoint=dict(by_epoch=False, interval=max_iters, max_keep_ckpts=1))
+    checkpoint=dict(by_epoch=False, interval=max_iters, max_keep_ckpts=2))
 randomness = dict(seed=0)

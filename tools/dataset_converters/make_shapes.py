@@ -5,21 +5,28 @@
 Examples::
 
     # what a shapes config needs (reads its `shapes_world` dict)
-    python tools/make_shapes.py --config configs/shapes/mask_rcnn_xcit_shapes.py
+    python tools/dataset_converters/make_shapes.py \
+        --config configs/shapes/mask_rcnn_xcit_shapes_coco.py
 
     # explicit arguments
-    python tools/make_shapes.py data/shapes_coco --task coco --num-train 800 --num-val 100 \
-        --image-size 160 --seed 0
+    python tools/dataset_converters/make_shapes.py data/shapes_coco --task coco \
+        --num-train 800 --num-val 100 --image-size 160 --seed 0
 
     # a PNG mosaic of the first validation images and their masks
-    python tools/make_shapes.py data/shapes_coco --mosaic docs/shapes_samples.png
+    python tools/dataset_converters/make_shapes.py data/shapes_coco --mosaic docs/shapes_samples.png
 
 Command-line values override those of ``--config``. If the root already holds a world made
 with the same arguments nothing is regenerated; other contents need ``--overwrite``.
 """
 import argparse
 import json
+import os.path as osp
 import sys
+
+# Use this checkout's xcit_mm even when it is not pip-installed.
+_REPO_ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
 
 
 def parse_args(argv=None):
@@ -62,6 +69,7 @@ def main(argv=None):
     """
     args = parse_args(argv)
     from xcit_mm.datasets import generate_shapes, load_samples, make_mosaic
+    from xcit_mm.datasets.shapes import ShapesWorldExistsError
 
     kwargs = {}
     if args.config:
@@ -82,6 +90,8 @@ def main(argv=None):
         sys.exit('error: give an output root or --config')
     try:
         summary = generate_shapes(**dict(kwargs, overwrite=args.overwrite, progress=True))
+    except ShapesWorldExistsError as err:
+        sys.exit(f'error: {err.message("remove it or pass --overwrite")}')
     except (ValueError, FileExistsError) as err:
         sys.exit(f'error: {err}')
     print(json.dumps(summary, indent=2))

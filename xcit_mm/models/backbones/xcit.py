@@ -404,6 +404,14 @@ class XCiTBackbone(BaseModule):
         # too: channels-last weights keep DDP's gradient buckets free of stride-mismatch copies.
         for module in [self.patch_embed] + self.adapters:
             module.to(memory_format=torch.channels_last)
+        # The LPI depthwise convs run on channels-last token views too, but their (D, 1, 3, 3)
+        # weights count as contiguous in both formats, so .to() keeps the NCHW strides (9, 9, 3, 1)
+        # while their gradients come as (9, 1, 3, 1); DDP compares every stride and warns ("Grad
+        # strides do not match bucket view strides") on each CPU distributed run. Restride them.
+        for layer in self.layers:
+            for conv in (layer.lpi.conv1, layer.lpi.conv2):
+                conv.weight.data = torch.empty_like(
+                    conv.weight, memory_format=torch.channels_last).copy_(conv.weight.data)
         self.out_channels = [self.embed_dims] * len(STRIDES)
         self.strides = STRIDES
         self._freeze_stages()
