@@ -43,8 +43,7 @@ and unzip it into {parent} so that {root} contains
 _SHAPES_HELP = """\
 This config uses the built-in shapes dataset (cfg.shapes_world). tools/train.py and tools/test.py
 generate it automatically; to create it by hand run
-    python -c "from mmengine import Config; from xcit_mm.datasets import generate_shapes; \
-generate_shapes(**Config.fromfile('CONFIG').shapes_world)\""""
+    python tools/dataset_converters/make_shapes.py --config CONFIG"""
 
 
 class DatasetNotFoundError(FileNotFoundError):
