@@ -30,7 +30,7 @@ from mmengine.registry import HOOKS
 from xcit_mm.engine import (RELIABILITY_HOOKS, CheckFiniteLossHook, CPUAmpOptimWrapper,
                             NonFiniteLossError, RandomStateHook, ensure_reliability_hooks)
 from xcit_mm.utils import (AnnotationFormatError, CheckpointError, check_annotation_formats,
-                           check_checkpoint, coco_annotation_problem)
+                           check_checkpoint, coco_annotation_problem, load_checkpoint_file)
 
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 CONFIGS = osp.join(REPO, 'configs')
@@ -573,7 +573,7 @@ def test_dist_train_and_dist_test_on_two_cpu_processes(tmp_path, task, test_tool
     assert len(glob.glob(str(work_dir / runs[0] / '*.log'))) == 1  # rank 0's log only
     checkpoint = str(work_dir / 'iter_2.pth')
     check_checkpoint(checkpoint, kind='resume')  # complete, written once
-    rng = torch.load(checkpoint, weights_only=True)['rng_state']  # both ranks' random states
+    rng = load_checkpoint_file(checkpoint)['rng_state']  # both ranks' random states
     assert rng['world_size'] == 2 and len(rng['states']) == 2
 
     env = dict(ENV, PORT=str(_free_port()))
@@ -721,7 +721,7 @@ def test_slurm_train_and_slurm_test_on_two_cpu_tasks(tmp_path, test_tool):
         '--ntasks-per-node': '2', '--cpus-per-task': '1', '--kill-on-bad-exit': '1'}
     assert 'Distributed training: True' in log and "launcher = 'slurm'" in log
     checkpoint = str(work_dir / 'iter_2.pth')
-    rng = torch.load(checkpoint, weights_only=True)['rng_state']
+    rng = load_checkpoint_file(checkpoint)['rng_state']
     assert rng['world_size'] == 2
 
     env['MASTER_PORT'] = str(_free_port())
@@ -785,8 +785,8 @@ def test_amp_on_cpu_trains_in_bfloat16_with_finite_losses(tmp_path, train_tool, 
     assert all(torch.isfinite(torch.tensor(v)) for v in losses.values()), losses
     assert ('qkv', torch.bfloat16) in _DTYPES  # the backbone ran under autocast
     assert {d for name, d in _DTYPES if name == 'attn'} == {torch.float32}  # XCA kept float32
-    assert torch.isfinite(torch.stack([v.float().flatten()[:1] for v in torch.load(
-        str(work_dir / 'iter_3.pth'), weights_only=True)['state_dict'].values()
+    assert torch.isfinite(torch.stack([v.float().flatten()[:1] for v in load_checkpoint_file(
+        str(work_dir / 'iter_3.pth'))['state_dict'].values()
         if v.is_floating_point()])).all()
 
 
