@@ -22,12 +22,16 @@ def main(argv=None):
     parser.add_argument('work_dir', help='the --work-dir of the training run')
     parser.add_argument('--command', required=True, help='the command that made the run')
     parser.add_argument('--out', required=True, help='JSON file to write')
+    parser.add_argument('--note', default=None,
+                        help='conditions of the run, e.g. other jobs on the machine')
     args = parser.parse_args(argv)
     try:
         results = collect_run_results(args.work_dir)
     except (FileNotFoundError, ValueError) as e:
         parser.exit(2, f'error: {e}\n')
     results.update(command=args.command, machine=f'{platform.machine()}, {os.cpu_count()} cores')
+    if args.note:
+        results['note'] = args.note
     os.makedirs(osp.dirname(osp.abspath(args.out)), exist_ok=True)
     with open(args.out, 'w') as f:
         json.dump(results, f, indent=2)
