@@ -13,6 +13,10 @@ Models (``--models``, see ``--list-models``):
   img_size 224, position embedding interpolated to the input size on the fly).
 * Suffix ``+cp`` builds the model with ``with_cp=True`` (gradient checkpointing; only changes the
   train-step numbers).
+* Suffix ``+compile`` times the model through ``torch.compile(forward, dynamic=False)``
+  (inductor; the compilation is an extra untimed first call per resolution, reported as
+  ``compile_s``); ``--compile both`` times every model eager and compiled, interleaved, and prints
+  the compiled / eager ratios.
 
 Every model is built untrained, all parameters trainable, drop-path 0, BatchNorm (no SyncBN).
 
@@ -72,11 +76,12 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 from xcit_mm.utils.benchmark import (RunOptions, SpecError, check_same_trunk,  # noqa: E402
-                                     compare_pairs, flops_report, format_flops_report,
-                                     format_goals, format_ratios, format_table, list_models,
-                                     load_spec, markdown_result, model_name_patterns,
-                                     parse_model, ratio_rows, run_goals, run_metadata,
-                                     run_points, with_cp_variants, write_outputs, write_rows)
+                                     compare_pairs, compile_variants, flops_report,
+                                     format_flops_report, format_goals, format_ratios,
+                                     format_table, list_models, load_spec, markdown_result,
+                                     model_name_patterns, parse_model, ratio_rows, run_goals,
+                                     run_metadata, run_points, with_cp_variants, write_outputs,
+                                     write_rows)
 from xcit_mm.utils.benchmark.memory import mem_available_bytes  # noqa: E402
 from xcit_mm.utils.benchmark.plot import default_title, plot_records  # noqa: E402
 from xcit_mm.utils.benchmark.timing import set_threads  # noqa: E402
@@ -117,6 +122,10 @@ def build_parser(spec: Optional[dict]) -> argparse.ArgumentParser:
                    help='gradient checkpointing for models that support it (all but the '
                    'mmpretrain port); both = each model with and without (the +cp suffix on a '
                    'model name does the same for one model)')
+    p.add_argument('--compile', choices=['off', 'on', 'both'], default='off',
+                   help='torch.compile (inductor, dynamic=False) the timed forward / train step; '
+                   'both = each model eager and compiled, interleaved, with compiled/eager ratios '
+                   '(the +compile suffix on a model name does the same for one model)')
     p.add_argument('--mem-iters', type=int, default=2,
                    help='calls in each fresh memory process after the baseline (default: 2)')
     p.add_argument('--cpu-mem-mode', choices=['live', 'process'], default='live',
@@ -271,6 +280,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.compare:
         specs, pairs = compare_pairs(specs)
     specs = with_cp_variants(specs, args.with_cp, pairs)
+    specs = compile_variants(specs, args.compile, pairs)
     checks = []
     if args.compare:
         checks = [check_same_trunk(s.arch, s.patch) for s in specs

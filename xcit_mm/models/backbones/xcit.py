@@ -303,20 +303,55 @@ def _up2_to_nchw(conv: nn.ConvTranspose2d, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _adapt(adapter: nn.Module, feat: torch.Tensor) -> torch.Tensor:
+def _up2_traceable(conv: nn.ConvTranspose2d, x: torch.Tensor) -> torch.Tensor:
+    """What :func:`_up2_to_nchw` computes, as plain tensor code for compilers and exporters.
+
+    One matmul ``W^T (4 C_out, C) @ x (C, H*W)`` for the four kernel offsets (the channels-last
+    ``x`` is read as a transposed matrix, no copy), then one write into the NCHW output that
+    interleaves the offsets and adds the bias. No in-place writes and no Python loop over
+    size-dependent row blocks: ``torch.compile`` turns each block write into a full-size copy
+    (and specialises on the size), ``torch.onnx.export`` bakes the blocks of the export size into
+    the graph. Rows of the matmul result are output channels, so the interleaving write reads
+    two contiguous streams per output row; under inductor it fuses with the bias and the
+    caller's crop into one kernel.
+    """
+    B, C, H, W = x.shape
+    out_channels = conv.out_channels
+    weight = conv.weight.reshape(C, out_channels * 4).t()  # (C_out * 4, C): (o, di, dj) rows
+    y = torch.matmul(weight, x.flatten(2)).reshape(B, out_channels, 2, 2, H, W)
+    if conv.bias is not None:
+        y = y + conv.bias.reshape(1, out_channels, 1, 1, 1, 1)
+    # (B, o, di, dj, i, j) -> (B, o, i, di, j, dj) = (B, o, 2i + di, 2j + dj)
+    return y.permute(0, 1, 4, 2, 5, 3).reshape(B, out_channels, 2 * H, 2 * W)
+
+
+def _tracing() -> bool:
+    """Whether ``torch.compile`` / ``torch.export`` (dynamo) or a TorchScript trace (what
+    ``torch.onnx.export(..., dynamo=False)`` runs) is recording the forward.
+
+    The eager CPU path is hand-scheduled (in-place writes of row blocks, Python branches on the
+    image size); while tracing, :class:`XCiTBackbone` takes an equivalent path of plain tensor
+    code instead, so that one graph serves every image size (tests/test_compile.py,
+    tests/test_onnx.py check that both paths give the same values).
+    """
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
+def _adapt(adapter: nn.Module, feat: torch.Tensor, tracing: bool = False) -> torch.Tensor:
     """Run one adapter branch on a channels-last trunk map; return a contiguous NCHW map.
 
     Downstream ops such as mmcv's CPU ``RoIAlign`` read raw NCHW memory and return wrong values
     for channels-last maps. The branch runs channels-last like the trunk (faster on CPU); a final
     2x upsampling writes its (largest) map straight into NCHW, identity and pooled maps (small)
-    are copied.
+    are copied. ``tracing``: the final upsampling is :func:`_up2_traceable` and the result is
+    returned as computed (the caller crops and makes it contiguous).
     """
     *body, last = adapter if isinstance(adapter, nn.Sequential) else [adapter]
     for module in body:
         feat = module(feat)
     if isinstance(last, nn.ConvTranspose2d):
-        return _up2_to_nchw(last, feat)
-    return last(feat).contiguous()
+        return _up2_traceable(last, feat) if tracing else _up2_to_nchw(last, feat)
+    return last(feat) if tracing else last(feat).contiguous()
 
 
 def _default_out_indices(depth: int) -> Tuple[int, ...]:
@@ -516,7 +551,7 @@ class XCiTBackbone(BaseModule):
         self._check_input(x)
         H, W = x.shape[-2:]
         pad_h, pad_w = -H % self.patch_size, -W % self.patch_size
-        if pad_h or pad_w:
+        if _tracing() or pad_h or pad_w:  # traced: always (a zero pad is a no-op), no branch
             x = F.pad(x, (0, pad_w, 0, pad_h))
         x = self.patch_embed(x)
         B, D, Hp, Wp = x.shape
@@ -537,11 +572,15 @@ class XCiTBackbone(BaseModule):
         ceil(H/s) x ceil(W/s)."""
         H, W = x.shape[-2:] if isinstance(x, torch.Tensor) else (0, 0)
         feats = self.forward_trunk(x)
+        tracing = _tracing()
         outs = []
         for feat, adapter, stride in zip(feats, self.adapters, self.strides):
-            out = _adapt(adapter, feat)
-            h, w = math.ceil(H / stride), math.ceil(W / stride)
-            if out.shape[-2:] != (h, w):  # input padded to the patch size: crop, keep NCHW
+            out = _adapt(adapter, feat, tracing)
+            # ceil(H / stride) in integer arithmetic: also right for traced (symbolic) sizes
+            h, w = (H + stride - 1) // stride, (W + stride - 1) // stride
+            if tracing:  # crop and lay out NCHW unconditionally: no guard on the padding
+                out = torch.clone(out[..., :h, :w], memory_format=torch.contiguous_format)
+            elif out.shape[-2:] != (h, w):  # input padded to the patch size: crop, keep NCHW
                 out = out[..., :h, :w].contiguous()
             outs.append(out)
         return tuple(outs)

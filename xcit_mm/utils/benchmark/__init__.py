@@ -16,12 +16,13 @@ ResNet-50 and Swin-T, mmseg ViT-S/16, mmpretrain's XCiT port); see docs/benchmar
 
 Not imported by ``import xcit_mm``: import ``xcit_mm.utils.benchmark`` explicitly.
 """
-from .compare import check_same_trunk, compare_pairs, ratio_rows, with_cp_variants
+from .compare import (check_same_trunk, compare_pairs, compile_variants, ratio_rows,
+                      with_cp_variants)
 from .flops import analytic_trunk_macs, count_flops, flops_report, point_flops
 from .goals import evaluate_goals, run_goals
 from .memory import run_memory_worker, worker_main
-from .models import (BASELINES, XCIT_ARCHS, ModelSpec, build_model, count_params, list_models,
-                     load_mmpretrain_xcit, model_name_patterns, parse_model)
+from .models import (BASELINES, XCIT_ARCHS, ModelSpec, build_model, compile_forward, count_params,
+                     list_models, load_mmpretrain_xcit, model_name_patterns, parse_model)
 from .report import (CSV_FIELDS, format_flops_report, format_goals, format_model_flops,
                      format_ratios, format_table, markdown_result, write_outputs, write_rows)
 from .runner import RunOptions, run_metadata, run_points
@@ -30,7 +31,8 @@ from .spec import DEFAULT_SPEC_PATH, SpecError, load_spec
 __all__ = [
     'BASELINES', 'CSV_FIELDS', 'DEFAULT_SPEC_PATH', 'ModelSpec', 'RunOptions', 'SpecError',
     'XCIT_ARCHS', 'analytic_trunk_macs', 'build_model', 'check_same_trunk', 'compare_pairs',
-    'count_flops', 'count_params', 'evaluate_goals', 'flops_report', 'format_flops_report',
+    'compile_forward', 'compile_variants', 'count_flops', 'count_params', 'evaluate_goals',
+    'flops_report', 'format_flops_report',
     'format_goals', 'format_model_flops', 'format_ratios', 'format_table', 'list_models',
     'load_mmpretrain_xcit', 'load_spec', 'markdown_result', 'model_name_patterns',
     'parse_model', 'point_flops', 'ratio_rows', 'run_goals', 'run_metadata',

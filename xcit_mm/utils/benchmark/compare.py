@@ -87,6 +87,31 @@ def with_cp_variants(specs: Sequence[ModelSpec], with_cp: str,
     return list(dict.fromkeys(specs))
 
 
+def compile_variants(specs: Sequence[ModelSpec], compile_mode: str,
+                     pairs: List[Tuple[str, str]]) -> List[ModelSpec]:
+    """``--compile on|both``: the ``+compile`` variant of every model.
+
+    Args:
+        specs: The models.
+        compile_mode: ``'off'``, ``'on'`` (replace) or ``'both'`` (add; the pair (compiled,
+            eager) is appended to ``pairs``, so the ratio table shows compiled / eager).
+        pairs: Ratio pairs, extended in place.
+
+    Returns:
+        list: The models to measure, each once.
+    """
+    if compile_mode == 'off':
+        return list(dict.fromkeys(specs))
+    expanded = []
+    for s in specs:
+        compiled = s if s.compiled else parse_model(s.name + '+compile')
+        if compile_mode == 'both' and s != compiled:
+            expanded.append(s)
+            pairs.append((compiled.name, s.name))
+        expanded.append(compiled)
+    return list(dict.fromkeys(expanded))
+
+
 def check_same_trunk(arch: str, patch: int, resolution: int = 64) -> str:
     """Load the port's weights into XCiTBackbone and compare the trunk outputs (eval mode).
 

@@ -12,12 +12,18 @@ Names (``--models``; :func:`list_models` prints them):
   img_size 224, position embedding interpolated to the input size on the fly).
 * Suffix ``+cp`` builds the model with ``with_cp=True`` (gradient checkpointing; only changes the
   train-step numbers).
+* Suffix ``+compile`` times the model through ``torch.compile(forward, dynamic=False)`` (inductor;
+  one static graph per resolution, compiled by an extra untimed first call whose wall time is
+  stored as ``compile_s``). :func:`build_model` still returns the eager module: FLOPs are those
+  of the same computation; the runner and the memory worker compile it (:func:`compile_forward`).
+  Both suffixes may be combined (``xcit_s12_p16+cp+compile``).
 
 Every model is built untrained, all parameters trainable, drop-path 0, BatchNorm (no SyncBN).
 
 Nothing here imports torchvision: mmpretrain's XCiT module is loaded without executing the
 ``mmpretrain.models`` package ``__init__`` (see :func:`load_mmpretrain_xcit`).
 """
+import dataclasses
 import importlib
 import importlib.machinery
 import importlib.util
@@ -40,6 +46,7 @@ BASELINES = {
     'resnet50': 'mmdet ResNet-50 (4 stages, strides 4-32)',
     'swin_t': 'mmdet SwinTransformer Swin-T (embed 96, depths 2,2,6,2, window 7)',
     'vit_s16': 'mmseg VisionTransformer ViT-S/16 = DeiT-S (embed 384, depth 12, 6 heads)'}
+COMPILE_SUFFIX = '+compile'
 _XCIT_RE = re.compile(r'(?P<port>mmpretrain_)?xcit_(?P<arch>[a-z]\d\d)_p(?P<patch>\d+)'
                       r'(?P<trunk>_trunk)?')
 
@@ -55,6 +62,7 @@ class ModelSpec:
         arch: XCiT arch key (``'s12'`` ...) or None.
         patch: XCiT patch size or None.
         with_cp: Whether the model is built with gradient checkpointing.
+        compiled: Whether the forward is timed through ``torch.compile`` (``+compile``).
     """
 
     name: str
@@ -62,6 +70,7 @@ class ModelSpec:
     arch: Optional[str] = None
     patch: Optional[int] = None
     with_cp: bool = False
+    compiled: bool = False
 
     @property
     def is_xcit(self) -> bool:
@@ -71,7 +80,7 @@ class ModelSpec:
     @property
     def description(self) -> str:
         """str: Human readable description used in tables and plots."""
-        cp = ' +with_cp' if self.with_cp else ''
+        cp = (' +with_cp' if self.with_cp else '') + (' +torch.compile' if self.compiled else '')
         if self.family in BASELINES:
             return BASELINES[self.family] + cp
         label = f'XCiT-{self.arch.upper()}/{self.patch}'
@@ -87,14 +96,25 @@ def parse_model(name: str) -> ModelSpec:
 
     Args:
         name: e.g. ``'xcit_s12_p16'``, ``'xcit_s12_p8_trunk'``, ``'mmpretrain_xcit_s12_p8'``,
-            ``'swin_t+cp'``.
+            ``'swin_t+cp'``, ``'xcit_s12_p16+compile'``.
 
     Returns:
-        ModelSpec: The parsed spec.
+        ModelSpec: The parsed spec; its ``name`` is canonical (``+cp`` before ``+compile``).
 
     Raises:
         ValueError: For an unknown name or an impossible combination.
     """
+    base, compiled = name, False
+    if base.endswith(COMPILE_SUFFIX) or base.endswith(COMPILE_SUFFIX + '+cp'):
+        base, compiled = base.replace(COMPILE_SUFFIX, '', 1), True
+    spec = _parse_eager(base)
+    if compiled:
+        spec = dataclasses.replace(spec, name=spec.name + COMPILE_SUFFIX, compiled=True)
+    return spec
+
+
+def _parse_eager(name: str) -> ModelSpec:
+    """:func:`parse_model` of a name without ``+compile``."""
     base, with_cp = (name[:-3], True) if name.endswith('+cp') else (name, False)
     if base in BASELINES:
         return ModelSpec(name=name, family=base, with_cp=with_cp)
@@ -118,11 +138,19 @@ def parse_model(name: str) -> ModelSpec:
     return ModelSpec(name=name, family=family, arch=arch, patch=patch, with_cp=with_cp)
 
 
+def compile_forward(forward: Callable) -> Callable:
+    """``torch.compile(forward, dynamic=False)``: inductor, one static graph per input size (what
+    a fixed-size deployment gets); the first call at a size compiles."""
+    import torch
+    return torch.compile(forward, dynamic=False)
+
+
 def model_name_patterns() -> str:
     """The accepted names in one line (for error messages)."""
     archs = '|'.join(XCIT_ARCHS)
     return (f'xcit_<{archs}>_p<8|16>[_trunk], mmpretrain_xcit_<{archs}>_p<8|16>, '
-            f'{", ".join(BASELINES)}; any but mmpretrain_xcit_* may end in +cp')
+            f'{", ".join(BASELINES)}; any but mmpretrain_xcit_* may end in +cp; any may end '
+            f'in +compile')
 
 
 def list_models() -> str:
@@ -133,6 +161,7 @@ def list_models() -> str:
              f'mmpretrain_xcit_<{archs}>_p<8|16> mmpretrain XCiT port, trunk only']
     lines += [f'{k:<32}{v}' for k, v in BASELINES.items()]
     lines.append('any name + "+cp": built with with_cp=True (not for mmpretrain_xcit_*)')
+    lines.append('any name + "+compile": timed through torch.compile(forward, dynamic=False)')
     return '\n'.join(lines)
 
 

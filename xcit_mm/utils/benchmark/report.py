@@ -15,7 +15,8 @@ CSV_FIELDS = [
     'model', 'description', 'resolution', 'batch', 'mode', 'precision', 'device', 'threads',
     'with_cp', 'status', 'params_m', 'gmacs', 'gflop_exec', 'ms_per_img', 'ms_p25', 'ms_p75',
     'imgs_per_s', 'achieved_gflop_s', 'matmul_gflop_s', 'matmul_frac', 'peak_mem_mb',
-    'mem_base_mb', 'mem_method', 'flops_counter', 'warmup', 'repeats', 'note']
+    'mem_base_mb', 'mem_method', 'flops_counter', 'warmup', 'repeats', 'note', 'compiled',
+    'compile_s']
 
 
 def fmt(value, digits: int = 1) -> str:
@@ -49,6 +50,9 @@ def format_table(records: Sequence[dict]) -> str:
                      f'{(f"{100 * frac:.0f}" if frac is not None else "-"):>6}')
         if r.get('note'):
             lines.append(f'    note: {r["note"]}')
+        if r.get('compile_s') is not None:
+            lines.append(f'    torch.compile: first call (compilation) {r["compile_s"]:.1f} s, '
+                         'not in the timing')
     return '\n'.join(lines)
 
 

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from .flops import point_flops
 from .memory import run_memory_worker
-from .models import ModelSpec, build_model
+from .models import ModelSpec, build_model, compile_forward
 from .timing import (MATMUL_STEP, make_matmul_step, make_step, matmul_gflops,
                      measure_matmul_gflops, set_threads, time_interleaved)
 
@@ -105,7 +105,7 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions,
                        batch=opts.batch, mode=opts.mode, precision=opts.precision,
                        device=opts.device, threads=opts.threads or torch.get_num_threads(),
                        with_cp=spec.with_cp, status='ok', warmup=opts.warmup,
-                       repeats=opts.repeats, note='')
+                       repeats=opts.repeats, note='', compiled=spec.compiled)
             if progress is not None:
                 progress.set_postfix_str(f'{spec.name}@{res} flops/memory')
             if opts.do_flops:
@@ -131,10 +131,18 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions,
                     continue
                 if spec.name not in built:
                     torch.manual_seed(0)
-                    built[spec.name] = build_model(spec, opts.device)
+                    model, forward = build_model(spec, opts.device)
+                    built[spec.name] = model, (compile_forward(forward) if spec.compiled
+                                               else forward)
                 model, forward = built[spec.name]
                 steps[spec.name] = make_step(model, forward, img, opts.mode, opts.device,
                                              opts.precision)
+                if spec.compiled:  # the first call at this size compiles: timed on its own
+                    _sync_device(opts.device)
+                    t0 = time.perf_counter()
+                    steps[spec.name]()
+                    _sync_device(opts.device)
+                    recs[spec.name]['compile_s'] = time.perf_counter() - t0
             if progress is not None:
                 progress.set_postfix_str(f'timing {len(steps)} models @{res}')
             if steps:  # the reference matmul rate, interleaved with the models: same load
@@ -171,6 +179,11 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions,
     meta.update(matmul_gflop_s_before=matmul_before, matmul_gflop_s_after=matmul_after,
                 options={k: v for k, v in vars(opts).items()})
     return records, meta
+
+
+def _sync_device(device: str):
+    if device == 'cuda':
+        torch.cuda.synchronize()
 
 
 def run_metadata() -> dict:

@@ -1,0 +1,160 @@
+"""XCiTBackbone under torch.compile (issue 13, part 2): one graph, no graph break, no recompile
+for a new image size, and the same values and gradients as eager.
+
+While dynamo (or a TorchScript trace, see tests/test_onnx.py) records the forward, the backbone
+takes a traceable path (``xcit._tracing()``): the adapter's 2x transposed convs as one matmul
+(``_up2_traceable``) instead of row blocks written in place into a preallocated map, and padding /
+cropping without Python branches on the size. The tests check that path against the eager one
+directly and through torch.compile.
+"""
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn as nn
+from torch._dynamo.testing import CompileCounter
+
+from xcit_mm import XCiTBackbone
+from xcit_mm.models.backbones import xcit as xcit_module
+
+TINY = dict(embed_dims=64, depth=4, num_heads=4)
+
+
+def tiny(patch_size=16, **kwargs):
+    torch.manual_seed(0)
+    model = XCiTBackbone(arch=kwargs.pop('arch', TINY), patch_size=patch_size,
+                         out_indices=kwargs.pop('out_indices', (0, 1, 2, 3)), **kwargs)
+    model.init_weights()
+    g = torch.Generator().manual_seed(1)
+    for m in model.modules():  # non-trivial BN statistics for eval-mode comparisons
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.copy_(torch.randn(m.num_features, generator=g) * 0.1)
+            m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+    return model
+
+
+def assert_close_scaled(got, want, rel=1e-4, what='', floor=1e-12):
+    """max |got - want| <= rel * max(max |want|, floor): float32 rounding, measured on the
+    tensor's scale (gradients are sums over many terms; elementwise ratios blow up where they
+    cancel). ``floor``: for gradients, a hundredth of the largest gradient of the model, since a
+    gradient that is zero in exact arithmetic (the bias of a conv followed by a train-mode BN) is
+    pure rounding noise of the large terms that cancel in it."""
+    assert got.shape == want.shape, what
+    scale = max(want.abs().max().item(), floor)
+    diff = (got - want).abs().max().item()
+    assert diff <= rel * scale, f'{what}: max |diff| {diff:.3e}, scale {scale:.3e}'
+
+
+def grad_floor(grads):
+    return 1e-2 * max(g.abs().max().item() for g in grads)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_up2_traceable_equals_conv_transpose_and_the_eager_blocks():
+    """Values and gradients of the traceable upsampling equal nn.ConvTranspose2d and the eager
+    row-block path, for a map split into several row blocks on the eager path and a small one."""
+    conv = nn.ConvTranspose2d(64, 64, kernel_size=2, stride=2).double()
+    for shape in [(1, 64, 20, 512), (2, 64, 5, 7)]:
+        x = torch.randn(shape, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+        xs = [x.detach().clone().requires_grad_() for _ in range(3)]
+        outs = [xcit_module._up2_traceable(conv, xs[0]), xcit_module._up2_to_nchw(conv, xs[1]),
+                conv(xs[2])]
+        grad = torch.randn_like(outs[2])
+        grads = [torch.autograd.grad(o, [x_, conv.weight, conv.bias], grad)
+                 for o, x_ in zip(outs, xs)]
+        for out, g in zip(outs[:2], grads[:2]):
+            torch.testing.assert_close(out, outs[2])
+            for a, b in zip(g, grads[2]):
+                torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize('patch_size', [8, 16])
+def test_traceable_path_equals_the_eager_path(monkeypatch, patch_size):
+    """The whole forward with the traceable path forced on (as under torch.compile / ONNX
+    export) equals the eager path in values and gradients: padded and unpadded sizes (float32:
+    XCA keeps its attention in float32 whatever the input; the paths differ only in the
+    summation order of the upsampling matmuls)."""
+    model = tiny(patch_size)
+    for hw in [(64, 96), (97, 131)]:
+        x = torch.randn(2, 3, *hw)
+        results = []
+        for tracing in (False, True):
+            monkeypatch.setattr(xcit_module, '_tracing', lambda t=tracing: t)
+            model.zero_grad()
+            outs = model.train()(x)
+            sum((o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o)).sum()
+                for o in outs).backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            results.append(([o.detach() for o in outs], grads))
+            assert all(o.is_contiguous() for o in outs)
+        (eager_out, eager_grad), (traced_out, traced_grad) = results
+        for a, b in zip(traced_out, eager_out):
+            assert_close_scaled(a, b, 1e-5, f'{hw} output')
+        floor = grad_floor(eager_grad)
+        for (name, _), a, b in zip(model.named_parameters(), traced_grad, eager_grad):
+            assert_close_scaled(a, b, 1e-4, f'{hw} grad {name}', floor)
+
+
+def test_no_graph_break():
+    """torch._dynamo.explain: the forward is one graph in eval, train (drop path, BN in train
+    mode), bf16 autocast (the float32 XCA island) and with gradient checkpointing."""
+    x = torch.randn(2, 3, 64, 96)
+    cases = [('p16 eval', tiny(16).eval(), False), ('p8 train', tiny(8, drop_path_rate=0.1), False),
+             ('p16 train amp', tiny(16), True), ('p8 with_cp', tiny(8, with_cp=True), False)]
+    for name, model, amp in cases:
+        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=amp):
+            explanation = torch._dynamo.explain(model)(x.requires_grad_(name.endswith('cp')))
+        print(name, explanation.graph_count, 'graph(s),', explanation.graph_break_count,
+              'graph break(s)')
+        assert explanation.graph_break_count == 0, (name, explanation.break_reasons)
+        assert explanation.graph_count == 1, name
+
+
+@pytest.mark.parametrize('patch_size', [8, 16])
+def test_new_image_sizes_do_not_recompile(patch_size):
+    """dynamic=True: one graph serves every size, same padding class or not (the traceable path
+    has no branch on the size). Sizes above ~300x300 px: below that torch's CPU convolution picks
+    another backend for the small stem inputs of this tiny model, a guard of its own."""
+    model = tiny(patch_size).eval()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, dynamic=True)
+    sizes = [(288, 320), (320, 352),  # multiples of 32: no padding
+             (300, 330), (310, 341)]  # padded to the patch size, outputs cropped
+    with torch.no_grad():
+        for hw in sizes:
+            x = torch.randn(1, 3, *hw)
+            for got, want in zip(compiled(x), model(x)):
+                assert got.is_contiguous()
+                assert_close_scaled(got, want, 1e-5, f'{hw}')
+    assert counter.frame_count == 1, f'{counter.frame_count} compilations for {sizes}'
+
+
+def test_inductor_equals_eager_values_and_gradients():
+    """inductor (CPU): outputs and parameter gradients of a train step equal eager to float32
+    rounding, at a padded size."""
+    model = tiny(16, arch=dict(embed_dims=32, depth=2, num_heads=2), out_indices=(0, 0, 1, 1))
+    twin = copy.deepcopy(model)  # BN running statistics move in train mode: one copy each
+    compiled = torch.compile(twin, backend='inductor')
+    x = torch.randn(2, 3, 100, 90)
+    results = []
+    for m, f in ((model, model), (twin, compiled)):
+        m.train()
+        outs = f(x)
+        sum((o * o).mean() for o in outs).backward()
+        grads = {n: p.grad for n, p in m.named_parameters()}
+        results.append(([o.detach() for o in outs], grads))
+    (eager_out, eager_grad), (comp_out, comp_grad) = results
+    for a, b in zip(comp_out, eager_out):
+        assert a.is_contiguous()
+        assert_close_scaled(a, b, 1e-5, 'output')
+    assert eager_grad.keys() == comp_grad.keys()
+    floor = grad_floor(eager_grad.values())
+    for name in eager_grad:
+        assert_close_scaled(comp_grad[name], eager_grad[name], 1e-4, f'grad {name}', floor)

@@ -1,0 +1,358 @@
+# Copyright (c) xcit_mm contributors. All rights reserved.
+"""ONNX export of XCiT models and its check against PyTorch with ONNX Runtime.
+
+What is exported (input: a normalised image batch ``image`` (B, 3, H, W), float32, i.e. after the
+config's ``data_preprocessor``: mean / std subtracted / divided, channels in the order the model
+was trained with; the values are written into the file's metadata):
+
+* an mmseg ``EncoderDecoder`` (Semantic FPN, UperNet, ...): ``logits`` (B, num_classes, H, W), the
+  per-class scores at the input size, what ``EncoderDecoder.encode_decode`` computes for whole
+  image inference (backbone, neck, decode head, bilinear resize to the input size);
+* an mmdet detector (Mask R-CNN, ...): backbone + neck, ``feat0`` ... ``featN`` (e.g. the 5 FPN
+  maps of Mask R-CNN), what ``extract_feat`` returns. The RPN / RoI heads (NMS, RoIAlign, data-
+  dependent shapes) are not exported.
+
+Exported with the TorchScript-based exporter (``torch.onnx.export(..., dynamo=False)``, opset 17).
+While it traces, :class:`~xcit_mm.models.XCiTBackbone` takes its traceable path (one matmul for
+the adapter's transposed convs instead of the hand-scheduled row blocks written in place, padding
+and cropping without Python branches on the size), which is what makes the file right at every
+size: the eager CPU path traced as it is gives a graph that only holds for the export size and
+reads wrong memory at others.
+
+``onnx`` / ``onnxruntime`` are imported only here, when needed (:func:`check_onnx_runtime`).
+"""
+import os
+import os.path as osp
+import types
+import warnings
+from contextlib import contextmanager
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+DEFAULT_OPSET = 17
+DEFAULT_TOLERANCE = 1e-4
+INSTALL_HINT = ("pip install 'xcit_mm[onnx]' (onnx==1.17.0, onnxruntime==1.20.1) or "
+                'bash tools/install.sh')
+
+
+class ExportError(ValueError):
+    """A model or an argument that this exporter cannot handle (one clear message)."""
+
+
+def check_onnx_runtime(need_runtime: bool = True):
+    """Import ``onnx`` (and ``onnxruntime``); raise :class:`ImportError` with the install command
+    when they are missing.
+
+    Returns:
+        tuple: ``(onnx, onnxruntime or None)``.
+    """
+    try:
+        import onnx
+    except ImportError as e:
+        raise ImportError(f'ONNX export needs the onnx package: {INSTALL_HINT}') from e
+    ort = None
+    if need_runtime:
+        try:
+            import onnxruntime as ort
+        except ImportError as e:
+            raise ImportError(f'--verify needs onnxruntime: {INSTALL_HINT}') from e
+    return onnx, ort
+
+
+# --------------------------------------------------------------------------------------------
+# the exported modules
+# --------------------------------------------------------------------------------------------
+class SegmentorLogits(nn.Module):
+    """An mmseg ``EncoderDecoder`` as image -> per-class logits at the input size.
+
+    ``EncoderDecoder.encode_decode`` for whole-image inference, without the image metas: the
+    decode head's logits resized (bilinear, the head's ``align_corners``) to the input size.
+    """
+
+    def __init__(self, segmentor: nn.Module):
+        super().__init__()
+        self.model = segmentor
+        self.align_corners = bool(segmentor.decode_head.align_corners)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        logits = self.model.decode_head(self.model.extract_feat(image))
+        return F.interpolate(logits, size=image.shape[2:], mode='bilinear',
+                             align_corners=self.align_corners)
+
+
+class DetectorFeatures(nn.Module):
+    """An mmdet detector's backbone + neck: image -> the neck's feature maps."""
+
+    def __init__(self, detector: nn.Module):
+        super().__init__()
+        self.model = detector
+
+    def forward(self, image: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        return tuple(self.model.extract_feat(image))
+
+
+def build_export_model(config, checkpoint: Optional[str] = None,
+                       cfg_options: Optional[dict] = None) -> nn.Module:
+    """The module to export for a config (and checkpoint), in eval mode on the CPU.
+
+    Built with :func:`xcit_mm.apis.init_model`: the checkpoint, if any, is read by the one safe
+    reader (:mod:`xcit_mm.utils.checkpoint_io`) before the model is built and loaded strictly;
+    without one the weights are the random initialisation (the backbone's ``init_cfg`` is dropped,
+    nothing is downloaded).
+
+    Returns:
+        :class:`SegmentorLogits` or :class:`DetectorFeatures`, with the attributes ``task``
+        (``'seg'`` / ``'det'``), ``output_names``, ``metadata`` (str -> str, written into the
+        file) and ``model`` (the detector / segmentor).
+
+    Raises:
+        FileNotFoundError: The config does not exist.
+        TypeError: ``config`` is neither a path nor an mmengine ``Config``.
+        ExportError: The file is no config, or the config is not an mmseg ``EncoderDecoder`` or
+            an mmdet detector with a neck.
+        ValueError: The config's ``default_scope`` is neither mmdet nor mmseg.
+        xcit_mm.utils.checkpoint_io.CheckpointError: A missing, unreadable, unsafe checkpoint,
+            or one of another model.
+    """
+    from xcit_mm.apis import config_task, init_model, load_config, preprocess_cfg
+    try:
+        cfg = load_config(config, cfg_options)
+    except (FileNotFoundError, TypeError):
+        raise
+    except Exception as e:  # a file that is not an mmengine config
+        raise ExportError(f'cannot read config {config!r} ({type(e).__name__}: {e}); is it an '
+                          'mmdet / mmseg config file?') from e
+    if not isinstance(cfg.get('model', None), dict):
+        raise ExportError(f'config {config!r} has no model dict')
+    task = config_task(cfg)
+    model_type = str(cfg.model.get('type', ''))
+    if task == 'seg' and model_type.split('.')[-1] != 'EncoderDecoder':
+        raise ExportError(f'segmentor type {model_type!r} is not supported: ONNX export takes an '
+                          f'mmseg EncoderDecoder (Semantic FPN, UperNet, ...)')
+    if task == 'det' and not cfg.model.get('neck'):
+        raise ExportError(f'detector {model_type!r} has no neck: ONNX export of a detector '
+                          f'covers backbone + neck (e.g. Mask R-CNN\'s FPN)')
+    model = init_model(cfg, checkpoint, device='cpu')
+    if task == 'seg':
+        if isinstance(model.decode_head, nn.ModuleList):
+            raise ExportError('a segmentor with several decode heads (cascade) is not supported')
+        wrapper = SegmentorLogits(model)
+        wrapper.output_names = ['logits']
+    else:
+        wrapper = DetectorFeatures(model)
+        with torch.no_grad():
+            n_out = len(wrapper(torch.zeros(1, 3, 64, 64)))
+        wrapper.output_names = [f'feat{i}' for i in range(n_out)]
+    wrapper.task = task
+    pre = preprocess_cfg(cfg)
+    classes = model.dataset_meta.get('classes', ())
+    wrapper.metadata = {
+        'xcit_mm.task': task,
+        'xcit_mm.model': model_type,
+        'xcit_mm.input': 'image (B, 3, H, W) float32, normalised: (pixel - mean) / std',
+        'xcit_mm.mean': ','.join(f'{v:g}' for v in pre['mean']),
+        'xcit_mm.std': ','.join(f'{v:g}' for v in pre['std']),
+        'xcit_mm.channel_order': 'RGB' if pre['rgb'] else 'BGR',
+        'xcit_mm.outputs': ','.join(wrapper.output_names),
+        'xcit_mm.checkpoint': osp.basename(checkpoint) if checkpoint else 'random init',
+    }
+    if task == 'seg':
+        wrapper.metadata['xcit_mm.classes'] = ','.join(str(c) for c in classes)
+    return wrapper.eval()
+
+
+# --------------------------------------------------------------------------------------------
+# export
+# --------------------------------------------------------------------------------------------
+def _upsample_traceable(self, x: torch.Tensor) -> torch.Tensor:
+    """mmseg ``Upsample.forward`` without Python ints of the size.
+
+    Upstream computes ``size = [int(t * scale_factor) for t in x.shape[-2:]]``: ``int()`` of a
+    traced size is a constant, so the graph would resize to the export size's maps at every
+    size. ``recompute_scale_factor=True`` gives the same output size (floor) and the same sampling
+    (input / output ratio) from the traced sizes.
+    """
+    if self.size:
+        return F.interpolate(x, self.size, None, self.mode, self.align_corners)
+    return F.interpolate(x, scale_factor=self.scale_factor, mode=self.mode,
+                         align_corners=self.align_corners, recompute_scale_factor=True)
+
+
+def _pool_matrix(length: torch.Tensor, bins: int, like: torch.Tensor) -> torch.Tensor:
+    """(bins, length) averaging matrix of adaptive average pooling: bin i covers
+    [floor(i * L / bins), ceil((i + 1) * L / bins)), as torch's kernel."""
+    pos = torch.arange(length, device=like.device)
+    i = torch.arange(bins, device=like.device)
+    start = torch.div(i * length, bins, rounding_mode='floor')
+    end = torch.div((i + 1) * length + bins - 1, bins, rounding_mode='floor')
+    mask = ((pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])).to(like.dtype)
+    return mask / mask.sum(dim=1, keepdim=True)
+
+
+def _adaptive_avg_pool_traceable(self, x: torch.Tensor) -> torch.Tensor:
+    """``nn.AdaptiveAvgPool2d`` as two matmuls with averaging matrices built from the traced
+    input size: the exporter's own ``adaptive_avg_pool2d`` needs static sizes (UperNet's
+    pyramid pooling module would not export with dynamic axes)."""
+    out_h, out_w = (self.output_size, self.output_size) if isinstance(self.output_size, int) \
+        else self.output_size
+    H, W = x.shape[-2:]
+    out_h = H if out_h is None else out_h
+    out_w = W if out_w is None else out_w
+    rows = _pool_matrix(torch.as_tensor(H), int(out_h), x)  # (out_h, H)
+    cols = _pool_matrix(torch.as_tensor(W), int(out_w), x)  # (out_w, W)
+    return torch.matmul(torch.matmul(rows, x), cols.t())
+
+
+@contextmanager
+def traceable_upstream_modules(model: nn.Module):
+    """Inside the block, modules of ``model`` whose upstream forward does not trace for dynamic
+    sizes run an equivalent forward that does (instance attributes, removed on exit):
+    mmseg's ``Upsample`` (Semantic FPN's head) -> :func:`_upsample_traceable`;
+    ``nn.AdaptiveAvgPool2d`` (UperNet's pyramid pooling) -> :func:`_adaptive_avg_pool_traceable`.
+    ``verify_onnx`` compares the file with the unpatched model, which checks the equivalence."""
+    patched = []
+    try:
+        from mmseg.models.utils import Upsample
+    except ImportError:  # pragma: no cover - mmseg is installed with xcit_mm
+        Upsample = ()
+    for module in model.modules():
+        if Upsample and isinstance(module, Upsample):
+            module.forward = types.MethodType(_upsample_traceable, module)
+            patched.append(module)
+        elif isinstance(module, nn.AdaptiveAvgPool2d):
+            module.forward = types.MethodType(_adaptive_avg_pool_traceable, module)
+            patched.append(module)
+    try:
+        yield model
+    finally:
+        for module in patched:
+            del module.forward
+
+
+def _check_shape(shape: Sequence[int], what: str = '--shape') -> Tuple[int, int]:
+    if len(shape) != 2 or any(not isinstance(s, int) or s < 32 for s in shape):
+        raise ExportError(f'{what} needs two image sides H W, each >= 32 px (the stride-32 '
+                          f'level of the backbone), got {list(shape)}')
+    return int(shape[0]), int(shape[1])
+
+
+def export_onnx(model: nn.Module, out_file: str, shape: Sequence[int], dynamic: bool = False,
+                opset: int = DEFAULT_OPSET, batch: int = 1) -> str:
+    """Export ``model`` (from :func:`build_export_model`) to ``out_file``.
+
+    Args:
+        model: The module; its ``output_names`` and ``metadata`` are used when present.
+        out_file: The ``.onnx`` path (its folder is created).
+        shape: Export size ``(H, W)``.
+        dynamic: Batch, height and width as dynamic axes (any size >= 32 px then runs); else the
+            file takes exactly ``(batch, 3, H, W)``.
+        opset: ONNX opset (default 17).
+        batch: Batch of the traced example.
+
+    Returns:
+        str: ``out_file``.
+    """
+    onnx, _ = check_onnx_runtime(need_runtime=False)
+    h, w = _check_shape(shape)
+    names = list(getattr(model, 'output_names', None) or ['output'])
+    axes = None
+    if dynamic:
+        axes = {'image': {0: 'batch', 2: 'height', 3: 'width'}}
+        axes.update({n: {0: 'batch', 2: f'{n}_height', 3: f'{n}_width'} for n in names})
+    if osp.dirname(out_file):
+        os.makedirs(osp.dirname(out_file), exist_ok=True)
+    example = torch.randn(batch, 3, h, w, generator=torch.Generator().manual_seed(0))
+    model.eval()
+    with torch.no_grad(), warnings.catch_warnings():
+        # size checks and asserts of the model read traced sizes as Python values: harmless here
+        # (the values do not shape the graph), but each one warns
+        warnings.simplefilter('ignore', torch.jit.TracerWarning)
+        warnings.filterwarnings('ignore', category=DeprecationWarning)
+        warnings.filterwarnings('ignore', message='.*dynamo=False.*')
+        with traceable_upstream_modules(model):
+            torch.onnx.export(model, (example,), out_file, dynamo=False, opset_version=opset,
+                              input_names=['image'], output_names=names, dynamic_axes=axes,
+                              do_constant_folding=True)
+    proto = onnx.load(out_file)
+    for key, value in dict(getattr(model, 'metadata', {}),
+                           **{'xcit_mm.export_shape': f'{h}x{w}',
+                              'xcit_mm.dynamic': str(bool(dynamic))}).items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = key, value
+    onnx.checker.check_model(proto)
+    onnx.save(proto, out_file)
+    return out_file
+
+
+# --------------------------------------------------------------------------------------------
+# ONNX Runtime
+# --------------------------------------------------------------------------------------------
+def onnx_session(onnx_file: str, threads: Optional[int] = None):
+    """An ONNX Runtime CPU session; ``threads`` intra-op threads (default: torch's count)."""
+    _, ort = check_onnx_runtime()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads or torch.get_num_threads()
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3  # errors only
+    return ort.InferenceSession(onnx_file, sess_options=options,
+                                providers=['CPUExecutionProvider'])
+
+
+def run_onnx(session, image: torch.Tensor) -> List[torch.Tensor]:
+    """Outputs of ``session`` for one image batch, as tensors."""
+    outs = session.run(None, {session.get_inputs()[0].name: image.numpy()})
+    return [torch.from_numpy(o) for o in outs]
+
+
+def other_shape(shape: Sequence[int]) -> Tuple[int, int]:
+    """The second size ``--verify`` checks a dynamic file at: 32 px more rows, 16 px fewer
+    columns (16 more where that would drop under 64), so that the width is no multiple of 32 and
+    the padded path of the backbone runs."""
+    h, w = shape
+    return h + 32, (w - 16 if w - 16 >= 64 else w + 16)
+
+
+def verify_onnx(model: nn.Module, onnx_file: str, shapes: Sequence[Sequence[int]],
+                tolerance: float = DEFAULT_TOLERANCE, threads: Optional[int] = None,
+                batch: int = 1, seed: int = 0) -> List[Dict]:
+    """Compare the file run by ONNX Runtime with ``model`` run by PyTorch (eager), per size.
+
+    The image is random normal (seeded). Per output: ``max_abs`` = max |onnx - torch| and
+    ``max_rel`` = max_abs / max |torch| (relative to the output's scale; per-element ratios are
+    meaningless where the reference crosses zero). A size passes when every output has the
+    reference's shape and ``max_rel <= tolerance``.
+
+    Returns:
+        list: One dict per size: ``shape``, ``outputs`` (list of dicts ``name``, ``shape``,
+        ``max_abs``, ``max_rel``), ``max_abs``, ``max_rel`` (the worst output), ``ok``.
+    """
+    session = onnx_session(onnx_file, threads)
+    names = [o.name for o in session.get_outputs()]
+    results = []
+    model.eval()
+    for shape in shapes:
+        h, w = _check_shape(shape, 'verify size')
+        image = torch.randn(batch, 3, h, w, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            ref = model(image)
+        ref = [ref] if isinstance(ref, torch.Tensor) else list(ref)
+        got = run_onnx(session, image)
+        outputs, ok = [], len(ref) == len(got)
+        for name, r, g in zip(names, ref, got):
+            if tuple(r.shape) != tuple(g.shape):
+                outputs.append(dict(name=name, shape=list(g.shape), want_shape=list(r.shape),
+                                    max_abs=float('inf'), max_rel=float('inf')))
+                ok = False
+                continue
+            max_abs = (g - r).abs().max().item()
+            max_rel = max_abs / max(r.abs().max().item(), 1e-12)
+            outputs.append(dict(name=name, shape=list(r.shape), max_abs=max_abs,
+                                max_rel=max_rel))
+            ok = ok and max_rel <= tolerance
+        results.append(dict(shape=[h, w], outputs=outputs,
+                            max_abs=max(o['max_abs'] for o in outputs),
+                            max_rel=max(o['max_rel'] for o in outputs), ok=ok))
+    return results
