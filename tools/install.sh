@@ -14,6 +14,10 @@
 #                        cached by pip).
 #   mmpretrain --no-deps its requirements name `modelindex`; the package that works is `model-index`,
 #                        and its extras would pull torchvision (no CPU build exists).
+#   onnx==1.17.0         ONNX export / ONNX Runtime check (tools/deployment/export_onnx.py): the
+#   onnxruntime==1.20.1  newest releases that install with numpy 1.x (onnx 1.23 needs ml_dtypes>=0.5.4,
+#                        which needs numpy 2). Resolved in the same pip call as numpy<2, so the pin
+#                        holds; xcit_mm imports without them (only the export needs them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -34,7 +38,7 @@ step "3/6 runtime dependencies of mmengine/mmcv/mmdet/mmseg/mmpretrain"
 pipi "numpy<2" "opencv-python-headless>=4.8,<4.11" mmengine==0.10.7 \
     pycocotools shapely scipy terminaltables tqdm six prettytable ftfy regex \
     einops importlib-metadata mat4py matplotlib model-index rich \
-    scikit-image pytest
+    scikit-image pytest onnx==1.17.0 onnxruntime==1.20.1
 
 step "4/6 mmcv 2.1.0 with ops (skipped when mmcv.ops already imports)"
 if "$PY" -c "import mmcv, mmcv.ops; assert mmcv.__version__ == '2.1.0'" 2>/dev/null; then
@@ -51,7 +55,10 @@ step "6/6 xcit_mm (editable)"
 pipi --no-deps --no-build-isolation -e .
 
 "$PY" - <<'PY'
+import numpy, onnx, onnxruntime
 import torch, mmcv, mmcv.ops, mmengine, mmdet, mmseg, mmpretrain, xcit_mm
+print('installed: numpy', numpy.__version__, '| onnx', onnx.__version__, '| onnxruntime',
+      onnxruntime.__version__)
 print('installed: torch', torch.__version__, '| mmengine', mmengine.__version__,
       '| mmcv', mmcv.__version__, '| mmdet', mmdet.__version__, '| mmseg', mmseg.__version__,
       '| mmpretrain', mmpretrain.__version__, '| xcit_mm', xcit_mm.__version__)
