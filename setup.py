@@ -24,8 +24,8 @@ setup(
     # tested against it. Checkpoints written under numpy 2 still load (both pickled names are
     # allow-listed, see xcit_mm/utils/checkpoint_io.py).
     install_requires=['mmengine>=0.10,<0.11', 'numpy>=1.23,<2'],
-    # ONNX export and its ONNX Runtime check (tools/deployment/export_onnx.py): the newest
-    # releases that install with numpy 1.x (see tools/install.sh).
+    # ONNX export and its ONNX Runtime check (tools/deployment/export_onnx.py): releases that
+    # install with numpy 1.x (see tools/install.sh).
     extras_require={'onnx': ['onnx==1.17.0', 'onnxruntime==1.20.1']},
     license='Apache-2.0',
     zip_safe=False,

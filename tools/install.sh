@@ -14,10 +14,10 @@
 #                        cached by pip).
 #   mmpretrain --no-deps its requirements name `modelindex`; the package that works is `model-index`,
 #                        and its extras would pull torchvision (no CPU build exists).
-#   onnx==1.17.0         ONNX export / ONNX Runtime check (tools/deployment/export_onnx.py): the
-#   onnxruntime==1.20.1  newest releases that install with numpy 1.x (onnx 1.23 needs ml_dtypes>=0.5.4,
-#                        which needs numpy 2). Resolved in the same pip call as numpy<2, so the pin
-#                        holds; xcit_mm imports without them (only the export needs them).
+#   onnx==1.17.0         ONNX export / ONNX Runtime check (tools/deployment/export_onnx.py):
+#   onnxruntime==1.20.1  releases that install with numpy 1.26 (checked; onnx 1.23 needs
+#                        ml_dtypes>=0.5.4, which needs numpy 2). Resolved in the same pip call as
+#                        numpy<2, so the pin holds; xcit_mm imports without them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
