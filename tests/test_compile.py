@@ -158,3 +158,17 @@ def test_inductor_equals_eager_values_and_gradients():
     floor = grad_floor(eager_grad.values())
     for name in eager_grad:
         assert_close_scaled(comp_grad[name], eager_grad[name], 1e-4, f'grad {name}', floor)
+
+
+def test_benchmark_compile_names():
+    """The benchmark's +compile models: names, and --compile both pairs compiled with eager."""
+    from xcit_mm.utils.benchmark import compile_variants, parse_model
+    spec = parse_model('xcit_s12_p16+compile+cp')
+    assert (spec.name, spec.compiled, spec.with_cp) == ('xcit_s12_p16+cp+compile', True, True)
+    assert 'torch.compile' in spec.description
+    pairs = []
+    specs = compile_variants([parse_model('xcit_s12_p8'), parse_model('swin_t')], 'both', pairs)
+    assert [s.name for s in specs] == ['xcit_s12_p8', 'xcit_s12_p8+compile', 'swin_t',
+                                       'swin_t+compile']
+    assert pairs == [('xcit_s12_p8+compile', 'xcit_s12_p8'), ('swin_t+compile', 'swin_t')]
+    assert [s.name for s in compile_variants(specs[:1], 'on', [])] == ['xcit_s12_p8+compile']

@@ -136,3 +136,25 @@ def test_package_imports_without_onnx():
                           cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "@@ ONNX export needs the onnx package: pip install 'xcit_mm[onnx]'" in proc.stdout
+
+
+def test_benchmark_onnx_option(tmp_path):
+    """benchmark.py --onnx CONFIG: PyTorch eager and ONNX Runtime records, timed in the same
+    rounds, the file checked against PyTorch first (note), the ratio ONNX Runtime / eager."""
+    import json
+    bench = os.path.join(ROOT, 'tools', 'analysis_tools', 'benchmark.py')
+    proc = subprocess.run(
+        [sys.executable, bench, '--onnx', SEG_CFG, '--resolutions', '64', '--repeats', '2',
+         '--warmup', '0', '--threads', '1', '--out-dir', str(tmp_path), '--quiet'],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS='1'))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(tmp_path / 'onnx.json') as f:
+        data = json.load(f)
+    names = [r['model'] for r in data['records']]
+    assert names == ['sem_fpn_xcit_shapes_ade', 'sem_fpn_xcit_shapes_ade+onnxruntime']
+    for r in data['records']:
+        assert r['status'] == 'ok' and len(r['times_s']) == 2 and r['ms_per_img'] > 0
+        assert 'max rel diff' in r['note']
+    assert data['meta']['ratios'][0]['a'] == 'sem_fpn_xcit_shapes_ade+onnxruntime'
+    assert data['meta']['onnxruntime'] == ort.__version__

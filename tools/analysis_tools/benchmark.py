@@ -59,6 +59,10 @@ Examples::
     python tools/analysis_tools/benchmark.py --goals --threads 1 # the project's goals, PASS/FAIL
     python tools/analysis_tools/get_flops.py                     # Table 1 check of the trunk FLOPs
     python tools/analysis_tools/benchmark.py --markdown docs/benchmark/goals.json  # docs tables
+    python tools/analysis_tools/benchmark.py --models xcit_s12_p16 --resolutions 512 \
+        --compile both --no-mem --threads 1 --repeats 10   # torch.compile vs eager
+    python tools/analysis_tools/benchmark.py --onnx configs/sem_fpn_xcit_s12_p16_80k_ade20k.py \
+        --resolutions 512 --threads 1 --repeats 10          # ONNX Runtime vs PyTorch eager
 
 This tool never imports torchvision.  mmpretrain's XCiT module is loaded without executing the
 ``mmpretrain.models`` package ``__init__`` (see ``xcit_mm.utils.benchmark.load_mmpretrain_xcit``).
@@ -126,6 +130,11 @@ def build_parser(spec: Optional[dict]) -> argparse.ArgumentParser:
                    help='torch.compile (inductor, dynamic=False) the timed forward / train step; '
                    'both = each model eager and compiled, interleaved, with compiled/eager ratios '
                    '(the +compile suffix on a model name does the same for one model)')
+    p.add_argument('--onnx', metavar='CONFIG', default=None,
+                   help='instead of --models: export CONFIG\'s model (random init; segmentor: '
+                   'image -> logits, detector: backbone + neck) to ONNX at each resolution and '
+                   'time ONNX Runtime vs PyTorch eager, interleaved (CPU fp32 inference; needs '
+                   'onnx / onnxruntime)')
     p.add_argument('--mem-iters', type=int, default=2,
                    help='calls in each fresh memory process after the baseline (default: 2)')
     p.add_argument('--cpu-mem-mode', choices=['live', 'process'], default='live',
@@ -274,6 +283,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print('wrote ' + ', '.join(paths))
         failed = any(g['ok'] is not True for g in goals)
         return 3 if failed and args.fail_on_goal_miss else 0
+
+    if args.onnx:
+        from xcit_mm.utils.benchmark.onnx_rt import onnx_model_names, run_onnx_points
+        records, meta = run_onnx_points(args.onnx, args.resolutions, opts, log=log)
+        print(format_table(records))
+        rows = ratio_rows(records, [onnx_model_names(args.onnx)[::-1]])
+        print()
+        print(format_ratios(rows))
+        meta['ratios'] = rows
+        paths = write_outputs(records, meta, args.out_dir, args.name or 'onnx', plot=False)
+        print('wrote ' + ', '.join(paths))
+        return 0
 
     specs = [parse_model(n) for n in args.models]
     pairs: List[Tuple[str, str]] = []
