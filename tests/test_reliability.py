@@ -1,10 +1,14 @@
-"""Reliability of long runs (issue 5): bad input, untrusted checkpoints, interrupted training,
-distributed runs and mixed precision, on the built-in shapes data (CPU only).
+"""Reliability of long runs (issues 5 and 15): bad input, untrusted checkpoints, interrupted
+training (also with the paper configs' own dataloaders: persistent workers, random augmentations),
+distributed runs, faults mid-run (a NaN or a dead or hung rank, a save killed half-way or a full
+disk, an unreadable image) and mixed precision, on the built-in shapes data (CPU only).
 
 Every training here is a few iterations of a tiny XCiT (32 channels, 4 layers) on 8 generated
 64-pixel images, derived from the shapes configs (``configs/shapes/``) and, through them, from the
-paper configs (SyncBN, AdamW, reliability hooks). Runs that must be separate processes (SIGKILL,
-torchrun) are subprocesses with timeouts; the others call the tools' ``main`` in-process.
+paper configs (SyncBN, AdamW, reliability hooks), or from the paper configs directly
+(``_paper_config``). Runs that must be separate processes (SIGKILL, torchrun) are subprocesses with
+timeouts, some with test probes imported by their config (``_PROBES``); the others call the tools'
+``main`` in-process.
 See docs/reliability.md for what each test establishes.
 """
 import functools
@@ -13,6 +17,7 @@ import http.server
 import json
 import os
 import os.path as osp
+import re
 import signal
 import socket
 import subprocess
@@ -167,6 +172,97 @@ def _tiny_config(tmp_path, task, name=None, iters=4, ckpt=2, val_interval=None, 
     # mmengine keys its global Visualizer / MessageHub instances by name: unique names keep
     # in-process runs of this module from writing into each other's logs.
     unique = f'{name or task}_{tmp_path.name}'[-60:].replace('-', '_').replace('.', '_')
+    text += f"visualizer = dict(name='vis_{unique}_{time.time_ns()}')\n"
+    path = tmp_path / f'{unique}.py'
+    path.write_text(text)
+    return str(path)
+
+
+# The paper configs themselves (their dataloaders: 2 persistent workers, the random
+# augmentations, samplers, loops), with a tiny XCiT and the pipelines' image sizes divided by 8.
+_PAPER = {'det': osp.join(CONFIGS, 'mask_rcnn_xcit_t12_p16_3x_coco.py'),
+          'seg': osp.join(CONFIGS, 'sem_fpn_xcit_t12_p16_80k_ade20k.py')}
+
+_PAPER_DET = """
+_base_ = ['{base}']
+data_root = '{root}/'
+metainfo = dict(classes=('circle', 'square', 'triangle'),
+                palette=[(220, 20, 60), (0, 130, 255), (20, 200, 60)])
+shapes_world = dict(root=data_root, task='coco', num_train=8, num_val=5, image_size=64,
+                    seed=0)
+model = dict(
+    backbone=dict(arch=dict(_delete_=True, embed_dims=32, depth=4, num_heads=4),
+                  out_indices=(0, 1, 2, 3), drop_path_rate=0.1, init_cfg=None),
+    neck=dict(in_channels=[32] * 4, out_channels=32),
+    rpn_head=dict(in_channels=32, feat_channels=32),
+    roi_head=dict(
+        bbox_roi_extractor=dict(out_channels=32, roi_layer=dict(sampling_ratio=2)),
+        bbox_head=dict(in_channels=32, fc_out_channels=64, num_classes=3),
+        mask_roi_extractor=dict(out_channels=32, roi_layer=dict(sampling_ratio=2)),
+        mask_head=dict(in_channels=32, conv_out_channels=32, num_convs=1, num_classes=3)),
+    train_cfg=dict(rpn_proposal=dict(nms_pre=200, max_per_img=50),
+                   rcnn=dict(sampler=dict(num=64))))
+train_dataloader = dict(
+    num_workers=2, persistent_workers=True,
+    dataset=dict(data_root=data_root, metainfo=metainfo,
+                 ann_file='annotations/instances_train.json', data_prefix=dict(img='train/'),
+                 pipeline={pipeline}))
+train_cfg = dict(max_epochs={epochs}, val_interval=1000)
+default_hooks = dict(logger=dict(interval=1))
+"""
+
+_PAPER_SEG = """
+_base_ = ['{base}']
+data_root = '{root}/'
+shapes_world = dict(root=data_root, task='ade', num_train=8, num_val=5, image_size=64,
+                    seed=0)
+model = dict(
+    data_preprocessor=dict(size=(64, 64)),
+    backbone=dict(arch=dict(_delete_=True, embed_dims=32, depth=4, num_heads=4),
+                  out_indices=(0, 1, 2, 3), drop_path_rate=0.1, init_cfg=None),
+    neck=dict(in_channels=[32] * 4, out_channels=32),
+    decode_head=dict(in_channels=[32] * 4, channels=16))
+train_dataloader = dict(
+    num_workers=2, persistent_workers=True,
+    dataset=dict(data_root=data_root, pipeline={pipeline}))
+train_cfg = dict(max_iters={iters}, val_interval=1000)
+default_hooks = dict(logger=dict(interval=1), checkpoint=dict(interval=2, max_keep_ckpts=-1))
+"""
+
+_PAPER_COMMON = """
+log_processor = dict(window_size=1)
+randomness = dict(seed=0, deterministic=True)
+val_cfg = None
+val_dataloader = None
+val_evaluator = None
+"""
+
+
+def _shrink(value, factor=8):
+    """A pipeline with every image size (``scale``, ``scales``, ``crop_size``) divided by
+    ``factor``; the transforms and their randomness are the config's."""
+    def size(v):
+        if isinstance(v, (list, tuple)) and v and isinstance(v[0], (list, tuple)):
+            return type(v)(size(x) for x in v)
+        if isinstance(v, (list, tuple)):
+            return tuple(max(1, int(round(x / factor))) for x in v)
+        return v
+    if isinstance(value, dict):
+        return {k: size(v) if k in ('scale', 'scales', 'crop_size') else _shrink(v, factor)
+                for k, v in value.items() if k != '_scope_'}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_shrink(v, factor) for v in value)
+    return value
+
+
+def _paper_config(tmp_path, task, name=None, epochs=3, iters=6, extra=''):
+    """A config that inherits the paper config of ``task`` itself (see ``_PAPER``)."""
+    base = _PAPER[task]
+    pipeline = _shrink(Config.fromfile(base).train_dataloader.dataset.pipeline)
+    template = {'det': _PAPER_DET, 'seg': _PAPER_SEG}[task]
+    text = template.format(base=base, root=_data_root(task), pipeline=repr(pipeline),
+                           epochs=epochs, iters=iters) + _PAPER_COMMON + extra + '\n'
+    unique = f'paper_{name or task}_{tmp_path.name}'[-60:].replace('-', '_').replace('.', '_')
     text += f"visualizer = dict(name='vis_{unique}_{time.time_ns()}')\n"
     path = tmp_path / f'{unique}.py'
     path.write_text(text)
@@ -483,6 +579,25 @@ def test_truncated_corrupt_or_wrong_kind_of_checkpoint(tmp_path, checkpoints, tr
 
 
 # ============================================================================ 3. SIGKILL + resume
+def _kill_after_first_checkpoint(train, work_dir, cwd, timeout=180):
+    """Start ``train`` (a command) in ``work_dir``, SIGKILL it as soon as ``last_checkpoint``
+    names a checkpoint, and return that checkpoint's path."""
+    proc = subprocess.Popen(train + ['--work-dir', str(work_dir)], cwd=str(cwd), env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + timeout
+        marker = work_dir / 'last_checkpoint'
+        while not (marker.exists() and marker.read_text().strip()):
+            assert proc.poll() is None and time.time() < deadline, 'no checkpoint was written'
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL  # killed mid-run, not finished
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return marker.read_text().strip()
+
+
 @CPU_ONLY
 def test_sigkilled_training_resumes_identically(tmp_path):
     """Kill -9 a run right after its first checkpoint; --resume continues with exactly the
@@ -497,22 +612,8 @@ def test_sigkilled_training_resumes_identically(tmp_path):
     assert sorted(expected) == list(range(1, 7))
 
     work_dir = tmp_path / 'killed'
-    proc = subprocess.Popen(train + ['--work-dir', str(work_dir)], cwd=str(tmp_path), env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 180
-        marker = work_dir / 'last_checkpoint'
-        # Non-empty: mmengine creates the marker, then writes the path into it.
-        while not (marker.exists() and marker.read_text().strip()):
-            assert proc.poll() is None and time.time() < deadline, 'no checkpoint was written'
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL  # killed mid-run, not finished
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    resumed_from = int((work_dir / 'last_checkpoint').read_text().strip()
-                       .rsplit('iter_', 1)[1].split('.')[0])
+    resumed_from = _kill_after_first_checkpoint(train, work_dir, tmp_path)
+    resumed_from = int(resumed_from.rsplit('iter_', 1)[1].split('.')[0])
     assert resumed_from < 6
 
     resumed, log = _run(train + ['--work-dir', str(work_dir), '--resume'], tmp_path)
@@ -542,6 +643,97 @@ def test_epoch_based_resume_is_identical(tmp_path, train_tool):
     assert after == {i: expected[i] for i in after}
 
 
+def _augmentations(dataloader_cfg, epochs, **overrides):
+    """Per epoch, what the training dataloader built from ``dataloader_cfg`` (as XCiTRunner builds
+    it) delivers: per sample (image, flip, shape after resize / crop, a digest of the pixels)."""
+    import hashlib
+
+    from mmengine.runner import Runner
+
+    from xcit_mm.datasets.sample_seeding import seeded_train_dataloader
+    loader = Runner.build_dataloader(
+        seeded_train_dataloader(dict(dataloader_cfg, **overrides), seed=0), seed=0)
+    draws = []
+    for epoch in epochs:
+        loader.batch_sampler.sampler.set_epoch(epoch)  # as mmengine's DistSamplerSeedHook does
+        drawn = []
+        for batch in loader:
+            for inputs, sample in zip(batch['inputs'], batch['data_samples']):
+                drawn.append((osp.basename(sample.img_path), sample.flip_direction,
+                              tuple(sample.img_shape),
+                              hashlib.sha1(inputs.numpy().tobytes()).hexdigest()[:12]))
+        draws.append(drawn)
+    del loader  # shuts its workers down
+    return draws
+
+
+def test_every_epoch_draws_new_augmentations_whatever_the_workers(tmp_path):
+    """The Mask R-CNN paper config's training dataloader (flip, multi-scale resize or resize +
+    crop + resize; 2 persistent workers): every epoch draws new augmentations of each image; a
+    new dataloader started in epoch 1 (a resumed run) delivers exactly what the uninterrupted one
+    delivered in epoch 1; and 0 or 2 workers, persistent or not, deliver the same. Without the
+    per-sample seeds (``sample_seeding=False``: mmengine's per-worker seeds) neither holds."""
+    from mmengine.registry import init_default_scope
+    init_default_scope('mmdet')
+    config = Config.fromfile(_paper_config(tmp_path, 'det'))
+    cfg = config.train_dataloader
+    assert cfg.num_workers == 2 and cfg.persistent_workers
+    first, second = _augmentations(cfg, [0, 1])
+    by_image = [dict((d[0], d[1:]) for d in epoch) for epoch in (first, second)]
+    assert by_image[0].keys() == by_image[1].keys() and len(by_image[0]) == 8
+    changed = [name for name in by_image[0] if by_image[0][name] != by_image[1][name]]
+    assert len(changed) == 8, changed  # each image is augmented anew (pixels differ)
+    assert len({d[1:3] for d in first + second}) > 4  # flips and sizes vary
+    # a resumed run: new workers, started in epoch 1
+    assert _augmentations(cfg, [1]) == [second]
+    # whatever the workers: none, or 2 re-created every epoch
+    assert _augmentations(cfg, [0, 1], num_workers=0, persistent_workers=False) == [
+        first, second]
+    assert _augmentations(cfg, [0, 1], persistent_workers=False) == [first, second]
+
+    # mmengine's seeding, for comparison: re-created workers repeat the first epoch's random
+    # numbers (same flips and sizes, position by position, only the image order is shuffled) ...
+    plain = dict(sample_seeding=False)
+    epoch0, epoch1 = _augmentations(cfg, [0, 1], persistent_workers=False, **plain)
+    assert [d[1:3] for d in epoch0] == [d[1:3] for d in epoch1]
+    assert [d[0] for d in epoch0] != [d[0] for d in epoch1]
+    # ... and persistent workers restarted in epoch 1 draw other numbers than the ones that ran
+    # through epoch 0
+    assert _augmentations(cfg, [1], **plain) != _augmentations(cfg, [0, 1], **plain)[1:]
+
+
+@CPU_ONLY
+@pytest.mark.parametrize('task', ['det', 'seg'])
+def test_paper_configs_resume_identically_with_persistent_workers(tmp_path, task):
+    """The paper configs themselves (Mask R-CNN 3x: epoch-based, DefaultSampler +
+    AspectRatioBatchSampler, flip + multi-scale resize / crop; Semantic FPN 80k: iteration-based,
+    InfiniteSampler, random resize + crop + flip + photometric distortion), with their 2
+    persistent dataloader workers: killed with SIGKILL after a checkpoint, ``--resume``
+    continues with the losses of an uninterrupted run, bit for bit. For the epoch-based loop this
+    needs the per-sample seeds (``SampleKeyBatchSampler``): mmengine's workers restart from their
+    first-epoch seeds."""
+    epochs, iters = 4, 6  # det: 4 epochs x 4 iterations; seg: 6 iterations, checkpoint every 2
+    cfg = _paper_config(tmp_path, task, epochs=epochs, iters=iters)
+    total = epochs * 4 if task == 'det' else iters
+    train = [sys.executable, osp.join(REPO, 'tools', 'train.py'), cfg]
+    reference, log = _run(train + ['--work-dir', str(tmp_path / 'ref')], tmp_path)
+    assert reference.returncode == 0, log[-3000:]
+    assert "'num_workers': 2" in log or 'num_workers=2' in log
+    expected = _losses(tmp_path / 'ref')[0]
+    assert sorted(expected) == list(range(1, total + 1))
+
+    work_dir = tmp_path / 'killed'
+    checkpoint = _kill_after_first_checkpoint(train, work_dir, tmp_path)
+    done = int(re.search(r'(\d+)\.pth$', checkpoint).group(1)) * (4 if task == 'det' else 1)
+    assert done < total
+    resumed, log = _run(train + ['--work-dir', str(work_dir), '--resume'], tmp_path)
+    assert resumed.returncode == 0, log[-3000:]
+    assert f'Load checkpoint from {checkpoint}' in log
+    after = _losses(work_dir)[-1]
+    assert sorted(after) == list(range(done + 1, total + 1))
+    assert after == {i: expected[i] for i in after}  # bit-identical
+
+
 # ============================================================================ 4. distributed
 def _metrics(work_dir):
     """The metrics dict tools/test.py wrote (mmengine dumps it to <work_dir>/<time>/<time>.json)."""
@@ -563,7 +755,8 @@ def test_dist_train_and_dist_test_on_two_cpu_processes(tmp_path, task, test_tool
     proc, log = _run(['bash', osp.join(REPO, 'tools', 'dist_train.sh'), cfg, '2',
                       '--work-dir', str(work_dir)], tmp_path, env=env)
     assert proc.returncode == 0, log[-4000:]
-    assert "dist_cfg=dict(backend='gloo')" in log and 'Distributed training: True' in log
+    assert "dist_cfg=dict(backend='gloo', timeout=1800)" in log  # the collective timeout
+    assert 'Distributed training: True' in log
     assert "type='CPUDistributedDataParallel'" in log
     entries = os.listdir(work_dir)
     runs = [d for d in entries if osp.isdir(work_dir / d)]
@@ -750,6 +943,320 @@ def _assert_close(a, b, where='results'):
         assert torch.allclose(a.double(), b.double(), atol=1e-4), where
     else:
         assert a == b, where
+
+
+# ============================================================================ 6. faults mid-run
+# Test probes for runs in subprocesses: a module put on their PYTHONPATH and imported by the
+# config (custom_imports). Each hook is inert unless its trigger is met.
+_PROBES = '''
+import os
+import time
+
+from mmengine.dist import get_rank
+from mmengine.hooks import Hook
+from mmengine.registry import HOOKS
+
+
+@HOOKS.register_module(force=True)
+class _MarkIterationHook(Hook):
+    """Writes OUT_DIR/rank<R>.iter<N>, holding the pid, before training iteration N."""
+
+    def __init__(self, out_dir):
+        self.out_dir = out_dir
+
+    def before_train_iter(self, runner, batch_idx, data_batch=None):
+        path = os.path.join(self.out_dir, f'rank{get_rank()}.iter{runner.iter + 1}')
+        with open(path, 'w') as f:
+            f.write(str(os.getpid()))
+
+
+@HOOKS.register_module(force=True)
+class _NaNOnRankHook(Hook):
+    """Makes the backbone's features NaN on rank RANK at iteration ITERATION: a NaN loss there."""
+
+    def __init__(self, rank, iteration):
+        self.rank, self.iteration = rank, iteration
+
+    def before_train(self, runner):
+        model = runner.model.module if hasattr(runner.model, 'module') else runner.model
+
+        def poison(module, inputs, outputs):
+            if get_rank() == self.rank and runner.iter + 1 == self.iteration and module.training:
+                return tuple(o * float('nan') for o in outputs)
+        model.backbone.register_forward_hook(poison)
+
+
+@HOOKS.register_module(force=True)
+class _StallingSaveHook(Hook):
+    """With $STALL_SAVE=NAME: the file write of checkpoint NAME (or NAME.tmp) writes half of the
+    file, creates $STALL_SAVE_MARKER and then waits, to be killed half-way through the save."""
+
+    def __init__(self):
+        from mmengine.fileio.backends import LocalBackend
+        put = LocalBackend.put
+
+        def stalling_put(backend, obj, filepath):
+            name = os.environ.get('STALL_SAVE')
+            if name and os.path.basename(str(filepath)).startswith(name):
+                with open(filepath, 'wb') as f:
+                    f.write(obj[:len(obj) // 2])
+                    f.flush()
+                    os.fsync(f.fileno())
+                open(os.environ['STALL_SAVE_MARKER'], 'w').close()
+                time.sleep(600)
+            return put(backend, obj, filepath)
+        LocalBackend.put = stalling_put
+'''
+
+
+@pytest.fixture
+def probes(tmp_path):
+    """(environment with the probe module on PYTHONPATH, the config lines that import it)."""
+    (tmp_path / '_reliability_probes.py').write_text(_PROBES)
+    env = dict(ENV, PYTHONPATH=os.pathsep.join(
+        [str(tmp_path), REPO] + [p for p in [ENV.get('PYTHONPATH')] if p]))
+    imports = ("custom_imports = dict(imports=['xcit_mm', '_reliability_probes'], "
+               "allow_failed_imports=False)\n")
+    return SimpleNamespace(env=env, imports=imports)
+
+
+def _wait_for(path, procs, timeout=180):
+    deadline = time.time() + timeout
+    while not osp.exists(str(path)):
+        assert all(p.poll() is None for p in procs), f'a process ended before {path} appeared'
+        assert time.time() < deadline, f'{path} did not appear'
+        time.sleep(0.02)
+
+
+@CPU_ONLY
+def test_a_nan_loss_on_one_rank_stops_every_rank_at_that_iteration(tmp_path, probes):
+    """tools/dist_train.sh, 2 gloo processes; the loss becomes NaN on rank 1 only, at iteration
+    3: both ranks stop at iteration 3 with the message (naming rank 1's terms), none hangs, and
+    no checkpoint of the diverged weights is written."""
+    cfg = _tiny_config(tmp_path, 'seg', iters=6, ckpt=2, validate=False, extra=probes.imports + (
+        "custom_hooks = [dict(type='_NaNOnRankHook', rank=1, iteration=3)]"))
+    work_dir = tmp_path / 'work'
+    env = dict(probes.env, PORT=str(_free_port()))
+    start = time.time()
+    proc, log = _run(['bash', osp.join(REPO, 'tools', 'dist_train.sh'), cfg, '2',
+                      '--work-dir', str(work_dir)], tmp_path, env=env, timeout=180)
+    assert proc.returncode != 0
+    stopped = 'error: Training stopped: the loss became NaN or infinite at iteration 3/6.'
+    assert log.count(stopped) == 2, log[-4000:]  # both ranks, at the same iteration
+    message = log[log.index(stopped):].splitlines()[0]
+    assert 'Non-finite loss terms: rank 1: decode.loss_ce=nan, loss=nan.' in message
+    assert 'rank 0:' not in message  # rank 0's loss was finite
+    assert f'--resume {work_dir / "iter_2.pth"}' in message
+    assert sorted(f for f in os.listdir(work_dir) if f.endswith('.pth')) == ['iter_2.pth']
+    assert sorted(_losses(work_dir)[0]) == [1, 2]
+    assert time.time() - start < 120
+
+
+@CPU_ONLY
+@pytest.mark.parametrize('fault', ['kill', 'stop', 'kill-under-torchrun'])
+def test_a_killed_or_hung_rank_stops_the_other_within_a_bounded_time(tmp_path, probes, fault):
+    """2 gloo processes training the Semantic FPN paper config (2 persistent dataloader workers
+    each); at iteration 3, rank 1 is killed with SIGKILL or stopped with SIGSTOP (a hang).
+
+    - kill: rank 0 (started without a launcher that would clean up) stops within seconds with a
+      message that another rank has stopped. Its dataloader workers die with it, so the
+      connection closes at once (torch's orphaned workers would keep it open up to 5 s).
+    - stop: rank 0 stops after the collective timeout, set here to 10 s
+      (``env_cfg.dist_cfg.timeout``; default 1800 s), saying so.
+    - kill-under-torchrun: ``tools/dist_train.sh`` (torchrun) stops rank 0 and fails, naming
+      the killed rank and its signal."""
+    marks = tmp_path / 'marks'
+    marks.mkdir()
+    cfg = _paper_config(tmp_path, 'seg', iters=400, extra=probes.imports + (
+        f"custom_hooks = [dict(type='_MarkIterationHook', out_dir='{marks}')]\n"
+        "env_cfg = dict(dist_cfg=dict(timeout=10))"))
+    train = [sys.executable, osp.join(REPO, 'tools', 'train.py'), cfg, '--launcher', 'pytorch',
+             '--work-dir', str(tmp_path / 'work')]
+    port = str(_free_port())
+    outputs = [open(tmp_path / f'rank{rank}.txt', 'w+') for rank in (0, 1)]
+    if fault == 'kill-under-torchrun':
+        procs = [subprocess.Popen(
+            ['bash', osp.join(REPO, 'tools', 'dist_train.sh'), cfg, '2', '--work-dir',
+             str(tmp_path / 'work')], cwd=str(tmp_path), env=dict(probes.env, PORT=port),
+            stdout=outputs[0], stderr=subprocess.STDOUT)]
+    else:
+        procs = [subprocess.Popen(train, cwd=str(tmp_path), env=dict(
+            probes.env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE='2',
+            MASTER_ADDR='127.0.0.1', MASTER_PORT=port), stdout=outputs[rank],
+            stderr=subprocess.STDOUT) for rank in (0, 1)]
+    victim = None
+    try:
+        _wait_for(marks / 'rank1.iter3', procs)
+        _wait_for(marks / 'rank0.iter3', procs)
+        victim = int((marks / 'rank1.iter3').read_text())
+        start = time.time()
+        os.kill(victim, signal.SIGSTOP if fault == 'stop' else signal.SIGKILL)
+        returncode = procs[0].wait(timeout=90)
+        elapsed = time.time() - start
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        if victim is not None:
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except OSError:
+                pass
+    outputs[0].seek(0)
+    log = outputs[0].read()
+    assert returncode != 0
+    if fault == 'kill':
+        assert 'error: Distributed training stopped on rank 0 of 2 at iteration ' in log, \
+            log[-3000:]
+        assert 'another rank has stopped (killed, out of memory or crashed)' in log
+        assert elapsed < 30, elapsed  # measured: 2 s (the connection closes at once)
+    elif fault == 'stop':
+        assert 'error: Distributed training stopped on rank 0 of 2 at iteration ' in log, \
+            log[-3000:]
+        assert 'did not answer within the collective timeout (10 s' in log
+        assert 'env_cfg.dist_cfg.timeout=SECONDS' in log
+        assert 10 <= elapsed < 45, elapsed  # measured: 12 s
+    else:
+        assert f'Signal 9 (SIGKILL) received by PID {victim}' in log, log[-3000:]
+        assert elapsed < 30, elapsed
+
+
+def _checkpoint_files(work_dir):
+    return sorted(f for f in os.listdir(work_dir) if not osp.isdir(osp.join(work_dir, f))
+                  and not f.endswith('.py'))
+
+
+@CPU_ONLY
+def test_a_save_killed_half_way_loses_nothing(tmp_path, probes):
+    """SIGKILL half-way through writing iter_4.pth, with max_keep_ckpts=1: iter_2.pth is still
+    there and complete, last_checkpoint names it, iter_4 exists only as an incomplete .tmp file;
+    a bare --resume continues from iter_2.pth and removes the .tmp. (mmengine alone would have
+    deleted iter_2.pth before writing iter_4.pth, left iter_4.pth cut short under its final name
+    and a last_checkpoint naming a deleted file.)"""
+    cfg = _tiny_config(tmp_path, 'seg', iters=6, ckpt=2, validate=False, extra=probes.imports + (
+        "custom_hooks = [dict(type='_StallingSaveHook')]\n"
+        "default_hooks['checkpoint']['max_keep_ckpts'] = 1"))
+    work_dir = tmp_path / 'work'
+    marker = tmp_path / 'saving'
+    train = [sys.executable, osp.join(REPO, 'tools', 'train.py'), cfg, '--work-dir',
+             str(work_dir)]
+    proc = subprocess.Popen(train, cwd=str(tmp_path), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=dict(
+                                probes.env, STALL_SAVE='iter_4.pth', STALL_SAVE_MARKER=str(marker)))
+    try:
+        _wait_for(marker, [proc])
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _checkpoint_files(work_dir) == ['iter_2.pth', 'iter_4.pth.tmp', 'last_checkpoint']
+    assert (work_dir / 'last_checkpoint').read_text() == str(work_dir / 'iter_2.pth')
+    check_checkpoint(str(work_dir / 'iter_2.pth'), kind='resume')  # complete
+    with pytest.raises(CheckpointError, match='truncated'):  # the interrupted one
+        check_checkpoint(str(work_dir / 'iter_4.pth.tmp'), kind='resume')
+
+    resumed, log = _run(train + ['--resume'], tmp_path, env=probes.env)
+    assert resumed.returncode == 0, log[-3000:]
+    assert f'Removed {work_dir / "iter_4.pth.tmp"}: an incomplete checkpoint' in log
+    assert f'Load checkpoint from {work_dir / "iter_2.pth"}' in log
+    assert sorted(_losses(work_dir)[-1]) == [3, 4, 5, 6]
+    assert _checkpoint_files(work_dir) == ['iter_6.pth', 'last_checkpoint']  # max_keep_ckpts=1
+    assert (work_dir / 'last_checkpoint').read_text() == str(work_dir / 'iter_6.pth')
+
+
+def test_a_full_disk_during_a_save_is_named_and_keeps_the_earlier_checkpoints(
+        tmp_path, train_tool, monkeypatch):
+    """The write of iter_4.pth fails with ENOSPC after part of the file: the run stops with an
+    error naming the file and the free space; iter_2.pth and last_checkpoint are intact (also
+    with max_keep_ckpts=1), and no partial file is left."""
+    import errno
+
+    from mmengine.fileio.backends import LocalBackend
+    cfg = _tiny_config(tmp_path, 'seg', iters=6, ckpt=2, validate=False,
+                       extra="default_hooks['checkpoint']['max_keep_ckpts'] = 1")
+    work_dir = tmp_path / 'work'
+    put = LocalBackend.put
+
+    def full_disk(backend, obj, filepath):
+        if osp.basename(str(filepath)).startswith('iter_4.pth'):
+            with open(filepath, 'wb') as f:
+                f.write(obj[:len(obj) // 3])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(filepath))
+        return put(backend, obj, filepath)
+
+    monkeypatch.setattr(LocalBackend, 'put', full_disk)
+    with pytest.raises(SystemExit) as info:
+        train_tool.main([cfg, '--work-dir', str(work_dir)])
+    message = _exit_message(info)
+    assert message.startswith(f'error: Cannot save checkpoint {work_dir / "iter_4.pth"}: the '
+                              f'disk is full (OSError: [Errno {errno.ENOSPC}] No space left on '
+                              f'device'), message
+    assert re.search(rf'Free space on {re.escape(str(work_dir))}: [\d.]+ [KMGT]?B\.', message)
+    assert f'The earlier checkpoints are intact ({work_dir / "iter_2.pth"})' in message
+    assert f'last_checkpoint names {work_dir / "iter_2.pth"}' in message
+    assert _checkpoint_files(work_dir) == ['iter_2.pth', 'last_checkpoint']
+    assert (work_dir / 'last_checkpoint').read_text() == str(work_dir / 'iter_2.pth')
+    check_checkpoint(str(work_dir / 'iter_2.pth'), kind='resume')
+    assert sorted(_losses(work_dir)[0]) == [1, 2, 3, 4]
+
+
+def test_last_checkpoint_is_replaced_atomically(tmp_path, monkeypatch):
+    """A job killed while last_checkpoint is rewritten leaves the old content (the rename is
+    the only step that changes it): here the rename itself fails."""
+    from xcit_mm.engine.hooks.safe_checkpoint_hook import write_text_atomically
+    marker = tmp_path / 'last_checkpoint'
+    write_text_atomically(str(marker), '/work/iter_2.pth')
+    monkeypatch.setattr(os, 'replace', lambda *a: (_ for _ in ()).throw(OSError('killed')))
+    with pytest.raises(OSError, match='killed'):
+        write_text_atomically(str(marker), '/work/iter_4.pth')
+    assert marker.read_text() == '/work/iter_2.pth'
+
+
+@pytest.mark.parametrize('fault', ['missing', 'unreadable', 'skipped'])
+def test_a_bad_image_halfway_through_an_epoch_is_named(tmp_path, train_tool, fault):
+    """The image at position 4 of the first epoch (the third batch; 2 dataloader workers) is
+    deleted or replaced by bytes that are not an image: training stops at that batch with an
+    error naming the sample's index and file, instead of a traceback relayed from a worker; with
+    ``train_dataloader.on_bad_sample=skip`` it is replaced by the next readable sample, logged
+    and counted, and training completes."""
+    import shutil
+
+    from mmengine.registry import init_default_scope
+    root = tmp_path / 'data'
+    shutil.copytree(_data_root('det'), str(root))
+    cfg = _tiny_config(tmp_path, 'det', iters=4, ckpt=4, validate=False, extra=(
+        "train_dataloader.update(num_workers=2, persistent_workers=True)"))
+    init_default_scope('mmdet')
+    order = [d[0] for d in _augmentations(Config.fromfile(cfg).train_dataloader, [0],
+                                          num_workers=0, persistent_workers=False)[0]]
+    victim = str(root / 'train' / order[4])
+    if fault == 'missing':
+        os.remove(victim)
+    else:
+        with open(victim, 'wb') as f:
+            f.write(b'<html>not an image</html>')
+    work_dir = tmp_path / 'work'
+    argv = [cfg, '--work-dir', str(work_dir), '--cfg-options',
+            f'train_dataloader.dataset.data_root={root}/']
+    if fault == 'skipped':
+        train_tool.main(argv + ['train_dataloader.on_bad_sample=skip'])
+        assert sorted(_losses(work_dir)[0]) == [1, 2, 3, 4]
+        log = open(glob.glob(str(work_dir / '*' / '*.log'))[0]).read()
+        assert re.search(rf'Skipped training sample \d+ \(img_path={re.escape(victim)}\) at '
+                         rf'iteration 3: \w+', log), log[-3000:]
+        assert '1 unreadable training sample(s) were skipped' in log
+        return
+    with pytest.raises(SystemExit) as info:
+        train_tool.main(argv)
+    message = _exit_message(info)
+    assert re.match(rf'error: Cannot load training sample \d+ of CocoDataset '
+                    rf'\(img_path={re.escape(victim)}\): ', message), message
+    assert 'Traceback' not in message and 'worker process' not in message
+    assert 'train_dataloader.on_bad_sample=skip' in message
+    if fault == 'missing':
+        assert 'FileNotFoundError' in message
+    assert sorted(_losses(work_dir)[0]) == [1, 2]  # stopped at the third batch
 
 
 # ============================================================================ 5. mixed precision

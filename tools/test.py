@@ -47,6 +47,7 @@ from xcit_mm.utils import (AnnotationFormatError, CheckpointError,  # noqa: E402
                            DatasetNotFoundError, check_checkpoint, check_data,
                            distributed_session)
 from xcit_mm.utils.checkpoint_io import is_url  # noqa: E402
+from xcit_mm.utils.dist_utils import lost_peer_message  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -163,7 +164,14 @@ def evaluate(cfg, out: Optional[str] = None) -> None:
     runner = build_runner(cfg)
     if out:
         add_output_dump(cfg, runner, out)
-    runner.test()
+    try:
+        runner.test()
+    except RuntimeError as e:  # another rank died or hangs: say so, not a gloo traceback
+        message = lost_peer_message(e, cfg, job='testing')
+        if message is None:
+            raise
+        runner.logger.error(message)
+        raise SystemExit(f'error: {message}') from e
 
 
 def main(argv=None):

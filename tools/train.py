@@ -19,7 +19,12 @@ tools/train.py; the differences are
 - ``--amp`` without a GPU trains under bfloat16 CPU autocast (``CPUAmpOptimWrapper``), since
   mmengine's ``AmpOptimWrapper`` needs a GPU; on a CPU without native bfloat16 (no
   ``avx512_bf16`` / ``amx_bf16``) that is several times slower than float32, and a warning says so;
-- distributed runs also work without a GPU (gloo; see ``xcit_mm/utils/dist_utils.py``);
+- distributed runs also work without a GPU (gloo; see ``xcit_mm/utils/dist_utils.py``); when
+  another rank dies or hangs past ``env_cfg.dist_cfg.timeout`` (gloo: 1800 s by default), this
+  rank stops with a message saying so instead of a gloo traceback;
+- a checkpoint that cannot be written (full disk) and a training image that cannot be read stop
+  the run with a message naming the file (``CheckpointSaveError``, ``SampleLoadError``; see
+  docs/reliability.md);
 - checkpoints are loaded by ``XCiTRunner``: read safely (mmengine's own classes allow-listed for
   torch's ``weights_only`` loading only while a file is read, so ``--resume`` works with
   torch >= 2.6), released XCiT COCO / ADE20k files converted in memory, and loaded strictly.
@@ -51,9 +56,12 @@ from xcit_mm.engine import (CPU_AMP_TYPE, NonFiniteLossError,  # noqa: E402
                             amp_optim_wrapper_type, build_runner, ensure_reliability_hooks)
 from xcit_mm.engine.optimizers.cpu_amp_optim_wrapper import (  # noqa: E402
     warn_if_cpu_bf16_is_slow)
+from xcit_mm.datasets.sample_seeding import SampleLoadError  # noqa: E402
+from xcit_mm.engine.runner import CheckpointSaveError, XCiTRunner  # noqa: E402
 from xcit_mm.utils import (AnnotationFormatError, CheckpointError,  # noqa: E402
                            DatasetNotFoundError, check_checkpoint, check_data, check_pretrained,
                            distributed_session, resolve_auto_resume)
+from xcit_mm.utils.dist_utils import lost_peer_message  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -193,12 +201,23 @@ def check_checkpoints(cfg, args) -> None:
         cfg.load_from = check_checkpoint(cfg.load_from, 'load_from checkpoint')
     check_pretrained(cfg)
     checkpoint_hook = cfg.get('default_hooks', {}).get('checkpoint') or {}
-    if checkpoint_hook.get('max_keep_ckpts', -1) == 1 and _saves_several(cfg, checkpoint_hook):
+    # XCiTRunner writes the new checkpoint before deleting the old one (SafeCheckpointHook);
+    # mmengine's own Runner deletes first.
+    safe = cfg.get('runner_type', 'XCiTRunner') in ('XCiTRunner', XCiTRunner)
+    if not safe and checkpoint_hook.get('max_keep_ckpts', -1) == 1 and \
+            _saves_several(cfg, checkpoint_hook):
         print_log(
             'default_hooks.checkpoint.max_keep_ckpts=1: mmengine deletes the previous checkpoint '
             'before it writes the next one, so a job killed while saving is left without any '
             'checkpoint to resume from. Keep at least 2 for long runs.',
             logger='current', level=logging.WARNING)
+
+
+def _where(runner) -> str:
+    """'iteration N/M' of a runner, without building anything."""
+    loop = getattr(runner, '_train_loop', None)
+    total = getattr(loop, 'max_iters', None) if not isinstance(loop, dict) else None
+    return f'iteration {runner.iter + 1}' + (f'/{total}' if total else '')
 
 
 def train(cfg) -> None:
@@ -210,9 +229,16 @@ def train(cfg) -> None:
     runner = build_runner(cfg)
     try:
         runner.train()
-    except NonFiniteLossError as e:  # a clear message instead of a traceback through mmengine
+    except (NonFiniteLossError, CheckpointSaveError, SampleLoadError) as e:
+        # a clear message instead of a traceback through mmengine (or relayed from a worker)
         runner.logger.error(str(e))
         raise SystemExit(f'error: {e}') from e
+    except RuntimeError as e:  # another rank died or hangs: say so, not a gloo traceback
+        message = lost_peer_message(e, cfg, _where(runner))
+        if message is None:
+            raise
+        runner.logger.error(message)
+        raise SystemExit(f'error: {message}') from e
 
 
 def main(argv=None):

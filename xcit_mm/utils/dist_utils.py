@@ -29,6 +29,7 @@ import contextlib
 import datetime
 import gc
 import os
+import re
 import subprocess
 import sys
 import traceback
@@ -40,6 +41,16 @@ from mmengine.model import MMDistributedDataParallel, revert_sync_batchnorm
 from mmengine.registry import MODEL_WRAPPERS
 
 CPU_DDP_TYPE = 'CPUDistributedDataParallel'
+
+# How long a gloo collective waits for the other ranks before failing (env_cfg.dist_cfg.timeout,
+# seconds). torch's default for gloo; set explicitly so that it is stated in the log and in the
+# error a rank gives when another one hangs. Longer than any work one rank does alone while the
+# others wait (rank 0 computing COCO metrics, writing a checkpoint).
+DEFAULT_GLOO_TIMEOUT_S = 1800
+
+# Texts of gloo / c10d errors that mean another rank is gone or stuck.
+_LOST_PEER = ('Connection reset by peer', 'Connection closed by peer', 'Broken pipe',
+              'Timed out waiting', 'Connection refused', 'Socket Timeout')
 
 
 @MODEL_WRAPPERS.register_module()
@@ -193,11 +204,47 @@ def init_distributed(cfg, launcher: str) -> bool:
             init_dist(launcher, **dist_cfg)
         return True
     prepare_cpu_distributed_cfg(cfg)
+    cfg.env_cfg.dist_cfg.setdefault('timeout', DEFAULT_GLOO_TIMEOUT_S)
     dist_cfg = dict(cfg.env_cfg.dist_cfg)
     dist_cfg.pop('backend', None)
     init_cpu_dist(launcher, backend='gloo', port=dist_cfg.pop('port', None),
                   timeout=dist_cfg.pop('timeout', None))
     return True
+
+
+def lost_peer_message(error: BaseException, cfg=None, where: str = '',
+                      job: str = 'training') -> Optional[str]:
+    """A clear message if ``error`` says that another rank of the run is gone or stuck, else None.
+
+    gloo reports a rank that died (killed, out of memory, crashed) as a broken connection as soon
+    as the others next talk to it, and one that hangs (or is stopped) as a collective that timed
+    out after ``env_cfg.dist_cfg.timeout`` seconds.
+
+    Args:
+        error (BaseException): What the run raised.
+        cfg (mmengine.Config, optional): The run's config, for the timeout.
+        where (str): Where the run was, e.g. ``'iteration 12/80000'``.
+        job (str): ``'training'`` or ``'testing'``, for the message.
+    """
+    if not isinstance(error, RuntimeError) or not torch_dist.is_initialized():
+        return None
+    text = ' '.join(str(error).split())
+    if not any(marker in text for marker in _LOST_PEER):
+        return None
+    rank, world_size = torch_dist.get_rank(), torch_dist.get_world_size()
+    timeout = None
+    if cfg is not None:
+        timeout = (cfg.get('env_cfg') or {}).get('dist_cfg', {}).get('timeout')
+    stuck = 'Timed out' in text or 'Timeout' in text
+    what = (f'another rank did not answer within the collective timeout ({timeout} s, '
+            f'env_cfg.dist_cfg.timeout): it hangs, is stopped, or is much slower' if stuck else
+            'another rank has stopped (killed, out of memory or crashed)')
+    first = re.sub(r'^\[[^\]]*\]\s*', '', text.split('. This is typically')[0])[:300]
+    return (f'Distributed {job} stopped on rank {rank} of {world_size}'
+            f'{" at " + where if where else ""}: {what}. gloo: {first}. See the other ranks\' '
+            f'output (the launcher\'s log) for the cause, then resume from the last checkpoint '
+            f'with --resume. The timeout is set with --cfg-options '
+            f'env_cfg.dist_cfg.timeout=SECONDS.')
 
 
 @contextlib.contextmanager
