@@ -3,9 +3,11 @@
 Importing the package registers its modules in mmengine's root registries, which mmdet's and
 mmseg's registries fall back to, so one ``custom_imports = dict(imports=['xcit_mm'])`` serves
 both tasks: ``XCiTBackbone`` (MODELS), ``XCiTRunner`` (RUNNERS), ``CheckFiniteLossHook``,
-``RandomStateHook`` and ``LayerDecayLrHook`` (HOOKS), ``CPUAmpOptimWrapper`` (OPTIM_WRAPPERS),
-``XCiTLayerDecayOptimizerConstructor`` (OPTIM_WRAPPER_CONSTRUCTORS) and
-``CPUDistributedDataParallel`` (MODEL_WRAPPERS). It changes nothing else in the process.
+``RandomStateHook``, ``SafeCheckpointHook``, ``SkippedSamplesHook`` and ``LayerDecayLrHook``
+(HOOKS), ``CPUAmpOptimWrapper`` (OPTIM_WRAPPERS), ``XCiTLayerDecayOptimizerConstructor``
+(OPTIM_WRAPPER_CONSTRUCTORS), ``SeededSampleDataset`` (DATASETS), ``SampleKeyBatchSampler``
+(DATA_SAMPLERS) and ``CPUDistributedDataParallel`` (MODEL_WRAPPERS). It changes nothing else in
+the process.
 """
 from . import engine  # noqa: F401  (registers the runner, hooks and optim wrapper)
 from .models import XCiTBackbone  # noqa: F401  (registers the backbone)
