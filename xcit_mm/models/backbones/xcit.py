@@ -306,7 +306,7 @@ def _up2_to_nchw(conv: nn.ConvTranspose2d, x: torch.Tensor) -> torch.Tensor:
 def _up2_traceable(conv: nn.ConvTranspose2d, x: torch.Tensor) -> torch.Tensor:
     """What :func:`_up2_to_nchw` computes, as plain tensor code for compilers and exporters.
 
-    One matmul ``W^T (4 C_out, C) @ x (C, H*W)`` for the four kernel offsets (the channels-last
+    One matmul ``W^T (4 C_out, C) @ x (C, B*H*W)`` for the four kernel offsets (the channels-last
     ``x`` is read as a transposed matrix, no copy), then one write into the NCHW output that
     interleaves the offsets and adds the bias. No in-place writes and no Python loop over
     size-dependent row blocks: ``torch.compile`` turns each block write into a full-size copy
@@ -318,11 +318,14 @@ def _up2_traceable(conv: nn.ConvTranspose2d, x: torch.Tensor) -> torch.Tensor:
     B, C, H, W = x.shape
     out_channels = conv.out_channels
     weight = conv.weight.reshape(C, out_channels * 4).t()  # (C_out * 4, C): (o, di, dj) rows
-    y = torch.matmul(weight, x.flatten(2)).reshape(B, out_channels, 2, 2, H, W)
+    # (C, B*H*W): a view of the channels-last map (a transposed matrix for BLAS); one mm, no
+    # batched matmul (whose backward copies the expanded weight's gradient)
+    y = torch.mm(weight, x.transpose(0, 1).reshape(C, B * H * W))
+    y = y.reshape(out_channels, 2, 2, B, H, W)
     if conv.bias is not None:
-        y = y + conv.bias.reshape(1, out_channels, 1, 1, 1, 1)
-    # (B, o, di, dj, i, j) -> (B, o, i, di, j, dj) = (B, o, 2i + di, 2j + dj)
-    return y.permute(0, 1, 4, 2, 5, 3).reshape(B, out_channels, 2 * H, 2 * W)
+        y = y + conv.bias.reshape(out_channels, 1, 1, 1, 1, 1)
+    # (o, di, dj, B, i, j) -> (B, o, i, di, j, dj) = (B, o, 2i + di, 2j + dj)
+    return y.permute(3, 0, 4, 1, 5, 2).reshape(B, out_channels, 2 * H, 2 * W)
 
 
 def _tracing() -> bool:
