@@ -172,3 +172,43 @@ def test_benchmark_compile_names():
                                        'swin_t+compile']
     assert pairs == [('xcit_s12_p8+compile', 'xcit_s12_p8'), ('swin_t+compile', 'swin_t')]
     assert [s.name for s in compile_variants(specs[:1], 'on', [])] == ['xcit_s12_p8+compile']
+
+
+def test_runner_compile_option_compiles_the_feature_extractor_once():
+    """``compile=True`` in a config: XCiTRunner compiles ``extract_feat`` (backbone + neck), not
+    mmengine's whole train step (whose optimizer step dynamo cannot trace on torch 2.13), once
+    for train and val, and the compiled features equal eager."""
+    from types import SimpleNamespace
+
+    from mmengine.config import ConfigDict
+    from mmengine.registry import MODELS, init_default_scope
+
+    from xcit_mm.engine.runner import XCiTRunner
+    init_default_scope('mmseg')
+    torch.manual_seed(0)
+    model = MODELS.build(dict(
+        type='EncoderDecoder',
+        backbone=dict(type='XCiTBackbone', arch=dict(embed_dims=32, depth=2, num_heads=4),
+                      patch_size=16, out_indices=(0, 0, 1, 1)),
+        neck=dict(type='FPN', in_channels=[32] * 4, out_channels=16, num_outs=4),
+        decode_head=dict(type='FPNHead', in_channels=[16] * 4, in_index=[0, 1, 2, 3],
+                         feature_strides=[4, 8, 16, 32], channels=16, num_classes=3,
+                         loss_decode=dict(type='CrossEntropyLoss')))).eval()
+    x = torch.randn(1, 3, 64, 96)
+    with torch.no_grad():
+        eager = model.extract_feat(x)
+    logs = []
+    runner = SimpleNamespace(cfg=ConfigDict(compile=True), model=model,
+                             logger=SimpleNamespace(info=logs.append))
+    XCiTRunner._maybe_compile(runner, 'train_step')
+    compiled_fn = model.extract_feat
+    XCiTRunner._maybe_compile(runner, 'val_step')
+    assert model.extract_feat is compiled_fn and len(logs) == 1
+    assert 'train_step' not in vars(model)  # mmengine's whole-step compile is not used
+    with torch.no_grad():
+        for got, want in zip(model.extract_feat(x), eager):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    off = SimpleNamespace(cfg=ConfigDict(compile=False), model=model,
+                          logger=SimpleNamespace(info=logs.append))
+    XCiTRunner._maybe_compile(off, 'train_step')
+    assert len(logs) == 1

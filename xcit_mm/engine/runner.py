@@ -5,6 +5,7 @@ import os.path as osp
 import shutil
 from typing import Callable, Optional, Union
 
+import torch
 from mmengine.dist import master_only
 from mmengine.hooks import CheckpointHook
 from mmengine.model import is_model_wrapper
@@ -90,6 +91,28 @@ class XCiTRunner(Runner):
       new one is written, ``last_checkpoint`` replaced atomically);
     - dataloader workers are shut down when training or testing ends, also after an error.
     """
+
+    def _maybe_compile(self, target: str) -> None:
+        """``compile=True``: compile the feature extractor, not mmengine's whole train step.
+
+        mmengine compiles ``train_step``, optimizer step included, and dynamo (torch 2.13) fails
+        in ``AdamW.step`` on mmengine's ``ConfigDict`` parameter groups. The backbone and neck
+        (``extract_feat`` of mmdet's and mmseg's models) hold nearly all the FLOPs and compile as
+        one graph without breaks (tests/test_compile.py); heads, losses and the optimizer stay
+        eager. Models without ``extract_feat`` get mmengine's behaviour.
+        """
+        compile_cfg = self.cfg.get('compile', None)
+        if not compile_cfg:
+            return
+        compile_cfg = {} if compile_cfg is True else dict(compile_cfg)
+        model = self.model.module if is_model_wrapper(self.model) else self.model
+        if not hasattr(model, 'extract_feat'):
+            return super()._maybe_compile(target)
+        if not getattr(model, '_xcit_compiled', False):  # train_step then val_step: once
+            model.extract_feat = torch.compile(model.extract_feat, **compile_cfg)
+            model._xcit_compiled = True
+            self.logger.info('compile: torch.compile of the feature extractor (backbone + neck); '
+                             'the first iterations of each input size are slow.')
 
     def load_checkpoint(self,
                         filename: str,
