@@ -50,9 +50,9 @@ def collect_run_results(work_dir: str) -> dict:
     with open(osp.join(run, 'vis_data', 'scalars.json')) as f:
         for line in f:
             record = json.loads(line)
-            if 'loss' in record:
+            if 'loss' in record or 'lr' in record:  # a training record
                 train = record
-            elif any('/' in key for key in record):
+            else:  # validation: mmdet's 'coco/bbox_mAP'..., mmseg's 'mIoU'...
                 val = record
     if val is None:
         raise ValueError(f'{run}: no validation record in vis_data/scalars.json')
