@@ -268,9 +268,8 @@ def _tool_config(family, patch_size, roots, tmp_path):
 
 @pytest.mark.parametrize('family,patch_size', [('mask_rcnn', 16), ('sem_fpn', 8),
                                                ('upernet', 16)])
-def test_tools_test_evaluates_a_released_file_as_downloaded(mmpretrain_xcit, tmp_path, family,
-                                                           patch_size, shapes_roots, test_tool,
-                                                           capsys):
+def test_tools_test_evaluates_a_released_file_as_downloaded(
+        mmpretrain_xcit, tmp_path, family, patch_size, shapes_roots, test_tool):
     """``tools/test.py CONFIG RELEASED.pth``: no conversion step, the metric comes out."""
     config, cfg = _tool_config(family, patch_size, shapes_roots, tmp_path)
     path, _, _, _ = released_file(mmpretrain_xcit, family, patch_size, tmp_path, cfg=cfg)
