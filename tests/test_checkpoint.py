@@ -2,7 +2,7 @@
 
 The reference is mmpretrain's port (``mmpretrain.models.backbones.xcit.XCiT``) with random weights
 and randomised BN statistics; its state dict is written to disk in each layout found in the wild,
-with key names mapped by hand here (independently of ``xcit_mm.checkpoint``).
+with key names mapped by hand here (independently of ``xcit_mm.models.utils.ckpt_convert``).
 """
 import os
 import subprocess

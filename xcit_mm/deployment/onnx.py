@@ -157,7 +157,7 @@ def build_export_model(config, checkpoint: Optional[str] = None,
         'xcit_mm.std': ','.join(f'{v:g}' for v in pre['std']),
         'xcit_mm.channel_order': 'RGB' if pre['rgb'] else 'BGR',
         'xcit_mm.outputs': ','.join(wrapper.output_names),
-        'xcit_mm.checkpoint': osp.basename(checkpoint) if checkpoint else 'random init',
+        'xcit_mm.checkpoint_file': osp.basename(checkpoint) if checkpoint else 'random init',
     }
     if task == 'seg':
         wrapper.metadata['xcit_mm.classes'] = ','.join(str(c) for c in classes)
