@@ -347,3 +347,51 @@ def test_tiny_run_writes_sane_csv_json_png(tmp_path):
 
     png = (out_dir / 'tiny.png').read_bytes()
     assert png[:8] == b'\x89PNG\r\n\x1a\n' and len(png) > 10_000
+
+
+TINY_WHOLE_CFG = """\
+_base_ = [{base!r}]
+model = dict(
+    backbone=dict(_delete_=True, type='XCiTBackbone',
+                  arch=dict(embed_dims=32, depth=2, num_heads=2), patch_size=16,
+                  out_indices=(0, 1, 1, 1)),
+    neck=dict(in_channels=[32] * 4, out_channels=32),
+    decode_head=dict(in_channels=[32] * 4, channels=32, num_classes=5))
+"""
+
+
+def test_whole_model_mode_parts(tmp_path):
+    """issue 14.1: --whole-model on a tiny XCiT Sem-FPN, train step at 64x64, one repeat: the
+    JSON has every part, positive times summing to the step time, and the CSV a row."""
+    cfg = tmp_path / 'tiny_sem_fpn.py'
+    cfg.write_text(TINY_WHOLE_CFG.format(
+        base=os.path.join(ROOT, 'configs', 'sem_fpn_xcit_t12_p16_80k_ade20k.py')))
+    out = tmp_path / 'out'
+    proc = subprocess.run(
+        [sys.executable, TOOL, '--whole-model', str(cfg), '--mode', 'train', '--shape', '64',
+         '64', '--repeats', '1', '--threads', '1', '--out-dir', str(out), '--name', 'wm',
+         '--quiet'], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert 'backward' in proc.stdout
+    with open(out / 'wm.json') as f:
+        data = json.load(f)
+    (rec,) = data['records']
+    assert rec['status'] == 'ok' and rec['is_xcit'] and rec['task'] == 'seg'
+    parts = rec['parts']
+    assert list(parts) == ['trunk', 'adapter', 'neck', 'heads', 'backward', 'optimizer']
+    assert all(p['time_ms'] > 0 for p in parts.values())
+    total = sum(p['time_ms'] for p in parts.values())
+    assert rec['time_ms'] > 0 and abs(total - rec['time_ms']) <= 0.05 * rec['time_ms']
+    assert rec['peak_mem_mb'] >= max(p['peak_mb'] for p in parts.values()) - 1e-6
+    with open(out / 'wm.csv') as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 1 and float(rows[0]['trunk_ms']) > 0
+
+
+def test_whole_model_bad_config_is_a_usage_error(tmp_path):
+    """issue 14.1: a missing config is a clear argparse error (exit 2), before any worker."""
+    missing = str(tmp_path / 'nope.py')
+    proc = subprocess.run([sys.executable, TOOL, '--whole-model', missing, '--shape', '64', '64'],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2
+    assert 'config not found' in proc.stderr and 'nope.py' in proc.stderr

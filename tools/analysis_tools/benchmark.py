@@ -135,6 +135,14 @@ def build_parser(spec: Optional[dict]) -> argparse.ArgumentParser:
                    'image -> logits, detector: backbone + neck) to ONNX at each resolution and '
                    'time ONNX Runtime vs PyTorch eager, interleaved (CPU fp32 inference; needs '
                    'onnx / onnxruntime)')
+    p.add_argument('--whole-model', nargs='+', metavar='CONFIG', default=None,
+                   help='instead of --models: measure whole detectors / segmentors (a config '
+                   'path or mmdet::/mmseg:: config; random init, SyncBN -> BN) on synthetic '
+                   'images of --shape, one fresh process per config, --mode train (AdamW step) '
+                   'or inference; time and peak RSS by part (trunk, adapter, neck, heads, '
+                   'backward, optimizer). Default --repeats 3')
+    p.add_argument('--shape', nargs=2, type=int, metavar=('H', 'W'), default=None,
+                   help='input height and width of --whole-model')
     p.add_argument('--mem-iters', type=int, default=2,
                    help='calls in each fresh memory process after the baseline (default: 2)')
     p.add_argument('--cpu-mem-mode', choices=['live', 'process'], default='live',
@@ -215,6 +223,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         except ValueError as e:
             p.error(f'argument --models: invalid choice: {name!r} ({e}). Valid names: '
                     f'{model_name_patterns()}')
+    if args.whole_model:
+        from xcit_mm.utils.benchmark.whole_model import WholeModelError, check_config_path
+        if not args.shape or min(args.shape) < 32:
+            p.error('--whole-model needs --shape H W (both >= 32)')
+        for config in args.whole_model:
+            try:
+                check_config_path(config)
+            except WholeModelError as e:
+                p.error(f'argument --whole-model: {e}')
     if args.compare and not any(s.family in ('xcit', 'xcit_trunk') for s in specs):
         p.error('--compare needs at least one xcit_* model in --models')
     return args
@@ -283,6 +300,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print('wrote ' + ', '.join(paths))
         failed = any(g['ok'] is not True for g in goals)
         return 3 if failed and args.fail_on_goal_miss else 0
+
+    if args.whole_model:
+        from xcit_mm.utils.benchmark.whole_model import (format_whole_table, run_whole_models,
+                                                         write_whole_outputs)
+        records = run_whole_models(
+            args.whole_model, args.mode, args.shape[0], args.shape[1], batch=args.batch_size,
+            repeats=args.repeats or 3, threads=args.threads, cpu_mem_mode=args.cpu_mem_mode,
+            limit_bytes=limit, timeout_s=args.mem_timeout, log=None if args.quiet else log)
+        print(format_whole_table(records))
+        meta = run_metadata()
+        meta.update(whole_model=dict(configs=args.whole_model, mode=args.mode,
+                                     shape=args.shape, batch=args.batch_size,
+                                     repeats=args.repeats or 3,
+                                     cpu_mem_mode=args.cpu_mem_mode))
+        paths = write_whole_outputs(records, meta, args.out_dir, args.name or 'wholemodel')
+        print('wrote ' + ', '.join(paths))
+        return 0 if all(r.get('status') == 'ok' for r in records) else 1
 
     if args.onnx:
         from xcit_mm.utils.benchmark.onnx_rt import onnx_model_names, run_onnx_points

@@ -17,7 +17,12 @@ def main(argv=None) -> int:
     warnings.filterwarnings('ignore', message='Unnecessary conv bias before batch/instance norm')
     from xcit_mm.utils.benchmark.memory import WORKER_MARK, worker_main
     try:
-        result = worker_main(json.loads(argv[0]))
+        cfg = json.loads(argv[0])
+        if cfg.get('kind') == 'whole_model':  # --whole-model: one config, by part
+            from xcit_mm.utils.benchmark.whole_model import worker_main as whole_model_main
+            result = whole_model_main(cfg)
+        else:
+            result = worker_main(cfg)
     except Exception as e:  # reported to the parent, which records status='error'
         traceback.print_exc()
         result = dict(status='error', note=f'{type(e).__name__}: {e}'[:300])

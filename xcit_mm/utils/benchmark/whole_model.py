@@ -1,0 +1,352 @@
+"""``--whole-model CONFIG ...``: a whole detector / segmentor, train step or inference, by part.
+
+Each config is measured in a FRESH PROCESS (the memory worker mechanism of :mod:`.memory`,
+dispatched by ``cfg['kind'] == 'whole_model'``): the model is built from the config with random
+initialisation (every ``init_cfg`` of type ``Pretrained`` set to None, nothing downloaded),
+SyncBN reverted to BN, on the CPU.  The input is one synthetic image of the given size (several
+with ``--batch``), passed once through the config's ``data_preprocessor`` (untimed): a detector
+gets 3 boxes with labels and box-shaped masks, a segmentor a random label map.  A train step is
+``model.loss`` + backward of the summed losses + one AdamW step; inference is ``model.predict``
+under ``torch.no_grad`` in eval mode.
+
+Steady state: one untimed warm-up step, then ``malloc_trim(0)`` and the RSS baseline, then
+``repeats`` timed steps.  Every step is cut at part boundaries by wrappers around the model's
+``backbone.forward_trunk`` (XCiT only), ``backbone.forward``, ``neck.forward``, the end of the
+forward and of the backward: at each boundary the time is taken, the peak RSS since the previous
+boundary is read (``VmHWM`` of ``/proc/self/status``) and the peak is reset (``5`` written to
+``/proc/self/clear_refs``).  So the parts are:
+
+* ``trunk``: ``XCiTBackbone.forward_trunk`` if the backbone is XCiT, else the whole backbone;
+* ``adapter``: the rest of XCiT's forward (0 for other backbones);
+* ``neck``; ``heads``: the rest of the forward (RPN / RoI / decode heads, losses or
+  post-processing);
+* ``backward`` (train only) and ``optimizer`` (train only, the AdamW step).
+
+Per part: median time over the repeats, and ``peak_mb`` = the highest RSS reached during the part
+minus the RSS at the start of the step (max over the repeats); ``peak_mem_mb`` of the whole step is
+the highest of those.  The RSS includes whatever glibc keeps (see ``--cpu-mem-mode``), so per-part
+memory is approximate; the times of the parts sum to the step time (the boundary reads cost
+microseconds).
+"""
+import copy
+import gc
+import os
+import os.path as osp
+import statistics
+import time
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .memory import _release_free_heap, _reset_peak_rss, proc_status_kb, run_memory_worker
+from .timing import set_threads
+
+PARTS_TRAIN = ('trunk', 'adapter', 'neck', 'heads', 'backward', 'optimizer')
+PARTS_INFERENCE = ('trunk', 'adapter', 'neck', 'heads')
+SCOPES = ('mmdet', 'mmseg')
+
+
+class WholeModelError(ValueError):
+    """A config that cannot be measured (missing, unreadable, not a detector / segmentor)."""
+
+
+def check_config_path(config: str) -> None:
+    """Raise :class:`WholeModelError` unless ``config`` is a file or ``mmdet::`` / ``mmseg::``."""
+    scope, sep, rel = config.partition('::')
+    if sep:
+        if scope not in SCOPES or not rel:
+            raise WholeModelError(f'config {config!r}: the prefix must be mmdet:: or mmseg::')
+        return
+    if not osp.isfile(config):
+        raise WholeModelError(f'config not found: {config!r}')
+
+
+def load_whole_config(config: str):
+    """The mmengine ``Config`` of a path or of ``mmdet::rel/path.py`` / ``mmseg::...``."""
+    from mmengine.config import Config
+    check_config_path(config)
+    if '::' in config:
+        scope, rel = config.split('::', 1)
+        import importlib
+        pkg = importlib.import_module(scope)
+        root = osp.dirname(pkg.__file__)
+        for cand in (osp.join(root, '.mim', 'configs', rel), osp.join(root, 'configs', rel)):
+            if osp.isfile(cand):
+                return Config.fromfile(cand)
+        raise WholeModelError(f'config {config!r} not found in the installed {scope} package')
+    return Config.fromfile(config)
+
+
+def drop_pretrained(obj):
+    """Set every ``init_cfg`` of type Pretrained (and ``pretrained=``) to None, in place."""
+    if isinstance(obj, dict):
+        for key in list(obj):
+            value = obj[key]
+            if key == 'init_cfg':
+                cfgs = value if isinstance(value, list) else [value]
+                if any(isinstance(c, dict) and c.get('type') == 'Pretrained' for c in cfgs):
+                    obj[key] = None
+                    continue
+            if key == 'pretrained' and isinstance(value, str):
+                obj[key] = None
+                continue
+            drop_pretrained(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            drop_pretrained(value)
+    return obj
+
+
+def build_whole_model(config: str):
+    """(model, task) for a config: random init, SyncBN -> BN, on the CPU."""
+    from mmengine.model import revert_sync_batchnorm
+    from mmengine.registry import init_default_scope
+
+    import xcit_mm  # noqa: F401  (registers XCiTBackbone)
+    cfg = load_whole_config(config)
+    scope = cfg.get('default_scope', None)
+    if scope not in SCOPES or not isinstance(cfg.get('model', None), dict):
+        raise WholeModelError(f'config {config!r}: needs default_scope mmdet or mmseg and a '
+                              f'model dict (got scope {scope!r})')
+    model_cfg = drop_pretrained(copy.deepcopy(cfg.model))  # a ConfigDict (test_cfg.mode ...)
+    init_default_scope(scope)
+    if scope == 'mmdet':
+        from mmdet.registry import MODELS
+    else:
+        from mmseg.registry import MODELS
+    model = MODELS.build(model_cfg)
+    model.init_weights()
+    model = revert_sync_batchnorm(model)
+    return model, ('det' if scope == 'mmdet' else 'seg')
+
+
+def synthetic_batch(model, task: str, h: int, w: int, batch: int, training: bool):
+    """(inputs, data_samples) after the model's data_preprocessor, for ``batch`` random images."""
+    import numpy as np
+    g = torch.Generator().manual_seed(0)
+    images, samples = [], []
+    for _ in range(batch):
+        images.append(torch.randint(0, 256, (3, h, w), generator=g, dtype=torch.uint8))
+        meta = dict(img_shape=(h, w), ori_shape=(h, w), scale_factor=(1., 1.))
+        if task == 'det':
+            from mmdet.structures import DetDataSample
+            from mmdet.structures.mask import BitmapMasks
+            from mmengine.structures import InstanceData
+            fr = [(0.1, 0.1, 0.4, 0.5), (0.3, 0.2, 0.9, 0.7), (0.5, 0.6, 0.8, 0.95)]
+            boxes = torch.tensor([[x0 * w, y0 * h, x1 * w, y1 * h] for x0, y0, x1, y1 in fr])
+            masks = np.zeros((3, h, w), dtype=np.uint8)
+            for i, (x0, y0, x1, y1) in enumerate(boxes.int().tolist()):
+                masks[i, y0:y1, x0:x1] = 1
+            sample = DetDataSample(metainfo=meta)
+            sample.gt_instances = InstanceData(bboxes=boxes, labels=torch.tensor([0, 1, 2]),
+                                               masks=BitmapMasks(masks, h, w))
+            sample.ignored_instances = InstanceData(bboxes=torch.zeros(0, 4),
+                                                    labels=torch.zeros(0, dtype=torch.long))
+        else:
+            from mmengine.structures import PixelData
+            from mmseg.structures import SegDataSample
+            num_classes = getattr(model.decode_head, 'num_classes', 2)
+            label = torch.randint(0, num_classes, (1, h, w), generator=g)
+            sample = SegDataSample(metainfo=meta)
+            sample.gt_sem_seg = PixelData(data=label)
+        samples.append(sample)
+    data = model.data_preprocessor(dict(inputs=images, data_samples=samples), training)
+    return data['inputs'], data['data_samples']
+
+
+class PartClock:
+    """Boundary marks of one step: time, peak RSS since the previous mark (then reset)."""
+
+    def __init__(self):
+        self.marks: List[Tuple[str, float, int]] = []
+        self.start_rss = 0
+        self.t0 = 0.
+
+    def start(self):
+        _reset_peak_rss()
+        self.start_rss = proc_status_kb('VmRSS') * 1024
+        self.marks = []
+        self.t0 = time.perf_counter()
+
+    def mark(self, name: str):
+        t = time.perf_counter()
+        peak = proc_status_kb('VmHWM') * 1024
+        _reset_peak_rss()
+        self.marks.append((name, t, peak))
+
+    def parts(self, names: Sequence[str]) -> dict:
+        """{part: (seconds, peak bytes over the step start)}; parts absent from the marks = 0."""
+        out = {n: [0., 0] for n in names}
+        prev = self.t0
+        for name, t, peak in self.marks:
+            out[name][0] += t - prev
+            out[name][1] = max(out[name][1], peak - self.start_rss)
+            prev = t
+        return {k: tuple(v) for k, v in out.items()}
+
+
+def _wrap(obj, attr: str, after: Callable[[], None]):
+    """Replace ``obj.attr`` (a bound method) by one that calls ``after()`` when it returns."""
+    fn = getattr(obj, attr)
+
+    def wrapped(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        after()
+        return out
+    setattr(obj, attr, wrapped)
+
+
+def instrument(model, clock: PartClock) -> bool:
+    """Put the part boundaries on ``model``; returns whether the backbone is XCiT."""
+    from xcit_mm.models.backbones.xcit import XCiTBackbone
+    backbone = model.backbone
+    is_xcit = isinstance(backbone, XCiTBackbone)
+    if is_xcit:
+        _wrap(backbone, 'forward_trunk', lambda: clock.mark('trunk'))
+        _wrap(backbone, 'forward', lambda: clock.mark('adapter'))
+    else:
+        _wrap(backbone, 'forward', lambda: clock.mark('trunk'))
+    if getattr(model, 'neck', None) is not None:
+        _wrap(model.neck, 'forward', lambda: clock.mark('neck'))
+    return is_xcit
+
+
+def worker_main(cfg: dict) -> dict:
+    """Measure one config in this (fresh) process; see the module doc.
+
+    Args:
+        cfg: dict with config, height, width, batch, mode, repeats, threads.
+    """
+    set_threads(cfg.get('threads'))
+    torch.manual_seed(0)
+    model, task = build_whole_model(cfg['config'])
+    train = cfg['mode'] == 'train'
+    model.train(train)
+    inputs, samples = synthetic_batch(model, task, cfg['height'], cfg['width'], cfg['batch'],
+                                      train)
+    clock = PartClock()
+    is_xcit = instrument(model, clock)
+    names = PARTS_TRAIN if train else PARTS_INFERENCE
+    if train:
+        optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
+                                  weight_decay=0.05)
+
+        def step():
+            optim.zero_grad(set_to_none=True)
+            losses = model.loss(inputs, samples)
+            loss, _ = model.parse_losses(losses)
+            clock.mark('heads')
+            loss.backward()
+            clock.mark('backward')
+            optim.step()
+            clock.mark('optimizer')
+    else:
+        def step():
+            with torch.no_grad():
+                model.predict(inputs, samples)
+            clock.mark('heads')
+
+    clock.start()
+    step()  # warm-up
+    gc.collect()
+    _release_free_heap()
+    _reset_peak_rss()
+    base = proc_status_kb('VmRSS') * 1024
+    totals, per_part = [], {n: [] for n in names}
+    peak = 0
+    for _ in range(cfg['repeats']):
+        clock.start()
+        step()
+        parts = clock.parts(names)
+        totals.append(clock.marks[-1][1] - clock.t0)
+        step_peak = clock.start_rss - base + max(p for _, p in parts.values())
+        peak = max(peak, step_peak)
+        for n in names:
+            per_part[n].append(parts[n])
+    n_params = sum(p.numel() for p in model.parameters())
+    result = dict(status='ok', task=task, backbone=type(model.backbone).__name__,
+                  is_xcit=is_xcit, params_m=n_params / 1e6,
+                  time_ms=statistics.median(totals) * 1e3,
+                  times_ms=[t * 1e3 for t in totals],
+                  peak_mem_mb=peak / 2 ** 20, mem_base_mb=base / 2 ** 20,
+                  parts={n: dict(time_ms=statistics.median(t for t, _ in v) * 1e3,
+                                 peak_mb=max(m for _, m in v) / 2 ** 20)
+                         for n, v in per_part.items()},
+                  malloc_mmap_threshold=os.environ.get('MALLOC_MMAP_THRESHOLD_'), note='')
+    return result
+
+
+def config_name(config: str) -> str:
+    """Record name of a config: its file stem."""
+    return osp.splitext(osp.basename(config.split('::')[-1]))[0]
+
+
+def run_whole_models(configs: Sequence[str], mode: str, height: int, width: int, batch: int = 1,
+                     repeats: int = 3, threads: Optional[int] = None,
+                     cpu_mem_mode: str = 'process', limit_bytes: float = 8 * 2 ** 30,
+                     timeout_s: float = 1800., log: Optional[Callable[[str], None]] = None
+                     ) -> List[dict]:
+    """One record per config, each measured in a fresh process (:func:`worker_main`)."""
+    records = []
+    for config in configs:
+        if log:
+            log(f'whole model {config} ({mode}, {height}x{width}, batch {batch})')
+        cfg = dict(kind='whole_model', config=config, mode=mode, height=height, width=width,
+                   batch=batch, repeats=repeats, threads=threads, cpu_mem_mode=cpu_mem_mode)
+        res = run_memory_worker(cfg, int(limit_bytes), timeout_s)
+        rec = dict(model=config_name(config), config=config, mode=mode, height=height,
+                   width=width, batch=batch, repeats=repeats, threads=threads)
+        rec.update(res)
+        records.append(rec)
+    return records
+
+
+def flat_rows(records: Sequence[dict]) -> List[dict]:
+    """CSV rows: one per record, the parts as ``<part>_ms`` / ``<part>_peak_mb`` columns."""
+    rows = []
+    for r in records:
+        row = {k: v for k, v in r.items() if k not in ('parts', 'times_ms')}
+        for part in PARTS_TRAIN:
+            p = (r.get('parts') or {}).get(part, {})
+            row[f'{part}_ms'] = p.get('time_ms', '')
+            row[f'{part}_peak_mb'] = p.get('peak_mb', '')
+        rows.append(row)
+    return rows
+
+
+def format_whole_table(records: Sequence[dict]) -> str:
+    """Printed table: per config the step time / peak, then the parts."""
+    lines = []
+    for r in records:
+        head = f'{r["model"]} [{r["mode"]}, {r["height"]}x{r["width"]}, batch {r["batch"]}]'
+        if r.get('status') != 'ok':
+            lines.append(f'{head}: {r.get("status")} {r.get("note", "")}')
+            continue
+        lines.append(f'{head}: {r["time_ms"]:.1f} ms/step (median of {r["repeats"]}), peak RSS '
+                     f'+{r["peak_mem_mb"]:.0f} MB, {r["params_m"]:.1f} M params, backbone '
+                     f'{r["backbone"]}')
+        lines.append(f'  {"part":<10} {"ms":>10} {"%":>6} {"peak MB":>9}')
+        for part, p in r['parts'].items():
+            pct = 100 * p['time_ms'] / r['time_ms'] if r['time_ms'] else 0
+            lines.append(f'  {part:<10} {p["time_ms"]:>10.1f} {pct:>6.1f} {p["peak_mb"]:>9.0f}')
+    return '\n'.join(lines)
+
+
+def write_whole_outputs(records: Sequence[dict], meta: dict, out_dir: str,
+                        name: str) -> List[str]:
+    """``<name>.csv`` (:func:`flat_rows`) and ``<name>.json`` (``{"meta", "records"}``, parts
+    nested as ``records[i]["parts"][part] = {"time_ms", "peak_mb"}``)."""
+    import csv
+    import json
+    os.makedirs(out_dir, exist_ok=True)
+    rows = flat_rows(records)
+    fields = list(dict.fromkeys(k for row in rows for k in row))
+    csv_path = osp.join(out_dir, f'{name}.csv')
+    with open(csv_path, 'w', newline='') as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    json_path = osp.join(out_dir, f'{name}.json')
+    with open(json_path, 'w') as f:
+        json.dump(dict(meta=meta, records=list(records)), f, indent=1)
+    return [csv_path, json_path]
