@@ -24,8 +24,8 @@ from typing import List, Optional, Tuple, Union
 
 import numpy as np
 
-from xcit_mm.utils.checkpoint_io import (CheckpointError, check_checkpoint, extract_state_dict,
-                                         load_checkpoint_file, resolve_checkpoint_path)
+from xcit_mm.utils.checkpoint_io import (CheckpointError, check_checkpoint,
+                                         resolve_checkpoint_path)
 
 TASK_BY_SCOPE = {'mmdet': 'det', 'mmseg': 'seg'}
 IMAGENET_MEAN = (123.675, 116.28, 103.53)
@@ -204,15 +204,14 @@ def load_model_weights(model, checkpoint: str, what: str = 'checkpoint') -> dict
 
     Reads with :func:`~xcit_mm.utils.checkpoint_io.load_checkpoint_file` (``weights_only``;
     mmengine Runner checkpoints, bare state dicts, ``{'model': ...}`` and the released XCiT
-    COCO / ADE20k files) and loads with :func:`~xcit_mm.models.utils.load_model_state_dict`.
+    COCO / ADE20k files) and loads strictly with
+    :func:`~xcit_mm.models.utils.load_model_checkpoint`.
 
     Raises:
         CheckpointError: An unreadable or unsafe file, or one that does not fit the model.
     """
-    from xcit_mm.models.utils import load_model_state_dict
-    ckpt = load_checkpoint_file(checkpoint, what)
-    source = f'{what} {checkpoint}'
-    load_model_state_dict(model, extract_state_dict(ckpt, source), source=source)
+    from xcit_mm.models.utils import load_model_checkpoint
+    ckpt, _ = load_model_checkpoint(model, checkpoint, what=what)
     meta = ckpt.get('meta', {}) if isinstance(ckpt, dict) else {}
     return meta if isinstance(meta, dict) else {}
 

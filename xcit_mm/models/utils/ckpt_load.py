@@ -21,6 +21,20 @@ _TASK_HEADS = {
 }
 
 
+def _compare_keys(own: Dict[str, torch.Tensor], state_dict: Dict[str, torch.Tensor],
+                  may_be_absent=lambda key: False):
+    """``(mismatched, unexpected, missing)`` keys of ``state_dict`` against a model's ``own``.
+
+    BN ``num_batches_tracked`` counters, and the keys ``may_be_absent`` accepts, may be missing.
+    """
+    mismatched = [f'{k}: file {tuple(v.shape)} vs model {tuple(own[k].shape)}'
+                  for k, v in state_dict.items() if k in own and own[k].shape != v.shape]
+    unexpected = [k for k in state_dict if k not in own]
+    missing = [k for k in own if k not in state_dict and not may_be_absent(k)
+               and not k.endswith('num_batches_tracked')]
+    return mismatched, unexpected, missing
+
+
 def _backbone_mismatch_hint(model, state_dict) -> str:
     model_desc = (f'embed_dims={model.embed_dims}, depth={model.num_layers}, '
                   f'patch_size={model.patch_size}')
@@ -38,11 +52,8 @@ def load_backbone_state_dict(model: torch.nn.Module, state_dict: Dict[str, torch
     """
     own = model.state_dict()
     hint = _backbone_mismatch_hint(model, state_dict)
-    unexpected = [k for k in state_dict if k not in own]
-    mismatched = [f'{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}'
-                  for k, v in state_dict.items() if k in own and own[k].shape != v.shape]
-    missing = [k for k in own if k not in state_dict and not ADAPTER_KEY.match(k)
-               and not k.endswith('num_batches_tracked')]
+    mismatched, unexpected, missing = _compare_keys(
+        own, state_dict, may_be_absent=lambda k: bool(ADAPTER_KEY.match(k)))
     if mismatched:
         raise CheckpointError(f'{source}: {len(mismatched)} tensors have the wrong shape, e.g. '
                               f'{mismatched[:5]}; {hint}')
@@ -77,9 +88,8 @@ def load_backbone_checkpoint(model: torch.nn.Module, checkpoint: str,
     return report
 
 
-def _likely_cause(model: torch.nn.Module, state_dict, missing, unexpected) -> str:
+def _likely_cause(model: torch.nn.Module, own_keys, state_dict) -> str:
     """Explain a whole-model mismatch: another task, another backbone size or patch size."""
-    own_keys = list(model.state_dict())
     for task, heads in _TASK_HEADS.items():
         file_has = any(k.startswith(heads) for k in state_dict)
         model_has = any(k.startswith(heads) for k in own_keys)
@@ -110,10 +120,7 @@ def load_model_state_dict(model: torch.nn.Module, state_dict: Dict[str, torch.Te
     """
     converted, info = convert_model_state_dict(state_dict)
     own = model.state_dict()
-    unexpected = [k for k in converted if k not in own]
-    missing = [k for k in own if k not in converted and not k.endswith('num_batches_tracked')]
-    mismatched = [f'{k}: file {tuple(v.shape)} vs model {tuple(own[k].shape)}'
-                  for k, v in converted.items() if k in own and own[k].shape != v.shape]
+    mismatched, unexpected, missing = _compare_keys(own, converted)
     if mismatched or unexpected or missing:
         parts = []
         if mismatched:
@@ -125,22 +132,26 @@ def load_model_state_dict(model: torch.nn.Module, state_dict: Dict[str, torch.Te
                          f'{unexpected[:4]}')
         raise CheckpointError(
             f'{source} does not fit the model: {"; ".join(parts)}. Likely cause: '
-            f'{_likely_cause(model, converted, missing, unexpected)}. Loading stopped, so that '
+            f'{_likely_cause(model, own, converted)}. Loading stopped, so that '
             f'no part of the model is silently left at its random initialisation.')
     model.load_state_dict(converted, strict=False)  # counters may be absent: checked above
     return dict(layout=info['layout'], loaded=len(converted))
 
 
-def load_model_checkpoint(model: torch.nn.Module, filename: str, map_location='cpu'):
+def load_model_checkpoint(model: torch.nn.Module, filename: str, map_location='cpu',
+                          what: str = 'checkpoint'):
     """Read a whole-model checkpoint safely and load it strictly (released layouts converted).
+
+    Args:
+        what (str): How messages name the file.
 
     Returns:
         tuple: ``(checkpoint, report)``: the checkpoint dict as read, and
         :func:`load_model_state_dict`'s report.
     """
-    checkpoint = load_checkpoint_file(filename, 'checkpoint', map_location=map_location)
-    report = load_model_state_dict(model, extract_state_dict(checkpoint, str(filename)),
-                                   source=str(filename))
+    checkpoint = load_checkpoint_file(filename, what, map_location=map_location)
+    source = f'{what} {filename}'
+    report = load_model_state_dict(model, extract_state_dict(checkpoint, source), source=source)
     return checkpoint, report
 
 
