@@ -83,7 +83,7 @@ from xcit_mm.utils.benchmark import (RunOptions, SpecError, check_same_trunk,  #
                                      compare_pairs, compile_variants, flops_report,
                                      format_flops_report, format_goals, format_ratios,
                                      format_table, list_models, load_spec, markdown_result,
-                                     model_name_patterns, parse_model, ratio_rows, run_goals,
+                                     parse_models, ratio_rows, run_goals,
                                      run_metadata, run_points, with_cp_variants, write_outputs,
                                      write_rows)
 from xcit_mm.utils.benchmark.memory import mem_available_bytes  # noqa: E402
@@ -216,13 +216,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error('--resolutions must be >= 32 (the stride-32 level of the dense backbones)')
     if args.no_time and args.no_mem and args.no_flops and not (args.flops_report or args.goals):
         p.error('nothing to measure: --no-time, --no-mem and --no-flops all given')
-    specs = []
-    for name in args.models:
-        try:
-            specs.append(parse_model(name))
-        except ValueError as e:
-            p.error(f'argument --models: invalid choice: {name!r} ({e}). Valid names: '
-                    f'{model_name_patterns()}')
+    try:
+        args.model_specs = specs = parse_models(args.models)
+    except ValueError as e:
+        p.error(f'argument --models: {e}')
     if args.whole_model:
         from xcit_mm.utils.benchmark.whole_model import WholeModelError, check_config_path
         if not args.shape or min(args.shape) < 32:
@@ -330,7 +327,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print('wrote ' + ', '.join(paths))
         return 0
 
-    specs = [parse_model(n) for n in args.models]
+    specs = args.model_specs
     pairs: List[Tuple[str, str]] = []
     if args.compare:
         specs, pairs = compare_pairs(specs)

@@ -36,7 +36,7 @@ if REPO_ROOT not in sys.path:
 
 from xcit_mm.utils.benchmark import (SpecError, flops_report, format_flops_report,  # noqa: E402
                                      format_model_flops, list_models, load_spec,
-                                     model_name_patterns, parse_model, point_flops,
+                                     parse_models, point_flops,
                                      run_metadata, write_rows)
 
 
@@ -64,12 +64,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if any(r < 32 for r in args.resolutions):
         p.error('--resolutions must be >= 32 (the stride-32 level of the dense backbones)')
-    for name in args.models or []:
-        try:
-            parse_model(name)
-        except ValueError as e:
-            p.error(f'argument --models: invalid choice: {name!r} ({e}). Valid names: '
-                    f'{model_name_patterns()}')
+    try:
+        args.model_specs = parse_models(args.models or [])
+    except ValueError as e:
+        p.error(f'argument --models: {e}')
     try:
         args.spec_data = load_spec(args.spec)
     except SpecError as e:
@@ -88,8 +86,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.models:
         cache = {}
         rows = []
-        for name in args.models:
-            spec = parse_model(name)
+        for name, spec in zip(args.models, args.model_specs):
             for res in args.resolutions:
                 rows.append(dict(model=name, resolution=res, mode=args.mode,
                                  **point_flops(spec, res, args.mode, cache)))

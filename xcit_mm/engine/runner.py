@@ -29,8 +29,8 @@ class CheckpointSaveError(OSError):
 
 
 def _human(size: float) -> str:
-    for unit in ('B', 'KB', 'MB', 'GB', 'TB'):
-        if size < 1024 or unit == 'TB':
+    for unit in ('B', 'KB', 'MB', 'GB'):
+        if size < 1024:
             return f'{size:.0f} {unit}' if unit == 'B' else f'{size:.1f} {unit}'
         size /= 1024
     return f'{size:.1f} TB'

@@ -22,7 +22,8 @@ from .flops import analytic_trunk_macs, count_flops, flops_report, point_flops
 from .goals import evaluate_goals, run_goals
 from .memory import run_memory_worker, worker_main
 from .models import (BASELINES, XCIT_ARCHS, ModelSpec, build_model, compile_forward, count_params,
-                     list_models, load_mmpretrain_xcit, model_name_patterns, parse_model)
+                     list_models, load_mmpretrain_xcit, model_name_patterns, parse_model,
+                     parse_models)
 from .report import (CSV_FIELDS, format_flops_report, format_goals, format_model_flops,
                      format_ratios, format_table, markdown_result, write_outputs, write_rows)
 from .runner import RunOptions, run_metadata, run_points
@@ -35,7 +36,7 @@ __all__ = [
     'flops_report', 'format_flops_report',
     'format_goals', 'format_model_flops', 'format_ratios', 'format_table', 'list_models',
     'load_mmpretrain_xcit', 'load_spec', 'markdown_result', 'model_name_patterns',
-    'parse_model', 'point_flops', 'ratio_rows', 'run_goals', 'run_metadata',
+    'parse_model', 'parse_models', 'point_flops', 'ratio_rows', 'run_goals', 'run_metadata',
     'run_memory_worker', 'run_points', 'with_cp_variants', 'worker_main', 'write_outputs',
     'write_rows'
 ]

@@ -31,7 +31,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch.nn as nn
 
@@ -143,6 +143,22 @@ def compile_forward(forward: Callable) -> Callable:
     a fixed-size deployment gets); the first call at a size compiles."""
     import torch
     return torch.compile(forward, dynamic=False)
+
+
+def parse_models(names: Sequence[str]) -> List[ModelSpec]:
+    """Parse every ``--models`` name.
+
+    Raises:
+        ValueError: for the first invalid name: ``invalid choice: NAME (why). Valid names: ...``.
+    """
+    specs = []
+    for name in names:
+        try:
+            specs.append(parse_model(name))
+        except ValueError as e:
+            raise ValueError(f'invalid choice: {name!r} ({e}). Valid names: '
+                             f'{model_name_patterns()}') from e
+    return specs
 
 
 def model_name_patterns() -> str:
