@@ -70,6 +70,19 @@ randomness = dict(seed=0, deterministic=True)
 {extra}
 '''
 
+# The small Mask R-CNN neck and heads of every tiny detection config here (no braces: it is
+# concatenated into str.format templates).
+_TINY_DET_HEADS = '''
+    neck=dict(in_channels=[32] * 4, out_channels=32),
+    rpn_head=dict(in_channels=32, feat_channels=32),
+    roi_head=dict(
+        bbox_roi_extractor=dict(out_channels=32, roi_layer=dict(sampling_ratio=2)),
+        bbox_head=dict(in_channels=32, fc_out_channels=64, num_classes=3),
+        mask_roi_extractor=dict(out_channels=32, roi_layer=dict(sampling_ratio=2)),
+        mask_head=dict(in_channels=32, conv_out_channels=32, num_convs=1, num_classes=3)),
+    train_cfg=dict(rpn_proposal=dict(nms_pre=200, max_per_img=50),
+                   rcnn=dict(sampler=dict(num=64)))'''.lstrip('\n')
+
 _DET = '''
 _base_ = ['{base}']
 data_root = '{root}/'
@@ -81,15 +94,7 @@ model = dict(
     backbone=dict(arch=dict(_delete_=True, embed_dims=32, depth=4, num_heads=4), patch_size=16,
                   out_indices=(0, 1, 2, 3), drop_path_rate=0.1,
                   norm_cfg=dict(type='SyncBN', requires_grad=True), init_cfg=None),
-    neck=dict(in_channels=[32] * 4, out_channels=32),
-    rpn_head=dict(in_channels=32, feat_channels=32),
-    roi_head=dict(
-        bbox_roi_extractor=dict(out_channels=32, roi_layer=dict(sampling_ratio=2)),
-        bbox_head=dict(in_channels=32, fc_out_channels=64, num_classes=3),
-        mask_roi_extractor=dict(out_channels=32, roi_layer=dict(sampling_ratio=2)),
-        mask_head=dict(in_channels=32, conv_out_channels=32, num_convs=1, num_classes=3)),
-    train_cfg=dict(rpn_proposal=dict(nms_pre=200, max_per_img=50),
-                   rcnn=dict(sampler=dict(num=64))),
+''' + _TINY_DET_HEADS + ''',
     test_cfg=dict(rpn=dict(nms_pre=200, max_per_img=50), rcnn=dict(max_per_img=20)))
 _train_pipeline = [
     dict(type='LoadImageFromFile'),
@@ -193,15 +198,7 @@ shapes_world = dict(root=data_root, task='coco', num_train=8, num_val=5, image_s
 model = dict(
     backbone=dict(arch=dict(_delete_=True, embed_dims=32, depth=4, num_heads=4),
                   out_indices=(0, 1, 2, 3), drop_path_rate=0.1, init_cfg=None),
-    neck=dict(in_channels=[32] * 4, out_channels=32),
-    rpn_head=dict(in_channels=32, feat_channels=32),
-    roi_head=dict(
-        bbox_roi_extractor=dict(out_channels=32, roi_layer=dict(sampling_ratio=2)),
-        bbox_head=dict(in_channels=32, fc_out_channels=64, num_classes=3),
-        mask_roi_extractor=dict(out_channels=32, roi_layer=dict(sampling_ratio=2)),
-        mask_head=dict(in_channels=32, conv_out_channels=32, num_convs=1, num_classes=3)),
-    train_cfg=dict(rpn_proposal=dict(nms_pre=200, max_per_img=50),
-                   rcnn=dict(sampler=dict(num=64))))
+""" + _TINY_DET_HEADS + """)
 train_dataloader = dict(
     num_workers=2, persistent_workers=True,
     dataset=dict(data_root=data_root, metainfo=metainfo,
