@@ -14,6 +14,7 @@ import csv
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -23,6 +24,7 @@ import torch
 from xcit_mm.utils import benchmark as lib
 from xcit_mm.utils.benchmark import goals as lib_goals
 from xcit_mm.utils.benchmark import models as lib_models
+from xcit_mm.utils.benchmark import whole_model as lib_whole
 from xcit_mm.utils.benchmark.spec import SpecError, validate_spec
 from xcit_mm.utils.benchmark.timing import time_interleaved
 
@@ -369,8 +371,8 @@ def test_whole_model_mode_parts(tmp_path):
     out = tmp_path / 'out'
     proc = subprocess.run(
         [sys.executable, TOOL, '--whole-model', str(cfg), '--mode', 'train', '--shape', '64',
-         '64', '--repeats', '1', '--threads', '1', '--out-dir', str(out), '--name', 'wm',
-         '--quiet'], capture_output=True, text=True, cwd=ROOT, timeout=600)
+         '64', '--repeats', '1', '--rounds', '2', '--threads', '1', '--out-dir', str(out),
+         '--name', 'wm', '--quiet'], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert 'backward' in proc.stdout
     with open(out / 'wm.json') as f:
@@ -383,9 +385,18 @@ def test_whole_model_mode_parts(tmp_path):
     total = sum(p['time_ms'] for p in parts.values())
     assert rec['time_ms'] > 0 and abs(total - rec['time_ms']) <= 0.05 * rec['time_ms']
     assert rec['peak_mem_mb'] >= max(p['peak_mb'] for p in parts.values()) - 1e-6
+    # two rounds, each a fresh process; the headline figures are their medians
+    assert [p['round'] for p in rec['per_round']] == [0, 1] and rec['rounds_ok'] == 2
+    assert rec['time_ms'] == pytest.approx(statistics.median(
+        p['time_ms'] for p in rec['per_round']))
+    assert rec['parts']['backward']['time_ms'] == pytest.approx(statistics.median(
+        p['parts']['backward']['time_ms'] for p in rec['per_round']))
+    assert data['meta']['whole_model']['rounds'] == 2 and data['meta']['ratios'] == []
     with open(out / 'wm.csv') as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 1 and float(rows[0]['trunk_ms']) > 0
+    assert float(rows[0]['time_ms_min']) <= float(rows[0]['time_ms']) <= \
+        float(rows[0]['time_ms_max'])
 
 
 def test_whole_model_bad_config_is_a_usage_error(tmp_path):
@@ -395,3 +406,141 @@ def test_whole_model_bad_config_is_a_usage_error(tmp_path):
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 2
     assert 'config not found' in proc.stderr and 'nope.py' in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# --whole-model rounds (fake workers: no model is run)
+# ---------------------------------------------------------------------------------------------
+def test_whole_model_round_order_is_the_interleaved_timing_order():
+    """Round r of --whole-model visits the configs in the order the backbone benchmark's
+    interleaved timing uses in its round r."""
+    calls = []
+    steps = {name: (lambda n=name: calls.append(n)) for name in 'abc'}
+    time_interleaved(steps, warmup=0, repeats=5, device='cpu')
+    assert calls == [x for r in range(5) for x in lib_whole.round_order('abc', r)]
+    assert lib_whole.round_order(['a', 'b'], 3) == ['b', 'a']
+    assert lib_whole.round_order([], 2) == []
+
+
+# (step time ms, peak MB) of every round, per config; built so that the median of the per-round
+# ratios (0.5) differs from the ratio of the medians (400 / 300 = 1.33)
+FAKE_ROUNDS = {'subj.py': [(100., 10.), (400., 40.), (900., 90.)],
+               'base.py': [(200., 20.), (300., 100.), (1800., 30.)],
+               'other.py': [(50., 5.), (50., 5.), (50., 5.)]}
+
+
+def _fake_worker(calls, fail=None):
+    """A stand-in for run_memory_worker: the figures of FAKE_ROUNDS, by config and call count;
+    ``fail = (config, call index)`` makes that call an OOM."""
+    def worker(cfg, limit_bytes, timeout_s):
+        name = os.path.basename(cfg['config'])
+        k = sum(c == name for c in calls)
+        calls.append(name)
+        if fail == (name, k):
+            return dict(status='oom', note='killed at RSS 9.9 GiB')
+        t, peak = FAKE_ROUNDS[name][k]
+        parts = {'trunk': dict(time_ms=t / 2, peak_mb=peak), 'neck': dict(time_ms=t / 2,
+                                                                          peak_mb=peak / 2)}
+        return dict(status='ok', task='det', backbone='Fake', is_xcit=name == 'subj.py',
+                    params_m=1.0, time_ms=t, times_ms=[t - 1, t, t + 1], peak_mem_mb=peak,
+                    mem_base_mb=k + 1., parts=parts, malloc_mmap_threshold='65536', note='')
+    return worker
+
+
+def _run_fake(monkeypatch, configs, rounds, fail=None, log=None):
+    calls = []
+    monkeypatch.setattr(lib_whole, 'run_memory_worker', _fake_worker(calls, fail))
+    records = lib_whole.run_whole_models(configs, 'train', 64, 64, repeats=3, rounds=rounds,
+                                         log=log)
+    return records, calls
+
+
+def test_whole_model_rounds_rotate_and_report_medians(monkeypatch):
+    logs = []
+    records, calls = _run_fake(monkeypatch, ['x/subj.py', 'x/base.py', 'x/other.py'], 3,
+                               log=logs.append)
+    # round r = every config once, in the order rotated by r
+    assert calls == ['subj.py', 'base.py', 'other.py', 'base.py', 'other.py', 'subj.py',
+                     'other.py', 'subj.py', 'base.py']
+    assert len(logs) == 2 * 9 and logs[1].startswith('round 1/3, 1/3: subj: 100 ms/step')
+    subj, base, _ = records
+    assert [p['round'] for p in subj['per_round']] == [0, 1, 2]
+    assert [p['position'] for p in subj['per_round']] == [0, 2, 1]
+    assert [p['position'] for p in base['per_round']] == [1, 0, 2]
+    # headline = medians over the rounds (not the first run, not a mean), per part too
+    assert (subj['status'], subj['rounds_ok'], subj['rounds']) == ('ok', 3, 3)
+    assert (subj['time_ms'], subj['peak_mem_mb'], subj['mem_base_mb']) == (400., 40., 2.)
+    assert (base['time_ms'], base['peak_mem_mb']) == (300., 30.)
+    assert subj['round_times_ms'] == [100., 400., 900.]
+    assert base['round_peaks_mb'] == [20., 100., 30.]
+    assert subj['parts'] == {'trunk': dict(time_ms=200., peak_mb=40.),
+                             'neck': dict(time_ms=200., peak_mb=20.)}
+    assert subj['times_ms'] == [99., 100., 101., 399., 400., 401., 899., 900., 901.]
+    assert (subj['is_xcit'], subj['backbone'], subj['params_m']) == (True, 'Fake', 1.0)
+    assert subj['per_round'][1]['time_ms'] == 400. and 'params_m' not in subj['per_round'][1]
+
+
+def test_whole_model_ratios_are_medians_of_per_round_ratios(monkeypatch):
+    records, _ = _run_fake(monkeypatch, ['x/subj.py', 'x/base.py', 'x/other.py'], 3)
+    rows = lib_whole.whole_model_ratios(records)
+    assert [(r['subject'], r['baseline']) for r in rows] == [('subj', 'base'),
+                                                             ('subj', 'other')]
+    row = rows[0]
+    # per round: time 100/200, 400/300, 900/1800; peak 10/20, 40/100, 90/30
+    assert row['time_ratios'] == pytest.approx([0.5, 4 / 3, 0.5])
+    assert (row['time_ratio'], row['time_ratio_min']) == (0.5, 0.5)
+    assert row['time_ratio_max'] == pytest.approx(4 / 3)
+    assert row['peak_ratios'] == pytest.approx([0.5, 0.4, 3.0])
+    assert (row['peak_ratio'], row['peak_ratio_min'], row['peak_ratio_max']) == \
+        pytest.approx((0.5, 0.4, 3.0))
+    assert row['rounds'] == 3 and (row['subject_time_ms'], row['baseline_time_ms']) == (400., 300.)
+    assert row['part_time_ratios'] == pytest.approx({'trunk': 4 / 3, 'neck': 4 / 3})
+    assert lib_whole.format_whole_ratios(rows).splitlines()[0] == \
+        'subj / base: time 0.50x (0.50-1.33), peak memory 0.50x (0.40-3.00), 3 rounds'
+    assert lib_whole.whole_model_ratios(records[:1]) == []
+
+
+def test_whole_model_failed_round_is_reported_and_left_out(monkeypatch):
+    """A config that fails in a round is not measured again, its record names the round, and the
+    ratios use only the rounds where both configs were measured."""
+    records, calls = _run_fake(monkeypatch, ['x/subj.py', 'x/base.py'], 3, fail=('base.py', 1))
+    assert calls == ['subj.py', 'base.py', 'base.py', 'subj.py', 'subj.py']
+    subj, base = records
+    assert subj['status'] == 'ok' and subj['rounds_ok'] == 3
+    assert base['status'] == 'oom' and base['note'].startswith('round 2: oom')
+    assert base['rounds_ok'] == 1 and base['time_ms'] == 200.
+    (row,) = lib_whole.whole_model_ratios(records)
+    assert row['rounds'] == 1 and row['time_ratios'] == [0.5]
+    assert 'round 2: oom' in lib_whole.format_whole_table(records)
+
+
+def test_whole_model_cli_rounds_and_ratios(bench, monkeypatch, tmp_path, capsys):
+    """The CLI wiring: --rounds reaches the library, the ratios are printed and stored in
+    meta['ratios'], the CSV has one row per config; --rounds is only for --whole-model."""
+    configs = []
+    for name in ('subj.py', 'base.py'):
+        (tmp_path / name).write_text('')
+        configs.append(str(tmp_path / name))
+    calls = []
+    monkeypatch.setattr(lib_whole, 'run_memory_worker', _fake_worker(calls))
+    out = tmp_path / 'out'
+    assert bench.main(['--whole-model', *configs, '--shape', '64', '64', '--rounds', '3',
+                       '--out-dir', str(out), '--name', 'wm', '--quiet']) == 0
+    assert len(calls) == 6
+    text = capsys.readouterr().out
+    assert 'subj / base: time 0.50x (0.50-1.33), peak memory 0.50x (0.40-3.00), 3 rounds' in text
+    with open(out / 'wm.json') as f:
+        data = json.load(f)
+    assert data['meta']['whole_model']['rounds'] == 3
+    assert [r['time_ratio'] for r in data['meta']['ratios']] == [0.5]
+    assert [len(r['per_round']) for r in data['records']] == [3, 3]
+    with open(out / 'wm.csv') as f:
+        rows = list(csv.DictReader(f))
+    assert [(r['model'], float(r['time_ms']), float(r['time_ms_min']), float(r['time_ms_max']))
+            for r in rows] == [('subj', 400., 100., 900.), ('base', 300., 200., 1800.)]
+    assert 'per_round' not in rows[0]
+    for argv in (['--rounds', '2'], ['--whole-model', configs[0], '--shape', '64', '64',
+                                     '--rounds', '0']):
+        with pytest.raises(SystemExit) as exc:
+            bench.parse_args(argv)
+        assert exc.value.code == 2

@@ -59,10 +59,14 @@ Examples::
     python tools/analysis_tools/benchmark.py --goals --threads 1 # the project's goals, PASS/FAIL
     python tools/analysis_tools/get_flops.py                     # Table 1 check of the trunk FLOPs
     python tools/analysis_tools/benchmark.py --markdown docs/benchmark/goals.json  # docs tables
-    python tools/analysis_tools/benchmark.py --models xcit_s12_p16 --resolutions 512 \
+    python tools/analysis_tools/benchmark.py --models xcit_s12_p16 --resolutions 512 \\
         --compile both --no-mem --threads 1 --repeats 10   # torch.compile vs eager
-    python tools/analysis_tools/benchmark.py --onnx configs/sem_fpn_xcit_s12_p16_80k_ade20k.py \
+    python tools/analysis_tools/benchmark.py --onnx configs/sem_fpn_xcit_s12_p16_80k_ade20k.py \\
         --resolutions 512 --threads 1 --repeats 10          # ONNX Runtime vs PyTorch eager
+    python tools/analysis_tools/benchmark.py --whole-model \\
+        configs/mask_rcnn_xcit_s12_p16_3x_coco.py \\
+        mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_ms-crop-3x_coco.py --mode train --shape 800 1216 \\
+        --rounds 3    # whole detectors, medians of 3 interleaved rounds, XCiT / Swin-T ratios
 
 This tool never imports torchvision.  mmpretrain's XCiT module is loaded without executing the
 ``mmpretrain.models`` package ``__init__`` (see ``xcit_mm.utils.benchmark.load_mmpretrain_xcit``).
@@ -140,7 +144,14 @@ def build_parser(spec: Optional[dict]) -> argparse.ArgumentParser:
                    'path or mmdet::/mmseg:: config; random init, SyncBN -> BN) on synthetic '
                    'images of --shape, one fresh process per config, --mode train (AdamW step) '
                    'or inference; time and peak RSS by part (trunk, adapter, neck, heads, '
-                   'backward, optimizer). Default --repeats 3')
+                   'backward, optimizer). Default --repeats 3 (timed steps per process), '
+                   '--rounds 3. With 2+ configs the first is the subject and every other one a '
+                   'baseline: prints the median (min-max) of the per-round ratios subject / '
+                   'baseline of step time and peak memory')
+    p.add_argument('--rounds', type=int, default=None,
+                   help='--whole-model only: interleaved rounds; round r measures every config '
+                   'once (a fresh process each) in an order rotated by r; the reported figures '
+                   'are medians over the rounds (default: 3)')
     p.add_argument('--shape', nargs=2, type=int, metavar=('H', 'W'), default=None,
                    help='input height and width of --whole-model')
     p.add_argument('--mem-iters', type=int, default=2,
@@ -206,7 +217,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if spec_error:
         p.error(spec_error)
     args.spec_data = spec
-    for name in ('batch_size', 'repeats', 'mem_iters'):
+    for name in ('batch_size', 'repeats', 'mem_iters', 'rounds'):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f'--{name.replace("_", "-")} must be >= 1')
@@ -229,6 +240,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                 check_config_path(config)
             except WholeModelError as e:
                 p.error(f'argument --whole-model: {e}')
+    elif args.rounds is not None:
+        p.error('--rounds is for --whole-model (the backbone benchmark\'s --repeats are already '
+                'interleaved rounds)')
     if args.compare and not any(s.family in ('xcit', 'xcit_trunk') for s in specs):
         p.error('--compare needs at least one xcit_* model in --models')
     return args
@@ -299,18 +313,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 3 if failed and args.fail_on_goal_miss else 0
 
     if args.whole_model:
-        from xcit_mm.utils.benchmark.whole_model import (format_whole_table, run_whole_models,
+        from xcit_mm.utils.benchmark.whole_model import (format_whole_ratios, format_whole_table,
+                                                         run_whole_models, whole_model_ratios,
                                                          write_whole_outputs)
+        repeats, rounds = args.repeats or 3, args.rounds or 3
         records = run_whole_models(
             args.whole_model, args.mode, args.shape[0], args.shape[1], batch=args.batch_size,
-            repeats=args.repeats or 3, threads=args.threads, cpu_mem_mode=args.cpu_mem_mode,
-            limit_bytes=limit, timeout_s=args.mem_timeout, log=None if args.quiet else log)
+            repeats=repeats, threads=args.threads, cpu_mem_mode=args.cpu_mem_mode,
+            limit_bytes=limit, timeout_s=args.mem_timeout, log=None if args.quiet else log,
+            rounds=rounds)
         print(format_whole_table(records))
+        ratios = whole_model_ratios(records)
+        if ratios:
+            print()
+            print(format_whole_ratios(ratios))
         meta = run_metadata()
         meta.update(whole_model=dict(configs=args.whole_model, mode=args.mode,
                                      shape=args.shape, batch=args.batch_size,
-                                     repeats=args.repeats or 3,
+                                     repeats=repeats, rounds=rounds,
                                      cpu_mem_mode=args.cpu_mem_mode))
+        meta['ratios'] = ratios
         paths = write_whole_outputs(records, meta, args.out_dir, args.name or 'wholemodel')
         print('wrote ' + ', '.join(paths))
         return 0 if all(r.get('status') == 'ok' for r in records) else 1

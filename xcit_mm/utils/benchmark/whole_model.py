@@ -27,6 +27,12 @@ minus the RSS at the start of the step (max over the repeats); ``peak_mem_mb`` o
 the highest of those.  The RSS includes whatever glibc keeps (see ``--cpu-mem-mode``), so per-part
 memory is approximate; the times of the parts sum to the step time (the boundary reads cost
 microseconds).
+
+Rounds (:func:`run_whole_models`): round ``r`` measures every config once, each in its own fresh
+process, in the order of the configs rotated by ``r``; a record's headline figures are the
+medians over its rounds, and :func:`whole_model_ratios` gives, for the first config (the subject)
+against each other one (a baseline), the median, min and max of the per-round ratios of step
+time and peak memory.
 """
 import copy
 import gc
@@ -281,31 +287,176 @@ def config_name(config: str) -> str:
     return osp.splitext(osp.basename(config.split('::')[-1]))[0]
 
 
+def round_order(items: Sequence, r: int) -> list:
+    """``items`` rotated by ``r``: the order of round ``r`` (as in
+    :func:`.timing.time_interleaved`: round 0 in the given order, round 1 starting at the second
+    item, ...)."""
+    items = list(items)
+    if not items:
+        return []
+    shift = r % len(items)
+    return items[shift:] + items[:shift]
+
+
+ROUND_KEYS = ('status', 'note', 'time_ms', 'times_ms', 'peak_mem_mb', 'mem_base_mb', 'parts')
+
+
+def _median_record(rec: dict, per_round: Sequence[dict]) -> None:
+    """Headline figures of ``rec`` from its rounds (in place): medians over the ok rounds of the
+    step time, the peak, the baseline and every part's time and peak; status = the first failure
+    (its round named in ``note``), else ok."""
+    ok = [p for p in per_round if p.get('status') == 'ok']
+    failed = [p for p in per_round if p.get('status') != 'ok']
+    if failed:
+        rec['status'] = failed[0].get('status')
+        rec['note'] = '; '.join(f'round {p["round"] + 1}: {p.get("status")} {p.get("note", "")}'
+                                .strip() for p in failed)
+    else:
+        rec['status'], rec['note'] = 'ok', ''
+    rec['rounds_ok'] = len(ok)
+    if not ok:
+        return
+    for key in ('task', 'backbone', 'is_xcit', 'params_m', 'malloc_mmap_threshold'):
+        if key in ok[0]:
+            rec[key] = ok[0][key]
+    med = statistics.median
+    rec['time_ms'] = med(p['time_ms'] for p in ok)
+    rec['peak_mem_mb'] = med(p['peak_mem_mb'] for p in ok)
+    rec['mem_base_mb'] = med(p['mem_base_mb'] for p in ok)
+    rec['round_times_ms'] = [p['time_ms'] for p in ok]
+    rec['round_peaks_mb'] = [p['peak_mem_mb'] for p in ok]
+    rec['times_ms'] = [t for p in ok for t in p.get('times_ms', [])]
+    rec['parts'] = {part: dict(time_ms=med(p['parts'][part]['time_ms'] for p in ok),
+                               peak_mb=med(p['parts'][part]['peak_mb'] for p in ok))
+                    for part in ok[0]['parts']}
+
+
 def run_whole_models(configs: Sequence[str], mode: str, height: int, width: int, batch: int = 1,
                      repeats: int = 3, threads: Optional[int] = None,
                      cpu_mem_mode: str = 'process', limit_bytes: float = 8 * 2 ** 30,
-                     timeout_s: float = 1800., log: Optional[Callable[[str], None]] = None
-                     ) -> List[dict]:
-    """One record per config, each measured in a fresh process (:func:`worker_main`)."""
+                     timeout_s: float = 1800., log: Optional[Callable[[str], None]] = None,
+                     rounds: int = 1) -> List[dict]:
+    """One record per config; every measurement is a fresh process (:func:`worker_main`).
+
+    ``rounds`` interleaved rounds: round ``r`` measures every config once, in the order of
+    ``configs`` rotated by ``r`` (:func:`round_order`), so a slow drift of a shared machine hits
+    all configs alike.  A config that fails in a round (OOM, timeout, error) is not measured in
+    the later rounds.
+
+    Each record keeps its rounds in ``per_round`` (round index, position in that round's order,
+    load average at its start, and the worker's status, ``time_ms`` (median of its ``repeats``
+    steps), ``times_ms``, ``peak_mem_mb``, ``mem_base_mb`` and ``parts``), in round order.  The
+    headline ``time_ms``, ``peak_mem_mb``, ``mem_base_mb`` and every part's ``time_ms`` /
+    ``peak_mb`` are the medians over the ok rounds; ``round_times_ms`` / ``round_peaks_mb`` list
+    the per-round figures and ``times_ms`` all timed steps, round after round.
+    """
+    n = len(configs)
+    per_round: List[List[dict]] = [[] for _ in configs]
+    dead = set()
+    for r in range(rounds):
+        for pos, i in enumerate(round_order(range(n), r)):
+            if i in dead:
+                continue
+            config = configs[i]
+            if log:
+                log(f'round {r + 1}/{rounds}, {pos + 1}/{n}: {config} ({mode}, {height}x{width}, '
+                    f'batch {batch}) ...')
+            cfg = dict(kind='whole_model', config=config, mode=mode, height=height, width=width,
+                       batch=batch, repeats=repeats, threads=threads, cpu_mem_mode=cpu_mem_mode)
+            load = os.getloadavg()[0] if hasattr(os, 'getloadavg') else None
+            t0 = time.time()
+            res = run_memory_worker(cfg, int(limit_bytes), timeout_s)
+            point = dict(round=r, position=pos, loadavg_1m=load, **res)
+            point.setdefault('status', 'error')
+            per_round[i].append(point)
+            if point['status'] != 'ok':
+                dead.add(i)
+                msg = f'{point["status"]} {point.get("note", "")}'.strip()
+            else:
+                msg = (f'{point["time_ms"]:.0f} ms/step, peak +{point["peak_mem_mb"]:.0f} MB')
+            if log:
+                log(f'round {r + 1}/{rounds}, {pos + 1}/{n}: {config_name(config)}: {msg} '
+                    f'({time.time() - t0:.0f} s)')
     records = []
-    for config in configs:
-        if log:
-            log(f'whole model {config} ({mode}, {height}x{width}, batch {batch})')
-        cfg = dict(kind='whole_model', config=config, mode=mode, height=height, width=width,
-                   batch=batch, repeats=repeats, threads=threads, cpu_mem_mode=cpu_mem_mode)
-        res = run_memory_worker(cfg, int(limit_bytes), timeout_s)
+    for i, config in enumerate(configs):
         rec = dict(model=config_name(config), config=config, mode=mode, height=height,
-                   width=width, batch=batch, repeats=repeats, threads=threads)
-        rec.update(res)
+                   width=width, batch=batch, repeats=repeats, rounds=rounds, threads=threads)
+        _median_record(rec, per_round[i])
+        # the build facts (task, backbone, params, ...) are the record's; a round keeps its figures
+        rec['per_round'] = [{k: v for k, v in p.items() if k in ROUND_KEYS or k in
+                             ('round', 'position', 'loadavg_1m')} for p in per_round[i]]
         records.append(rec)
     return records
 
 
-def flat_rows(records: Sequence[dict]) -> List[dict]:
-    """CSV rows: one per record, the parts as ``<part>_ms`` / ``<part>_peak_mb`` columns."""
+def _ratio_stats(pairs: Sequence[Tuple[float, float]]) -> dict:
+    """Median / min / max of the ratios a / b (pairs with b <= 0 left out) and the ratios."""
+    ratios = [a / b for a, b in pairs if b > 0]
+    if not ratios:
+        return dict(median=None, min=None, max=None, values=[])
+    return dict(median=statistics.median(ratios), min=min(ratios), max=max(ratios),
+                values=ratios)
+
+
+def whole_model_ratios(records: Sequence[dict]) -> List[dict]:
+    """Subject (the first record) / each other record (a baseline): per-round ratios of the step
+    time and of the peak memory, over the rounds in which both were ok, with their median, min
+    and max; and the ratio of each part's median time."""
+    if len(records) < 2:
+        return []
+    subject = records[0]
     rows = []
+    for base in records[1:]:
+        a = {p['round']: p for p in subject.get('per_round', []) if p.get('status') == 'ok'}
+        b = {p['round']: p for p in base.get('per_round', []) if p.get('status') == 'ok'}
+        common = sorted(set(a) & set(b))
+        time_ = _ratio_stats([(a[r]['time_ms'], b[r]['time_ms']) for r in common])
+        peak = _ratio_stats([(a[r]['peak_mem_mb'], b[r]['peak_mem_mb']) for r in common])
+        row = dict(subject=subject['model'], baseline=base['model'],
+                   subject_config=subject['config'], baseline_config=base['config'],
+                   rounds=len(common),
+                   time_ratio=time_['median'], time_ratio_min=time_['min'],
+                   time_ratio_max=time_['max'], time_ratios=time_['values'],
+                   peak_ratio=peak['median'], peak_ratio_min=peak['min'],
+                   peak_ratio_max=peak['max'], peak_ratios=peak['values'],
+                   subject_time_ms=subject.get('time_ms'), baseline_time_ms=base.get('time_ms'),
+                   subject_peak_mb=subject.get('peak_mem_mb'),
+                   baseline_peak_mb=base.get('peak_mem_mb'))
+        if common:
+            sp, bp = subject.get('parts') or {}, base.get('parts') or {}
+            row['part_time_ratios'] = {
+                part: (sp[part]['time_ms'] / bp[part]['time_ms']
+                       if bp.get(part, {}).get('time_ms') else None)
+                for part in sp}
+        rows.append(row)
+    return rows
+
+
+def format_whole_ratios(rows: Sequence[dict]) -> str:
+    """One line per baseline: median (min-max) of the per-round ratios, time and peak memory."""
+    def fmt(row, key):
+        if row.get(key) is None:
+            return 'n/a'
+        return f'{row[key]:.2f}x ({row[key + "_min"]:.2f}-{row[key + "_max"]:.2f})'
+    lines = []
+    for row in rows:
+        n = row['rounds']
+        lines.append(f'{row["subject"]} / {row["baseline"]}: time {fmt(row, "time_ratio")}, '
+                     f'peak memory {fmt(row, "peak_ratio")}, {n} round{"s" * (n != 1)}')
+    return '\n'.join(lines)
+
+
+def flat_rows(records: Sequence[dict]) -> List[dict]:
+    """CSV rows: one per record (the medians over its rounds, and the min / max over the rounds
+    of the step time and peak), the parts as ``<part>_ms`` / ``<part>_peak_mb`` columns."""
+    rows = []
+    lists = ('parts', 'times_ms', 'per_round', 'round_times_ms', 'round_peaks_mb')
     for r in records:
-        row = {k: v for k, v in r.items() if k not in ('parts', 'times_ms')}
+        row = {k: v for k, v in r.items() if k not in lists}
+        for key, values in (('time_ms', r.get('round_times_ms')),
+                            ('peak_mem_mb', r.get('round_peaks_mb'))):
+            row[f'{key}_min'] = min(values) if values else ''
+            row[f'{key}_max'] = max(values) if values else ''
         for part in PARTS_TRAIN:
             p = (r.get('parts') or {}).get(part, {})
             row[f'{part}_ms'] = p.get('time_ms', '')
@@ -315,16 +466,24 @@ def flat_rows(records: Sequence[dict]) -> List[dict]:
 
 
 def format_whole_table(records: Sequence[dict]) -> str:
-    """Printed table: per config the step time / peak, then the parts."""
+    """Printed table: per config the step time / peak (medians over the rounds, with the
+    per-round range), then the parts (medians over the rounds)."""
     lines = []
     for r in records:
         head = f'{r["model"]} [{r["mode"]}, {r["height"]}x{r["width"]}, batch {r["batch"]}]'
         if r.get('status') != 'ok':
             lines.append(f'{head}: {r.get("status")} {r.get("note", "")}')
             continue
-        lines.append(f'{head}: {r["time_ms"]:.1f} ms/step (median of {r["repeats"]}), peak RSS '
-                     f'+{r["peak_mem_mb"]:.0f} MB, {r["params_m"]:.1f} M params, backbone '
-                     f'{r["backbone"]}')
+        n = r.get('rounds_ok', 1)
+        times, peaks = r.get('round_times_ms') or [], r.get('round_peaks_mb') or []
+        spread = ''
+        if len(times) > 1:
+            spread = (f'; per round {min(times):.0f}-{max(times):.0f} ms, '
+                      f'+{min(peaks):.0f}-{max(peaks):.0f} MB')
+        lines.append(f'{head}: {r["time_ms"]:.1f} ms/step, peak RSS +{r["peak_mem_mb"]:.0f} MB '
+                     f'(median of {n} round{"s" * (n != 1)} x {r["repeats"]} '
+                     f'step{"s" * (r["repeats"] != 1)}{spread}), {r["params_m"]:.1f} M params, '
+                     f'backbone {r["backbone"]}')
         lines.append(f'  {"part":<10} {"ms":>10} {"%":>6} {"peak MB":>9}')
         for part, p in r['parts'].items():
             pct = 100 * p['time_ms'] / r['time_ms'] if r['time_ms'] else 0
@@ -335,7 +494,9 @@ def format_whole_table(records: Sequence[dict]) -> str:
 def write_whole_outputs(records: Sequence[dict], meta: dict, out_dir: str,
                         name: str) -> List[str]:
     """``<name>.csv`` (:func:`flat_rows`) and ``<name>.json`` (``{"meta", "records"}``, parts
-    nested as ``records[i]["parts"][part] = {"time_ms", "peak_mb"}``)."""
+    nested as ``records[i]["parts"][part] = {"time_ms", "peak_mb"}``, the rounds as
+    ``records[i]["per_round"]``; the CLI puts :func:`whole_model_ratios` in
+    ``meta["ratios"]``)."""
     import csv
     import json
     os.makedirs(out_dir, exist_ok=True)
