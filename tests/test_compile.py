@@ -17,6 +17,7 @@ from torch._dynamo.testing import CompileCounter
 
 from xcit_mm import XCiTBackbone
 from xcit_mm.models.backbones import xcit as xcit_module
+from xcit_mm.models.layers import up2_to_nchw
 
 TINY = dict(embed_dims=64, depth=4, num_heads=4)
 
@@ -64,7 +65,7 @@ def test_up2_traceable_equals_conv_transpose_and_the_eager_blocks():
     for shape in [(1, 64, 20, 512), (2, 64, 5, 7)]:
         x = torch.randn(shape, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
         xs = [x.detach().clone().requires_grad_() for _ in range(3)]
-        outs = [xcit_module._up2_traceable(conv, xs[0]), xcit_module._up2_to_nchw(conv, xs[1]),
+        outs = [xcit_module._up2_traceable(conv, xs[0]), up2_to_nchw(conv, xs[1]),
                 conv(xs[2])]
         grad = torch.randn_like(outs[2])
         grads = [torch.autograd.grad(o, [x_, conv.weight, conv.bias], grad)

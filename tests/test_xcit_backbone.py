@@ -75,7 +75,7 @@ class TestShapes(TestCase):
         nn.ConvTranspose2d in values and gradients, across block boundaries (a 20-row map in
         blocks of 8, 8 and 4) and for a map done in one block. float64, so that only a wrong
         index, not the summation order, can make a difference."""
-        from xcit_mm.models.backbones.xcit import _up2_to_nchw
+        from xcit_mm.models.layers import up2_to_nchw
         torch.manual_seed(0)
         conv = nn.ConvTranspose2d(64, 64, kernel_size=2, stride=2).double()
         for shape in [(1, 64, 20, 1024), (2, 64, 5, 7)]:
@@ -83,7 +83,7 @@ class TestShapes(TestCase):
                 memory_format=torch.channels_last)
             x_ref = x.detach().clone().requires_grad_()
             x = x.requires_grad_()
-            out, ref = _up2_to_nchw(conv, x), conv(x_ref)
+            out, ref = up2_to_nchw(conv, x), conv(x_ref)
             self.assertTrue(out.is_contiguous())
             torch.testing.assert_close(out, ref)
             grad = torch.randn_like(ref)

@@ -32,6 +32,9 @@ from mmengine.model.weight_init import trunc_normal_
 from mmengine.registry import MODELS
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..layers import (ffn_residual, recomputed_residual, up2_to_nchw, xca_mixing,
+                      xca_residual)
+
 # Published sizes (paper Table 1). mlp ratio is 4 for all of them.
 arch_zoo = {
     'n12': dict(embed_dims=128, depth=12, num_heads=4),
@@ -153,19 +156,15 @@ class XCA(nn.Module):
 
     def _attention_and_mixing(self, q: torch.Tensor, k: torch.Tensor,
                               grid_hw: Tuple[int, int]) -> torch.Tensor:
-        """float32 (B, C, C) matrix that maps v to the projected output."""
-        B, h, N, d = q.shape
-        q = q.float().contiguous()  # (B, h, N, d)
-        k = k.float().contiguous()
-        q_norm = torch.linalg.vector_norm(q, dim=-2).clamp_min(1e-12)  # (B, h, d), as F.normalize
-        k_norm = torch.linalg.vector_norm(k, dim=-2).clamp_min(1e-12)
-        attn = (q.transpose(-2, -1) @ k) / (q_norm[..., :, None] * k_norm[..., None, :])
-        attn = (attn * self.temperature).softmax(dim=-1)  # (B, h, d_out, d_v)
+        """(B, C, C) matrix that maps v to the projected output, at least float32."""
+        dtype = torch.promote_types(q.dtype, torch.float32)  # fp16/bf16 -> fp32, fp64 stays
+        q, k = q.to(dtype), k.to(dtype)
+        mixing, attn, _, q_norm, k_norm = xca_mixing(q, k, self.temperature.to(dtype),
+                                                     self.proj.weight.to(dtype))
         if self.probe._forward_hooks:  # only materialise normalised q/k for a listener
             self.probe((q / q_norm[..., None, :]).transpose(-2, -1),
                        (k / k_norm[..., None, :]).transpose(-2, -1), attn, grid_hw)
-        weight_t = self.proj.weight.float().t().reshape(h, d, h * d)  # W^T rows, per head
-        return (attn.transpose(-2, -1) @ weight_t).reshape(B, h * d, h * d)
+        return mixing
 
     def forward(self, x: torch.Tensor, grid_hw: Tuple[int, int]) -> torch.Tensor:
         B, N, C = x.shape
@@ -244,7 +243,27 @@ class XCiTLayer(nn.Module):
             return x + self.drop_path(gamma * branch)
         return torch.addcmul(x, gamma, branch)  # x + gamma * branch in one pass
 
+    def _drop_scale(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """Per-sample drop-path factor (B, 1, 1), or None: the draw of mmcv's ``DropPath``."""
+        if not (isinstance(self.drop_path, DropPath) and self.training):
+            return None
+        keep_prob = 1 - self.drop_path.drop_prob
+        draw = keep_prob + torch.rand((x.shape[0], 1, 1), dtype=x.dtype, device=x.device)
+        return draw.floor_() / keep_prob
+
+    def _use_lean_autograd(self, x: torch.Tensor) -> bool:
+        """Eager training: the memory-lean functions of :mod:`xcit_mm.models.layers`. Otherwise
+        (no grad, compile / export tracing, autocast, an XCA probe listening) the module code."""
+        return (torch.is_grad_enabled() and not _tracing()
+                and not torch.is_autocast_enabled(x.device.type)
+                and not self.attn.probe._forward_hooks)
+
     def forward(self, x: torch.Tensor, grid_hw: Tuple[int, int]) -> torch.Tensor:
+        if self._use_lean_autograd(x):
+            x = xca_residual(x, self.norm1, self.attn, self.gamma1, self._drop_scale(x))
+            x = recomputed_residual(x, lambda t: self.lpi(self.norm3(t), grid_hw),
+                                    (self.norm3, self.lpi), self.gamma3, self._drop_scale(x))
+            return ffn_residual(x, self.norm2, self.ffn, self.gamma2, self._drop_scale(x))
         x = self._residual(x, self.gamma1, self.attn(self.norm1(x), grid_hw))
         x = self._residual(x, self.gamma3, self.lpi(self.norm3(x), grid_hw))
         x = self._residual(x, self.gamma2, self.ffn(self.norm2(x)))
@@ -273,38 +292,9 @@ def _build_adapter(embed_dims: int, patch_size: int, norm_cfg: dict) -> List[nn.
     return [nn.Sequential(up2()), nn.Identity(), nn.Sequential(pool(2)), nn.Sequential(pool(4))]
 
 
-def _up2_to_nchw(conv: nn.ConvTranspose2d, x: torch.Tensor) -> torch.Tensor:
-    """``conv`` (kernel 2, stride 2) of a channels-last map, written into a contiguous NCHW map.
-
-    Such a transposed conv is one matmul per kernel offset (di, dj) whose result lands on
-    ``out[..., di::2, dj::2]``. Filling a preallocated NCHW output that way, in blocks of input
-    rows, costs little more than the output itself, where conv + ``.contiguous()`` costs two
-    outputs and an NCHW conv on CPU more still.
-    """
-    B, C, H, W = x.shape
-    tokens = x.permute(0, 2, 3, 1)  # (B, H, W, C), a view for channels-last x
-    out = x.new_empty(B, conv.out_channels, 2 * H, 2 * W)
-    grid = out.view(B, conv.out_channels, H, 2, W, 2)
-    bias = conv.bias if conv.bias is not None else x.new_zeros(conv.out_channels)
-    # Input rows per matmul. CPU: temporaries of at most ~2 MB (they stay in cache), and few
-    # calls for small maps. Other devices: the whole map at once, since each block costs kernel
-    # launches and memory is not the concern there.
-    if x.device.type == 'cpu':
-        rows = max(1, min(H, (1 << 19) // max(1, B * W * conv.out_channels)))
-    else:
-        rows = H
-    for top in range(0, H, rows):
-        block = tokens[:, top:top + rows].reshape(-1, C)
-        h = min(rows, H - top)
-        for di in range(2):
-            for dj in range(2):
-                y = torch.addmm(bias, block, conv.weight[:, :, di, dj])
-                grid[:, :, top:top + h, di, :, dj] = y.view(B, h, W, -1).permute(0, 3, 1, 2)
-    return out
-
-
 def _up2_traceable(conv: nn.ConvTranspose2d, x: torch.Tensor) -> torch.Tensor:
-    """What :func:`_up2_to_nchw` computes, as plain tensor code for compilers and exporters.
+    """What :func:`~xcit_mm.models.layers.up2_to_nchw` computes, as plain tensor code for
+    compilers and exporters.
 
     One matmul ``W^T (4 C_out, C) @ x (C, B*H*W)`` for the four kernel offsets (the channels-last
     ``x`` is read as a transposed matrix, no copy), then one write into the NCHW output that
@@ -353,7 +343,7 @@ def _adapt(adapter: nn.Module, feat: torch.Tensor, tracing: bool = False) -> tor
     for module in body:
         feat = module(feat)
     if isinstance(last, nn.ConvTranspose2d):
-        return _up2_traceable(last, feat) if tracing else _up2_to_nchw(last, feat)
+        return _up2_traceable(last, feat) if tracing else up2_to_nchw(last, feat)
     return last(feat) if tracing else last(feat).contiguous()
 
 

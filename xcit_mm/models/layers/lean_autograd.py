@@ -1,0 +1,358 @@
+"""Memory-lean autograd for the XCiT layer and the adapter's 2x upsampling.
+
+Plain autograd keeps every intermediate an op needs for its backward: per XCiT layer the three
+LayerNorm outputs, copies of q and k, the LPI's conv / GELU / BN outputs, both sides of the FFN's
+GELU and the three branch outputs (for the layer-scale gradients). At COCO resolution those are
+~147 MB per XCiT-S layer, most of a Mask R-CNN training step's peak. The functions here keep only
+what is expensive to recompute and re-derive the rest in the backward:
+
+* :func:`xca_residual` ``x + gamma * XCA(LN(x))``: keeps ``x`` and the qkv projection (plus the
+  small (d x d) attention matrices). LN is recomputed from ``x``, the gradient is hand-derived.
+* :func:`lpi_residual` ``x + gamma * LPI(LN(x))``: keeps only ``x``. The branch is all cheap ops
+  (LayerNorm, two depthwise 3x3 convs, GELU, a norm layer), so the backward re-runs it under
+  autograd, with the norm layer's running statistics restored so they are updated once per step.
+* :func:`ffn_residual` ``x + gamma * FFN(LN(x))``: keeps ``x`` and the pre-GELU hidden layer; the
+  GELU output and LN are recomputed, the gradient is hand-derived.
+* :func:`up2_to_nchw`: the adapter's last 2x transposed conv, written block by block into an NCHW
+  map, with a backward that reads the gradient block by block too (the in-place block writes
+  under plain autograd clone the whole output gradient once per block).
+
+The layer-scale gradient needs no saved branch output: for a branch ending in a linear map
+``y = a W^T + b``, ``sum_n dy_n * y_n = (dy^T a) . W + b sum_n dy_n`` reuses ``dy^T a``, which the
+weight gradient computes anyway. Drop-path enters as a per-sample ``scale`` (B, 1, 1) multiplying
+gamma: the same draws as mmcv's ``DropPath`` on the branch.
+
+Gradients equal plain autograd of the module code (tests/test_gradients.py compares every
+parameter's gradient with mmpretrain's XCiT in float64). Used in eager mode with gradients on and
+autocast off; :class:`~xcit_mm.models.backbones.xcit.XCiTLayer` falls back to the module code
+otherwise (inference, ``torch.compile``, ONNX export, autocast).
+"""
+from typing import Callable, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+_NORM_EPS = 1e-12  # as F.normalize: the q / k column norms are clamped from below
+
+
+def xca_mixing(q: torch.Tensor, k: torch.Tensor, temperature: torch.Tensor,
+               proj_weight: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """Channel attention of XCA folded into the output projection.
+
+    Args:
+        q, k: (B, h, N, d) queries and keys (any strides).
+        temperature: (h, 1, 1).
+        proj_weight: (C, C) weight of the output projection, C = h * d.
+
+    Returns:
+        ``(mixing, attn, cosine, q_norm, k_norm)``: ``mixing`` (B, C, C) maps v (B, N, C) to the
+        projected output (``v @ mixing + bias``); ``attn`` the softmaxed (B, h, d, d) attention;
+        ``cosine`` = ``q^T k / (|q| |k|^T)`` before the temperature; the clamped column norms
+        (B, h, d).
+    """
+    B, h, N, d = q.shape
+    q_norm = torch.linalg.vector_norm(q, dim=-2).clamp_min(_NORM_EPS)  # (B, h, d)
+    k_norm = torch.linalg.vector_norm(k, dim=-2).clamp_min(_NORM_EPS)
+    cosine = (q.transpose(-2, -1) @ k) / (q_norm[..., :, None] * k_norm[..., None, :])
+    attn = (cosine * temperature).softmax(dim=-1)  # (B, h, d_out, d_v)
+    weight_t = proj_weight.t().reshape(h, d, h * d)  # W^T rows, per head
+    mixing = (attn.transpose(-2, -1) @ weight_t).reshape(B, h * d, h * d)
+    return mixing, attn, cosine, q_norm, k_norm
+
+
+def _split_qkv(qkv: torch.Tensor, num_heads: int):
+    """(B, N, 3C) -> q, k (B, h, N, d) and v (B, N, C): views, no copy."""
+    B, N, C3 = qkv.shape
+    C = C3 // 3
+    q, k, _ = qkv.view(B, N, 3, num_heads, C // num_heads).permute(2, 0, 3, 1, 4).unbind(0)
+    return q, k, qkv[..., 2 * C:]
+
+
+def _coef(gamma: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    return gamma if scale is None else gamma * scale
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+class _XCAResidual(torch.autograd.Function):
+    """``x + coef * (v @ mixing + proj_bias)`` with q, k, v from ``qkv(LN(x))``; see module doc."""
+
+    @staticmethod
+    def forward(ctx, x, ln_weight, ln_bias, qkv_weight, qkv_bias, temperature, proj_weight,
+                proj_bias, gamma, scale, num_heads: int, eps: float):
+        C = x.shape[-1]
+        normed = torch.native_layer_norm(x, (C,), ln_weight, ln_bias, eps)[0]
+        qkv = F.linear(normed, qkv_weight, qkv_bias)
+        del normed
+        q, k, v = _split_qkv(qkv, num_heads)
+        mixing, attn, cosine, q_norm, k_norm = xca_mixing(q, k, temperature, proj_weight)
+        out = torch.addcmul(x, _coef(gamma, scale), torch.baddbmm(proj_bias, v, mixing))
+        ctx.save_for_backward(x, ln_weight, ln_bias, qkv_weight, temperature, proj_weight,
+                              proj_bias, gamma, scale, qkv, mixing, attn, cosine, q_norm, k_norm)
+        ctx.num_heads, ctx.eps = num_heads, eps
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x, ln_weight, ln_bias, qkv_weight, temperature, proj_weight, proj_bias, gamma, scale,
+         qkv, mixing, attn, cosine, q_norm, k_norm) = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        B, N, C = x.shape
+        h = ctx.num_heads
+        d = C // h
+        q, k, v = _split_qkv(qkv, h)
+        grad_out = grad_out.contiguous()
+        grad_scaled = grad_out if scale is None else grad_out * scale  # d(out)/d(gamma * y)
+        grad_y = grad_scaled * gamma
+        # dy^T v per image: gives the mixing's gradient and, with the mixing, gamma's.
+        v_t_grad = torch.bmm(v.transpose(1, 2), grad_scaled)  # (B, C, C)
+        grad_gamma = None
+        if needs[8]:
+            grad_gamma = ((v_t_grad * mixing).sum(1) + proj_bias * grad_scaled.sum(1)).sum(0)
+        grad_mixing = (v_t_grad * gamma).view(B, h, d, C)
+        del v_t_grad
+        grad_proj_bias = grad_y.sum((0, 1)) if needs[7] else None
+        grad_v = torch.bmm(grad_y, mixing.transpose(1, 2))  # (B, N, C)
+        del grad_y
+        # mixing[b, (h, j), :] = sum_i attn[b, h, i, j] W^T[h, i, :]
+        weight_t = proj_weight.t().reshape(h, d, C)
+        grad_proj_weight = None
+        if needs[6]:
+            grad_proj_weight = (attn @ grad_mixing).sum(0).reshape(C, C).t()
+        grad_attn = (grad_mixing @ weight_t.transpose(-2, -1)).transpose(-2, -1)  # (B,h,d,d)
+        # softmax, temperature, cosine = S / (|q_i| |k_j|) with S = q^T k
+        grad_logits = attn * (grad_attn - (grad_attn * attn).sum(-1, keepdim=True))
+        grad_temperature = (grad_logits * cosine).sum((0, 2, 3)).view_as(temperature)
+        grad_cosine = grad_logits * temperature
+        grad_s = grad_cosine / (q_norm[..., :, None] * k_norm[..., None, :])
+        grad_cos_cos = grad_cosine * cosine
+        # d|q_i| = -sum_j dA_ij A_ij / |q_i|, and |q| = ||q||_2 gives dq += q d|q| / |q|; a clamped
+        # (zero) column has q = 0, so the term vanishes as under autograd.
+        q_coef = -grad_cos_cos.sum(-1) / q_norm.square()  # (B, h, d)
+        k_coef = -grad_cos_cos.sum(-2) / k_norm.square()
+        grad_qkv = qkv.new_empty(B, N, 3, h, d)
+        grad_q = k @ grad_s.transpose(-2, -1) + q * q_coef[..., None, :]  # (B, h, N, d)
+        grad_qkv[:, :, 0] = grad_q.transpose(1, 2)
+        del grad_q
+        grad_qkv[:, :, 1] = (q @ grad_s + k * k_coef[..., None, :]).transpose(1, 2)
+        grad_qkv[:, :, 2] = grad_v.view(B, N, h, d)
+        del grad_v
+        grad_qkv = grad_qkv.view(B, N, 3 * C)
+        normed, mean, rstd = torch.native_layer_norm(x, (C,), ln_weight, ln_bias, ctx.eps)
+        grad_qkv_weight = _flat(grad_qkv).t() @ _flat(normed) if needs[3] else None
+        grad_qkv_bias = grad_qkv.sum((0, 1)) if needs[4] else None
+        del normed
+        grad_x = grad_ln_weight = grad_ln_bias = None
+        if needs[0] or needs[1] or needs[2]:
+            grad_normed = grad_qkv @ qkv_weight
+            grad_x, grad_ln_weight, grad_ln_bias = torch.ops.aten.native_layer_norm_backward(
+                grad_normed, x, (C,), mean, rstd, ln_weight, ln_bias,
+                [needs[0], needs[1], needs[2]])
+            if needs[0]:
+                grad_x = grad_x + grad_out
+        return (grad_x, grad_ln_weight, grad_ln_bias, grad_qkv_weight, grad_qkv_bias,
+                grad_temperature if needs[5] else None, grad_proj_weight, grad_proj_bias,
+                grad_gamma, None, None, None)
+
+
+class _FFNResidual(torch.autograd.Function):
+    """``x + coef * fc2(GELU(fc1(LN(x))))``; see module doc."""
+
+    @staticmethod
+    def forward(ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, gamma,
+                scale, eps: float):
+        C = x.shape[-1]
+        normed = torch.native_layer_norm(x, (C,), ln_weight, ln_bias, eps)[0]
+        hidden = F.linear(normed, fc1_weight, fc1_bias)
+        del normed
+        y = F.linear(F.gelu(hidden), fc2_weight, fc2_bias)
+        out = torch.addcmul(x, _coef(gamma, scale), y)
+        ctx.save_for_backward(x, ln_weight, ln_bias, fc1_weight, fc2_weight, fc2_bias, gamma,
+                              scale, hidden)
+        ctx.eps = eps
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x, ln_weight, ln_bias, fc1_weight, fc2_weight, fc2_bias, gamma, scale,
+         hidden) = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        C = x.shape[-1]
+        grad_out = grad_out.contiguous()
+        grad_scaled = grad_out if scale is None else grad_out * scale
+        grad_y = grad_scaled * gamma
+        act = F.gelu(hidden)
+        grad_fc2_weight = grad_gamma = None
+        if needs[5] or needs[7]:
+            # dy^T a: fc2's weight gradient before gamma, and with fc2's weight gamma's gradient
+            proj = _flat(grad_scaled).t() @ _flat(act)  # (C, hidden)
+            if needs[5]:
+                grad_fc2_weight = proj * gamma[:, None]
+            if needs[7]:
+                grad_gamma = (proj * fc2_weight).sum(1) + fc2_bias * _flat(grad_scaled).sum(0)
+            del proj
+        del act
+        grad_fc2_bias = _flat(grad_y).sum(0) if needs[6] else None
+        grad_hidden = torch.ops.aten.gelu_backward(grad_y @ fc2_weight, hidden)
+        del grad_y
+        normed, mean, rstd = torch.native_layer_norm(x, (C,), ln_weight, ln_bias, ctx.eps)
+        grad_fc1_weight = _flat(grad_hidden).t() @ _flat(normed) if needs[3] else None
+        grad_fc1_bias = _flat(grad_hidden).sum(0) if needs[4] else None
+        del normed
+        grad_x = grad_ln_weight = grad_ln_bias = None
+        if needs[0] or needs[1] or needs[2]:
+            grad_x, grad_ln_weight, grad_ln_bias = torch.ops.aten.native_layer_norm_backward(
+                grad_hidden @ fc1_weight, x, (C,), mean, rstd, ln_weight, ln_bias,
+                [needs[0], needs[1], needs[2]])
+            if needs[0]:
+                grad_x = grad_x + grad_out
+        return (grad_x, grad_ln_weight, grad_ln_bias, grad_fc1_weight, grad_fc1_bias,
+                grad_fc2_weight, grad_fc2_bias, grad_gamma, None, None)
+
+
+class _RecomputedResidual(torch.autograd.Function):
+    """``x + coef * branch(x)`` keeping only ``x``: the backward re-runs ``branch`` under
+    autograd. For branches of cheap ops only; ``buffers`` (e.g. BN running statistics) are
+    restored after the re-run, so they change once per step as without recomputation."""
+
+    @staticmethod
+    def forward(ctx, branch: Callable, buffers: Sequence[torch.Tensor], x, gamma, scale,
+                *params):
+        out = torch.addcmul(x, _coef(gamma, scale), branch(x))
+        ctx.save_for_backward(x, gamma, scale)
+        ctx.branch, ctx.buffers, ctx.branch_params = branch, buffers, params
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, gamma, scale = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        params = [p for p, need in zip(ctx.branch_params, needs[5:]) if need]
+        saved = [b.clone() for b in ctx.buffers]
+        with torch.enable_grad():
+            x_leaf = x.detach().requires_grad_(needs[2])
+            y = ctx.branch(x_leaf)
+        grad_scaled = grad_out if scale is None else grad_out * scale
+        grad_gamma = (grad_scaled * y.detach()).sum((0, 1)) if needs[3] else None
+        inputs = ([x_leaf] if needs[2] else []) + params
+        grads = list(torch.autograd.grad(y, inputs, grad_scaled * gamma)) if inputs else []
+        del y
+        with torch.no_grad():  # after the backward: batch norm's saves its running stats
+            for buffer, value in zip(ctx.buffers, saved):
+                buffer.copy_(value)
+        grad_x = grads.pop(0) + grad_out if needs[2] else None
+        grads = iter(grads)
+        grad_params = [next(grads) if need else None for need in needs[5:]]
+        return (None, None, grad_x, grad_gamma, None, *grad_params)
+
+
+def xca_residual(x: torch.Tensor, norm: nn.LayerNorm, attn: nn.Module, gamma: torch.Tensor,
+                 scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x + scale * gamma * attn(norm(x))`` for an XCA module (``qkv``, ``proj``,
+    ``temperature``, ``num_heads``); saves x and qkv only."""
+    return _XCAResidual.apply(x, norm.weight, norm.bias, attn.qkv.weight, attn.qkv.bias,
+                              attn.temperature, attn.proj.weight, attn.proj.bias, gamma, scale,
+                              attn.num_heads, norm.eps)
+
+
+def ffn_residual(x: torch.Tensor, norm: nn.LayerNorm, ffn: nn.Module, gamma: torch.Tensor,
+                 scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x + scale * gamma * ffn(norm(x))`` for an FFN (``fc1``, exact GELU, ``fc2``); saves x and
+    the pre-GELU hidden layer only."""
+    return _FFNResidual.apply(x, norm.weight, norm.bias, ffn.fc1.weight, ffn.fc1.bias,
+                              ffn.fc2.weight, ffn.fc2.bias, gamma, scale, norm.eps)
+
+
+def recomputed_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor],
+                        modules: Sequence[nn.Module], gamma: torch.Tensor,
+                        scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x + scale * gamma * branch(x)`` saving only x; ``modules`` hold every parameter and buffer
+    ``branch`` uses (its parameters get gradients, its buffers are updated once)."""
+    params = [p for m in modules for p in m.parameters()]
+    buffers = [b for m in modules for b in m.buffers()]
+    return _RecomputedResidual.apply(branch, buffers, x, gamma, scale, *params)
+
+
+def _row_block(B: int, W: int, channels: int, H: int, device: torch.device) -> int:
+    """Input rows per matmul block of :func:`up2_to_nchw`. CPU: temporaries of at most ~2 MB
+    (they stay in cache), and few calls for small maps. Other devices: the whole map at once,
+    since each block costs kernel launches and memory is not the concern there."""
+    if device.type != 'cpu':
+        return H
+    return max(1, min(H, (1 << 19) // max(1, B * W * channels)))
+
+
+def _up2_forward(x: torch.Tensor, weight: torch.Tensor,
+                 bias: Optional[torch.Tensor]) -> torch.Tensor:
+    B, C, H, W = x.shape
+    out_channels = weight.shape[1]
+    tokens = x.permute(0, 2, 3, 1)  # (B, H, W, C), a view for channels-last x
+    out = x.new_empty(B, out_channels, 2 * H, 2 * W)
+    grid = out.view(B, out_channels, H, 2, W, 2)
+    bias = bias if bias is not None else x.new_zeros(out_channels)
+    rows = _row_block(B, W, out_channels, H, x.device)
+    for top in range(0, H, rows):
+        h = min(rows, H - top)
+        block = tokens[:, top:top + h].reshape(B * h * W, C)
+        for di in range(2):
+            for dj in range(2):
+                y = torch.addmm(bias, block, weight[:, :, di, dj])
+                grid[:, :, top:top + h, di, :, dj] = y.view(B, h, W, -1).permute(0, 3, 1, 2)
+    return out
+
+
+class _Up2ToNCHW(torch.autograd.Function):
+    """See :func:`up2_to_nchw`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _up2_forward(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        B, C, H, W = x.shape
+        out_channels = weight.shape[1]
+        grid = grad_out.contiguous().view(B, out_channels, H, 2, W, 2)
+        tokens = x.permute(0, 2, 3, 1)
+        grad_tokens = x.new_empty(B, H, W, C) if needs[0] else None
+        grad_weight = x.new_zeros(2, 2, C, out_channels) if needs[1] else None
+        rows = _row_block(B, W, out_channels, H, x.device)
+        for top in range(0, H, rows):
+            h = min(rows, H - top)
+            block = tokens[:, top:top + h].reshape(B * h * W, C) if needs[1] else None
+            grad_block = None
+            for di in range(2):
+                for dj in range(2):
+                    g = grid[:, :, top:top + h, di, :, dj].permute(0, 2, 3, 1)
+                    g = g.reshape(-1, out_channels)
+                    if needs[0]:
+                        w = weight[:, :, di, dj].t()
+                        grad_block = g @ w if grad_block is None else grad_block.addmm_(g, w)
+                    if needs[1]:
+                        grad_weight[di, dj].addmm_(block.t(), g)
+            if needs[0]:
+                grad_tokens[:, top:top + h] = grad_block.view(B, h, W, C)
+        grad_x = grad_tokens.permute(0, 3, 1, 2) if needs[0] else None  # channels-last
+        if needs[1]:
+            grad_weight = grad_weight.permute(2, 3, 0, 1)
+        grad_bias = grad_out.sum((0, 2, 3)) if ctx.has_bias and needs[2] else None
+        return grad_x, grad_weight, grad_bias
+
+
+def up2_to_nchw(conv: nn.ConvTranspose2d, x: torch.Tensor) -> torch.Tensor:
+    """``conv`` (kernel 2, stride 2) of a channels-last map, written into a contiguous NCHW map.
+
+    Such a transposed conv is one matmul per kernel offset (di, dj) whose result lands on
+    ``out[..., di::2, dj::2]``. Filling a preallocated NCHW output that way, in blocks of input
+    rows, costs little more than the output itself, where conv + ``.contiguous()`` costs two
+    outputs and an NCHW conv on CPU more still. The backward reads the output gradient in the
+    same blocks.
+    """
+    return _Up2ToNCHW.apply(x, conv.weight, conv.bias)
