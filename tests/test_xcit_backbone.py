@@ -237,6 +237,35 @@ class TestTrainingOptions(TestCase):
                                        rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(results[0][2], results[1][2], rtol=1e-4, atol=1e-7)
 
+    def test_training_layer_keeps_ten_activation_maps(self):
+        """A training XCiT layer keeps, for its backward, only the three residual-stream maps,
+        the qkv projection (3 maps) and the FFN's pre-GELU hidden layer (4 maps): 10 maps of
+        (B, N, C), plus per-image (C x C) / (d x d) matrices. Plain autograd of the same code
+        keeps ~26 (LayerNorm outputs, q/k copies, LPI and GELU intermediates, branch outputs);
+        values and gradients of the lean path are checked in tests/test_gradients.py."""
+        torch.manual_seed(0)
+        model = tiny(patch_size=16, drop_path_rate=0.2).train()
+        layer = model.layers[0]
+        B, grid, C = 2, (32, 32), TINY['embed_dims']
+        N = grid[0] * grid[1]
+        x = torch.randn(B, N, C, requires_grad=True)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved = {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = layer(x, grid)
+        map_bytes = B * N * C * x.element_size()
+        small = (B * C * C + 3 * B * C * C // TINY['num_heads']) * x.element_size()
+        self.assertLessEqual(sum(saved.values()), 10 * map_bytes + small + 4096)
+        out.square().mean().backward()  # the kept tensors suffice for the backward
+        self.assertTrue(all(p.grad is not None for p in layer.parameters()))
+
     def test_every_parameter_gets_a_gradient(self):
         for patch_size in (8, 16):
             model = tiny(patch_size=patch_size).train()

@@ -174,13 +174,49 @@ def markdown_flops_report(rows: Sequence[dict]) -> str:
     return '\n'.join(lines)
 
 
+_WHOLE_PARTS = ('trunk', 'adapter', 'neck', 'heads', 'backward', 'optimizer')
+
+
+def markdown_whole_model(data: dict) -> str:
+    """A ``--whole-model`` run: per config the median step and its parts (ms) and the peak RSS
+    growth; then, per baseline, the medians (min-max) of the per-round ratios."""
+    meta = data['meta']['whole_model']
+    parts = [p for p in _WHOLE_PARTS
+             if any(p in (r.get('parts') or {}) for r in data['records'])]
+    setting = f'{meta["mode"]}, {meta["shape"][0]}x{meta["shape"][1]}, batch {meta["batch"]}'
+    lines = [_md_row([setting, 'step (ms)'] + parts + ['peak RSS (MB)']),
+             '|---|' + '---:|' * (len(parts) + 2)]
+    for r in data['records']:
+        if r.get('status') != 'ok':
+            lines.append(_md_row([f'`{r["model"]}`', r.get('status', '?')] +
+                                 ['-'] * (len(parts) + 1)))
+            continue
+        lines.append(_md_row([f'`{r["model"]}`', f'{r["time_ms"]:.0f}'] +
+                             [f'{r["parts"][p]["time_ms"]:.0f}' for p in parts] +
+                             [f'+{r["peak_mem_mb"]:.0f}']))
+    ratios = data['meta'].get('ratios') or []
+    if ratios:
+        lines += ['', '| subject / baseline | time | peak memory | rounds |',
+                  '|---|---:|---:|---:|']
+        for q in ratios:
+            lines.append(_md_row([
+                f'`{q["subject"]}` / `{q["baseline"]}`',
+                f'{q["time_ratio"]:.2f}x ({q["time_ratio_min"]:.2f}-{q["time_ratio_max"]:.2f})',
+                f'{q["peak_ratio"]:.2f}x ({q["peak_ratio_min"]:.2f}-{q["peak_ratio_max"]:.2f})',
+                str(q['rounds'])]))
+    return '\n'.join(lines)
+
+
 def markdown_result(data: dict) -> str:
     """The Markdown tables of a stored result: a FLOPs report (``rows``), a goals run
-    (``meta.goals``: the goals table) or a benchmark run (``records``)."""
+    (``meta.goals``: the goals table), a whole-model run (``meta.whole_model``) or a backbone
+    benchmark run (``records``)."""
     if 'rows' in data:
         return markdown_flops_report(data['rows'])
     if 'goals' in data.get('meta', {}):
         return markdown_goals(data['meta']['goals'])
+    if 'whole_model' in data.get('meta', {}):
+        return markdown_whole_model(data)
     return markdown_records(data['records'])
 
 
