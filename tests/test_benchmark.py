@@ -266,7 +266,10 @@ def test_spec_errors_name_the_entry():
         lib.load_spec(os.path.join(ARTIFACTS, 'no_such_spec.json'))
 
 
-@pytest.mark.parametrize('name', ['goals.json', 'cpu_inference_fp32.json', 'flops.json'])
+@pytest.mark.parametrize('name', [
+    'goals.json', 'cpu_inference_fp32.json', 'flops.json', 'wholemodel_maskrcnn_train.json',
+    'wholemodel_maskrcnn_inference.json', 'wholemodel_semfpn_train.json',
+    'wholemodel_maskrcnn_train_before_lean.json'])
 def test_docs_tables_quote_the_committed_artifacts(bench, capsys, name):
     """Every table row docs/benchmark.md shows for a result is rendered from its JSON."""
     assert bench.main(['--markdown', os.path.join(ARTIFACTS, name)]) == 0

@@ -18,7 +18,7 @@ official, timm and mmpretrain layouts to it)::
                                           files load under the same names
 """
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -32,8 +32,8 @@ from mmengine.model.weight_init import trunc_normal_
 from mmengine.registry import MODELS
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..layers import (ffn_residual, recomputed_residual, up2_to_nchw, xca_mixing,
-                      xca_residual)
+from ..layers import (batch_norm_stats_frozen, ffn_residual, recomputed_residual, up2_to_nchw,
+                      xca_mixing, xca_residual)
 
 # Published sizes (paper Table 1). mlp ratio is 4 for all of them.
 arch_zoo = {
@@ -261,8 +261,8 @@ class XCiTLayer(nn.Module):
     def forward(self, x: torch.Tensor, grid_hw: Tuple[int, int]) -> torch.Tensor:
         if self._use_lean_autograd(x):
             x = xca_residual(x, self.norm1, self.attn, self.gamma1, self._drop_scale(x))
-            x = recomputed_residual(x, lambda t: self.lpi(self.norm3(t), grid_hw),
-                                    (self.norm3, self.lpi), self.gamma3, self._drop_scale(x))
+            x = recomputed_residual(x, lambda t: self.lpi(self.norm3(t), grid_hw), self.lpi,
+                                    self.gamma3, self._drop_scale(x))
             return ffn_residual(x, self.norm2, self.ffn, self.gamma2, self._drop_scale(x))
         x = self._residual(x, self.gamma1, self.attn(self.norm1(x), grid_hw))
         x = self._residual(x, self.gamma3, self.lpi(self.norm3(x), grid_hw))
@@ -553,7 +553,9 @@ class XCiTBackbone(BaseModule):
         taps = {}
         for i, layer in enumerate(self.layers[:max(self.out_indices) + 1]):
             if self.with_cp and x.requires_grad:
-                x = cp.checkpoint(layer, x, grid_hw, use_reentrant=False)
+                # the re-run in the backward leaves the LPI's BN statistics alone: updated once
+                x = cp.checkpoint(layer, x, grid_hw, use_reentrant=False, context_fn=lambda: (
+                    nullcontext(), batch_norm_stats_frozen(layer)))
             else:
                 x = layer(x, grid_hw)
             if i in self.out_indices:

@@ -8,9 +8,10 @@ what is expensive to recompute and re-derive the rest in the backward:
 
 * :func:`xca_residual` ``x + gamma * XCA(LN(x))``: keeps ``x`` and the qkv projection (plus the
   small (d x d) attention matrices). LN is recomputed from ``x``, the gradient is hand-derived.
-* :func:`lpi_residual` ``x + gamma * LPI(LN(x))``: keeps only ``x``. The branch is all cheap ops
-  (LayerNorm, two depthwise 3x3 convs, GELU, a norm layer), so the backward re-runs it under
-  autograd, with the norm layer's running statistics restored so they are updated once per step.
+* :func:`recomputed_residual` for ``x + gamma * LPI(LN(x))``: keeps only ``x``. The branch is all
+  cheap ops (LayerNorm, two depthwise 3x3 convs, GELU, a norm layer), so the backward re-runs it
+  (a non-reentrant checkpoint of just this branch), with the batch norm's running statistics
+  left alone by the re-run, so they are updated once per step.
 * :func:`ffn_residual` ``x + gamma * FFN(LN(x))``: keeps ``x`` and the pre-GELU hidden layer; the
   GELU output and LN are recomputed, the gradient is hand-derived.
 * :func:`up2_to_nchw`: the adapter's last 2x transposed conv, written block by block into an NCHW
@@ -27,11 +28,14 @@ parameter's gradient with mmpretrain's XCiT in float64). Used in eager mode with
 autocast off; :class:`~xcit_mm.models.backbones.xcit.XCiTLayer` falls back to the module code
 otherwise (inference, ``torch.compile``, ONNX export, autocast).
 """
-from typing import Callable, Optional, Sequence, Tuple
+from contextlib import contextmanager, nullcontext
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import checkpoint
 
 _NORM_EPS = 1e-12  # as F.normalize: the q / k column norms are clamped from below
 
@@ -213,42 +217,6 @@ class _FFNResidual(torch.autograd.Function):
                 grad_fc2_weight, grad_fc2_bias, grad_gamma, None, None)
 
 
-class _RecomputedResidual(torch.autograd.Function):
-    """``x + coef * branch(x)`` keeping only ``x``: the backward re-runs ``branch`` under
-    autograd. For branches of cheap ops only; ``buffers`` (e.g. BN running statistics) are
-    restored after the re-run, so they change once per step as without recomputation."""
-
-    @staticmethod
-    def forward(ctx, branch: Callable, buffers: Sequence[torch.Tensor], x, gamma, scale,
-                *params):
-        out = torch.addcmul(x, _coef(gamma, scale), branch(x))
-        ctx.save_for_backward(x, gamma, scale)
-        ctx.branch, ctx.buffers, ctx.branch_params = branch, buffers, params
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, gamma, scale = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        params = [p for p, need in zip(ctx.branch_params, needs[5:]) if need]
-        saved = [b.clone() for b in ctx.buffers]
-        with torch.enable_grad():
-            x_leaf = x.detach().requires_grad_(needs[2])
-            y = ctx.branch(x_leaf)
-        grad_scaled = grad_out if scale is None else grad_out * scale
-        grad_gamma = (grad_scaled * y.detach()).sum((0, 1)) if needs[3] else None
-        inputs = ([x_leaf] if needs[2] else []) + params
-        grads = list(torch.autograd.grad(y, inputs, grad_scaled * gamma)) if inputs else []
-        del y
-        with torch.no_grad():  # after the backward: batch norm's saves its running stats
-            for buffer, value in zip(ctx.buffers, saved):
-                buffer.copy_(value)
-        grad_x = grads.pop(0) + grad_out if needs[2] else None
-        grads = iter(grads)
-        grad_params = [next(grads) if need else None for need in needs[5:]]
-        return (None, None, grad_x, grad_gamma, None, *grad_params)
-
-
 def xca_residual(x: torch.Tensor, norm: nn.LayerNorm, attn: nn.Module, gamma: torch.Tensor,
                  scale: Optional[torch.Tensor]) -> torch.Tensor:
     """``x + scale * gamma * attn(norm(x))`` for an XCA module (``qkv``, ``proj``,
@@ -266,14 +234,45 @@ def ffn_residual(x: torch.Tensor, norm: nn.LayerNorm, ffn: nn.Module, gamma: tor
                               ffn.fc2.weight, ffn.fc2.bias, gamma, scale, norm.eps)
 
 
+@contextmanager
+def batch_norm_stats_frozen(module: nn.Module):
+    """Inside the block, the batch norms of ``module`` normalise as usual but leave their running
+    statistics as they are (momentum 0; ``num_batches_tracked`` restored on exit).
+
+    For re-runs of a forward during the backward (recomputation, ``with_cp``): the statistics are
+    then updated once per step, by the forward, as without recomputation. Momentum 0 changes
+    nothing in the values the re-run computes, and nothing is written to a buffer that an op of
+    the re-run saved for its backward.
+    """
+    norms = [m for m in module.modules()
+             if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
+    saved = [(m.momentum, m.num_batches_tracked.clone()) for m in norms]
+    for m in norms:
+        m.momentum = 0.
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, (momentum, count) in zip(norms, saved):
+                m.momentum = momentum
+                m.num_batches_tracked.copy_(count)
+
+
+def _residual(branch: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+              gamma: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.addcmul(x, _coef(gamma, scale), branch(x))
+
+
 def recomputed_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor],
-                        modules: Sequence[nn.Module], gamma: torch.Tensor,
+                        module: nn.Module, gamma: torch.Tensor,
                         scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """``x + scale * gamma * branch(x)`` saving only x; ``modules`` hold every parameter and buffer
-    ``branch`` uses (its parameters get gradients, its buffers are updated once)."""
-    params = [p for m in modules for p in m.parameters()]
-    buffers = [b for m in modules for b in m.buffers()]
-    return _RecomputedResidual.apply(branch, buffers, x, gamma, scale, *params)
+    """``x + scale * gamma * branch(x)`` keeping only ``x``: the backward re-runs the branch
+    (PyTorch's non-reentrant checkpoint, so hooks and tools that follow the autograd graph see an
+    ordinary graph). For branches of cheap ops only. ``module`` holds the branch's batch norms,
+    whose running statistics the re-run leaves alone (:func:`batch_norm_stats_frozen`)."""
+    return checkpoint(_residual, branch, x, gamma, scale, use_reentrant=False,
+                      preserve_rng_state=False,
+                      context_fn=lambda: (nullcontext(), batch_norm_stats_frozen(module)))
 
 
 def _row_block(B: int, W: int, channels: int, H: int, device: torch.device) -> int:
