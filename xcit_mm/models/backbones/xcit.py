@@ -554,8 +554,9 @@ class XCiTBackbone(BaseModule):
         for i, layer in enumerate(self.layers[:max(self.out_indices) + 1]):
             if self.with_cp and x.requires_grad:
                 # the re-run in the backward leaves the LPI's BN statistics alone: updated once
-                x = cp.checkpoint(layer, x, grid_hw, use_reentrant=False, context_fn=lambda: (
-                    nullcontext(), batch_norm_stats_frozen(layer)))
+                x = cp.checkpoint(layer, x, grid_hw, use_reentrant=False,
+                                  context_fn=lambda layer=layer: (
+                                      nullcontext(), batch_norm_stats_frozen(layer)))
             else:
                 x = layer(x, grid_hw)
             if i in self.out_indices:

@@ -2,9 +2,9 @@
 
 Plain autograd keeps every intermediate an op needs for its backward: per XCiT layer the three
 LayerNorm outputs, copies of q and k, the LPI's conv / GELU / BN outputs, both sides of the FFN's
-GELU and the three branch outputs (for the layer-scale gradients). At COCO resolution those are
-~147 MB per XCiT-S layer, most of a Mask R-CNN training step's peak. The functions here keep only
-what is expensive to recompute and re-derive the rest in the backward:
+GELU and the three branch outputs (for the layer-scale gradients). At COCO resolution they are
+most of a Mask R-CNN training step's peak. The functions here keep only what is expensive to
+recompute and re-derive the rest in the backward:
 
 * :func:`xca_residual` ``x + gamma * XCA(LN(x))``: keeps ``x`` and the qkv projection (plus the
   small (d x d) attention matrices). LN is recomputed from ``x``, the gradient is hand-derived.
