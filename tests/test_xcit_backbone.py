@@ -271,6 +271,19 @@ class TestTrainingOptions(TestCase):
         out.square().mean().backward()  # the kept tensors suffice for the backward
         self.assertTrue(all(p.grad is not None for p in layer.parameters()))
 
+    def test_training_step_under_flop_counter(self):
+        """Tools that hook module inputs for the backward (torch's FlopCounterMode, through its
+        ModuleTracker) work with the recomputing backward and count the backward's FLOPs."""
+        from torch.utils.flop_counter import FlopCounterMode
+        model = tiny(patch_size=16).train()
+        x = torch.randn(1, 3, 96, 96)
+        with FlopCounterMode(display=False) as forward_only:
+            with torch.no_grad():
+                model(x)
+        with FlopCounterMode(display=False) as train_step:
+            sum(o.mean() for o in model(x)).backward()
+        self.assertGreater(train_step.get_total_flops(), 2 * forward_only.get_total_flops())
+
     def test_every_parameter_gets_a_gradient(self):
         for patch_size in (8, 16):
             model = tiny(patch_size=patch_size).train()

@@ -261,8 +261,8 @@ class XCiTLayer(nn.Module):
     def forward(self, x: torch.Tensor, grid_hw: Tuple[int, int]) -> torch.Tensor:
         if self._use_lean_autograd(x):
             x = xca_residual(x, self.norm1, self.attn, self.gamma1, self._drop_scale(x))
-            x = recomputed_residual(x, lambda t: self.lpi(self.norm3(t), grid_hw), self.lpi,
-                                    self.gamma3, self._drop_scale(x))
+            x = recomputed_residual(x, lambda t: self.lpi(self.norm3(t), grid_hw),
+                                    (self.norm3, self.lpi), self.gamma3, self._drop_scale(x))
             return ffn_residual(x, self.norm2, self.ffn, self.gamma2, self._drop_scale(x))
         x = self._residual(x, self.gamma1, self.attn(self.norm1(x), grid_hw))
         x = self._residual(x, self.gamma3, self.lpi(self.norm3(x), grid_hw))

@@ -10,8 +10,8 @@ recompute and re-derive the rest in the backward:
   small (d x d) attention matrices). LN is recomputed from ``x``, the gradient is hand-derived.
 * :func:`recomputed_residual` for ``x + gamma * LPI(LN(x))``: keeps only ``x``. The branch is all
   cheap ops (LayerNorm, two depthwise 3x3 convs, GELU, a norm layer), so the backward re-runs it
-  (a non-reentrant checkpoint of just this branch), with the batch norm's running statistics
-  left alone by the re-run, so they are updated once per step.
+  under autograd, with the batch norm's running statistics left alone by the re-run, so they are
+  updated once per step.
 * :func:`ffn_residual` ``x + gamma * FFN(LN(x))``: keeps ``x`` and the pre-GELU hidden layer; the
   GELU output and LN are recomputed, the gradient is hand-derived.
 * :func:`up2_to_nchw`: the adapter's last 2x transposed conv, written block by block into an NCHW
@@ -28,14 +28,13 @@ parameter's gradient with mmpretrain's XCiT in float64). Used in eager mode with
 autocast off; :class:`~xcit_mm.models.backbones.xcit.XCiTLayer` falls back to the module code
 otherwise (inference, ``torch.compile``, ONNX export, autocast).
 """
-from contextlib import contextmanager, nullcontext
-from typing import Callable, Optional, Tuple
+from contextlib import contextmanager
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils.checkpoint import checkpoint
 
 _NORM_EPS = 1e-12  # as F.normalize: the q / k column norms are clamped from below
 
@@ -235,8 +234,8 @@ def ffn_residual(x: torch.Tensor, norm: nn.LayerNorm, ffn: nn.Module, gamma: tor
 
 
 @contextmanager
-def batch_norm_stats_frozen(module: nn.Module):
-    """Inside the block, the batch norms of ``module`` normalise as usual but leave their running
+def batch_norm_stats_frozen(*modules: nn.Module):
+    """Inside the block, the batch norms in ``modules`` normalise as usual but leave their running
     statistics as they are (momentum 0; ``num_batches_tracked`` restored on exit).
 
     For re-runs of a forward during the backward (recomputation, ``with_cp``): the statistics are
@@ -244,7 +243,7 @@ def batch_norm_stats_frozen(module: nn.Module):
     nothing in the values the re-run computes, and nothing is written to a buffer that an op of
     the re-run saved for its backward.
     """
-    norms = [m for m in module.modules()
+    norms = [m for module in modules for m in module.modules()
              if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
     saved = [(m.momentum, m.num_batches_tracked.clone()) for m in norms]
     for m in norms:
@@ -258,21 +257,46 @@ def batch_norm_stats_frozen(module: nn.Module):
                 m.num_batches_tracked.copy_(count)
 
 
-def _residual(branch: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-              gamma: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
-    return torch.addcmul(x, _coef(gamma, scale), branch(x))
+class _RecomputedResidual(torch.autograd.Function):
+    """``x + coef * branch(x)`` keeping only ``x``; see :func:`recomputed_residual`."""
+
+    @staticmethod
+    def forward(ctx, branch: Callable, modules: Sequence[nn.Module], x, gamma, scale, *params):
+        out = torch.addcmul(x, _coef(gamma, scale), branch(x))
+        ctx.save_for_backward(x, gamma, scale)
+        ctx.branch, ctx.modules, ctx.params = branch, modules, params
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, gamma, scale = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        with torch.enable_grad(), batch_norm_stats_frozen(*ctx.modules):
+            x_leaf = x.detach().requires_grad_(needs[2])
+            # The branch gets a view, not the leaf: tools that hook module inputs for the
+            # backward (FlopCounterMode's ModuleTracker) cannot inspect leaves inside a nested
+            # autograd.grad.
+            y = ctx.branch(x_leaf.view_as(x_leaf) if needs[2] else x_leaf)
+        grad_scaled = grad_out if scale is None else grad_out * scale
+        grad_gamma = (grad_scaled * y.detach()).sum((0, 1)) if needs[3] else None
+        params = [p for p, need in zip(ctx.params, needs[5:]) if need]
+        inputs = ([x_leaf] if needs[2] else []) + params
+        grads = list(torch.autograd.grad(y, inputs, grad_scaled * gamma)) if inputs else []
+        grad_x = grads.pop(0) + grad_out if needs[2] else None
+        grads = iter(grads)
+        grad_params = [next(grads) if need else None for need in needs[5:]]
+        return (None, None, grad_x, grad_gamma, None, *grad_params)
 
 
 def recomputed_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor],
-                        module: nn.Module, gamma: torch.Tensor,
+                        modules: Sequence[nn.Module], gamma: torch.Tensor,
                         scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """``x + scale * gamma * branch(x)`` keeping only ``x``: the backward re-runs the branch
-    (PyTorch's non-reentrant checkpoint, so hooks and tools that follow the autograd graph see an
-    ordinary graph). For branches of cheap ops only. ``module`` holds the branch's batch norms,
-    whose running statistics the re-run leaves alone (:func:`batch_norm_stats_frozen`)."""
-    return checkpoint(_residual, branch, x, gamma, scale, use_reentrant=False,
-                      preserve_rng_state=False,
-                      context_fn=lambda: (nullcontext(), batch_norm_stats_frozen(module)))
+    """``x + scale * gamma * branch(x)`` keeping only ``x``: the backward re-runs the branch under
+    autograd. For branches of cheap ops only. ``modules`` hold every parameter the branch uses
+    (they get their gradients) and its batch norms, whose running statistics the re-run leaves
+    alone (:func:`batch_norm_stats_frozen`)."""
+    params = [p for m in modules for p in m.parameters()]
+    return _RecomputedResidual.apply(branch, modules, x, gamma, scale, *params)
 
 
 def _row_block(B: int, W: int, channels: int, H: int, device: torch.device) -> int:
