@@ -552,7 +552,9 @@ class XCiTBackbone(BaseModule):
         x = x.permute(0, 2, 3, 1).reshape(B, Hp * Wp, D) + self.pos_embed(grid_hw)  # (B, N, D)
         taps = {}
         for i, layer in enumerate(self.layers[:max(self.out_indices) + 1]):
-            if self.with_cp and x.requires_grad:
+            if self.with_cp and x.requires_grad and _tracing():
+                x = cp.checkpoint(layer, x, grid_hw, use_reentrant=False)  # dynamo: no context_fn
+            elif self.with_cp and x.requires_grad:
                 # the re-run in the backward leaves the LPI's BN statistics alone: updated once
                 x = cp.checkpoint(layer, x, grid_hw, use_reentrant=False,
                                   context_fn=lambda layer=layer: (

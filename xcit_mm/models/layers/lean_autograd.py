@@ -376,6 +376,8 @@ def up2_to_nchw(conv: nn.ConvTranspose2d, x: torch.Tensor) -> torch.Tensor:
     ``out[..., di::2, dj::2]``. Filling a preallocated NCHW output that way, in blocks of input
     rows, costs little more than the output itself, where conv + ``.contiguous()`` costs two
     outputs and an NCHW conv on CPU more still. The backward reads the output gradient in the
-    same blocks.
+    same blocks. Under autocast, plain autograd of the same forward (mixed dtypes).
     """
+    if torch.is_autocast_enabled(x.device.type):
+        return _up2_forward(x, conv.weight, conv.bias)
     return _Up2ToNCHW.apply(x, conv.weight, conv.bias)
