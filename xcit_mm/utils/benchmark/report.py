@@ -10,6 +10,7 @@ import os
 from typing import List, Optional, Sequence
 
 from .plot import default_title, plot_records
+from .whole_model import PARTS_TRAIN
 
 CSV_FIELDS = [
     'model', 'description', 'resolution', 'batch', 'mode', 'precision', 'device', 'threads',
@@ -174,14 +175,11 @@ def markdown_flops_report(rows: Sequence[dict]) -> str:
     return '\n'.join(lines)
 
 
-_WHOLE_PARTS = ('trunk', 'adapter', 'neck', 'heads', 'backward', 'optimizer')
-
-
 def markdown_whole_model(data: dict) -> str:
     """A ``--whole-model`` run: per config the median step and its parts (ms) and the peak RSS
     growth; then, per baseline, the medians (min-max) of the per-round ratios."""
     meta = data['meta']['whole_model']
-    parts = [p for p in _WHOLE_PARTS
+    parts = [p for p in PARTS_TRAIN
              if any(p in (r.get('parts') or {}) for r in data['records'])]
     setting = f'{meta["mode"]}, {meta["shape"][0]}x{meta["shape"][1]}, batch {meta["batch"]}'
     lines = [_md_row([setting, 'step (ms)'] + parts + ['peak RSS (MB)']),

@@ -8,7 +8,7 @@ import contextlib
 import gc
 import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -102,6 +102,16 @@ def measure_matmul_gflops(device: str, repeats: int = 10) -> float:
     return matmul_gflops(statistics.median(times))
 
 
+def round_order(items: Sequence, r: int) -> list:
+    """``items`` rotated by ``r``: the order of interleaved round ``r`` (round 0 in the given
+    order, round 1 starting at the second item, ...)."""
+    items = list(items)
+    if not items:
+        return []
+    shift = r % len(items)
+    return items[shift:] + items[:shift]
+
+
 def time_interleaved(steps: Dict[str, Callable[[], None]], warmup: int, repeats: int,
                      device: str, progress=None) -> Dict[str, List[float]]:
     """Time several steps with interleaved repeats.
@@ -132,8 +142,7 @@ def time_interleaved(steps: Dict[str, Callable[[], None]], warmup: int, repeats:
     gc.disable()
     try:
         for r in range(repeats):
-            shift = r % len(names)
-            for name in names[shift:] + names[:shift]:
+            for name in round_order(names, r):
                 _sync(device)
                 t0 = time.perf_counter()
                 steps[name]()

@@ -45,7 +45,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from .memory import _release_free_heap, _reset_peak_rss, proc_status_kb, run_memory_worker
-from .timing import set_threads
+from .timing import round_order, set_threads
 
 PARTS_TRAIN = ('trunk', 'adapter', 'neck', 'heads', 'backward', 'optimizer')
 PARTS_INFERENCE = ('trunk', 'adapter', 'neck', 'heads')
@@ -287,17 +287,6 @@ def config_name(config: str) -> str:
     return osp.splitext(osp.basename(config.split('::')[-1]))[0]
 
 
-def round_order(items: Sequence, r: int) -> list:
-    """``items`` rotated by ``r``: the order of round ``r`` (as in
-    :func:`.timing.time_interleaved`: round 0 in the given order, round 1 starting at the second
-    item, ...)."""
-    items = list(items)
-    if not items:
-        return []
-    shift = r % len(items)
-    return items[shift:] + items[:shift]
-
-
 ROUND_KEYS = ('status', 'note', 'time_ms', 'times_ms', 'peak_mem_mb', 'mem_base_mb', 'parts')
 
 
@@ -339,9 +328,9 @@ def run_whole_models(configs: Sequence[str], mode: str, height: int, width: int,
     """One record per config; every measurement is a fresh process (:func:`worker_main`).
 
     ``rounds`` interleaved rounds: round ``r`` measures every config once, in the order of
-    ``configs`` rotated by ``r`` (:func:`round_order`), so a slow drift of a shared machine hits
-    all configs alike.  A config that fails in a round (OOM, timeout, error) is not measured in
-    the later rounds.
+    ``configs`` rotated by ``r`` (:func:`.timing.round_order`), so a slow drift of a shared
+    machine hits all configs alike.  A config that fails in a round (OOM, timeout, error) is not
+    measured in the later rounds.
 
     Each record keeps its rounds in ``per_round`` (round index, position in that round's order,
     load average at its start, and the worker's status, ``time_ms`` (median of its ``repeats``
