@@ -80,6 +80,29 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _norm_linear_backward(grad_lin, x, ln_weight, ln_bias, lin_weight, eps, grad_residual,
+                          needs) -> tuple:
+    """Gradients through ``x + ... linear(LN(x))`` from the gradient ``grad_lin`` of the linear's
+    output; LN is recomputed from ``x``. ``needs``: for x, the LN weight and bias, the linear's
+    weight and bias. ``grad_residual`` (the block's output gradient) is added to x's gradient.
+
+    Returns:
+        tuple: Gradients of x, LN weight, LN bias, linear weight, linear bias (None if not needed).
+    """
+    C = x.shape[-1]
+    normed, mean, rstd = torch.native_layer_norm(x, (C,), ln_weight, ln_bias, eps)
+    grad_weight = _flat(grad_lin).t() @ _flat(normed) if needs[3] else None
+    grad_bias = _flat(grad_lin).sum(0) if needs[4] else None
+    del normed
+    grad_x = grad_ln_weight = grad_ln_bias = None
+    if needs[0] or needs[1] or needs[2]:
+        grad_x, grad_ln_weight, grad_ln_bias = torch.ops.aten.native_layer_norm_backward(
+            grad_lin @ lin_weight, x, (C,), mean, rstd, ln_weight, ln_bias, list(needs[:3]))
+        if needs[0]:
+            grad_x = grad_x + grad_residual
+    return grad_x, grad_ln_weight, grad_ln_bias, grad_weight, grad_bias
+
+
 class _XCAResidual(torch.autograd.Function):
     """``x + coef * (v @ mixing + proj_bias)`` with q, k, v from ``qkv(LN(x))``; see module doc."""
 
@@ -143,22 +166,10 @@ class _XCAResidual(torch.autograd.Function):
         grad_qkv[:, :, 1] = (q @ grad_s + k * k_coef[..., None, :]).transpose(1, 2)
         grad_qkv[:, :, 2] = grad_v.view(B, N, h, d)
         del grad_v
-        grad_qkv = grad_qkv.view(B, N, 3 * C)
-        normed, mean, rstd = torch.native_layer_norm(x, (C,), ln_weight, ln_bias, ctx.eps)
-        grad_qkv_weight = _flat(grad_qkv).t() @ _flat(normed) if needs[3] else None
-        grad_qkv_bias = grad_qkv.sum((0, 1)) if needs[4] else None
-        del normed
-        grad_x = grad_ln_weight = grad_ln_bias = None
-        if needs[0] or needs[1] or needs[2]:
-            grad_normed = grad_qkv @ qkv_weight
-            grad_x, grad_ln_weight, grad_ln_bias = torch.ops.aten.native_layer_norm_backward(
-                grad_normed, x, (C,), mean, rstd, ln_weight, ln_bias,
-                [needs[0], needs[1], needs[2]])
-            if needs[0]:
-                grad_x = grad_x + grad_out
-        return (grad_x, grad_ln_weight, grad_ln_bias, grad_qkv_weight, grad_qkv_bias,
-                grad_temperature if needs[5] else None, grad_proj_weight, grad_proj_bias,
-                grad_gamma, None, None, None)
+        grads_norm_qkv = _norm_linear_backward(grad_qkv.view(B, N, 3 * C), x, ln_weight, ln_bias,
+                                               qkv_weight, ctx.eps, grad_out, needs[:5])
+        return (*grads_norm_qkv, grad_temperature if needs[5] else None, grad_proj_weight,
+                grad_proj_bias, grad_gamma, None, None, None)
 
 
 class _FFNResidual(torch.autograd.Function):
@@ -183,7 +194,6 @@ class _FFNResidual(torch.autograd.Function):
         (x, ln_weight, ln_bias, fc1_weight, fc2_weight, fc2_bias, gamma, scale,
          hidden) = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        C = x.shape[-1]
         grad_out = grad_out.contiguous()
         grad_scaled = grad_out if scale is None else grad_out * scale
         grad_y = grad_scaled * gamma
@@ -201,19 +211,9 @@ class _FFNResidual(torch.autograd.Function):
         grad_fc2_bias = _flat(grad_y).sum(0) if needs[6] else None
         grad_hidden = torch.ops.aten.gelu_backward(grad_y @ fc2_weight, hidden)
         del grad_y
-        normed, mean, rstd = torch.native_layer_norm(x, (C,), ln_weight, ln_bias, ctx.eps)
-        grad_fc1_weight = _flat(grad_hidden).t() @ _flat(normed) if needs[3] else None
-        grad_fc1_bias = _flat(grad_hidden).sum(0) if needs[4] else None
-        del normed
-        grad_x = grad_ln_weight = grad_ln_bias = None
-        if needs[0] or needs[1] or needs[2]:
-            grad_x, grad_ln_weight, grad_ln_bias = torch.ops.aten.native_layer_norm_backward(
-                grad_hidden @ fc1_weight, x, (C,), mean, rstd, ln_weight, ln_bias,
-                [needs[0], needs[1], needs[2]])
-            if needs[0]:
-                grad_x = grad_x + grad_out
-        return (grad_x, grad_ln_weight, grad_ln_bias, grad_fc1_weight, grad_fc1_bias,
-                grad_fc2_weight, grad_fc2_bias, grad_gamma, None, None)
+        grads_norm_fc1 = _norm_linear_backward(grad_hidden, x, ln_weight, ln_bias, fc1_weight,
+                                               ctx.eps, grad_out, needs[:5])
+        return (*grads_norm_fc1, grad_fc2_weight, grad_fc2_bias, grad_gamma, None, None)
 
 
 def xca_residual(x: torch.Tensor, norm: nn.LayerNorm, attn: nn.Module, gamma: torch.Tensor,
