@@ -244,12 +244,11 @@ class XCiTLayer(nn.Module):
         return torch.addcmul(x, gamma, branch)  # x + gamma * branch in one pass
 
     def _drop_scale(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """Per-sample drop-path factor (B, 1, 1), or None: the draw of mmcv's ``DropPath``."""
+        """Per-sample drop-path factor (B, 1, 1), or None: mmcv's ``DropPath`` of ones, i.e. the
+        same draw as ``drop_path(gamma * branch)`` on the plain path."""
         if not (isinstance(self.drop_path, DropPath) and self.training):
             return None
-        keep_prob = 1 - self.drop_path.drop_prob
-        draw = keep_prob + torch.rand((x.shape[0], 1, 1), dtype=x.dtype, device=x.device)
-        return draw.floor_() / keep_prob
+        return self.drop_path(x.new_ones(x.shape[0], 1, 1))
 
     def _use_lean_autograd(self, x: torch.Tensor) -> bool:
         """Eager training: the memory-lean functions of :mod:`xcit_mm.models.layers`. Otherwise
