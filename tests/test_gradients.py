@@ -241,6 +241,22 @@ def test_train_mode_gradients_equal_the_reference(mmpretrain_xcit, patch_size, d
 
 @pytest.mark.parametrize('dtype', DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize('patch_size', [8, 16])
+def test_channels_last_outputs_equal_the_reference(mmpretrain_xcit, patch_size, dtype):
+    """out_channels_last=True: the same values and gradients as the reference's NCHW maps (the
+    adapter's channels-last upsampling is one matmul and an interleaving copy), every output
+    laid out channels-last, the padded inputs' crops included."""
+    reference, backbone = build_pair(mmpretrain_xcit, patch_size, dtype, out_channels_last=True)
+    reference.train()
+    backbone.train()
+    compare_step(reference, backbone, dtype, seed=13)
+    for batch, H, W in INPUTS:
+        outs = backbone(torch.randn(batch, 3, H, W, dtype=dtype))
+        for out in outs:
+            assert out.is_contiguous(memory_format=torch.channels_last), tuple(out.shape)
+
+
+@pytest.mark.parametrize('dtype', DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize('patch_size', [8, 16])
 def test_frozen_stages_get_no_gradient(mmpretrain_xcit, patch_size, dtype):
     """frozen_stages=2: embeddings and layers 0-1 get no gradient and keep their BN statistics;
     the rest, and the image, get the reference's gradients (the reference runs the same modules

@@ -70,6 +70,34 @@ class TestShapes(TestCase):
                 self.assertFalse(torch.allclose(roi_align(outs[0], rois),
                                                 roi_align(channels_last, rois)))
 
+    def test_channels_last_outputs(self):
+        """out_channels_last=True: the same maps (values and gradients; the reference check is
+        tests/test_gradients.py), laid out channels-last at every size, cropped ones included,
+        and still read right by RoIAlign through GatherRoIAlign."""
+        from mmcv.ops import RoIAlign
+
+        from xcit_mm.models.layers import GatherRoIAlign
+        rois = torch.tensor([[0., 4., 6., 50., 40.], [1., 20., 10., 90., 70.]],
+                            dtype=torch.float64)
+        for patch_size in (8, 16):
+            nchw = randomise_bn(tiny(patch_size=patch_size)).double().eval()
+            channels_last = tiny(patch_size=patch_size, out_channels_last=True).double().eval()
+            channels_last.load_state_dict(nchw.state_dict())
+            for H, W in [(64, 96), (97, 131)]:
+                image = torch.randn(2, 3, H, W, dtype=torch.float64)
+                want = nchw(image.clone().requires_grad_())
+                x = image.clone().requires_grad_()
+                got = channels_last(x)
+                for g, w in zip(got, want):
+                    self.assertTrue(g.is_contiguous(memory_format=torch.channels_last))
+                    self.assertFalse(g.is_contiguous())
+                    torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+                sum(out.sum() for out in got).backward()
+                self.assertTrue(torch.isfinite(x.grad).all())
+                torch.testing.assert_close(
+                    GatherRoIAlign(7, 0.25, 2)(got[0], rois),
+                    RoIAlign(7, 0.25, 2)(want[0], rois), rtol=1e-10, atol=1e-10)
+
     def test_nchw_upsampling_equals_conv_transpose(self):
         """The adapter's 2x upsampling, written into NCHW row block by row block, equals
         nn.ConvTranspose2d in values and gradients, across block boundaries (a 20-row map in

@@ -317,6 +317,28 @@ def _up2_traceable(conv: nn.ConvTranspose2d, x: torch.Tensor) -> torch.Tensor:
     return y.permute(3, 0, 4, 1, 5, 2).reshape(B, out_channels, 2 * H, 2 * W)
 
 
+def _up2_channels_last(conv: nn.ConvTranspose2d, x: torch.Tensor) -> torch.Tensor:
+    """``conv`` (kernel 2, stride 2) of a channels-last map, as a channels-last map.
+
+    In that layout the transposed conv is one matmul ``tokens (B*H*W, C) @ W (C, 4 C_out)`` and
+    one copy that interleaves the four kernel offsets; plain autograd differentiates it with two
+    matmuls and one copy, no output-sized clone (faster than the module's own channels-last
+    deconvolution on CPU: docs/benchmark.md, "Channels-last outputs").
+    """
+    B, C, H, W = x.shape
+    out_channels = conv.out_channels
+    # (C, C_out, 2, 2) -> (C, 2, 2, C_out) -> (C, 4 C_out): columns ordered (di, dj, o)
+    weight = conv.weight.permute(0, 2, 3, 1).reshape(C, 4 * out_channels)
+    tokens = x.permute(0, 2, 3, 1).reshape(B * H * W, C)  # a view for channels-last x
+    if conv.bias is None:
+        y = torch.mm(tokens, weight)
+    else:
+        y = torch.addmm(conv.bias.repeat(4), tokens, weight)
+    # (B, i, j, di, dj, o) -> (B, i, di, j, dj, o) = (B, 2i + di, 2j + dj, o)
+    y = y.view(B, H, W, 2, 2, out_channels).permute(0, 1, 3, 2, 4, 5)
+    return y.reshape(B, 2 * H, 2 * W, out_channels).permute(0, 3, 1, 2)
+
+
 def _tracing() -> bool:
     """Whether ``torch.compile`` / ``torch.export`` (dynamo) or a TorchScript trace (what
     ``torch.onnx.export(..., dynamo=False)`` runs) is recording the forward.
@@ -329,20 +351,28 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
-def _adapt(adapter: nn.Module, feat: torch.Tensor, tracing: bool = False) -> torch.Tensor:
-    """Run one adapter branch on a channels-last trunk map; return a contiguous NCHW map.
+def _adapt(adapter: nn.Module, feat: torch.Tensor, tracing: bool = False,
+           channels_last: bool = False) -> torch.Tensor:
+    """Run one adapter branch on a channels-last trunk map; return a contiguous NCHW map, or a
+    channels-last one with ``channels_last``.
 
     Downstream ops such as mmcv's CPU ``RoIAlign`` read raw NCHW memory and return wrong values
-    for channels-last maps. The branch runs channels-last like the trunk (faster on CPU); a final
-    2x upsampling writes its (largest) map straight into NCHW, identity and pooled maps (small)
-    are copied. ``tracing``: the final upsampling is :func:`_up2_traceable` and the result is
-    returned as computed (the caller crops and makes it contiguous).
+    for channels-last maps, hence NCHW by default. The branch runs channels-last like the trunk
+    (faster on CPU); a final 2x upsampling writes its (largest) map straight into the output
+    layout, identity and pooled maps (small) are copied (not at all when channels-last: the
+    identity level is then a view of the trunk's tokens). ``tracing``: the NCHW upsampling is
+    :func:`_up2_traceable` and the result is returned as computed (the caller crops and lays it
+    out).
     """
     *body, last = adapter if isinstance(adapter, nn.Sequential) else [adapter]
     for module in body:
         feat = module(feat)
     if isinstance(last, nn.ConvTranspose2d):
+        if channels_last:
+            return _up2_channels_last(last, feat)
         return _up2_traceable(last, feat) if tracing else up2_to_nchw(last, feat)
+    if channels_last:
+        return last(feat).contiguous(memory_format=torch.channels_last)
     return last(feat) if tracing else last(feat).contiguous()
 
 
@@ -374,6 +404,14 @@ class XCiTBackbone(BaseModule):
         norm_eval (bool): Keep every norm layer (BN and LN) in eval mode during training, so BN
             statistics stay those of the pretrained weights.
         with_cp (bool): Gradient checkpointing per layer: trades compute for activation memory.
+        out_channels_last (bool): Return the four maps in channels-last memory layout (same
+            logical NCHW shape), which is the trunk's own layout: no transposing copies, and
+            on CPU the neck and head convolutions / bilinear upsampling that follow run in the
+            layout they are fastest in (Semantic FPN at 160 px: about 15% less time per
+            training step, docs/benchmark.md). Defaults to False: contiguous NCHW, which ops
+            that read raw NCHW memory need (mmcv's CPU ``RoIAlign``, i.e. Mask R-CNN with mmdet's
+            ``SingleRoIExtractor``; :class:`~xcit_mm.models.roi_heads.GatherRoIExtractor`
+            reads either layout).
         init_cfg (dict, optional): ``dict(type='Pretrained', checkpoint=PATH_OR_URL)`` loads any
             published layout (official / DINO ``{'model': ...}``, timm, mmpretrain, xcit_mm or
             mmengine checkpoints; ``prefix`` selects a sub-module, ``weights_only=False`` opts in
@@ -392,6 +430,7 @@ class XCiTBackbone(BaseModule):
                  frozen_stages: int = -1,
                  norm_eval: bool = False,
                  with_cp: bool = False,
+                 out_channels_last: bool = False,
                  init_cfg: Optional[dict] = None):
         super().__init__(init_cfg=init_cfg)
         arch = self._parse_arch(arch)
@@ -416,6 +455,7 @@ class XCiTBackbone(BaseModule):
         self.frozen_stages = frozen_stages
         self.norm_eval = norm_eval
         self.with_cp = with_cp
+        self.out_channels_last = out_channels_last
         if layer_scale_init_value is None:
             layer_scale_init_value = 1.0 if self.num_layers <= 12 else 1e-5
 
@@ -565,20 +605,21 @@ class XCiTBackbone(BaseModule):
         return [taps[i] for i in self.out_indices]
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        """Return 4 contiguous NCHW maps of ``embed_dims`` channels at strides 4/8/16/32, each
-        ceil(H/s) x ceil(W/s)."""
+        """Return 4 maps of ``embed_dims`` channels at strides 4/8/16/32, each ceil(H/s) x
+        ceil(W/s): contiguous NCHW, or channels-last with ``out_channels_last``."""
         H, W = x.shape[-2:] if isinstance(x, torch.Tensor) else (0, 0)
         feats = self.forward_trunk(x)
         tracing = _tracing()
+        layout = torch.channels_last if self.out_channels_last else torch.contiguous_format
         outs = []
         for feat, adapter, stride in zip(feats, self.adapters, self.strides):
-            out = _adapt(adapter, feat, tracing)
+            out = _adapt(adapter, feat, tracing, self.out_channels_last)
             # ceil(H / stride) in integer arithmetic: also right for traced (symbolic) sizes
             h, w = (H + stride - 1) // stride, (W + stride - 1) // stride
-            if tracing:  # crop and lay out NCHW unconditionally: no guard on the padding
-                out = torch.clone(out[..., :h, :w], memory_format=torch.contiguous_format)
-            elif out.shape[-2:] != (h, w):  # input padded to the patch size: crop, keep NCHW
-                out = out[..., :h, :w].contiguous()
+            if tracing:  # crop and lay out unconditionally: no guard on the padding
+                out = torch.clone(out[..., :h, :w], memory_format=layout)
+            elif out.shape[-2:] != (h, w):  # input padded to the patch size: crop, keep layout
+                out = out[..., :h, :w].contiguous(memory_format=layout)
             outs.append(out)
         return tuple(outs)
 
