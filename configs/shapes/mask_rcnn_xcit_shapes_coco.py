@@ -8,10 +8,12 @@
 # evaluates box and mask AP (mmdet CocoMetric) on the held-out validation images at the end.
 # Changed here: data, classes, image size (160 px), a small from-scratch XCiT (D=128, 6 layers, p8),
 # narrower FPN and heads with GroupNorm (bbox head Shared4Conv1FC), fewer RoIs, lr 6e-4, a cosine
-# schedule of 800 iterations. Everything else (Mask R-CNN + FPN structure, AdamW, the released
-# weight-decay rule: no decay for names containing 'norm', CocoDataset, CocoMetric) is the paper
-# config's. See docs/shapes.md.
+# schedule of 800 iterations, and RoI features from xcit_mm's GatherRoIExtractor (mmcv's RoIAlign
+# values, several times faster on CPU; docs/benchmark.md). Everything else (Mask R-CNN + FPN
+# structure, AdamW, the released weight-decay rule: no decay for names containing 'norm',
+# CocoDataset, CocoMetric) is the paper config's. See docs/shapes.md.
 _base_ = ['../mask_rcnn_xcit_t12_p16_3x_coco.py']
+custom_imports = dict(imports=['xcit_mm', 'xcit_mm.models.roi_heads'], allow_failed_imports=False)
 
 # ---- data: the shapes world, COCO layout --------------------------------------------------------
 data_root = 'data/shapes_coco/'
@@ -39,8 +41,11 @@ model = dict(
     # from-scratch Mask R-CNN recipe (configs/scratch/) does; without it the RoI heads diverge.
     neck=dict(in_channels=[embed_dims] * 4, out_channels=64, norm_cfg=head_norm),
     rpn_head=dict(in_channels=64, feat_channels=64),
+    # RoIAlign as a weighted gather (GatherRoIExtractor): on this CPU mmcv's RoIAlign kernels were
+    # the largest part of a training step after the backbone.
     roi_head=dict(
-        bbox_roi_extractor=dict(roi_layer=dict(sampling_ratio=2), out_channels=64),
+        bbox_roi_extractor=dict(
+            type='GatherRoIExtractor', roi_layer=dict(sampling_ratio=2), out_channels=64),
         bbox_head=dict(
             type='Shared4Conv1FCBBoxHead',
             in_channels=64,
@@ -48,7 +53,8 @@ model = dict(
             fc_out_channels=256,
             norm_cfg=head_norm,
             num_classes=3),
-        mask_roi_extractor=dict(roi_layer=dict(sampling_ratio=2), out_channels=64),
+        mask_roi_extractor=dict(
+            type='GatherRoIExtractor', roi_layer=dict(sampling_ratio=2), out_channels=64),
         mask_head=dict(
             in_channels=64, conv_out_channels=64, norm_cfg=head_norm, num_classes=3)),
     train_cfg=dict(
@@ -106,7 +112,9 @@ param_scheduler = [
     dict(type='CosineAnnealingLR', T_max=max_iters - 50, eta_min_ratio=0.01,
          by_epoch=False, begin=50, end=max_iters),
 ]
-optim_wrapper = dict(optimizer=dict(lr=6e-4))
+# fused=True: torch's one-kernel AdamW update (same arithmetic); the per-parameter loop of the
+# default kernel was over a tenth of this small model's training step on CPU (docs/benchmark.md)
+optim_wrapper = dict(optimizer=dict(lr=6e-4, fused=True))
 default_hooks = dict(
     logger=dict(interval=25),
     checkpoint=dict(by_epoch=False, interval=max_iters, max_keep_ckpts=2))

@@ -41,6 +41,9 @@ model = dict(
         patch_size=16,
         out_indices=(1, 2, 3, 5),
         norm_cfg=norm_cfg,
+        # the trunk's own layout: the FPN and its head then convolve and upsample channels-last,
+        # which is faster on CPU (docs/benchmark.md, "Channels-last outputs")
+        out_channels_last=True,
         init_cfg=None),
     neck=dict(in_channels=[embed_dims] * 4, out_channels=64),
     decode_head=dict(
@@ -91,7 +94,9 @@ param_scheduler = [
     dict(type='LinearLR', start_factor=1e-3, by_epoch=False, begin=0, end=50),
     dict(type='PolyLR', eta_min=0.0, power=1.0, begin=50, end=max_iters, by_epoch=False),
 ]
-optim_wrapper = dict(optimizer=dict(lr=1e-3))
+# fused=True: torch's one-kernel AdamW update (same arithmetic); the per-parameter loop of the
+# default kernel was over a tenth of this small model's training step on CPU (docs/benchmark.md)
+optim_wrapper = dict(optimizer=dict(lr=1e-3, fused=True))
 default_hooks = dict(
     logger=dict(interval=100),
     checkpoint=dict(by_epoch=False, interval=max_iters, max_keep_ckpts=2))

@@ -6,8 +6,10 @@ initialisation (every ``init_cfg`` of type ``Pretrained`` set to None, nothing d
 SyncBN reverted to BN, on the CPU.  The input is one synthetic image of the given size (several
 with ``--batch``), passed once through the config's ``data_preprocessor`` (untimed): a detector
 gets 3 boxes with labels and box-shaped masks, a segmentor a random label map.  A train step is
-``model.loss`` + backward of the summed losses + one AdamW step; inference is ``model.predict``
-under ``torch.no_grad`` in eval mode.
+``model.loss`` + backward of the summed losses + one AdamW step (lr 1e-4, weight decay 0.05, and
+the config's ``optim_wrapper.optimizer`` flags ``fused`` / ``foreach`` where it sets them: the
+update kernel is part of a config's cost); inference is ``model.predict`` under
+``torch.no_grad`` in eval mode.
 
 Steady state: one untimed warm-up step, then ``malloc_trim(0)`` and the RSS baseline, then
 ``repeats`` timed steps.  Every step is cut at part boundaries by wrappers around the model's
@@ -103,8 +105,15 @@ def drop_pretrained(obj):
     return obj
 
 
+def adamw_kernel_flags(cfg) -> dict:
+    """The ``fused`` / ``foreach`` flags a config gives its optimizer (torch's defaults when
+    unset): they choose AdamW's update kernel, not the arithmetic."""
+    optimizer = (cfg.get('optim_wrapper', None) or {}).get('optimizer', None) or {}
+    return {key: optimizer[key] for key in ('fused', 'foreach') if key in optimizer}
+
+
 def build_whole_model(config: str):
-    """(model, task) for a config: random init, SyncBN -> BN, on the CPU."""
+    """(model, task, AdamW kernel flags) for a config: random init, SyncBN -> BN, on the CPU."""
     from mmengine.model import revert_sync_batchnorm
     from mmengine.registry import init_default_scope
 
@@ -123,7 +132,7 @@ def build_whole_model(config: str):
     model = MODELS.build(model_cfg)
     model.init_weights()
     model = revert_sync_batchnorm(model)
-    return model, ('det' if scope == 'mmdet' else 'seg')
+    return model, ('det' if scope == 'mmdet' else 'seg'), adamw_kernel_flags(cfg)
 
 
 def synthetic_batch(model, task: str, h: int, w: int, batch: int, training: bool):
@@ -225,7 +234,7 @@ def worker_main(cfg: dict) -> dict:
     """
     set_threads(cfg.get('threads'))
     torch.manual_seed(0)
-    model, task = build_whole_model(cfg['config'])
+    model, task, adamw_flags = build_whole_model(cfg['config'])
     train = cfg['mode'] == 'train'
     model.train(train)
     inputs, samples = synthetic_batch(model, task, cfg['height'], cfg['width'], cfg['batch'],
@@ -235,7 +244,7 @@ def worker_main(cfg: dict) -> dict:
     names = PARTS_TRAIN if train else PARTS_INFERENCE
     if train:
         optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
-                                  weight_decay=0.05)
+                                  weight_decay=0.05, **adamw_flags)
 
         def step():
             optim.zero_grad(set_to_none=True)
