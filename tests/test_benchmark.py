@@ -269,7 +269,8 @@ def test_spec_errors_name_the_entry():
 @pytest.mark.parametrize('name', [
     'goals.json', 'cpu_inference_fp32.json', 'flops.json', 'wholemodel_maskrcnn_train.json',
     'wholemodel_maskrcnn_inference.json', 'wholemodel_semfpn_train.json',
-    'wholemodel_maskrcnn_train_before_lean.json'])
+    'wholemodel_maskrcnn_train_before_lean.json', 'wholemodel_shapes_maskrcnn_train.json',
+    'wholemodel_shapes_semfpn_train.json'])
 def test_docs_tables_quote_the_committed_artifacts(bench, capsys, name):
     """Every table row docs/benchmark.md shows for a result is rendered from its JSON."""
     assert bench.main(['--markdown', os.path.join(ARTIFACTS, name)]) == 0

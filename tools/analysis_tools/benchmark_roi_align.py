@@ -1,0 +1,254 @@
+#!/usr/bin/env python
+"""CPU speed of GatherRoIAlign against mmcv's RoIAlign, forward and forward + backward.
+
+Cases (``--cases``, default all) are named RoI-pooling calls of Mask R-CNN on its stride-4 level
+(the finest FPN level, where mmdet's RoI extractor sends boxes under 112 px):
+
+* ``shapes_bbox`` / ``shapes_mask``: the shapes quick-start's box / mask branch, a (4, 64, 40, 40)
+  map (batch 4 of 160 px images), 128 / 32 RoIs, 7x7 / 14x14 output, ``sampling_ratio=2``.
+* ``coco_bbox`` / ``coco_mask``: COCO's box / mask branch, a (2, 256, 200, 304) map (batch 2 of
+  800x1216 images), 1024 / 128 RoIs, 7x7 / 14x14 output, ``sampling_ratio=0`` (adaptive, mmdet's
+  default).
+
+Inputs are deterministic (seeded ``torch.Generator``): a normal feature map, boxes with
+log-uniform sides of 8 to 112 px (the sizes mmdet maps to stride 4) placed uniformly inside the
+image, batch indices cycling over the batch, and a fixed normal weighting ``w`` of the output.
+Both implementations (``mmcv`` = ``mmcv.ops.RoIAlign``, ``gather`` =
+``xcit_mm.models.layers.GatherRoIAlign``; ``aligned=True``) first run once on the same inputs and
+the maximum absolute differences of their outputs and input gradients are recorded. Then, after
+``--warmup`` untimed calls, each of ``--repeats`` rounds times with ``time.perf_counter``
+
+* fwd: the forward under ``torch.no_grad()``;
+* fwd+bwd: the forward with a grad-requiring map plus ``(out * w).sum().backward()``;
+
+for both implementations, in an order alternating per round so that drifts of a shared machine
+hit both alike. Reported: medians in ms and speedup = mmcv median / gather median.
+
+Examples::
+
+    python tools/analysis_tools/benchmark_roi_align.py      # all cases -> docs/benchmark/
+    python tools/analysis_tools/benchmark_roi_align.py --cases shapes_bbox --repeats 3 \\
+        --out-dir /tmp/rb
+    python tools/analysis_tools/benchmark_roi_align.py --markdown \\
+        docs/benchmark/roi_align_cpu.json                    # the table docs quote
+"""
+import argparse
+import csv
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+# Run from a checkout without installing: make `import xcit_mm` find the repository.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+from xcit_mm.models.layers.gather_roi_align import GatherRoIAlign  # noqa: E402
+
+CASES = (
+    dict(name='shapes_bbox', map=(4, 64, 40, 40), stride=4, rois=128, output=7,
+         sampling_ratio=2),
+    dict(name='shapes_mask', map=(4, 64, 40, 40), stride=4, rois=32, output=14,
+         sampling_ratio=2),
+    dict(name='coco_bbox', map=(2, 256, 200, 304), stride=4, rois=1024, output=7,
+         sampling_ratio=0),
+    dict(name='coco_mask', map=(2, 256, 200, 304), stride=4, rois=128, output=14,
+         sampling_ratio=0),
+)
+IMPLS = ('mmcv', 'gather')
+BOX_PX = (8.0, 112.0)  # box sides (image pixels) that mmdet's RoI extractor maps to stride 4
+COLUMNS = ('case', 'map', 'RoIs', 'output', 'sampling ratio', 'mmcv fwd ms', 'gather fwd ms',
+           'speedup', 'mmcv fwd+bwd ms', 'gather fwd+bwd ms', 'speedup', 'max diff')
+
+
+def make_inputs(case: dict, seed: int = 0):
+    """Feature map, (R, 5) RoIs in image pixels and output weighting ``w`` of a case."""
+    gen = torch.Generator().manual_seed(seed)
+    n, c, h, w = case['map']
+    img_h, img_w = h * case['stride'], w * case['stride']
+    feat = torch.randn(n, c, h, w, generator=gen)
+    num = case['rois']
+    lo, hi = math.log(BOX_PX[0]), math.log(BOX_PX[1])
+    size = torch.exp(lo + (hi - lo) * torch.rand(num, 2, generator=gen))
+    size = torch.minimum(size, torch.tensor([img_w, img_h], dtype=size.dtype))
+    room = torch.tensor([img_w, img_h], dtype=size.dtype) - size
+    corner = torch.rand(num, 2, generator=gen) * room
+    index = (torch.arange(num) % n).to(feat.dtype)[:, None]
+    rois = torch.cat([index, corner, corner + size], 1)
+    weight = torch.randn(num, c, case['output'], case['output'], generator=gen)
+    return feat, rois, weight
+
+
+def build_ops(case: dict) -> dict:
+    """The two implementations with the case's arguments (``aligned=True``)."""
+    from mmcv.ops import RoIAlign
+    args = (case['output'], 1.0 / case['stride'], case['sampling_ratio'], 'avg', True)
+    return dict(mmcv=RoIAlign(*args), gather=GatherRoIAlign(*args))
+
+
+def _run(op, feat, rois, weight, backward: bool):
+    if not backward:
+        with torch.no_grad():
+            return op(feat, rois), None
+    feat = feat.detach().requires_grad_()
+    out = op(feat, rois)
+    (out * weight).sum().backward()
+    return out.detach(), feat.grad
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def measure(case: dict, repeats: int = 10, warmup: int = 2,
+            step: Optional[Callable[[], None]] = None) -> dict:
+    """Check agreement and time both implementations on one case; ``step`` runs per round."""
+    feat, rois, weight = make_inputs(case)
+    ops = build_ops(case)
+    ref_out, ref_grad = _run(ops['mmcv'], feat, rois, weight, True)
+    out, grad = _run(ops['gather'], feat, rois, weight, True)
+    diff_out = (out - ref_out).abs().max().item()
+    diff_grad = (grad - ref_grad).abs().max().item()
+    calls = {(impl, kind): (lambda op=op, b=(kind == 'fwd_bwd'): _run(op, feat, rois, weight, b))
+             for impl, op in ops.items() for kind in ('fwd', 'fwd_bwd')}
+    for _ in range(warmup):
+        for fn in calls.values():
+            fn()
+    times = {f'{impl}_{kind}_ms': [] for impl, kind in calls}
+    for r in range(repeats):
+        for impl in (IMPLS if r % 2 == 0 else IMPLS[::-1]):
+            for kind in ('fwd', 'fwd_bwd'):
+                times[f'{impl}_{kind}_ms'].append(_timed(calls[impl, kind]))
+        if step:
+            step()
+    med = {key: statistics.median(values) for key, values in times.items()}
+    return dict(
+        case=case['name'], map=list(case['map']), stride=case['stride'], rois=case['rois'],
+        output=case['output'], sampling_ratio=case['sampling_ratio'],
+        mmcv_fwd_ms=med['mmcv_fwd_ms'], gather_fwd_ms=med['gather_fwd_ms'],
+        fwd_speedup=med['mmcv_fwd_ms'] / med['gather_fwd_ms'],
+        mmcv_fwd_bwd_ms=med['mmcv_fwd_bwd_ms'], gather_fwd_bwd_ms=med['gather_fwd_bwd_ms'],
+        fwd_bwd_speedup=med['mmcv_fwd_bwd_ms'] / med['gather_fwd_bwd_ms'],
+        max_diff_out=diff_out, max_diff_grad=diff_grad, max_diff=max(diff_out, diff_grad),
+        repeats=repeats, warmup=warmup, times=times)
+
+
+def _cells(rec: dict) -> List[str]:
+    return [rec['case'], 'x'.join(map(str, rec['map'])), str(rec['rois']),
+            f"{rec['output']}x{rec['output']}", str(rec['sampling_ratio']),
+            f"{rec['mmcv_fwd_ms']:.2f}", f"{rec['gather_fwd_ms']:.2f}",
+            f"{rec['fwd_speedup']:.1f}x", f"{rec['mmcv_fwd_bwd_ms']:.2f}",
+            f"{rec['gather_fwd_bwd_ms']:.2f}", f"{rec['fwd_bwd_speedup']:.1f}x",
+            f"{rec['max_diff']:.1e}"]
+
+
+def format_table(records: Sequence[dict]) -> str:
+    """Plain-text table of the records."""
+    rows = [list(COLUMNS)] + [_cells(r) for r in records]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    return '\n'.join('  '.join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
+
+
+def markdown_table(records: Sequence[dict]) -> str:
+    """Markdown table of the records (what docs quote)."""
+    lines = ['| ' + ' | '.join(COLUMNS) + ' |', '|' + '---|' * len(COLUMNS)]
+    return '\n'.join(lines + ['| ' + ' | '.join(_cells(r)) + ' |' for r in records])
+
+
+def metadata(argv: Sequence[str]) -> dict:
+    """Command line, versions, threads, CPU model, date and load average of a run."""
+    import mmcv
+    cpu = None
+    try:
+        with open('/proc/cpuinfo') as f:
+            cpu = next((ln.split(':', 1)[1].strip() for ln in f if ln.startswith('model name')),
+                       None)
+    except OSError:
+        pass
+    try:  # a loaded machine slows multi-threaded ops: keep the load with the figures
+        load = list(os.getloadavg())
+    except OSError:
+        load = None
+    return dict(command=' '.join(['tools/analysis_tools/benchmark_roi_align.py', *argv]),
+                torch=torch.__version__, mmcv=mmcv.__version__, threads=torch.get_num_threads(),
+                cpu=cpu, date=time.strftime('%Y-%m-%d %H:%M:%S'), loadavg_1_5_15=load)
+
+
+def write_outputs(records: Sequence[dict], meta: dict, out_dir: str, name: str) -> List[str]:
+    """``<out_dir>/<name>.json`` (meta + records) and ``.csv`` (the scalar fields)."""
+    os.makedirs(out_dir, exist_ok=True)
+    json_path, csv_path = (os.path.join(out_dir, f'{name}.{ext}') for ext in ('json', 'csv'))
+    with open(json_path, 'w') as f:
+        json.dump(dict(meta=meta, records=list(records)), f, indent=1)
+    fields = [k for k in records[0] if k != 'times'] if records else []
+    with open(csv_path, 'w', newline='') as f:
+        writer = csv.DictWriter(f, fields, extrasaction='ignore')
+        writer.writeheader()
+        writer.writerows({**r, 'map': 'x'.join(map(str, r['map']))} for r in records)
+    return [json_path, csv_path]
+
+
+def parse_args(argv: Optional[Sequence[str]], cases: Sequence[dict]) -> argparse.Namespace:
+    names = [c['name'] for c in cases]
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                epilog=__doc__.split('\n\n', 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--cases', nargs='+', choices=names, default=names, metavar='NAME',
+                   help=f'cases to measure, from {", ".join(names)} (default: all)')
+    p.add_argument('--repeats', type=int, default=10, help='timed rounds (default: 10)')
+    p.add_argument('--warmup', type=int, default=2, help='untimed calls (default: 2)')
+    p.add_argument('--threads', type=int, default=None,
+                   help="torch.set_num_threads (default: torch's default)")
+    p.add_argument('--out-dir', default='docs/benchmark', help='(default: %(default)s)')
+    p.add_argument('--name', default='roi_align_cpu', help='file stem (default: %(default)s)')
+    p.add_argument('--quiet', action='store_true', help='no progress bar')
+    p.add_argument('--markdown', metavar='JSON', default=None,
+                   help='only print the Markdown table of a saved JSON (no measuring)')
+    args = p.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 0 or (args.threads is not None and args.threads < 1):
+        p.error('need --repeats >= 1, --warmup >= 0 and --threads >= 1')
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None, cases: Sequence[dict] = CASES) -> int:
+    """Entry point; ``cases`` is the table ``--cases`` chooses from. Returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv, cases)
+    if args.markdown:
+        with open(args.markdown) as f:
+            print(markdown_table(json.load(f)['records']))
+        return 0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    chosen = [c for name in dict.fromkeys(args.cases) for c in cases if c['name'] == name]
+    bar = None
+    if not args.quiet:
+        try:
+            from tqdm import tqdm
+            bar = tqdm(total=len(chosen) * args.repeats, file=sys.stderr, dynamic_ncols=True)
+        except ImportError:
+            pass
+    records = []
+    for case in chosen:
+        if bar is not None:
+            bar.set_description(case['name'])
+        records.append(measure(case, args.repeats, args.warmup,
+                               bar.update if bar is not None else None))
+    if bar is not None:
+        bar.close()
+    print(format_table(records))
+    paths = write_outputs(records, metadata(argv), args.out_dir, args.name)
+    print('wrote ' + ', '.join(paths))
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
