@@ -42,7 +42,7 @@ model = dict(
         out_indices=(1, 2, 3, 5),
         norm_cfg=norm_cfg,
         # the trunk's own layout: the FPN and its head then convolve and upsample channels-last,
-        # which is faster on CPU (docs/benchmark.md, "Channels-last outputs")
+        # which is faster on CPU (docs/benchmark.md, "The shapes quick-start")
         out_channels_last=True,
         init_cfg=None),
     neck=dict(in_channels=[embed_dims] * 4, out_channels=64),

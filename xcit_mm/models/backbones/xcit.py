@@ -322,8 +322,7 @@ def _up2_channels_last(conv: nn.ConvTranspose2d, x: torch.Tensor) -> torch.Tenso
 
     In that layout the transposed conv is one matmul ``tokens (B*H*W, C) @ W (C, 4 C_out)`` and
     one copy that interleaves the four kernel offsets; plain autograd differentiates it with two
-    matmuls and one copy, no output-sized clone (faster than the module's own channels-last
-    deconvolution on CPU: docs/benchmark.md, "Channels-last outputs").
+    matmuls and one copy, and ``torch.compile`` / ONNX export trace it as it is.
     """
     B, C, H, W = x.shape
     out_channels = conv.out_channels

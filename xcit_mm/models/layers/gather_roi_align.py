@@ -1,14 +1,14 @@
-"""RoIAlign as a weighted gather: mmcv's ``RoIAlign`` values, several times faster on CPU.
+"""RoIAlign as a weighted gather: mmcv's ``RoIAlign`` values, faster on CPU (1.4-5.6x).
 
 Every RoIAlign output cell is a fixed linear combination of feature-map pixels: the average over
 the bin's sampling points of their bilinear interpolations, at most 4 pixels per point. So the
 whole op is one sparse (cells x pixels) matrix applied to the (pixels x channels) map, which
 ``F.embedding_bag`` (``mode='sum'`` with per-sample weights) computes over contiguous channel
 rows with threads, and whose transpose, the backward, is another ``embedding_bag`` after sorting
-the taps by pixel. mmcv's CPU kernels loop over outputs one channel at a time, and its backward
-scatters one value at a time from a single thread; at the shapes quick-start's sizes they are
+the taps by pixel. mmcv's CPU kernels are single-threaded loops over RoIs and channels, and its
+backward scatters one value at a time; at the shapes quick-start's sizes they are
 the largest part of a Mask R-CNN training step after the backbone (docs/benchmark.md,
-"RoIAlign on CPU").
+"The shapes quick-start").
 
 The sampling points, the border rules (points more than one pixel outside the map count zero,
 points within it are clamped to the edge) and the adaptive grid (``sampling_ratio=0``:
