@@ -7,7 +7,8 @@ both tasks: ``XCiTBackbone`` (MODELS), ``XCiTRunner`` (RUNNERS), ``CheckFiniteLo
 (HOOKS), ``CPUAmpOptimWrapper`` (OPTIM_WRAPPERS), ``XCiTLayerDecayOptimizerConstructor``
 (OPTIM_WRAPPER_CONSTRUCTORS), ``SeededSampleDataset`` (DATASETS), ``SampleKeyBatchSampler``
 (DATA_SAMPLERS) and ``CPUDistributedDataParallel`` (MODEL_WRAPPERS). It changes nothing else in
-the process.
+the process. ``xcit_mm.models.roi_heads`` (imported on request: it imports mmdet) adds
+``GatherRoIExtractor`` (MODELS).
 """
 from . import engine  # noqa: F401  (registers the runner, hooks and optim wrapper)
 from .models import XCiTBackbone  # noqa: F401  (registers the backbone)

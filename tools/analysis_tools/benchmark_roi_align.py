@@ -164,22 +164,15 @@ def markdown_table(records: Sequence[dict]) -> str:
 
 
 def metadata(argv: Sequence[str]) -> dict:
-    """Command line, versions, threads, CPU model, date and load average of a run."""
+    """The benchmark library's run metadata (date, CPU, load average, torch...) plus mmcv's
+    version, this command line and the thread count."""
     import mmcv
-    cpu = None
-    try:
-        with open('/proc/cpuinfo') as f:
-            cpu = next((ln.split(':', 1)[1].strip() for ln in f if ln.startswith('model name')),
-                       None)
-    except OSError:
-        pass
-    try:  # a loaded machine slows multi-threaded ops: keep the load with the figures
-        load = list(os.getloadavg())
-    except OSError:
-        load = None
-    return dict(command=' '.join(['tools/analysis_tools/benchmark_roi_align.py', *argv]),
-                torch=torch.__version__, mmcv=mmcv.__version__, threads=torch.get_num_threads(),
-                cpu=cpu, date=time.strftime('%Y-%m-%d %H:%M:%S'), loadavg_1_5_15=load)
+
+    from xcit_mm.utils.benchmark.runner import run_metadata
+    meta = run_metadata()
+    meta.update(command=' '.join(['tools/analysis_tools/benchmark_roi_align.py', *argv]),
+                mmcv=mmcv.__version__, threads=torch.get_num_threads())
+    return meta
 
 
 def write_outputs(records: Sequence[dict], meta: dict, out_dir: str, name: str) -> List[str]:
