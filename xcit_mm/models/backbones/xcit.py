@@ -322,7 +322,7 @@ def _up2_channels_last(conv: nn.ConvTranspose2d, x: torch.Tensor) -> torch.Tenso
 
     In that layout the transposed conv is one matmul ``tokens (B*H*W, C) @ W (C, 4 C_out)`` and
     one copy that interleaves the four kernel offsets; plain autograd differentiates it with two
-    matmuls and one copy, and ``torch.compile`` / ONNX export trace it as it is.
+    matmuls and one copy.
     """
     B, C, H, W = x.shape
     out_channels = conv.out_channels
@@ -406,8 +406,8 @@ class XCiTBackbone(BaseModule):
         out_channels_last (bool): Return the four maps in channels-last memory layout (same
             logical NCHW shape), which is the trunk's own layout: no transposing copies, and
             on CPU the neck and head convolutions / bilinear upsampling that follow run in the
-            layout they are fastest in (Semantic FPN at 160 px: about 15% less time per
-            training step, docs/benchmark.md). Defaults to False: contiguous NCHW, which ops
+            layout they are fastest in (the shapes Semantic FPN: 0.83x the training step
+            time, docs/benchmark.md). Defaults to False: contiguous NCHW, which ops
             that read raw NCHW memory need (mmcv's CPU ``RoIAlign``, i.e. Mask R-CNN with mmdet's
             ``SingleRoIExtractor``; :class:`~xcit_mm.models.roi_heads.GatherRoIExtractor`
             reads either layout).
