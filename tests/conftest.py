@@ -107,3 +107,21 @@ def xca_tool():
 def bench():
     """tools/analysis_tools/benchmark.py, loaded as a module."""
     return _load_tool('tools/analysis_tools/benchmark.py')
+
+
+@pytest.fixture(scope='session')
+def flops_tool():
+    """tools/analysis_tools/get_flops.py, loaded as a module."""
+    return _load_tool('tools/analysis_tools/get_flops.py')
+
+
+@pytest.fixture(scope='session')
+def roi_align_bench():
+    """tools/analysis_tools/benchmark_roi_align.py, loaded as a module."""
+    return _load_tool('tools/analysis_tools/benchmark_roi_align.py')
+
+
+@pytest.fixture(scope='session')
+def onnx_tool():
+    """tools/deployment/export_onnx.py, loaded as a module."""
+    return _load_tool('tools/deployment/export_onnx.py')

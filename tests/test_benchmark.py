@@ -11,7 +11,6 @@ subprocess (``test_loader_in_a_fresh_process``).  ``no_placeholder_leak`` checks
 test.
 """
 import csv
-import importlib.util
 import json
 import os
 import statistics
@@ -30,7 +29,6 @@ from xcit_mm.utils.benchmark.timing import time_interleaved
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, 'tools', 'analysis_tools', 'benchmark.py')
-FLOPS_TOOL = os.path.join(ROOT, 'tools', 'analysis_tools', 'get_flops.py')
 ARTIFACTS = os.path.join(ROOT, 'docs', 'benchmark')
 
 
@@ -52,15 +50,6 @@ def port_module(mmpretrain_xcit, monkeypatch):
     its process-wide loader."""
     module = sys.modules[mmpretrain_xcit.__module__]
     monkeypatch.setattr(lib_models, 'load_mmpretrain_xcit', lambda: module)
-    return module
-
-
-@pytest.fixture(scope='module')
-def flops_tool():
-    """tools/analysis_tools/get_flops.py, loaded as a module."""
-    spec = importlib.util.spec_from_file_location('xcit_mm_tool_get_flops', FLOPS_TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     return module
 
 

@@ -6,7 +6,6 @@ and run by ONNX Runtime at the export size and at a second, padded size; the rel
 to PyTorch must stay under 1e-4 (it is ~1e-6). Skipped where onnx / onnxruntime are not installed
 (tools/install.sh installs them).
 """
-import importlib.util
 import os
 import subprocess
 import sys
@@ -24,20 +23,12 @@ onnx = pytest.importorskip('onnx')
 ort = pytest.importorskip('onnxruntime')
 
 
-@pytest.fixture(scope='module')
-def tool():
-    spec = importlib.util.spec_from_file_location('xcit_mm_tool_export_onnx', TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_sem_fpn_exports_and_verifies_at_two_sizes(tool, tmp_path, capsys):
+def test_sem_fpn_exports_and_verifies_at_two_sizes(onnx_tool, tmp_path, capsys):
     """image -> per-class logits at the input size; ORT equals PyTorch at 160x160 (export) and
     192x144 (dynamic axes); a too strict tolerance makes --verify fail with exit status 1."""
     out = tmp_path / 'sem_fpn.onnx'
-    assert tool.main([SEG_CFG, '--out', str(out), '--shape', '160', '160', '--dynamic',
-                      '--verify']) == 0
+    assert onnx_tool.main([SEG_CFG, '--out', str(out), '--shape', '160', '160', '--dynamic',
+                           '--verify']) == 0
     text = capsys.readouterr().out
     assert 'verify 160x160: OK' in text and 'verify 192x144: OK' in text, text
     assert 'logits   1x4x192x144' in text
@@ -48,8 +39,8 @@ def test_sem_fpn_exports_and_verifies_at_two_sizes(tool, tmp_path, capsys):
     assert [i.name for i in model.graph.input] == ['image']
     assert [o.name for o in model.graph.output] == ['logits']
 
-    assert tool.main([SEG_CFG, '--out', str(tmp_path / 'static.onnx'), '--shape', '96', '128',
-                      '--verify', '--tolerance', '1e-12']) == 1
+    assert onnx_tool.main([SEG_CFG, '--out', str(tmp_path / 'static.onnx'), '--shape', '96',
+                           '128', '--verify', '--tolerance', '1e-12']) == 1
     captured = capsys.readouterr()
     assert 'verify 96x128: MISMATCH' in captured.out
     assert 'error: ONNX Runtime differs from PyTorch' in captured.err
@@ -92,7 +83,7 @@ def test_adaptive_avg_pool_replacement_is_exact():
             torch.testing.assert_close(_adaptive_avg_pool_traceable(pool, x), pool(x))
 
 
-def test_bad_inputs_are_one_error_line(tool, tmp_path, capsys):
+def test_bad_inputs_are_one_error_line(onnx_tool, tmp_path, capsys):
     """Exit status 2 and one 'error:' line, before anything is exported."""
     other = tmp_path / 'classifier.py'
     other.write_text("default_scope = 'mmpretrain'\nmodel = dict(type='ImageClassifier')\n")
@@ -107,11 +98,11 @@ def test_bad_inputs_are_one_error_line(tool, tmp_path, capsys):
     ]
     for argv, message in cases:
         out = tmp_path / 'x.onnx'
-        assert tool.main(argv + ['--out', str(out), '--shape', '64', '64']) == 2, argv
+        assert onnx_tool.main(argv + ['--out', str(out), '--shape', '64', '64']) == 2, argv
         err = capsys.readouterr().err.strip()
         assert err.startswith('error: ') and message in err and '\n' not in err, (argv, err)
         assert not out.exists()
-    assert tool.main([SEG_CFG, '--out', str(tmp_path / 'x.onnx'), '--shape', '16', '64']) == 2
+    assert onnx_tool.main([SEG_CFG, '--out', str(tmp_path / 'x.onnx'), '--shape', '16', '64']) == 2
     assert 'error: image sides must be >= 32 px' in capsys.readouterr().err
 
 
