@@ -351,9 +351,9 @@ def _tracing() -> bool:
 
 
 def _adapt(adapter: nn.Module, feat: torch.Tensor, tracing: bool = False,
-           channels_last: bool = False) -> torch.Tensor:
-    """Run one adapter branch on a channels-last trunk map; return a contiguous NCHW map, or a
-    channels-last one with ``channels_last``.
+           layout: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+    """Run one adapter branch on a channels-last trunk map; return a map in ``layout``:
+    contiguous NCHW (the default) or channels-last.
 
     Downstream ops such as mmcv's CPU ``RoIAlign`` read raw NCHW memory and return wrong values
     for channels-last maps, hence NCHW by default. The branch runs channels-last like the trunk
@@ -367,12 +367,10 @@ def _adapt(adapter: nn.Module, feat: torch.Tensor, tracing: bool = False,
     for module in body:
         feat = module(feat)
     if isinstance(last, nn.ConvTranspose2d):
-        if channels_last:
+        if layout == torch.channels_last:
             return _up2_channels_last(last, feat)
         return _up2_traceable(last, feat) if tracing else up2_to_nchw(last, feat)
-    if channels_last:
-        return last(feat).contiguous(memory_format=torch.channels_last)
-    return last(feat) if tracing else last(feat).contiguous()
+    return last(feat) if tracing else last(feat).contiguous(memory_format=layout)
 
 
 def _default_out_indices(depth: int) -> Tuple[int, ...]:
@@ -612,7 +610,7 @@ class XCiTBackbone(BaseModule):
         layout = torch.channels_last if self.out_channels_last else torch.contiguous_format
         outs = []
         for feat, adapter, stride in zip(feats, self.adapters, self.strides):
-            out = _adapt(adapter, feat, tracing, self.out_channels_last)
+            out = _adapt(adapter, feat, tracing, layout)
             # ceil(H / stride) in integer arithmetic: also right for traced (symbolic) sizes
             h, w = (H + stride - 1) // stride, (W + stride - 1) // stride
             if tracing:  # crop and lay out unconditionally: no guard on the padding

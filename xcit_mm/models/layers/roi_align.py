@@ -25,6 +25,11 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 
+def _bag_offsets(sizes: torch.Tensor) -> torch.Tensor:
+    """Where each bag starts in the flat list of its members, given the bag sizes."""
+    return sizes.cumsum(0) - sizes
+
+
 def _axis_taps(start: torch.Tensor, extent: torch.Tensor, bins: int, grid: torch.Tensor,
                size: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Pixel indices and weights along one axis for every RoI and bin.
@@ -85,8 +90,7 @@ def roi_align_taps(rois: torch.Tensor, feat_shape: Tuple[int, int, int, int],
     else:  # mmcv: unaligned RoIs are at least one pixel
         width, height = width.clamp(min=1), height.clamp(min=1)
     if sampling_ratio > 0:
-        grid_h = torch.full_like(height, sampling_ratio, dtype=torch.long)
-        grid_w = torch.full_like(width, sampling_ratio, dtype=torch.long)
+        grid_h = grid_w = torch.full_like(height, sampling_ratio, dtype=torch.long)
     else:  # adaptive: ceil(roi size / bins) points per bin side
         grid_h = torch.ceil(height / ph).long()
         grid_w = torch.ceil(width / pw).long()
@@ -102,9 +106,7 @@ def roi_align_taps(rois: torch.Tensor, feat_shape: Tuple[int, int, int, int],
     num_cells = rois.shape[0] * ph * pw
     weight = weight.reshape(num_cells, -1)
     keep = weight != 0
-    taps_per_cell = keep.sum(1)
-    offsets = taps_per_cell.cumsum(0) - taps_per_cell
-    return index.reshape(num_cells, -1)[keep], weight[keep], offsets
+    return index.reshape(num_cells, -1)[keep], weight[keep], _bag_offsets(keep.sum(1))
 
 
 class _WeightedGather(torch.autograd.Function):
@@ -127,8 +129,7 @@ class _WeightedGather(torch.autograd.Function):
         cell_of_tap = torch.repeat_interleave(
             torch.arange(offsets.numel(), device=index.device), taps_per_cell)
         order = torch.argsort(index, stable=True)  # fixed summation order: deterministic
-        taps_per_row = torch.bincount(index, minlength=ctx.num_rows)
-        row_offsets = taps_per_row.cumsum(0) - taps_per_row
+        row_offsets = _bag_offsets(torch.bincount(index, minlength=ctx.num_rows))
         grad_table = F.embedding_bag(
             cell_of_tap[order], grad_out.contiguous(), row_offsets, mode='sum',
             per_sample_weights=weight[order])
