@@ -20,8 +20,4 @@ optim_wrapper = dict(
     paramwise_cfg=dict(decay_rate=0.75))
 
 # The paper config's hooks, plus the per-depth learning rates in the log (train/depth_{d}_lr).
-custom_hooks = [
-    dict(type='CheckFiniteLossHook', interval=1),
-    dict(type='RandomStateHook'),
-    dict(type='LayerDecayLrHook'),
-]
+custom_hooks = _base_.custom_hooks + [dict(type='LayerDecayLrHook')]

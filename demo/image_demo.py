@@ -228,7 +228,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     """Command-line entry point: 0 all drawn, 1 some inputs unreadable, 2 bad input (above)."""
     from xcit_mm.apis import error_line
-    from xcit_mm.utils.checkpoint_io import CheckpointError
+    from xcit_mm.models.utils.checkpoint_io import CheckpointError
     args = parse_args(argv)
     try:
         written, failed = run_demo(args.images, args.config, args.checkpoint, args.out_dir,

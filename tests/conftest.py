@@ -15,6 +15,10 @@ import types
 
 import pytest
 
+# The benchmark library lives beside the tools that use it (tools/analysis_tools/xcit_benchmark).
+sys.path.insert(0, osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'tools',
+                            'analysis_tools'))
+
 
 class _UnusedTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Serves empty ``torchvision.*`` modules whose attributes are inert placeholders."""

@@ -1,4 +1,4 @@
-"""Tests of the benchmark library (xcit_mm.utils.benchmark) and its CLIs
+"""Tests of the benchmark library (xcit_benchmark) and its CLIs
 (tools/analysis_tools/benchmark.py, get_flops.py): FLOP-counter exactness, model names, the spec,
 the docs tables, and a tiny end-to-end run.
 
@@ -20,12 +20,12 @@ import sys
 import pytest
 import torch
 
-from xcit_mm.utils import benchmark as lib
-from xcit_mm.utils.benchmark import goals as lib_goals
-from xcit_mm.utils.benchmark import models as lib_models
-from xcit_mm.utils.benchmark import whole_model as lib_whole
-from xcit_mm.utils.benchmark.spec import SpecError, validate_spec
-from xcit_mm.utils.benchmark.timing import time_interleaved
+import xcit_benchmark as lib
+from xcit_benchmark import goals as lib_goals
+from xcit_benchmark import models as lib_models
+from xcit_benchmark import whole_model as lib_whole
+from xcit_benchmark.spec import SpecError, validate_spec
+from xcit_benchmark.timing import time_interleaved
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, 'tools', 'analysis_tools', 'benchmark.py')
@@ -278,8 +278,8 @@ import importlib.util, json, sys
 import torch
 import xcit_mm
 report = dict(bench_modules=sorted(m for m in sys.modules
-                                   if m.startswith('xcit_mm.utils.benchmark')))
-from xcit_mm.utils.benchmark import build_model, parse_model
+                                   if m.startswith('xcit_benchmark')))
+from xcit_benchmark import build_model, parse_model
 model, forward = build_model(parse_model('mmpretrain_xcit_n12_p16'))
 model.eval()
 with torch.no_grad():

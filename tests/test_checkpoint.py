@@ -17,7 +17,7 @@ from xcit_reference import mmpretrain_trunk, to_official
 from xcit_mm import XCiTBackbone
 from xcit_mm.models.utils import (LayoutError, convert_backbone_state_dict as convert_state_dict,
                                   detect_layout, load_backbone_checkpoint as load_pretrained)
-from xcit_mm.utils.checkpoint_io import (CheckpointError, extract_state_dict,
+from xcit_mm.models.utils.checkpoint_io import (CheckpointError, extract_state_dict,
                                          load_checkpoint_file as read_checkpoint)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -262,7 +262,7 @@ class _SneakyGetattr:
 def test_runner_checkpoints_load_safely(tmp_path):
     """mmengine's message hub (HistoryBuffer, numpy) loads with weights_only=True, nothing more."""
     from mmengine.logging import MessageHub
-    from xcit_mm.utils.checkpoint_io import runner_checkpoint_globals
+    from xcit_mm.models.utils.checkpoint_io import runner_checkpoint_globals
     hub = MessageHub.get_instance('xcit_mm_test_hub')
     for i in range(3):
         hub.update_scalar('train/loss', 1.0 / (i + 1))

@@ -163,7 +163,7 @@ def test_inductor_equals_eager_values_and_gradients():
 
 def test_benchmark_compile_names():
     """The benchmark's +compile models: names, and --compile both pairs compiled with eager."""
-    from xcit_mm.utils.benchmark import compile_variants, parse_model
+    from xcit_benchmark import compile_variants, parse_model
     spec = parse_model('xcit_s12_p16+compile+cp')
     assert (spec.name, spec.compiled, spec.with_cp) == ('xcit_s12_p16+cp+compile', True, True)
     assert 'torch.compile' in spec.description
@@ -175,16 +175,15 @@ def test_benchmark_compile_names():
     assert [s.name for s in compile_variants(specs[:1], 'on', [])] == ['xcit_s12_p8+compile']
 
 
-def test_runner_compile_option_compiles_the_feature_extractor_once():
-    """``compile=True`` in a config: XCiTRunner compiles ``extract_feat`` (backbone + neck), not
+def test_compile_hook_compiles_the_feature_extractor_once():
+    """``CompileFeatureExtractorHook`` compiles ``extract_feat`` (backbone + neck), not
     mmengine's whole train step (whose optimizer step dynamo cannot trace on torch 2.13), once
     for train and val, and the compiled features equal eager."""
     from types import SimpleNamespace
 
-    from mmengine.config import ConfigDict
-    from mmengine.registry import MODELS, init_default_scope
+    from mmengine.registry import HOOKS, MODELS, init_default_scope
 
-    from xcit_mm.engine.runner import XCiTRunner
+    import xcit_mm.runtime  # noqa: F401  (registers the hook)
     init_default_scope('mmseg')
     torch.manual_seed(0)
     model = MODELS.build(dict(
@@ -199,17 +198,13 @@ def test_runner_compile_option_compiles_the_feature_extractor_once():
     with torch.no_grad():
         eager = model.extract_feat(x)
     logs = []
-    runner = SimpleNamespace(cfg=ConfigDict(compile=True), model=model,
-                             logger=SimpleNamespace(info=logs.append))
-    XCiTRunner._maybe_compile(runner, 'train_step')
+    runner = SimpleNamespace(model=model, logger=SimpleNamespace(info=logs.append))
+    hook = HOOKS.build(dict(type='CompileFeatureExtractorHook'))
+    hook.before_run(runner)  # runner.train()
     compiled_fn = model.extract_feat
-    XCiTRunner._maybe_compile(runner, 'val_step')
+    hook.before_run(runner)  # a later runner.test() of the same model
     assert model.extract_feat is compiled_fn and len(logs) == 1
     assert 'train_step' not in vars(model)  # mmengine's whole-step compile is not used
     with torch.no_grad():
         for got, want in zip(model.extract_feat(x), eager):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    off = SimpleNamespace(cfg=ConfigDict(compile=False), model=model,
-                          logger=SimpleNamespace(info=logs.append))
-    XCiTRunner._maybe_compile(off, 'train_step')
-    assert len(logs) == 1

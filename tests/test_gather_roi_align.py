@@ -13,7 +13,7 @@ import torch
 from mmcv.ops import RoIAlign
 from mmdet.models.roi_heads.roi_extractors import SingleRoIExtractor
 
-from xcit_mm.models.layers import GatherRoIAlign
+from xcit_mm.models.roi_heads import GatherRoIAlign
 from xcit_mm.models.roi_heads import GatherRoIExtractor
 
 

@@ -32,10 +32,10 @@ from mmengine.config import Config
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 
-from xcit_mm.engine import (RELIABILITY_HOOKS, CheckFiniteLossHook, CPUAmpOptimWrapper,
-                            NonFiniteLossError, RandomStateHook, ensure_reliability_hooks)
-from xcit_mm.utils import (AnnotationFormatError, CheckpointError, check_annotation_formats,
-                           check_checkpoint, coco_annotation_problem, load_checkpoint_file)
+from xcit_mm.runtime import (CheckFiniteLossHook, CPUAmpOptimWrapper, NonFiniteLossError,
+                             RandomStateHook)
+from xcit_mm.models.utils import CheckpointError, check_checkpoint, load_checkpoint_file
+from xcit_mm.runtime import AnnotationFormatError, check_annotation_formats, coco_annotation_problem
 
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 CONFIGS = osp.join(REPO, 'configs')
@@ -332,18 +332,18 @@ def test_reliability_hooks_in_both_scopes_and_all_configs():
     for registry in (DET_HOOKS, SEG_HOOKS):
         assert isinstance(registry.build(dict(type='CheckFiniteLossHook')), CheckFiniteLossHook)
         assert isinstance(registry.build(dict(type='RandomStateHook')), RandomStateHook)
-    # The three shared bases of the 24 paper configs (tests/test_configs.py checks the leaves;
-    # the shapes configs inherit from them).
-    for path in glob.glob(osp.join(CONFIGS, '_base_', 'xcit_*.py')):
+    # Every config runs on mmengine's own Runner, with the runtime base's hooks switched on.
+    runtime_hooks = ['CheckFiniteLossHook', 'SampleSeedingHook', 'RandomStateHook',
+                     'PortableCheckpointHook']
+    leaves = glob.glob(osp.join(CONFIGS, '*.py')) + glob.glob(osp.join(CONFIGS, 'shapes', '*.py'))
+    for path in leaves + glob.glob(osp.join(CONFIGS, '_base_', 'xcit_runtime.py')):
         config = Config.fromfile(path)
-        assert 'xcit_mm' in config.custom_imports.imports, path
-        assert [h['type'] for h in config.custom_hooks] == list(RELIABILITY_HOOKS), path
-    # A config without them gets them from tools/train.py, once.
-    cfg = Config(dict(custom_hooks=[dict(type='EMAHook'), dict(type='RandomStateHook')]))
-    assert ensure_reliability_hooks(cfg) == ['CheckFiniteLossHook']
-    assert [h['type'] for h in cfg.custom_hooks] == [
-        'EMAHook', 'RandomStateHook', 'CheckFiniteLossHook']
-    assert ensure_reliability_hooks(cfg) == []
+        assert 'runner_type' not in config, path
+        assert {'xcit_mm', 'xcit_mm.runtime'} <= set(config.custom_imports.imports), path
+        # the runtime base's hooks first (the _ld configs add LayerDecayLrHook after them)
+        assert [h['type'] for h in config.custom_hooks][:4] == runtime_hooks, path
+        if path in leaves:
+            assert config.default_hooks.checkpoint.type == 'SafeCheckpointHook', path
 
 
 def test_check_finite_loss_hook_names_iteration_terms_and_checkpoint(tmp_path):
@@ -641,15 +641,16 @@ def test_epoch_based_resume_is_identical(tmp_path, train_tool):
 
 
 def _augmentations(dataloader_cfg, epochs, **overrides):
-    """Per epoch, what the training dataloader built from ``dataloader_cfg`` (as XCiTRunner builds
-    it) delivers: per sample (image, flip, shape after resize / crop, a digest of the pixels)."""
+    """Per epoch, what the training dataloader built from ``dataloader_cfg`` (as mmengine builds
+    it, then SampleSeedingHook rebuilds it) delivers: per sample (image, flip, shape after
+    resize / crop, a digest of the pixels)."""
     import hashlib
 
     from mmengine.runner import Runner
 
-    from xcit_mm.datasets.sample_seeding import seeded_train_dataloader
-    loader = Runner.build_dataloader(
-        seeded_train_dataloader(dict(dataloader_cfg, **overrides), seed=0), seed=0)
+    from xcit_mm.runtime.sample_seeding import seeded_dataloader
+    loader = seeded_dataloader(
+        Runner.build_dataloader(dict(dataloader_cfg, **overrides), seed=0), seed=0)
     draws = []
     for epoch in epochs:
         loader.batch_sampler.sampler.set_epoch(epoch)  # as mmengine's DistSamplerSeedHook does
@@ -843,7 +844,7 @@ def test_a_crashing_rank_frees_its_ddp_before_the_group_is_destroyed(tmp_path, m
     group is destroyed (the traceback's frames would otherwise keep the Runner)."""
     if failure == 'crash':
         cfg = _tiny_config(tmp_path, 'det', iters=2, ckpt=2, validate=False,
-                           extra="custom_hooks = [dict(type='_CrashHook')]")
+                           extra="custom_hooks = _base_.custom_hooks + [dict(type='_CrashHook')]")
         expected, message = RuntimeError, 'crash in iteration 1'
     else:
         cfg = _tiny_config(tmp_path, 'det', iters=2, ckpt=2, validate=False, lr=1e30)
@@ -1031,7 +1032,7 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_at_that_iteration(tmp_path, pro
     3: both ranks stop at iteration 3 with the message (naming rank 1's terms), none hangs, and
     no checkpoint of the diverged weights is written."""
     cfg = _tiny_config(tmp_path, 'seg', iters=6, ckpt=2, validate=False, extra=probes.imports + (
-        "custom_hooks = [dict(type='_NaNOnRankHook', rank=1, iteration=3)]"))
+        "custom_hooks = _base_.custom_hooks + [dict(type='_NaNOnRankHook', rank=1, iteration=3)]"))
     work_dir = tmp_path / 'work'
     env = dict(probes.env, PORT=str(_free_port()))
     start = time.time()
@@ -1065,7 +1066,7 @@ def test_a_killed_or_hung_rank_stops_the_other_within_a_bounded_time(tmp_path, p
     marks = tmp_path / 'marks'
     marks.mkdir()
     cfg = _paper_config(tmp_path, 'seg', iters=400, extra=probes.imports + (
-        f"custom_hooks = [dict(type='_MarkIterationHook', out_dir='{marks}')]\n"
+        f"custom_hooks = _base_.custom_hooks + [dict(type='_MarkIterationHook', out_dir='{marks}')]\n"
         "env_cfg = dict(dist_cfg=dict(timeout=10))"))
     train = [sys.executable, osp.join(REPO, 'tools', 'train.py'), cfg, '--launcher', 'pytorch',
              '--work-dir', str(tmp_path / 'work')]
@@ -1131,7 +1132,7 @@ def test_a_save_killed_half_way_loses_nothing(tmp_path, probes):
     deleted iter_2.pth before writing iter_4.pth, left iter_4.pth cut short under its final name
     and a last_checkpoint naming a deleted file.)"""
     cfg = _tiny_config(tmp_path, 'seg', iters=6, ckpt=2, validate=False, extra=probes.imports + (
-        "custom_hooks = [dict(type='_StallingSaveHook')]\n"
+        "custom_hooks = _base_.custom_hooks + [dict(type='_StallingSaveHook')]\n"
         "default_hooks['checkpoint']['max_keep_ckpts'] = 1"))
     work_dir = tmp_path / 'work'
     marker = tmp_path / 'saving'
@@ -1201,7 +1202,7 @@ def test_a_full_disk_during_a_save_is_named_and_keeps_the_earlier_checkpoints(
 def test_last_checkpoint_is_replaced_atomically(tmp_path, monkeypatch):
     """A job killed while last_checkpoint is rewritten leaves the old content (the rename is
     the only step that changes it): here the rename itself fails."""
-    from xcit_mm.engine.hooks.safe_checkpoint_hook import write_text_atomically
+    from xcit_mm.runtime.hooks.safe_checkpoint_hook import write_text_atomically
     marker = tmp_path / 'last_checkpoint'
     write_text_atomically(str(marker), '/work/iter_2.pth')
     monkeypatch.setattr(os, 'replace', lambda *a: (_ for _ in ()).throw(OSError('killed')))
@@ -1215,8 +1216,8 @@ def test_a_bad_image_halfway_through_an_epoch_is_named(tmp_path, train_tool, fau
     """The image at position 4 of the first epoch (the third batch; 2 dataloader workers) is
     deleted or replaced by bytes that are not an image: training stops at that batch with an
     error naming the sample's index and file, instead of a traceback relayed from a worker; with
-    ``train_dataloader.on_bad_sample=skip`` it is replaced by the next readable sample, logged
-    and counted, and training completes."""
+    ``SampleSeedingHook(on_bad_sample='skip')`` it is replaced by the next readable sample,
+    logged and counted, and training completes."""
     import shutil
 
     from mmengine.registry import init_default_scope
@@ -1237,7 +1238,7 @@ def test_a_bad_image_halfway_through_an_epoch_is_named(tmp_path, train_tool, fau
     argv = [cfg, '--work-dir', str(work_dir), '--cfg-options',
             f'train_dataloader.dataset.data_root={root}/']
     if fault == 'skipped':
-        train_tool.main(argv + ['train_dataloader.on_bad_sample=skip'])
+        train_tool.main(argv + ["custom_hooks.1.on_bad_sample=skip"])
         assert sorted(_losses(work_dir)[0]) == [1, 2, 3, 4]
         log = open(glob.glob(str(work_dir / '*' / '*.log'))[0]).read()
         assert re.search(rf'Skipped training sample \d+ \(img_path={re.escape(victim)}\) at '
@@ -1250,7 +1251,7 @@ def test_a_bad_image_halfway_through_an_epoch_is_named(tmp_path, train_tool, fau
     assert re.match(rf'error: Cannot load training sample \d+ of CocoDataset '
                     rf'\(img_path={re.escape(victim)}\): ', message), message
     assert 'Traceback' not in message and 'worker process' not in message
-    assert 'train_dataloader.on_bad_sample=skip' in message
+    assert "SampleSeedingHook(on_bad_sample='skip')" in message
     if fault == 'missing':
         assert 'FileNotFoundError' in message
     assert sorted(_losses(work_dir)[0]) == [1, 2]  # stopped at the third batch
@@ -1279,7 +1280,7 @@ class _AmpProbeHook(Hook):
 def test_amp_on_cpu_trains_in_bfloat16_with_finite_losses(tmp_path, train_tool, task):
     _DTYPES.clear()
     cfg = _tiny_config(tmp_path, task, iters=3, ckpt=3, validate=False,
-                       extra="custom_hooks = [dict(type='_AmpProbeHook')]")
+                       extra="custom_hooks = _base_.custom_hooks + [dict(type='_AmpProbeHook')]")
     work_dir = tmp_path / 'work'
     train_tool.main([cfg, '--amp', '--work-dir', str(work_dir)])
     dumped = Config.fromfile(str(work_dir / osp.basename(cfg)))

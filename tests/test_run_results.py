@@ -1,4 +1,4 @@
-"""xcit_mm.utils.run_results: the metrics quoted in README come from mmengine's own files."""
+"""xcit_mm.runtime.run_results: the metrics quoted in README come from mmengine's own files."""
 import json
 import subprocess
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from xcit_mm.utils.run_results import collect_run_results
+from xcit_mm.runtime.run_results import collect_run_results
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -153,7 +153,7 @@ def test_checkpoint_is_loaded(tmp_path, tiny_backbone):
 
 def test_config_model(tmp_path):
     """A config gives its backbone (SyncBN made BN) and its data_preprocessor statistics."""
-    from xcit_mm.utils.checkpoint_io import CheckpointError
+    from xcit_mm.models.utils.checkpoint_io import CheckpointError
     cfg = tmp_path / 'cfg.py'
     cfg.write_text(
         "model = dict(type='EncoderDecoder',\n"

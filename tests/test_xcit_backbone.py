@@ -76,7 +76,7 @@ class TestShapes(TestCase):
         and still read right by RoIAlign through GatherRoIAlign."""
         from mmcv.ops import RoIAlign
 
-        from xcit_mm.models.layers import GatherRoIAlign
+        from xcit_mm.models.roi_heads import GatherRoIAlign
         rois = torch.tensor([[0., 4., 6., 50., 40.], [1., 20., 10., 90., 70.]],
                             dtype=torch.float64)
         for patch_size in (8, 16):
@@ -436,7 +436,13 @@ def test_importing_the_package_changes_nothing_process_wide():
         'after = (list(torch.serialization.get_safe_globals()), list(warnings.filters), '
         'torch.get_default_dtype())\n'
         'assert before == after, (before, after)\n'
-        'from mmengine.registry import HOOKS, MODELS, RUNNERS\n'
-        'assert MODELS.get("XCiTBackbone") and RUNNERS.get("XCiTRunner") '
-        'and HOOKS.get("RandomStateHook")\n')
+        'from mmengine.registry import HOOKS, MODELS, OPTIM_WRAPPER_CONSTRUCTORS\n'
+        'assert MODELS.get("XCiTBackbone") and HOOKS.get("LayerDecayLrHook") and '
+        'OPTIM_WRAPPER_CONSTRUCTORS.get("XCiTLayerDecayOptimizerConstructor")\n'
+        '# the runtime, RoIAlign, data and upstream task packages are opt-in imports\n'
+        'import sys\n'
+        'loaded = [m for m in sys.modules if m.startswith(("xcit_mm.runtime", "xcit_mm.datasets", '
+        '"xcit_mm.models.roi_heads", "xcit_mm.apis", "mmdet", "mmseg", "PIL"))]\n'
+        'assert not loaded, loaded\n'
+        'assert HOOKS.get("RandomStateHook") is None\n')
     subprocess.run([sys.executable, '-c', code], check=True)

@@ -3,8 +3,8 @@
 One script for both tasks; the config's ``default_scope`` decides. Modelled on mmdet's and mmseg's
 tools/test.py, with the same dataset and checkpoint checks and CPU-distributed support as
 tools/train.py. A released XCiT COCO / ADE20k file (official detection/ and
-semantic_segmentation/ code) is evaluated as downloaded: ``XCiTRunner`` converts its keys in
-memory and loads it strictly. The checkpoint is read with ``torch.load(weights_only=True)``
+semantic_segmentation/ code) is evaluated as downloaded: ``XCiTBackbone`` converts its keys
+in memory, whatever loads it. The checkpoint is read with ``torch.load(weights_only=True)``
 before anything is built, so a missing, truncated or code-carrying file is refused with a message
 naming it, and URLs are downloaded into torch's hub cache and checked before mmengine reads them.
 In a distributed run (``tools/dist_test.sh``) every rank evaluates its share of the test set and
@@ -39,15 +39,16 @@ if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
 from mmengine.config import Config, DictAction  # noqa: E402
+from mmengine.registry import RUNNERS  # noqa: E402
+from mmengine.runner import Runner  # noqa: E402
 
 from xcit_mm.datasets import ensure_shapes_world  # noqa: E402
 from xcit_mm.datasets.shapes import ShapesWorldError  # noqa: E402
-from xcit_mm.engine import build_runner  # noqa: E402
-from xcit_mm.utils import (AnnotationFormatError, CheckpointError,  # noqa: E402
-                           DatasetNotFoundError, check_checkpoint, check_data,
-                           distributed_session)
-from xcit_mm.utils.checkpoint_io import is_url  # noqa: E402
-from xcit_mm.utils.dist_utils import lost_peer_message  # noqa: E402
+from xcit_mm.models.utils import CheckpointError, check_checkpoint
+from xcit_mm.runtime import (AnnotationFormatError, DatasetNotFoundError, check_data,
+                             distributed_session)
+from xcit_mm.models.utils.checkpoint_io import is_url  # noqa: E402
+from xcit_mm.runtime.dist_utils import lost_peer_message  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -161,7 +162,7 @@ def evaluate(cfg, out: Optional[str] = None) -> None:
     The Runner, and the DDP wrapper that holds the process group, is freed when this returns,
     before :func:`distributed_session` destroys the group (see there why that order matters).
     """
-    runner = build_runner(cfg)
+    runner = Runner.from_cfg(cfg) if 'runner_type' not in cfg else RUNNERS.build(cfg)
     if out:
         add_output_dump(cfg, runner, out)
     try:

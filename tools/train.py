@@ -12,22 +12,19 @@ tools/train.py; the differences are
 - every checkpoint the run will read (``--resume [PATH]``, ``load_from``, ``Pretrained``
   init_cfgs) is checked first: missing, truncated or pickled-code files stop the run with a
   message, and nothing beyond tensors and mmengine's own state is ever unpickled (URLs are
-  downloaded into torch's hub cache and checked; see ``xcit_mm/utils/checkpoint_io.py``);
-- ``CheckFiniteLossHook`` (stop at the first NaN/inf loss, naming the iteration) and
-  ``RandomStateHook`` (exact ``--resume``) are added when the config lacks them
-  (``xcit_mm/engine/hooks/``);
+  downloaded into torch's hub cache and checked; see ``xcit_mm/models/utils/checkpoint_io.py``);
 - ``--amp`` without a GPU trains under bfloat16 CPU autocast (``CPUAmpOptimWrapper``), since
   mmengine's ``AmpOptimWrapper`` needs a GPU; on a CPU without native bfloat16 (no
   ``avx512_bf16`` / ``amx_bf16``) that is several times slower than float32, and a warning says so;
-- distributed runs also work without a GPU (gloo; see ``xcit_mm/utils/dist_utils.py``); when
+- distributed runs also work without a GPU (gloo; see ``xcit_mm/runtime/dist_utils.py``); when
   another rank dies or hangs past ``env_cfg.dist_cfg.timeout`` (gloo: 1800 s by default), this
   rank stops with a message saying so instead of a gloo traceback;
 - a checkpoint that cannot be written (full disk) and a training image that cannot be read stop
   the run with a message naming the file (``CheckpointSaveError``, ``SampleLoadError``; see
   docs/reliability.md);
-- checkpoints are loaded by ``XCiTRunner``: read safely (mmengine's own classes allow-listed for
-  torch's ``weights_only`` loading only while a file is read, so ``--resume`` works with
-  torch >= 2.6), released XCiT COCO / ADE20k files converted in memory, and loaded strictly.
+- the Runner is mmengine's own, as in mmdet's / mmseg's tools; released XCiT COCO / ADE20k
+  files load as downloaded because ``XCiTBackbone`` converts their keys itself, and the configs'
+  ``configs/_base_/xcit_runtime.py`` switches on the reliability hooks of ``xcit_mm.runtime``.
 
 Examples::
 
@@ -49,19 +46,20 @@ if _REPO_ROOT not in sys.path:
 
 from mmengine.config import Config, DictAction  # noqa: E402
 from mmengine.logging import print_log  # noqa: E402
+from mmengine.registry import RUNNERS  # noqa: E402
+from mmengine.runner import Runner  # noqa: E402
 
 from xcit_mm.datasets import ensure_shapes_world  # noqa: E402
 from xcit_mm.datasets.shapes import ShapesWorldError  # noqa: E402
-from xcit_mm.engine import (CPU_AMP_TYPE, NonFiniteLossError,  # noqa: E402
-                            amp_optim_wrapper_type, build_runner, ensure_reliability_hooks)
-from xcit_mm.engine.optimizers.cpu_amp_optim_wrapper import (  # noqa: E402
+from xcit_mm.runtime import (CPU_AMP_TYPE, CheckpointSaveError, NonFiniteLossError,
+                             SafeCheckpointHook, SampleLoadError, amp_optim_wrapper_type)
+from xcit_mm.runtime.cpu_amp_optim_wrapper import (  # noqa: E402
     warn_if_cpu_bf16_is_slow)
-from xcit_mm.datasets.sample_seeding import SampleLoadError  # noqa: E402
-from xcit_mm.engine.runner import CheckpointSaveError, XCiTRunner  # noqa: E402
-from xcit_mm.utils import (AnnotationFormatError, CheckpointError,  # noqa: E402
-                           DatasetNotFoundError, check_checkpoint, check_data, check_pretrained,
-                           distributed_session, resolve_auto_resume)
-from xcit_mm.utils.dist_utils import lost_peer_message  # noqa: E402
+from xcit_mm.models.utils import (CheckpointError, check_checkpoint, check_pretrained,
+                                  resolve_auto_resume)
+from xcit_mm.runtime import (AnnotationFormatError, DatasetNotFoundError, check_data,
+                             distributed_session)
+from xcit_mm.runtime.dist_utils import lost_peer_message  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -130,7 +128,6 @@ def build_cfg(args) -> Config:
         # bfloat16 is emulated, several times slower than float32, on CPUs without native support
         warn_if_cpu_bf16_is_slow()
     # Stop at the first NaN/inf loss; save and restore random states for exact resumption.
-    ensure_reliability_hooks(cfg)
 
     if args.auto_scale_lr:
         if 'base_batch_size' not in cfg.get('auto_scale_lr', {}):
@@ -181,7 +178,7 @@ def _saves_several(cfg, checkpoint_hook) -> bool:
 
 
 def check_checkpoints(cfg, args) -> None:
-    """Check every checkpoint the run will read, before any work (see xcit_mm.utils.checkpoint_io).
+    """Check every checkpoint the run will read, before any work (see xcit_mm.models.utils.checkpoint_io).
 
     ``--resume PATH`` / a bare ``--resume`` (the work dir's latest checkpoint) must be training
     checkpoints, ``load_from`` must hold weights, and every ``Pretrained`` init_cfg must exist;
@@ -201,9 +198,9 @@ def check_checkpoints(cfg, args) -> None:
         cfg.load_from = check_checkpoint(cfg.load_from, 'load_from checkpoint')
     check_pretrained(cfg)
     checkpoint_hook = cfg.get('default_hooks', {}).get('checkpoint') or {}
-    # XCiTRunner writes the new checkpoint before deleting the old one (SafeCheckpointHook);
-    # mmengine's own Runner deletes first.
-    safe = cfg.get('runner_type', 'XCiTRunner') in ('XCiTRunner', XCiTRunner)
+    # SafeCheckpointHook writes the new checkpoint before deleting the old one; mmengine's own
+    # CheckpointHook deletes first.
+    safe = checkpoint_hook.get('type') in ('SafeCheckpointHook', SafeCheckpointHook)
     if not safe and checkpoint_hook.get('max_keep_ckpts', -1) == 1 and \
             _saves_several(cfg, checkpoint_hook):
         print_log(
@@ -226,7 +223,8 @@ def train(cfg) -> None:
     The Runner, and the DDP wrapper that holds the process group, is freed when this returns,
     before :func:`distributed_session` destroys the group (see there why that order matters).
     """
-    runner = build_runner(cfg)
+    # as mmdet's / mmseg's tools/train.py: mmengine's Runner unless the config names another
+    runner = Runner.from_cfg(cfg) if 'runner_type' not in cfg else RUNNERS.build(cfg)
     try:
         runner.train()
     except (NonFiniteLossError, CheckpointSaveError, SampleLoadError) as e:

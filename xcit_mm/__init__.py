@@ -1,18 +1,19 @@
 """xcit_mm: the XCiT backbone for mmdetection and mmsegmentation.
 
-Importing the package registers its modules in mmengine's root registries, which mmdet's and
-mmseg's registries fall back to, so one ``custom_imports = dict(imports=['xcit_mm'])`` serves
-both tasks: ``XCiTBackbone`` (MODELS), ``XCiTRunner`` (RUNNERS), ``CheckFiniteLossHook``,
-``RandomStateHook``, ``SafeCheckpointHook``, ``SkippedSamplesHook`` and ``LayerDecayLrHook``
-(HOOKS), ``CPUAmpOptimWrapper`` (OPTIM_WRAPPERS), ``XCiTLayerDecayOptimizerConstructor``
-(OPTIM_WRAPPER_CONSTRUCTORS), ``SeededSampleDataset`` (DATASETS), ``SampleKeyBatchSampler``
-(DATA_SAMPLERS) and ``CPUDistributedDataParallel`` (MODEL_WRAPPERS). It changes nothing else in
-the process. ``xcit_mm.models.roi_heads`` (imported on request: it imports mmdet) adds
-``GatherRoIExtractor`` (MODELS).
-"""
-from . import engine  # noqa: F401  (registers the runner, hooks and optim wrapper)
-from .models import XCiTBackbone  # noqa: F401  (registers the backbone)
-from .utils import dist_utils  # noqa: F401  (registers the CPU DDP wrapper)
-from .version import __version__  # noqa: F401
+``import xcit_mm`` (or ``custom_imports = dict(imports=['xcit_mm'])`` in a config) registers, in
+mmengine's root registries that mmdet's and mmseg's fall back to, exactly:
 
-__all__ = ['XCiTBackbone', '__version__']
+- ``XCiTBackbone`` (MODELS), which loads every published XCiT weight layout by itself;
+- ``XCiTLayerDecayOptimizerConstructor`` (OPTIM_WRAPPER_CONSTRUCTORS) and ``LayerDecayLrHook``
+  (HOOKS), the optional layer-wise learning-rate decay.
+
+Everything else is an opt-in import: ``xcit_mm.runtime`` (reliable-training hooks, sample
+seeding, CPU AMP, CPU distributed helpers), ``xcit_mm.models.roi_heads`` (a faster CPU RoIAlign),
+``xcit_mm.datasets`` (the built-in shapes data), ``xcit_mm.apis``, ``xcit_mm.deployment`` and
+``xcit_mm.visualization``.
+"""
+from .engine import LayerDecayLrHook, XCiTLayerDecayOptimizerConstructor
+from .models import XCiTBackbone
+from .version import __version__
+
+__all__ = ['LayerDecayLrHook', 'XCiTBackbone', 'XCiTLayerDecayOptimizerConstructor', '__version__']

@@ -8,17 +8,9 @@
 _base_ = [
     'mmseg::_base_/datasets/ade20k.py',
     'mmseg::_base_/default_runtime.py',
+    './xcit_runtime.py',
 ]
 
-custom_imports = dict(imports=['xcit_mm'], allow_failed_imports=False)
-# Safe and strict checkpoint loading (load_from, --resume, evaluating a released XCiT file as
-# downloaded), with our tools and upstream mmdet/mmseg tools alike: xcit_mm.engine.XCiTRunner.
-runner_type = 'XCiTRunner'
-# Reliability (docs/reliability.md): stop at the first NaN/inf loss, naming the iteration and the
-# loss terms (mmdet's CheckInvalidLossHook only exists in the mmdet scope and asserts every 50
-# iterations without a message); save the random states in checkpoints so that --resume continues
-# exactly as an uninterrupted run would.
-custom_hooks = [dict(type='CheckFiniteLossHook', interval=1), dict(type='RandomStateHook')]
 
 # 2 images per GPU x 8 GPUs = the paper's batch of 16.
 train_dataloader = dict(batch_size=2)

@@ -20,18 +20,9 @@ _base_ = [
     'mmdet::_base_/datasets/coco_instance.py',
     'mmdet::_base_/schedules/schedule_1x.py',
     'mmdet::_base_/default_runtime.py',
+    './xcit_runtime.py',
 ]
 
-# Registers XCiTBackbone, the runner and the hooks; works with our tools and mmdet's own alike.
-custom_imports = dict(imports=['xcit_mm'], allow_failed_imports=False)
-# Safe and strict checkpoint loading (load_from, --resume, evaluating a released XCiT file as
-# downloaded), with our tools and upstream mmdet/mmseg tools alike: xcit_mm.engine.XCiTRunner.
-runner_type = 'XCiTRunner'
-# Reliability (docs/reliability.md): stop at the first NaN/inf loss, naming the iteration and the
-# loss terms (mmdet's CheckInvalidLossHook only exists in the mmdet scope and asserts every 50
-# iterations without a message); save the random states in checkpoints so that --resume continues
-# exactly as an uninterrupted run would.
-custom_hooks = [dict(type='CheckFiniteLossHook', interval=1), dict(type='RandomStateHook')]
 
 model = dict(
     backbone=dict(
@@ -114,5 +105,6 @@ optim_wrapper = dict(
 # Learning rate is for 16 images per batch; enable with --auto-scale-lr when training on fewer.
 auto_scale_lr = dict(enable=False, base_batch_size=16)
 
-# One checkpoint per epoch as upstream, but keep only the last 3 (each is ~0.3-1.2 GB).
-default_hooks = dict(checkpoint=dict(interval=1, max_keep_ckpts=3))
+# One checkpoint per epoch as upstream, but keep only the last 3 (each is ~0.3-1.2 GB), written
+# atomically (xcit_mm.runtime's SafeCheckpointHook: see ./xcit_runtime.py).
+default_hooks = dict(checkpoint=dict(type='SafeCheckpointHook', interval=1, max_keep_ckpts=3))

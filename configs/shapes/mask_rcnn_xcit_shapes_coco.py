@@ -13,7 +13,14 @@
 # structure, AdamW, the released weight-decay rule: no decay for names containing 'norm',
 # CocoDataset, CocoMetric) is the paper config's. See docs/shapes.md.
 _base_ = ['../mask_rcnn_xcit_t12_p16_3x_coco.py']
-custom_imports = dict(imports=['xcit_mm', 'xcit_mm.models.roi_heads'], allow_failed_imports=False)
+custom_imports = dict(
+    imports=[
+        'xcit_mm',
+        'xcit_mm.runtime',
+        'xcit_mm.models.roi_heads',
+        'xcit_mm.datasets.shapes_coco',
+    ],
+    allow_failed_imports=False)
 
 # ---- data: the shapes world, COCO layout --------------------------------------------------------
 data_root = 'data/shapes_coco/'
@@ -84,6 +91,9 @@ train_dataloader = dict(
     num_workers=0,
     persistent_workers=False,
     dataset=dict(
+        # mmdet's CocoDataset that generates the shapes world at data_root if it is missing
+        type='ShapesCocoDataset',
+        shapes_world=shapes_world,
         data_root=data_root,
         metainfo=metainfo,
         ann_file='annotations/instances_train.json',
@@ -94,6 +104,9 @@ val_dataloader = dict(
     num_workers=0,
     persistent_workers=False,
     dataset=dict(
+        # mmdet's CocoDataset that generates the shapes world at data_root if it is missing
+        type='ShapesCocoDataset',
+        shapes_world=shapes_world,
         data_root=data_root,
         metainfo=metainfo,
         ann_file='annotations/instances_val.json',

@@ -18,6 +18,13 @@
 # released weight-decay rule: no decay for names containing 'norm', IoUMetric) is the paper
 # config's.
 _base_ = ['../sem_fpn_xcit_t12_p16_80k_ade20k.py']
+custom_imports = dict(
+    imports=[
+        'xcit_mm',
+        'xcit_mm.runtime',
+        'xcit_mm.datasets.shapes_seg',
+    ],
+    allow_failed_imports=False)
 
 # ---- data: the shapes world, ADE20k layout ------------------------------------------------------
 data_root = 'data/shapes_ade/'
@@ -63,7 +70,9 @@ test_pipeline = [
     dict(type='PackSegInputs'),
 ]
 dataset = dict(
-    type='BaseSegDataset',
+    # mmseg's BaseSegDataset that generates the shapes world at data_root if it is missing
+    type='ShapesSegDataset',
+    shapes_world=shapes_world,
     data_root=data_root,
     metainfo=metainfo,
     img_suffix='.jpg',

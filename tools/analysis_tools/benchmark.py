@@ -46,7 +46,7 @@ Figures per (model, resolution) point:
 
 The default models and resolutions, the goals of ``--goals`` and paper Table 1 of
 ``--flops-report`` are data: ``docs/benchmark/goals_spec.json`` (``--spec``).  The measuring code
-is the library ``xcit_mm.utils.benchmark``; this file only parses the command line, shows the
+is the library ``xcit_benchmark``; this file only parses the command line, shows the
 progress bar and prints.
 
 Examples::
@@ -69,7 +69,7 @@ Examples::
         --rounds 3    # whole detectors, medians of 3 interleaved rounds, XCiT / Swin-T ratios
 
 This tool never imports torchvision.  mmpretrain's XCiT module is loaded without executing the
-``mmpretrain.models`` package ``__init__`` (see ``xcit_mm.utils.benchmark.load_mmpretrain_xcit``).
+``mmpretrain.models`` package ``__init__`` (see ``xcit_benchmark.load_mmpretrain_xcit``).
 """
 import argparse
 import json
@@ -83,16 +83,16 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from xcit_mm.utils.benchmark import (RunOptions, SpecError, check_same_trunk,  # noqa: E402
+from xcit_benchmark import (RunOptions, SpecError, check_same_trunk,  # noqa: E402
                                      compare_pairs, compile_variants, flops_report,
                                      format_flops_report, format_goals, format_ratios,
                                      format_table, list_models, load_spec, markdown_result,
                                      parse_models, ratio_rows, run_goals,
                                      run_metadata, run_points, with_cp_variants, write_outputs,
                                      write_rows)
-from xcit_mm.utils.benchmark.memory import mem_available_bytes  # noqa: E402
-from xcit_mm.utils.benchmark.plot import default_title, plot_records  # noqa: E402
-from xcit_mm.utils.benchmark.timing import set_threads  # noqa: E402
+from xcit_benchmark.memory import mem_available_bytes  # noqa: E402
+from xcit_benchmark.plot import default_title, plot_records  # noqa: E402
+from xcit_benchmark.timing import set_threads  # noqa: E402
 
 
 def build_parser(spec: Optional[dict]) -> argparse.ArgumentParser:
@@ -232,7 +232,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     except ValueError as e:
         p.error(f'argument --models: {e}')
     if args.whole_model:
-        from xcit_mm.utils.benchmark.whole_model import WholeModelError, check_config_path
+        from xcit_benchmark.whole_model import WholeModelError, check_config_path
         if not args.shape or min(args.shape) < 32:
             p.error('--whole-model needs --shape H W (both >= 32)')
         for config in args.whole_model:
@@ -313,7 +313,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 3 if failed and args.fail_on_goal_miss else 0
 
     if args.whole_model:
-        from xcit_mm.utils.benchmark.whole_model import (format_whole_ratios, format_whole_table,
+        from xcit_benchmark.whole_model import (format_whole_ratios, format_whole_table,
                                                          run_whole_models, whole_model_ratios,
                                                          write_whole_outputs)
         repeats, rounds = args.repeats or 3, args.rounds or 3
@@ -338,7 +338,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0 if all(r.get('status') == 'ok' for r in records) else 1
 
     if args.onnx:
-        from xcit_mm.utils.benchmark.onnx_rt import onnx_model_names, run_onnx_points
+        from xcit_benchmark.onnx_rt import onnx_model_names, run_onnx_points
         records, meta = run_onnx_points(args.onnx, args.resolutions, opts, log=log)
         print(format_table(records))
         rows = ratio_rows(records, [onnx_model_names(args.onnx)[::-1]])

@@ -49,7 +49,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from xcit_mm.models.layers import GatherRoIAlign  # noqa: E402
+from xcit_mm.models.roi_heads import GatherRoIAlign  # noqa: E402
 
 CASES = (
     dict(name='shapes_bbox', map=(4, 64, 40, 40), stride=4, rois=128, output=7,
@@ -168,7 +168,7 @@ def metadata(argv: Sequence[str]) -> dict:
     version, this command line and the thread count."""
     import mmcv
 
-    from xcit_mm.utils.benchmark.runner import run_metadata
+    from xcit_benchmark.runner import run_metadata
     meta = run_metadata()
     meta.update(command=' '.join(['tools/analysis_tools/benchmark_roi_align.py', *argv]),
                 mmcv=mmcv.__version__, threads=torch.get_num_threads())

@@ -14,7 +14,7 @@ import platform
 import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))))
-from xcit_mm.utils.run_results import collect_run_results  # noqa: E402
+from xcit_mm.runtime.run_results import collect_run_results  # noqa: E402
 
 
 def main(argv=None):

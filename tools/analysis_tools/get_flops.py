@@ -15,7 +15,7 @@ Counted with ``torch.utils.flop_counter.FlopCounterMode`` on fake tensors (no co
 is cheap): mm/addmm/bmm, convolutions (grouped and depthwise exactly, also in the backward), SDPA;
 the XCA products ``q k^T`` and ``A v`` included; norms, softmax and element-wise ops not (as
 fvcore).  GMACs are what the XCiT, Swin and DeiT papers call "GFLOPs".  The library is
-``xcit_mm.utils.benchmark``; this file only parses the command line and prints.
+``xcit_benchmark``; this file only parses the command line and prints.
 
 Examples::
 
@@ -34,7 +34,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from xcit_mm.utils.benchmark import (SpecError, flops_report, format_flops_report,  # noqa: E402
+from xcit_benchmark import (SpecError, flops_report, format_flops_report,  # noqa: E402
                                      format_model_flops, list_models, load_spec,
                                      parse_models, point_flops,
                                      run_metadata, write_rows)

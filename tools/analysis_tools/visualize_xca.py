@@ -68,7 +68,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     """Command-line entry point; returns 0 on success, 2 on a bad input or checkpoint."""
     from xcit_mm.apis import error_line
-    from xcit_mm.utils.checkpoint_io import CheckpointError
+    from xcit_mm.models.utils.checkpoint_io import CheckpointError
     from xcit_mm.visualization import visualize_xca
     args = parse_args(argv)
     try:

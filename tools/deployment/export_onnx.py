@@ -78,7 +78,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from xcit_mm.apis import error_line
     from xcit_mm.deployment import (ExportError, build_export_model, check_onnx_runtime,
                                     export_onnx, other_shape, verify_onnx)
-    from xcit_mm.utils.checkpoint_io import CheckpointError
+    from xcit_mm.models.utils.checkpoint_io import CheckpointError
     try:
         check_onnx_runtime(need_runtime=args.verify)
         if min(args.shape) < 32 or (args.verify_shape and min(args.verify_shape) < 32):

@@ -5,7 +5,8 @@
 
 Reads official/DINO (``{'model': ...}``), timm, mmpretrain and xcit_mm/mmengine files with
 ``torch.load(weights_only=True)``; ``--trust`` unpickles a file you trust (e.g. a full mmengine
-training checkpoint). Writes ``{'state_dict': ..., 'meta': {...}}`` loadable with
+training checkpoint). Writes ``{'state_dict': ..., 'meta': {...}}`` (the source's ``meta``, ``dataset_meta`` included,
+plus where it came from) loadable with
 ``init_cfg=dict(type='Pretrained', checkpoint=DST)``. Pass ``--arch/--patch-size`` to also check
 that the result loads into that backbone. ``--full-model`` converts a whole released detector /
 segmentor (backbone renamed, neck and heads kept) for ``tools/test.py CONFIG DST``:
@@ -24,10 +25,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from xcit_mm.models import arch_zoo  # noqa: E402
-from xcit_mm.models.utils import (LayoutError, convert_backbone_state_dict,  # noqa: E402
-                                  convert_model_state_dict, load_backbone_state_dict)
-from xcit_mm.utils.checkpoint_io import (CheckpointError, extract_state_dict,  # noqa: E402
-                                         load_checkpoint_file)
+from xcit_mm.models.utils import (CheckpointError, LayoutError,  # noqa: E402
+                                  convert_backbone_state_dict, convert_model_state_dict,
+                                  extract_state_dict, load_checkpoint_file)
+from xcit_mm.runtime.hooks.portable_checkpoint_hook import to_plain_data  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -49,8 +50,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     try:
-        raw = extract_state_dict(
-            load_checkpoint_file(args.src, 'checkpoint', weights_only=not args.trust), args.src)
+        checkpoint = load_checkpoint_file(args.src, 'checkpoint', weights_only=not args.trust)
+        raw = extract_state_dict(checkpoint, args.src)
         if args.full_model:
             converted, info = convert_model_state_dict(raw)
             backbone = OrderedDict((k[len('backbone.'):], v) for k, v in converted.items()
@@ -60,14 +61,17 @@ def main(argv=None):
             backbone = converted
         if args.arch:
             from xcit_mm import XCiTBackbone
-            load_backbone_state_dict(XCiTBackbone(arch=args.arch, patch_size=args.patch_size),
-                                     backbone, source=args.src)
+            # strict; the backbone's load hook names what does not fit
+            XCiTBackbone(arch=args.arch, patch_size=args.patch_size).load_state_dict(backbone)
     except (CheckpointError, LayoutError) as e:
         sys.exit(f'error: {e}')
     os.makedirs(os.path.dirname(os.path.abspath(args.dst)), exist_ok=True)
-    torch.save({'state_dict': converted,
-                'meta': dict(source=os.path.basename(str(args.src)), layout=info['layout'])},
-               args.dst)
+    # The source's meta (dataset_meta: class names and palette for the inferencers, epoch...)
+    # is kept, as plain data, so that the file opens with torch's weights_only loading.
+    meta = checkpoint.get('meta') if isinstance(checkpoint, dict) else None
+    meta = to_plain_data(dict(meta)) if isinstance(meta, dict) else {}
+    meta.update(source=os.path.basename(str(args.src)), layout=info['layout'])
+    torch.save({'state_dict': converted, 'meta': meta}, args.dst)
     n_params = sum(v.numel() for k, v in backbone.items() if 'num_batches' not in k)
     print(f'{args.src}: {info["layout"]} layout, {len(raw)} tensors')
     print(f'  kept      {len(backbone)} backbone tensors ({n_params / 1e6:.2f}M values)')

@@ -4,7 +4,7 @@
 What :func:`mmdet.apis.init_detector` / :func:`mmseg.apis.init_model` do, for both tasks and with
 this package's checkpoint handling:
 
-* every checkpoint is read by THE reader, :mod:`xcit_mm.utils.checkpoint_io` (``weights_only``,
+* every checkpoint is read by THE reader, :mod:`xcit_mm.models.utils.checkpoint_io` (``weights_only``,
   URLs downloaded into torch's hub cache and read like local files: nothing downloaded is
   unpickled unsafely) and checked *before* the model is built, so a truncated file, a file with
   pickled code or an HTML page saved as ``.pth`` is one :class:`CheckpointError` naming the file;
@@ -24,7 +24,7 @@ from typing import List, Optional, Tuple, Union
 
 import numpy as np
 
-from xcit_mm.utils.checkpoint_io import (CheckpointError, check_checkpoint,
+from xcit_mm.models.utils.checkpoint_io import (CheckpointError, check_checkpoint,
                                          resolve_checkpoint_path)
 
 TASK_BY_SCOPE = {'mmdet': 'det', 'mmseg': 'seg'}
@@ -202,7 +202,7 @@ def model_num_classes(model) -> Optional[int]:
 def load_model_weights(model, checkpoint: str, what: str = 'checkpoint') -> dict:
     """Strictly load a detector / segmentor checkpoint into ``model``; return its ``meta``.
 
-    Reads with :func:`~xcit_mm.utils.checkpoint_io.load_checkpoint_file` (``weights_only``;
+    Reads with :func:`~xcit_mm.models.utils.checkpoint_io.load_checkpoint_file` (``weights_only``;
     mmengine Runner checkpoints, bare state dicts, ``{'model': ...}`` and the released XCiT
     COCO / ADE20k files) and loads strictly with
     :func:`~xcit_mm.models.utils.load_model_checkpoint`.

@@ -34,6 +34,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..layers import (batch_norm_stats_frozen, ffn_residual, recomputed_residual, up2_to_nchw,
                       xca_mixing, xca_residual)
+from ..utils.ckpt_load import (backbone_load_post_hook, backbone_load_pre_hook,
+                               load_backbone_checkpoint)
 
 # Published sizes (paper Table 1). mlp ratio is 4 for all of them.
 arch_zoo = {
@@ -479,6 +481,11 @@ class XCiTBackbone(BaseModule):
         self.out_channels = [self.embed_dims] * len(STRIDES)
         self.strides = STRIDES
         self._freeze_stages()
+        # Every loader (load_state_dict, mmengine, the mmdet / mmseg APIs) converts published
+        # layouts and fails on a file that does not fit: see xcit_mm.models.utils.ckpt_load.
+        self.last_load_report: Optional[dict] = None
+        self.register_load_state_dict_pre_hook(backbone_load_pre_hook)
+        self.register_load_state_dict_post_hook(backbone_load_post_hook)
 
     # ------------------------------------------------------------------ construction helpers
     @staticmethod
@@ -521,7 +528,6 @@ class XCiTBackbone(BaseModule):
     # ------------------------------------------------------------------ weights
     def init_weights(self):
         """Truncated-normal init as in the reference code, then the Pretrained checkpoint if any."""
-        from ..utils.ckpt_load import load_backbone_checkpoint
         self.apply(_init_module)
         init_cfg = self.init_cfg
         if isinstance(init_cfg, dict) and init_cfg.get('type') == 'Pretrained':

@@ -6,7 +6,7 @@ import torch.nn as nn
 from mmdet.models.roi_heads.roi_extractors import SingleRoIExtractor
 from mmengine.registry import MODELS
 
-from ..layers import GatherRoIAlign
+from .roi_align import GatherRoIAlign
 
 
 @MODELS.register_module()

@@ -1,149 +1,259 @@
-"""Loading converted weights into a backbone or a whole model, strictly.
+"""Loading XCiT weights through any loader, exactly or not at all.
 
-mmengine's loaders are non-strict by default and only warn: a checkpoint whose keys do not match
-leaves modules at their random initialisation without stopping anything. Here every mismatch is a
-:class:`~xcit_mm.utils.checkpoint_io.CheckpointError` that names the keys and the likely cause.
+:class:`~xcit_mm.models.backbones.XCiTBackbone` registers :func:`backbone_load_pre_hook` and
+:func:`backbone_load_post_hook` on itself (PyTorch's state-dict load hooks, as timm and
+mmpretrain use to migrate old layouts). Whoever loads a state dict into the backbone or into a
+model holding it -- ``model.load_state_dict``, mmengine's ``load_checkpoint`` / ``load_from`` /
+resume, ``mmdet.apis.init_detector``, ``DetInferencer``, ``mmseg.apis.init_model``,
+``MMSegInferencer`` -- gets the published layouts (official, timm, mmpretrain, released COCO /
+ADE20k, older xcit_mm files) converted to the backbone's names on the fly, and a file that does
+not fit is a :class:`CheckpointError` naming the likely cause, even under mmengine's non-strict
+loading, which would otherwise only warn and leave the backbone at its random initialisation.
 """
+import re
 from collections import OrderedDict
-from typing import Dict, Optional
+from typing import Dict, Iterable, List, Optional
 
 import torch
 from mmengine.logging import print_log
 
-from xcit_mm.utils.checkpoint_io import (CheckpointError, extract_state_dict,
-                                         load_checkpoint_file)
+from .checkpoint_io import CheckpointError, extract_state_dict, load_checkpoint_file
 from .ckpt_convert import (ADAPTER_KEY, LayoutError, convert_backbone_state_dict,
-                           convert_model_state_dict, describe_backbone)
+                           describe_backbone)
 
-_TASK_HEADS = {
+# Heads that identify the kind of dense model a file was saved from (mmdet / mmseg names).
+TASK_HEADS = {
     'detector': ('rpn_head.', 'roi_head.', 'bbox_head.', 'mask_head.'),
     'segmentor': ('decode_head.', 'auxiliary_head.'),
 }
 
+# Key patterns of other backbones, to name them when their file meets an XCiT model.
+_FOREIGN_BACKBONES = [
+    (re.compile(r'(^|\.)stages\.\d+\.blocks\.\d+\.attn\.w_msa\.'), 'a Swin Transformer'),
+    (re.compile(r'(^|\.)layer[1-4]\.\d+\.conv1\.'), 'a ResNet'),
+    (re.compile(r'(^|\.)(layers|blocks)\.\d+\.attn\.qkv\.') , 'a ViT / DeiT'),
+]
+_CLASSIFIER_ROOT = re.compile(r'^(blocks\.|cls_token|cls_attn_blocks\.|pos_embeder\.|head\.)')
 
-def _compare_keys(own: Dict[str, torch.Tensor], state_dict: Dict[str, torch.Tensor],
-                  may_be_absent=lambda key: False):
-    """``(mismatched, unexpected, missing)`` keys of ``state_dict`` against a model's ``own``.
 
-    BN ``num_batches_tracked`` counters, and the keys ``may_be_absent`` accepts, may be missing.
+def _is_counter(key: str) -> bool:
+    return key.endswith('num_batches_tracked')
+
+
+def _kind_of_backbone(keys: Iterable[str]) -> Optional[str]:
+    for pattern, name in _FOREIGN_BACKBONES:
+        if any(pattern.search(k) for k in keys):
+            return name
+    return None
+
+
+def _arch_hint(module, state_dict: Dict[str, torch.Tensor]) -> str:
+    return (f'the weights look like {describe_backbone(state_dict)} while the backbone has '
+            f'embed_dims={module.embed_dims}, depth={module.num_layers}, '
+            f'patch_size={module.patch_size}: pick the arch / patch_size of the checkpoint '
+            f'(e.g. p8 vs p16, or another XCiT size)')
+
+
+def _check_fit(module, converted: Dict[str, torch.Tensor], where: str) -> List[str]:
+    """Raise unless ``converted`` sets every trunk tensor of ``module`` with the right shape.
+
+    The stride adapter (``fpn1``..``fpn4``) is all there (dense-prediction files) or all absent
+    (ImageNet weights: it keeps its fresh initialisation); partly present is an error.
+
+    Returns:
+        list[str]: The adapter branches left at their initialisation.
     """
+    own = module.state_dict()
     mismatched = [f'{k}: file {tuple(v.shape)} vs model {tuple(own[k].shape)}'
-                  for k, v in state_dict.items() if k in own and own[k].shape != v.shape]
-    unexpected = [k for k in state_dict if k not in own]
-    missing = [k for k in own if k not in state_dict and not may_be_absent(k)
-               and not k.endswith('num_batches_tracked')]
-    return mismatched, unexpected, missing
-
-
-def _backbone_mismatch_hint(model, state_dict) -> str:
-    model_desc = (f'embed_dims={model.embed_dims}, depth={model.num_layers}, '
-                  f'patch_size={model.patch_size}')
-    return (f'the checkpoint looks like {describe_backbone(state_dict)} while the backbone has '
-            f'{model_desc}: pick the arch/patch_size that match the checkpoint')
-
-
-def load_backbone_state_dict(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor],
-                             source: str = 'checkpoint') -> dict:
-    """Load converted weights into an ``XCiTBackbone``; every trunk tensor must be set.
-
-    The stride adapter (``fpn1..fpn4``) may be absent (ImageNet weights): it keeps its fresh
-    init. BN ``num_batches_tracked`` counters may be absent too. Anything else missing, any
-    unexpected key and any shape mismatch is a :class:`CheckpointError` naming the keys.
-    """
-    own = model.state_dict()
-    hint = _backbone_mismatch_hint(model, state_dict)
-    mismatched, unexpected, missing = _compare_keys(
-        own, state_dict, may_be_absent=lambda k: bool(ADAPTER_KEY.match(k)))
+                  for k, v in converted.items() if k in own and own[k].shape != v.shape]
+    unexpected = [k for k in converted if k not in own]
+    missing = [k for k in own if k not in converted and not _is_counter(k)]
+    missing_trunk = [k for k in missing if not ADAPTER_KEY.match(k)]
+    adapter_own = [k for k in own if ADAPTER_KEY.match(k) and not _is_counter(k)]
+    adapter_missing = [k for k in missing if ADAPTER_KEY.match(k)]
+    problems = []
     if mismatched:
-        raise CheckpointError(f'{source}: {len(mismatched)} tensors have the wrong shape, e.g. '
-                              f'{mismatched[:5]}; {hint}')
+        problems.append(f'{len(mismatched)} tensors have the wrong shape, e.g. {mismatched[:3]}')
     if unexpected:
-        raise CheckpointError(f'{source}: {len(unexpected)} keys do not exist in XCiTBackbone, '
-                              f'e.g. {unexpected[:5]}; {hint}')
-    if missing:
-        raise CheckpointError(f'{source}: {len(missing)} trunk weights are not in the checkpoint, '
-                              f'e.g. {missing[:5]}; {hint}')
-    model.load_state_dict(state_dict, strict=False)
-    fresh = sorted({k.split('.')[0] for k in own if k not in state_dict and ADAPTER_KEY.match(k)})
-    return dict(loaded=len(state_dict), adapter_fresh=fresh)
+        problems.append(f'{len(unexpected)} keys do not exist in XCiTBackbone, e.g. '
+                        f'{unexpected[:3]}')
+    if missing_trunk:
+        problems.append(f'{len(missing_trunk)} trunk weights are missing, e.g. '
+                        f'{missing_trunk[:3]}')
+    if problems:
+        raise CheckpointError(f'The weights given to XCiTBackbone{where} do not fit it: '
+                              f'{"; ".join(problems)}. Likely cause: '
+                              f'{_arch_hint(module, converted)}.')
+    if adapter_missing and len(adapter_missing) < len(adapter_own):
+        raise CheckpointError(
+            f'The weights given to XCiTBackbone{where} hold only part of the stride adapter: '
+            f'{adapter_missing[:4]} are missing. A file holds the whole adapter (a COCO / '
+            f'ADE20k model) or none of it (ImageNet weights); this one is incomplete or was '
+            f'edited: re-export it.')
+    return sorted({k.split('.')[0] for k in adapter_missing})
+
+
+def backbone_load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
+                           unexpected_keys, error_msgs) -> None:
+    """Convert the backbone's part of ``state_dict`` (keys under ``prefix``) in place.
+
+    At the root of a load (``prefix == ''``, e.g. ``backbone.load_state_dict(...)`` or the
+    ``Pretrained`` init_cfg) a DDP ``module.`` prefix is stripped and, in a whole-model file,
+    only the ``backbone.`` weights are taken; classification-only keys are dropped there too.
+    """
+    keys = [k for k in state_dict if k.startswith(prefix)]
+    where = f' (keys under {prefix!r})' if prefix else ''
+    module.last_load_report = None
+    if not keys:
+        return  # backbone_load_post_hook names the problem, knowing the whole load
+    local = OrderedDict((k[len(prefix):], state_dict.pop(k)) for k in keys)
+    try:
+        converted, info = convert_backbone_state_dict(local, prefix=None if not prefix else '')
+    except LayoutError:
+        other = _kind_of_backbone(local)
+        cause = (f'these are the weights of {other} backbone, not XCiT' if other else
+                 f'none of the published XCiT layouts matches; first keys {list(local)[:5]}')
+        raise CheckpointError(f'The weights given to XCiTBackbone{where} are not XCiT weights: '
+                              f'{cause}. Use a checkpoint of an XCiT model, or a config with '
+                              f'the backbone this file was trained with.') from None
+    fresh = _check_fit(module, converted, where)
+    state_dict.update((prefix + k, v) for k, v in converted.items())
+    module.last_load_report = dict(info, prefix=prefix, loaded=len(converted),
+                                   adapter_fresh=fresh)
+    if info['layout'] != 'xcit_mm' or fresh or info['classifier'] or info['outside']:
+        print_log(
+            f'XCiTBackbone{where}: loaded {len(converted)} tensors ({info["layout"]} layout, '
+            f'converted in memory); dropped {len(info["classifier"])} classification-only keys '
+            f'and {len(info["outside"])} keys outside the backbone; adapter left at its '
+            f'initialisation: {fresh or "none"}', logger='current')
+
+
+def _no_weights_cause(unexpected: List[str]) -> str:
+    if any(k.startswith('module.') for k in unexpected):
+        return ('the keys start with the DDP prefix "module.": strip it (mmengine\'s '
+                'load_checkpoint does; plain load_state_dict does not)')
+    if any(_CLASSIFIER_ROOT.match(k) for k in unexpected):
+        return ('this is an ImageNet classifier file (blocks.*, cls_token...): load it into the '
+                'backbone with model.backbone.init_cfg=dict(type="Pretrained", checkpoint=FILE)')
+    other = _kind_of_backbone(unexpected)
+    if other:
+        return f'the file holds {other} model without the "backbone." prefix'
+    return 'the file holds no weights for the backbone at all'
+
+
+def backbone_load_post_hook(module, incompatible_keys) -> None:
+    """After the load: fail if the backbone received no weights, or if the file is a model of
+    another task (a segmentor file loaded into a detector, or the reverse).
+
+    BN counters and an adapter left at its initialisation on purpose (ImageNet weights, logged
+    by the pre-hook) are taken off the missing keys, so that a strict load accepts them.
+    """
+    report = getattr(module, 'last_load_report', None)
+    unexpected = list(incompatible_keys.unexpected_keys)
+    if report is None:
+        raise CheckpointError(
+            f'The state dict loaded into the model has no weights for its XCiTBackbone, which '
+            f'would stay randomly initialised. Likely cause: {_no_weights_cause(unexpected)}. '
+            f'First unexpected keys: {unexpected[:4]}')
+    for task, heads in TASK_HEADS.items():
+        foreign = [k for k in unexpected if k.startswith(heads)]
+        if foreign:
+            raise CheckpointError(
+                f'The checkpoint is a {task} checkpoint ({foreign[0]}, ...) whose heads the '
+                f'model holding this XCiTBackbone does not have: use the config of the model '
+                f'the file was saved from (the {task} config it was trained with).')
+    fresh = tuple(report['prefix'] + name + '.' for name in report['adapter_fresh'])
+    missing = incompatible_keys.missing_keys
+    missing[:] = [k for k in missing if not (k.startswith(report['prefix']) and (
+        _is_counter(k) or k.startswith(fresh) and fresh))]
 
 
 def load_backbone_checkpoint(model: torch.nn.Module, checkpoint: str,
                              prefix: Optional[str] = None, weights_only: bool = True) -> dict:
-    """Read ``checkpoint`` (any layout), convert it and load it into ``model``; log a summary."""
+    """Read ``checkpoint`` (any layout) safely and load it into an ``XCiTBackbone``.
+
+    Args:
+        prefix (str, optional): Take only the keys under this prefix (e.g. ``'backbone.'``);
+            by default the backbone's load hook finds them.
+        weights_only (bool): False unpickles arbitrary objects: only for files you trust.
+
+    Returns:
+        dict: ``layout``, ``loaded``, ``adapter_fresh``, ``classifier``, ``outside``.
+    """
     source = str(checkpoint)
     state_dict = extract_state_dict(
         load_checkpoint_file(checkpoint, 'pretrained checkpoint', weights_only), source)
+    if prefix:
+        outside = [k for k in state_dict if not k.startswith(prefix)]
+        state_dict = OrderedDict((k[len(prefix):], v) for k, v in state_dict.items()
+                                 if k.startswith(prefix))
+        if not state_dict:
+            raise CheckpointError(f'{source}: no key starts with prefix {prefix!r}; first keys: '
+                                  f'{outside[:8]}')
     try:
-        converted, info = convert_backbone_state_dict(state_dict, prefix)
-    except LayoutError as e:
-        raise CheckpointError(f'{source}: {e}') from e
-    report = load_backbone_state_dict(model, converted, source=source)
-    report.update(info)
-    print_log(
-        f'XCiTBackbone: loaded {report["loaded"]} tensors from {checkpoint} ({info["layout"]} '
-        f'layout); dropped {len(info["classifier"])} classification-only keys and '
-        f'{len(info["outside"])} keys outside the backbone; adapter initialised fresh: '
-        f'{report["adapter_fresh"] or "none"}', logger='current')
-    return report
+        # strict: the hooks accept an absent adapter (ImageNet weights) and absent BN counters
+        model.load_state_dict(state_dict)
+    except CheckpointError as e:
+        raise CheckpointError(f'{source}: {e}') from None
+    return dict(model.last_load_report)
 
 
 def _likely_cause(model: torch.nn.Module, own_keys, state_dict) -> str:
-    """Explain a whole-model mismatch: another task, another backbone size or patch size."""
-    for task, heads in _TASK_HEADS.items():
-        file_has = any(k.startswith(heads) for k in state_dict)
-        model_has = any(k.startswith(heads) for k in own_keys)
-        if file_has and not model_has:
+    """Explain a whole-model mismatch outside the backbone: another task, or another model."""
+    for task, heads in TASK_HEADS.items():
+        if any(k.startswith(heads) for k in state_dict) and \
+                not any(k.startswith(heads) for k in own_keys):
             return f'the file is a {task} checkpoint, the config builds another kind of model'
-    backbone = getattr(model, 'backbone', None)
-    if backbone is not None and hasattr(backbone, 'patch_size'):
-        sub = OrderedDict((k[len('backbone.'):], v) for k, v in state_dict.items()
-                          if k.startswith('backbone.'))
-        if sub:
-            return (f'{_backbone_mismatch_hint(backbone, sub)} (e.g. p8 vs p16, or another '
-                    f'XCiT size)')
     return 'the config does not build the model this file was saved from'
 
 
 def load_model_state_dict(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor],
                           source: str = 'checkpoint') -> dict:
-    """Strictly load a whole detector / segmentor, converting released XCiT layouts first.
-
-    Every model tensor must come from the file (BN ``num_batches_tracked`` counters excepted),
-    every file tensor must exist in the model with the same shape.
+    """Strictly load a whole detector / segmentor (released XCiT layouts are converted by the
+    backbone's load hook): every model tensor must come from the file (BN counters excepted)
+    and every file tensor must fit the model.
 
     Returns:
-        dict: ``layout`` of the backbone in the file (None for other backbones), ``loaded``.
+        dict: ``layout`` of the backbone in the file (None without an XCiT backbone),
+        ``loaded`` (tensors in the file).
 
     Raises:
         CheckpointError: naming the keys and the likely cause.
     """
-    converted, info = convert_model_state_dict(state_dict)
-    own = model.state_dict()
-    mismatched, unexpected, missing = _compare_keys(own, converted)
-    if mismatched or unexpected or missing:
-        parts = []
-        if mismatched:
-            parts.append(f'{len(mismatched)} tensors have the wrong shape, e.g. {mismatched[:4]}')
+    state_dict = OrderedDict(state_dict)
+    if state_dict and all(k.startswith('module.') for k in state_dict):
+        state_dict = OrderedDict((k[len('module.'):], v) for k, v in state_dict.items())
+    try:
+        result = model.load_state_dict(state_dict, strict=False)
+        error = None
+    except RuntimeError as e:  # shape mismatches outside the backbone
+        result, error = None, e
+    if isinstance(error, CheckpointError):
+        raise CheckpointError(f'{source}: {error}') from None
+    parts = []
+    if error is not None:
+        sizes = re.findall(r'size mismatch for ([^:]+):', str(error))
+        parts.append(f'{len(sizes)} tensors have the wrong shape, e.g. {sizes[:4]}')
+    else:
+        missing = [k for k in result.missing_keys if not _is_counter(k)]
         if missing:
             parts.append(f'{len(missing)} model weights are not in the file, e.g. {missing[:4]}')
-        if unexpected:
-            parts.append(f'{len(unexpected)} keys of the file do not exist in the model, e.g. '
-                         f'{unexpected[:4]}')
+        if result.unexpected_keys:
+            parts.append(f'{len(result.unexpected_keys)} keys of the file do not exist in the '
+                         f'model, e.g. {result.unexpected_keys[:4]}')
+    if parts:
         raise CheckpointError(
             f'{source} does not fit the model: {"; ".join(parts)}. Likely cause: '
-            f'{_likely_cause(model, own, converted)}. Loading stopped, so that '
+            f'{_likely_cause(model, model.state_dict(), state_dict)}. Loading stopped, so that '
             f'no part of the model is silently left at its random initialisation.')
-    model.load_state_dict(converted, strict=False)  # counters may be absent: checked above
-    return dict(layout=info['layout'], loaded=len(converted))
+    reports = [m.last_load_report for m in model.modules()
+               if getattr(m, 'last_load_report', None)]
+    return dict(layout=reports[0]['layout'] if reports else None, loaded=len(state_dict))
 
 
 def load_model_checkpoint(model: torch.nn.Module, filename: str, map_location='cpu',
                           what: str = 'checkpoint'):
     """Read a whole-model checkpoint safely and load it strictly (released layouts converted).
-
-    Args:
-        what (str): How messages name the file.
 
     Returns:
         tuple: ``(checkpoint, report)``: the checkpoint dict as read, and
@@ -161,7 +271,7 @@ def is_released_layout(layout: Optional[str]) -> bool:
 
 
 __all__ = [
-    'load_backbone_checkpoint', 'load_backbone_state_dict', 'load_model_checkpoint',
-    'load_model_state_dict',
-    'is_released_layout'
+    'TASK_HEADS', 'backbone_load_post_hook', 'backbone_load_pre_hook',
+    'is_released_layout', 'load_backbone_checkpoint', 'load_model_checkpoint',
+    'load_model_state_dict'
 ]

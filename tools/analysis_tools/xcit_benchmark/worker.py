@@ -1,6 +1,6 @@
-"""Entry point of a memory worker process: ``python -m xcit_mm.utils.benchmark.worker CFG_JSON``.
+"""Entry point of a memory worker process: ``python -m xcit_benchmark.worker CFG_JSON``.
 
-Started by :func:`xcit_mm.utils.benchmark.memory.run_memory_worker`; prints
+Started by :func:`xcit_benchmark.memory.run_memory_worker`; prints
 ``WORKER_MARK + json(result)`` on stdout (a failure is reported as ``status='error'``).  Kept
 apart from :mod:`.memory` so that ``-m`` runs a module nothing else imports.
 """
@@ -11,15 +11,15 @@ import warnings
 
 
 def main(argv=None) -> int:
-    """Run :func:`~xcit_mm.utils.benchmark.memory.worker_main` on ``argv[0]`` (JSON)."""
+    """Run :func:`~xcit_benchmark.memory.worker_main` on ``argv[0]`` (JSON)."""
     argv = sys.argv[1:] if argv is None else argv
     # mmcv's ConvModule warns about mmpretrain's LPI conv (bias before a norm): not our concern
     warnings.filterwarnings('ignore', message='Unnecessary conv bias before batch/instance norm')
-    from xcit_mm.utils.benchmark.memory import WORKER_MARK, worker_main
+    from xcit_benchmark.memory import WORKER_MARK, worker_main
     try:
         cfg = json.loads(argv[0])
         if cfg.get('kind') == 'whole_model':  # --whole-model: one config, by part
-            from xcit_mm.utils.benchmark.whole_model import worker_main as whole_model_main
+            from xcit_benchmark.whole_model import worker_main as whole_model_main
             result = whole_model_main(cfg)
         else:
             result = worker_main(cfg)

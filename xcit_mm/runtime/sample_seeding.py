@@ -31,9 +31,8 @@ a traceback relayed from a worker process. With ``on_bad_sample='skip'`` the sam
 the next loadable one and the replacement is recorded, so that the training loop can count it
 (``SkippedSamplesHook``).
 
-``XCiTRunner`` applies both to the training dataloader (see :func:`seeded_train_dataloader`);
-``train_dataloader.sample_seeding=False`` turns it off, ``train_dataloader.on_bad_sample='skip'``
-skips unreadable samples.
+:class:`~xcit_mm.runtime.hooks.SampleSeedingHook` applies both to the training dataloader (see
+:func:`seeded_dataloader`); its ``on_bad_sample='skip'`` skips unreadable samples.
 """
 import random
 from collections import namedtuple
@@ -253,7 +252,7 @@ class SeededSampleDataset:
                     f'Cannot load training sample {index} of {self._name()} '
                     f'({_describe(self.dataset, index)}): {_one_line(error)}. Fix or remove the '
                     f'file (then the annotations), or skip unreadable samples with '
-                    f"--cfg-options train_dataloader.on_bad_sample=skip.") from error
+                    f"SampleSeedingHook(on_bad_sample='skip') in custom_hooks.") from error
             skipped = [dict(index=int(index), files=_describe(self.dataset, index),
                             reason=_one_line(error))]
         size = len(self.dataset)
@@ -294,53 +293,46 @@ def skipped_in_batch(data_batch) -> List[dict]:
     return found
 
 
-def seeded_train_dataloader(dataloader_cfg: dict, seed: int) -> dict:
-    """The training dataloader config with :class:`SeededSampleDataset` and
-    :class:`SampleKeyBatchSampler` around the configured dataset and batch sampler.
+def seeded_dataloader(loader, seed: int, on_bad_sample: str = 'error'):
+    """A DataLoader like ``loader`` whose samples each get random numbers of their own.
 
-    Its workers die with the training process (:func:`worker_init_fn`, otherwise mmengine's).
-    The dataloader also gets its own ``generator``: torch draws a base seed for the workers from
-    it whenever it creates an iterator, which otherwise comes from the global torch generator.
-    With persistent workers the iterator is created once, in the first epoch *of the process*:
-    a run resumed in epoch 3 would draw one number more from the global generator than the
+    The dataset is wrapped in :class:`SeededSampleDataset`, the batch sampler in
+    :class:`SampleKeyBatchSampler`; workers, collate function, memory pinning and persistence
+    are ``loader``'s. Its workers die with the training process (:func:`worker_init_fn`). The
+    loader also gets its own ``generator``: torch draws a base seed for the workers from it
+    whenever it creates an iterator, which otherwise comes from the global torch generator. With
+    persistent workers the iterator is created once, in the first epoch *of the process*: a run
+    resumed in epoch 3 would draw one number more from the global generator than the
     uninterrupted run, and its drop-path masks and RoI samples would differ from there on.
 
-    Keys read (and removed) from ``dataloader_cfg``: ``sample_seeding`` (default True; False
-    leaves the config as mmengine's, with per-worker seeds) and ``on_bad_sample`` (``'error'``,
-    default, or ``'skip'``). An already built dataset or sampler is left alone.
-
     Args:
-        dataloader_cfg (dict): ``train_dataloader`` of the config (not modified).
+        loader (DataLoader): The training dataloader mmengine built from the config.
         seed (int): The run's seed (``runner.seed``).
-
-    Returns:
-        dict: The config to build the dataloader from.
+        on_bad_sample (str): ``'error'`` or ``'skip'`` (see :class:`SeededSampleDataset`).
     """
-    cfg = dict(dataloader_cfg)
-    if cfg.get('generator') is None:
-        _, number = _entropy_seeds((int(seed or 0), get_rank(), 1 << 40))
-        cfg['generator'] = torch.Generator().manual_seed(number)
-    if cfg.get('worker_init_fn') is None and cfg.get('num_workers', 0) > 0:
-        cfg['worker_init_fn'] = dict(
-            type=worker_init_fn, num_workers=cfg['num_workers'], rank=get_rank(), seed=seed,
-            disable_subprocess_warning=cfg.pop('disable_subprocess_warning', False))
-    enabled = cfg.pop('sample_seeding', True)
-    on_bad_sample = cfg.pop('on_bad_sample', 'error')
+    from functools import partial
+
+    from torch.utils.data import DataLoader
     if on_bad_sample not in ON_BAD_SAMPLE:
-        raise ValueError(f'train_dataloader.on_bad_sample must be one of {ON_BAD_SAMPLE}, got '
-                         f'{on_bad_sample!r}')
-    dataset = cfg.get('dataset')
-    if not isinstance(dataset, dict):
-        return cfg
-    cfg['dataset'] = dict(type=SeededSampleDataset, dataset=dataset, on_bad_sample=on_bad_sample)
-    if not enabled:
-        return cfg
-    batch_sampler = cfg.get('batch_sampler')
-    if batch_sampler is not None and not isinstance(batch_sampler, dict):
-        return cfg
-    cfg['batch_sampler'] = dict(type=SampleKeyBatchSampler, batch_sampler=batch_sampler,
-                                drop_last=cfg.pop('drop_last', False), seed=seed)
-    return cfg
+        raise ValueError(f'on_bad_sample must be one of {ON_BAD_SAMPLE}, got {on_bad_sample!r}')
+    dataset = SeededSampleDataset(unwrap_dataset(loader.dataset), on_bad_sample=on_bad_sample)
+    inner = loader.batch_sampler
+    if isinstance(inner, SampleKeyBatchSampler):
+        inner = inner.batch_sampler
+    batch_sampler = SampleKeyBatchSampler(
+        getattr(inner, 'sampler', loader.sampler), getattr(inner, 'batch_size', None),
+        batch_sampler=inner, seed=seed)
+    _, number = _entropy_seeds((int(seed or 0), get_rank(), 1 << 40))
+    workers = loader.num_workers
+    return DataLoader(
+        dataset, batch_sampler=batch_sampler, num_workers=workers,
+        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, timeout=loader.timeout,
+        worker_init_fn=partial(worker_init_fn, num_workers=workers, rank=get_rank(),
+                               seed=seed) if workers else None,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=torch.Generator().manual_seed(number),
+        prefetch_factor=loader.prefetch_factor if workers else None,
+        persistent_workers=loader.persistent_workers)
 
 
 def unwrap_dataset(dataset):
@@ -350,6 +342,6 @@ def unwrap_dataset(dataset):
 
 __all__ = [
     'SKIPPED_KEY', 'SampleKey', 'SampleKeyBatchSampler', 'SampleLoadError',
-    'SeededSampleDataset', 'seeded_random_state', 'seeded_train_dataloader', 'skipped_in_batch',
+    'SeededSampleDataset', 'seeded_dataloader', 'seeded_random_state', 'skipped_in_batch',
     'unwrap_dataset'
 ]

@@ -14,7 +14,7 @@ ResNet-50 and Swin-T, mmseg ViT-S/16, mmpretrain's XCiT port); see docs/benchmar
 - :mod:`.spec`: the data (default models, goals, paper Table 1) in docs/benchmark/goals_spec.json.
 - :mod:`.report`, :mod:`.plot`: text and Markdown tables, CSV/JSON/PNG files.
 
-Not imported by ``import xcit_mm``: import ``xcit_mm.utils.benchmark`` explicitly.
+Not imported by ``import xcit_mm``: import ``xcit_benchmark`` explicitly.
 """
 from .compare import (check_same_trunk, compare_pairs, compile_variants, ratio_rows,
                       with_cp_variants)

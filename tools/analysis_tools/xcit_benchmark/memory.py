@@ -9,7 +9,7 @@ a plain process shows).  CUDA: ``torch.cuda.max_memory_allocated()`` growth over
 ``torch.cuda.memory_allocated()`` at the same moment.  So it is the memory the forward (or train
 step, incl. the parameter gradients) needs on top of the weights and the input.
 
-:func:`run_memory_worker` (parent side) starts ``python -m xcit_mm.utils.benchmark.worker`` which
+:func:`run_memory_worker` (parent side) starts ``python -m xcit_benchmark.worker`` which
 runs :func:`worker_main` and prints its result after :data:`WORKER_MARK`.
 """
 import gc
@@ -25,10 +25,9 @@ from .models import build_model, compile_forward, parse_model
 from .timing import make_step, set_threads
 
 WORKER_MARK = '@@XCIT_BENCHMARK_WORKER@@'
-WORKER_MODULE = 'xcit_mm.utils.benchmark.worker'
-# the directory that holds the xcit_mm package (the repository root in a checkout)
-PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))))
+WORKER_MODULE = 'xcit_benchmark.worker'
+# the directory that holds this package (tools/analysis_tools)
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def read_kb(path: str, key: str) -> int:

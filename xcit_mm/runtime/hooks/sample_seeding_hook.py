@@ -1,0 +1,74 @@
+"""Give every training sample random numbers of its own; stop dataloader workers on the way out.
+
+The training dataloader mmengine builds from the config is rebuilt around the same dataset and
+samplers by :func:`xcit_mm.runtime.sample_seeding.seeded_dataloader` before the first iteration:
+each sample's augmentation is seeded by (seed, rank, epoch, position), whichever worker loads it,
+so every epoch draws new augmentations and a resumed run draws those of an uninterrupted one, with
+any ``num_workers`` / ``persistent_workers``; a sample that cannot be loaded is named by index and
+file, or skipped (``on_bad_sample='skip'``) and counted.
+"""
+from mmengine.registry import HOOKS
+from mmengine.runner import IterBasedTrainLoop
+from mmengine.runner.loops import _InfiniteDataloaderIterator
+
+from ..sample_seeding import ON_BAD_SAMPLE, seeded_dataloader
+from .skipped_samples_hook import SkippedSamplesHook
+
+
+def shutdown_dataloader_workers(runner) -> None:
+    """Stop the worker processes of every dataloader of the runner's built loops, now.
+
+    Otherwise a persistent worker's iterator is freed by the garbage collector (the Runner is
+    full of reference cycles), and the collector runs the finalizers of its queues *before* the
+    iterator's own: the queues stop feeding the workers, the shutdown message never reaches them,
+    and torch waits 5 s per worker before killing it.
+    """
+    for name in ('_train_loop', '_val_loop', '_test_loop'):
+        loop = getattr(runner, name, None)
+        if loop is None or isinstance(loop, dict):
+            continue
+        _shutdown(getattr(getattr(loop, 'dataloader_iterator', None), '_iterator', None))
+        dataloader = getattr(loop, 'dataloader', None)
+        if dataloader is not None and getattr(dataloader, '_iterator', None) is not None:
+            _shutdown(dataloader._iterator)
+            dataloader._iterator = None  # a later epoch starts new workers
+
+
+def _shutdown(iterator) -> None:
+    if hasattr(iterator, '_shutdown_workers'):
+        iterator._shutdown_workers()
+
+
+@HOOKS.register_module()
+class SampleSeedingHook(SkippedSamplesHook):
+    """Seed every training sample from (seed, rank, epoch, position) (see the module docs).
+
+    Args:
+        on_bad_sample (str): ``'error'`` (default): an unreadable sample stops training with a
+            message naming it. ``'skip'``: it is replaced by the next readable one, and each
+            replacement is logged and counted.
+    """
+
+    priority = 'VERY_HIGH'
+
+    def __init__(self, on_bad_sample: str = 'error') -> None:
+        super().__init__()
+        if on_bad_sample not in ON_BAD_SAMPLE:
+            raise ValueError(f'SampleSeedingHook: on_bad_sample must be one of {ON_BAD_SAMPLE}, '
+                             f'got {on_bad_sample!r}')
+        self.on_bad_sample = on_bad_sample
+
+    def before_train(self, runner) -> None:
+        loop = runner.train_loop
+        old = loop.dataloader
+        loop.dataloader = seeded_dataloader(old, runner.seed, self.on_bad_sample)
+        if isinstance(loop, IterBasedTrainLoop):  # its iterator already started old's workers
+            _shutdown(getattr(loop.dataloader_iterator, '_iterator', None))
+            loop.dataloader_iterator = _InfiniteDataloaderIterator(loop.dataloader)
+
+    def after_train(self, runner) -> None:
+        super().after_train(runner)
+        shutdown_dataloader_workers(runner)
+
+    def after_test(self, runner) -> None:
+        shutdown_dataloader_workers(runner)
