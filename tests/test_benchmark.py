@@ -279,6 +279,7 @@ import torch
 import xcit_mm
 report = dict(bench_modules=sorted(m for m in sys.modules
                                    if m.startswith('xcit_benchmark')))
+sys.path.insert(0, 'tools/analysis_tools')  # the library lives beside the tools that use it
 from xcit_benchmark import build_model, parse_model
 model, forward = build_model(parse_model('mmpretrain_xcit_n12_p16'))
 model.eval()

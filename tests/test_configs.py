@@ -85,9 +85,11 @@ def test_exactly_the_paper_configs_exist():
 @pytest.mark.parametrize('task,arch,patch', ALL)
 def test_config_recipe(task, arch, patch):
     cfg = _load(task, arch, patch)
-    assert cfg.custom_imports == dict(imports=['xcit_mm'],
+    assert cfg.custom_imports == dict(imports=['xcit_mm', 'xcit_mm.runtime'],
                                       allow_failed_imports=False)
-    assert [h['type'] for h in cfg.custom_hooks] == ['CheckFiniteLossHook', 'RandomStateHook']
+    assert [h['type'] for h in cfg.custom_hooks] == [
+        'CheckFiniteLossHook', 'SampleSeedingHook', 'RandomStateHook', 'PortableCheckpointHook']
+    assert cfg.default_hooks.checkpoint.type == 'SafeCheckpointHook' and 'runner_type' not in cfg
     backbone = cfg.model.backbone
     assert backbone.type == 'XCiTBackbone'
     assert (backbone.arch, backbone.patch_size) == (arch, patch)

@@ -641,16 +641,16 @@ def test_epoch_based_resume_is_identical(tmp_path, train_tool):
 
 
 def _augmentations(dataloader_cfg, epochs, **overrides):
-    """Per epoch, what the training dataloader built from ``dataloader_cfg`` (as mmengine builds
-    it, then SampleSeedingHook rebuilds it) delivers: per sample (image, flip, shape after
+    """Per epoch, what the training dataloader built from ``dataloader_cfg`` (as SampleSeedingHook
+    rebuilds it) delivers: per sample (image, flip, shape after
     resize / crop, a digest of the pixels)."""
     import hashlib
 
     from mmengine.runner import Runner
 
-    from xcit_mm.runtime.sample_seeding import seeded_dataloader
-    loader = seeded_dataloader(
-        Runner.build_dataloader(dict(dataloader_cfg, **overrides), seed=0), seed=0)
+    from xcit_mm.runtime.sample_seeding import seeded_train_dataloader
+    loader = Runner.build_dataloader(
+        seeded_train_dataloader(dict(dataloader_cfg, **overrides), seed=0), seed=0)
     draws = []
     for epoch in epochs:
         loader.batch_sampler.sampler.set_epoch(epoch)  # as mmengine's DistSamplerSeedHook does
@@ -1248,7 +1248,7 @@ def test_a_bad_image_halfway_through_an_epoch_is_named(tmp_path, train_tool, fau
     with pytest.raises(SystemExit) as info:
         train_tool.main(argv)
     message = _exit_message(info)
-    assert re.match(rf'error: Cannot load training sample \d+ of CocoDataset '
+    assert re.match(rf'error: Cannot load training sample \d+ of ShapesCocoDataset '
                     rf'\(img_path={re.escape(victim)}\): ', message), message
     assert 'Traceback' not in message and 'worker process' not in message
     assert "SampleSeedingHook(on_bad_sample='skip')" in message

@@ -48,6 +48,8 @@ from xcit_mm.models.utils import CheckpointError, check_checkpoint
 from xcit_mm.runtime import (AnnotationFormatError, DatasetNotFoundError, check_data,
                              distributed_session)
 from xcit_mm.models.utils.checkpoint_io import is_url  # noqa: E402
+from xcit_mm.runtime.config_check import (ConfigError, check_backbone_config,  # noqa: E402
+                                          check_checkpoint_task)
 from xcit_mm.runtime.dist_utils import lost_peer_message  # noqa: E402
 
 
@@ -190,14 +192,16 @@ def main(argv=None):
             # reported by name; a URL is downloaded into torch's hub cache (after the cheaper data
             # check), checked, and loaded from there (mmengine would unpickle a URL with
             # weights_only=False).
+            check_backbone_config(cfg)
             if not is_url(args.checkpoint):
                 cfg.load_from = check_checkpoint(args.checkpoint, 'checkpoint')
             ensure_shapes_world(cfg, splits=('test', ))
             check_data(cfg, splits=('test', ), config_name=args.config)
             if is_url(args.checkpoint):
                 cfg.load_from = check_checkpoint(args.checkpoint, 'checkpoint')
+            check_checkpoint_task(cfg.load_from, cfg)
         except (ShapesWorldError, DatasetNotFoundError, AnnotationFormatError,
-                CheckpointError) as e:
+                CheckpointError, ConfigError) as e:
             raise SystemExit(f'error: {e}')
 
         evaluate(cfg, args.out)

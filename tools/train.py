@@ -59,6 +59,8 @@ from xcit_mm.models.utils import (CheckpointError, check_checkpoint, check_pretr
                                   resolve_auto_resume)
 from xcit_mm.runtime import (AnnotationFormatError, DatasetNotFoundError, check_data,
                              distributed_session)
+from xcit_mm.runtime.config_check import (ConfigError, check_backbone_config,  # noqa: E402
+                                          check_checkpoint_task)
 from xcit_mm.runtime.dist_utils import lost_peer_message  # noqa: E402
 
 
@@ -196,6 +198,8 @@ def check_checkpoints(cfg, args) -> None:
         cfg.load_from = check_checkpoint(args.resume, '--resume checkpoint', kind='resume')
     elif cfg.get('load_from'):
         cfg.load_from = check_checkpoint(cfg.load_from, 'load_from checkpoint')
+    if cfg.get('load_from'):
+        check_checkpoint_task(cfg.load_from, cfg, 'load_from / --resume checkpoint')
     check_pretrained(cfg)
     checkpoint_hook = cfg.get('default_hooks', {}).get('checkpoint') or {}
     # SafeCheckpointHook writes the new checkpoint before deleting the old one; mmengine's own
@@ -248,11 +252,12 @@ def main(argv=None):
     # when the block ends, so that no rank aborts or hangs at exit.
     with distributed_session(cfg, args.launcher):
         try:
+            check_backbone_config(cfg)
             ensure_shapes_world(cfg, splits=('train', 'val'))
             check_data(cfg, splits=('train', 'val'), config_name=args.config)
             check_checkpoints(cfg, args)
         except (ShapesWorldError, DatasetNotFoundError, AnnotationFormatError,
-                CheckpointError) as e:
+                CheckpointError, ConfigError) as e:
             raise SystemExit(f'error: {e}')
         train(cfg)
 

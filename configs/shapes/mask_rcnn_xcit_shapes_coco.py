@@ -8,7 +8,7 @@
 # evaluates box and mask AP (mmdet CocoMetric) on the held-out validation images at the end.
 # Changed here: data, classes, image size (160 px), a small from-scratch XCiT (D=128, 6 layers, p8),
 # narrower FPN and heads with GroupNorm (bbox head Shared4Conv1FC), fewer RoIs, lr 6e-4, a cosine
-# schedule of 800 iterations, and RoI features from xcit_mm's GatherRoIExtractor (mmcv's RoIAlign
+# schedule of 1200 iterations, and RoI features from xcit_mm's GatherRoIExtractor (mmcv's RoIAlign
 # values, several times faster on CPU; docs/benchmark.md). Everything else (Mask R-CNN + FPN
 # structure, AdamW, the released weight-decay rule: no decay for names containing 'norm',
 # CocoDataset, CocoMetric) is the paper config's. See docs/shapes.md.
@@ -116,8 +116,8 @@ test_dataloader = val_dataloader
 val_evaluator = dict(ann_file=data_root + 'annotations/instances_val.json')
 test_evaluator = val_evaluator
 
-# ---- schedule: 800 iterations, evaluated at the end --------------------------------------------
-max_iters = 800
+# ---- schedule: 1200 iterations, evaluated at the end -------------------------------------------
+max_iters = 1200
 train_cfg = dict(_delete_=True, type='IterBasedTrainLoop', max_iters=max_iters,
                  val_interval=max_iters)
 param_scheduler = [

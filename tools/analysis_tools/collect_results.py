@@ -10,11 +10,10 @@ import argparse
 import json
 import os
 import os.path as osp
-import platform
 import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))))
-from xcit_mm.runtime.run_results import collect_run_results  # noqa: E402
+from xcit_mm.runtime.run_results import collect_run_results, cpu_description  # noqa: E402
 
 
 def main(argv=None):
@@ -29,7 +28,7 @@ def main(argv=None):
         results = collect_run_results(args.work_dir)
     except (FileNotFoundError, ValueError) as e:
         parser.exit(2, f'error: {e}\n')
-    results.update(command=args.command, machine=f'{platform.machine()}, {os.cpu_count()} cores')
+    results.update(command=args.command, machine=cpu_description())
     if args.note:
         results['note'] = args.note
     os.makedirs(osp.dirname(osp.abspath(args.out)), exist_ok=True)

@@ -35,6 +35,26 @@ def _wall_seconds(log_file: str) -> Optional[float]:
     return (stamps[-1] - stamps[0]).total_seconds() if len(stamps) > 1 else None
 
 
+def cpu_description() -> str:
+    """'MODEL NAME (ISA extensions that change CPU speed), N cores', from /proc/cpuinfo."""
+    import os
+    import platform
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open('/proc/cpuinfo') as f:
+            for line in f:
+                key, _, value = line.partition(':')
+                if key.strip() == 'model name' and name in ('', platform.machine()):
+                    name = value.strip()
+                elif key.strip() == 'flags':
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    isa = [f for f in ('avx2', 'avx512f', 'avx512_bf16', 'amx_tile') if f in flags]
+    return f'{name} ({", ".join(isa) or "no AVX2"}), {os.cpu_count()} cores'
+
+
 def collect_run_results(work_dir: str) -> dict:
     """The last validation metrics, the last training iteration and the wall time of a run.
 

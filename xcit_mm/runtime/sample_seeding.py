@@ -32,7 +32,7 @@ the next loadable one and the replacement is recorded, so that the training loop
 (``SkippedSamplesHook``).
 
 :class:`~xcit_mm.runtime.hooks.SampleSeedingHook` applies both to the training dataloader (see
-:func:`seeded_dataloader`); its ``on_bad_sample='skip'`` skips unreadable samples.
+:func:`seeded_train_dataloader`); its ``on_bad_sample='skip'`` skips unreadable samples.
 """
 import random
 from collections import namedtuple
@@ -222,6 +222,11 @@ class SeededSampleDataset:
         self.on_bad_sample = on_bad_sample
         self.max_skip_tries = max_skip_tries
 
+    def __deepcopy__(self, memo):
+        """A new wrapper around the same dataset: mmengine deep-copies a dataloader config
+        before building it, and the built dataset (all its annotations) is read-only here."""
+        return type(self)(self.dataset, self.on_bad_sample, self.max_skip_tries)
+
     def full_init(self) -> None:
         if hasattr(self.dataset, 'full_init'):
             self.dataset.full_init()
@@ -293,46 +298,56 @@ def skipped_in_batch(data_batch) -> List[dict]:
     return found
 
 
-def seeded_dataloader(loader, seed: int, on_bad_sample: str = 'error'):
-    """A DataLoader like ``loader`` whose samples each get random numbers of their own.
+def seeded_train_dataloader(dataloader_cfg: dict, seed: int) -> dict:
+    """The training dataloader config with :class:`SeededSampleDataset` and
+    :class:`SampleKeyBatchSampler` around the configured dataset and batch sampler.
 
-    The dataset is wrapped in :class:`SeededSampleDataset`, the batch sampler in
-    :class:`SampleKeyBatchSampler`; workers, collate function, memory pinning and persistence
-    are ``loader``'s. Its workers die with the training process (:func:`worker_init_fn`). The
-    loader also gets its own ``generator``: torch draws a base seed for the workers from it
-    whenever it creates an iterator, which otherwise comes from the global torch generator. With
-    persistent workers the iterator is created once, in the first epoch *of the process*: a run
-    resumed in epoch 3 would draw one number more from the global generator than the
+    Its workers die with the training process (:func:`worker_init_fn`, otherwise mmengine's).
+    The dataloader also gets its own ``generator``: torch draws a base seed for the workers from
+    it whenever it creates an iterator, which otherwise comes from the global torch generator.
+    With persistent workers the iterator is created once, in the first epoch *of the process*:
+    a run resumed in epoch 3 would draw one number more from the global generator than the
     uninterrupted run, and its drop-path masks and RoI samples would differ from there on.
 
-    Args:
-        loader (DataLoader): The training dataloader mmengine built from the config.
-        seed (int): The run's seed (``runner.seed``).
-        on_bad_sample (str): ``'error'`` or ``'skip'`` (see :class:`SeededSampleDataset`).
-    """
-    from functools import partial
+    Keys read (and removed) from ``dataloader_cfg``: ``sample_seeding`` (default True; False
+    leaves the config as mmengine's, with per-worker seeds) and ``on_bad_sample`` (``'error'``,
+    default, or ``'skip'``). A built dataset is wrapped as it is; a built batch sampler is left
+    alone.
 
-    from torch.utils.data import DataLoader
+    Args:
+        dataloader_cfg (dict): ``train_dataloader`` of the config (not modified).
+        seed (int): The run's seed (``runner.seed``).
+
+    Returns:
+        dict: The config to build the dataloader from.
+    """
+    cfg = dict(dataloader_cfg)
+    if cfg.get('generator') is None:
+        _, number = _entropy_seeds((int(seed or 0), get_rank(), 1 << 40))
+        cfg['generator'] = torch.Generator().manual_seed(number)
+    if cfg.get('worker_init_fn') is None and cfg.get('num_workers', 0) > 0:
+        cfg['worker_init_fn'] = dict(
+            type=worker_init_fn, num_workers=cfg['num_workers'], rank=get_rank(), seed=seed,
+            disable_subprocess_warning=cfg.pop('disable_subprocess_warning', False))
+    enabled = cfg.pop('sample_seeding', True)
+    on_bad_sample = cfg.pop('on_bad_sample', 'error')
     if on_bad_sample not in ON_BAD_SAMPLE:
-        raise ValueError(f'on_bad_sample must be one of {ON_BAD_SAMPLE}, got {on_bad_sample!r}')
-    dataset = SeededSampleDataset(unwrap_dataset(loader.dataset), on_bad_sample=on_bad_sample)
-    inner = loader.batch_sampler
-    if isinstance(inner, SampleKeyBatchSampler):
-        inner = inner.batch_sampler
-    batch_sampler = SampleKeyBatchSampler(
-        getattr(inner, 'sampler', loader.sampler), getattr(inner, 'batch_size', None),
-        batch_sampler=inner, seed=seed)
-    _, number = _entropy_seeds((int(seed or 0), get_rank(), 1 << 40))
-    workers = loader.num_workers
-    return DataLoader(
-        dataset, batch_sampler=batch_sampler, num_workers=workers,
-        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, timeout=loader.timeout,
-        worker_init_fn=partial(worker_init_fn, num_workers=workers, rank=get_rank(),
-                               seed=seed) if workers else None,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=torch.Generator().manual_seed(number),
-        prefetch_factor=loader.prefetch_factor if workers else None,
-        persistent_workers=loader.persistent_workers)
+        raise ValueError(f'train_dataloader.on_bad_sample must be one of {ON_BAD_SAMPLE}, got '
+                         f'{on_bad_sample!r}')
+    dataset = cfg.get('dataset')
+    if isinstance(dataset, dict):
+        cfg['dataset'] = dict(type=SeededSampleDataset, dataset=dataset,
+                              on_bad_sample=on_bad_sample)
+    elif dataset is not None:  # built (by the Runner): wrapped as it is
+        cfg['dataset'] = SeededSampleDataset(unwrap_dataset(dataset), on_bad_sample=on_bad_sample)
+    if not enabled:
+        return cfg
+    batch_sampler = cfg.get('batch_sampler')
+    if batch_sampler is not None and not isinstance(batch_sampler, dict):
+        return cfg
+    cfg['batch_sampler'] = dict(type=SampleKeyBatchSampler, batch_sampler=batch_sampler,
+                                drop_last=cfg.pop('drop_last', False), seed=seed)
+    return cfg
 
 
 def unwrap_dataset(dataset):
@@ -342,6 +357,6 @@ def unwrap_dataset(dataset):
 
 __all__ = [
     'SKIPPED_KEY', 'SampleKey', 'SampleKeyBatchSampler', 'SampleLoadError',
-    'SeededSampleDataset', 'seeded_dataloader', 'seeded_random_state', 'skipped_in_batch',
+    'SeededSampleDataset', 'seeded_random_state', 'seeded_train_dataloader', 'skipped_in_batch',
     'unwrap_dataset'
 ]

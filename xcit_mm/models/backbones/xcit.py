@@ -364,6 +364,14 @@ def _adapt(adapter: nn.Module, feat: torch.Tensor, tracing: bool = False,
     identity level is then a view of the trunk's tokens). ``tracing``: the NCHW upsampling is
     :func:`_up2_traceable` and the result is returned as computed (the caller crops and lays it
     out).
+
+    Why the last 2x upsampling has three implementations (one per output path; all compute
+    ``ConvTranspose2d(kernel 2, stride 2)``, and the tests compare each with the module):
+    :func:`~xcit_mm.models.layers.up2_to_nchw` writes eager NCHW output in row blocks with a
+    hand-written backward (no second full-size copy), which compilers and exporters cannot
+    trace (in-place block writes, size-dependent Python loops), hence :func:`_up2_traceable`;
+    for channels-last output the conv is one matmul on the tokens, :func:`_up2_channels_last`.
+    Inner upsamplings (p16 ``fpn1.0``) feed a BN, not the output: the module's own forward.
     """
     *body, last = adapter if isinstance(adapter, nn.Sequential) else [adapter]
     for module in body:

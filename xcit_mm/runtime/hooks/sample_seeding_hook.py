@@ -1,7 +1,8 @@
 """Give every training sample random numbers of its own; stop dataloader workers on the way out.
 
-The training dataloader mmengine builds from the config is rebuilt around the same dataset and
-samplers by :func:`xcit_mm.runtime.sample_seeding.seeded_dataloader` before the first iteration:
+The training dataloader is rebuilt from the config before the first iteration, around the dataset
+mmengine built (not loaded twice), by :func:`xcit_mm.runtime.sample_seeding.seeded_train_dataloader`
+(fresh samplers: the first loader's iterator may have advanced shared sampler state already):
 each sample's augmentation is seeded by (seed, rank, epoch, position), whichever worker loads it,
 so every epoch draws new augmentations and a resumed run draws those of an uninterrupted one, with
 any ``num_workers`` / ``persistent_workers``; a sample that cannot be loaded is named by index and
@@ -11,7 +12,7 @@ from mmengine.registry import HOOKS
 from mmengine.runner import IterBasedTrainLoop
 from mmengine.runner.loops import _InfiniteDataloaderIterator
 
-from ..sample_seeding import ON_BAD_SAMPLE, seeded_dataloader
+from ..sample_seeding import ON_BAD_SAMPLE, seeded_train_dataloader
 from .skipped_samples_hook import SkippedSamplesHook
 
 
@@ -60,10 +61,14 @@ class SampleSeedingHook(SkippedSamplesHook):
 
     def before_train(self, runner) -> None:
         loop = runner.train_loop
-        old = loop.dataloader
-        loop.dataloader = seeded_dataloader(old, runner.seed, self.on_bad_sample)
-        if isinstance(loop, IterBasedTrainLoop):  # its iterator already started old's workers
+        cfg = dict(runner.cfg.train_dataloader, dataset=loop.dataloader.dataset,
+                   on_bad_sample=self.on_bad_sample)
+        if isinstance(loop, IterBasedTrainLoop):  # its iterator already started the workers
             _shutdown(getattr(loop.dataloader_iterator, '_iterator', None))
+        loop.dataloader = runner.build_dataloader(
+            seeded_train_dataloader(cfg, runner.seed), seed=runner.seed,
+            diff_rank_seed=runner._randomness_cfg.get('diff_rank_seed', False))
+        if isinstance(loop, IterBasedTrainLoop):
             loop.dataloader_iterator = _InfiniteDataloaderIterator(loop.dataloader)
 
     def after_train(self, runner) -> None:

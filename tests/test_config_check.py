@@ -1,0 +1,59 @@
+"""Config mistakes end in one clear line, before mmengine's environment and config dump."""
+import os.path as osp
+import subprocess
+import sys
+
+import pytest
+import torch
+from mmengine.config import Config
+
+from xcit_mm.models.utils import CheckpointError
+from xcit_mm.runtime.config_check import (ConfigError, check_backbone_config,
+                                          check_checkpoint_task, model_task)
+
+REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
+DET = osp.join(REPO, 'configs', 'mask_rcnn_xcit_s12_p16_3x_coco.py')
+SEG = osp.join(REPO, 'configs', 'sem_fpn_xcit_s12_p8_80k_ade20k.py')
+
+
+@pytest.mark.parametrize('tool', ['train.py', 'test.py'])
+@pytest.mark.parametrize('option, message', [
+    ('model.backbone.arch=s13', "model.backbone: Unknown XCiT arch 's13'"),
+    ('model.backbone.patch_size=14', 'model.backbone: patch_size must be 8 or 16'),
+])
+def test_a_wrong_backbone_setting_is_one_line_before_the_dump(tool, option, message, tmp_path):
+    args = [sys.executable, osp.join(REPO, 'tools', tool), DET]
+    if tool == 'test.py':
+        args.append(str(tmp_path / 'unused.pth'))
+    proc = subprocess.run(args + ['--cfg-options', option], capture_output=True, text=True,
+                          cwd=str(tmp_path), timeout=300)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1].startswith(f'error: {message}'), proc.stderr
+    assert 'Environment' not in proc.stdout + proc.stderr  # the Runner was never built
+    assert 'Traceback' not in proc.stderr
+
+
+def test_every_published_backbone_config_passes_the_check():
+    for path in (DET, SEG, osp.join(REPO, 'configs', 'upernet_xcit_m24_p8_160k_ade20k.py')):
+        check_backbone_config(Config.fromfile(path))
+    cfg = Config.fromfile(SEG)
+    cfg.model.backbone.frozen_stages = 40
+    with pytest.raises(ConfigError, match=r'model.backbone: frozen_stages must be in \[-1, 12\]'):
+        check_backbone_config(cfg)
+
+
+def test_a_checkpoint_of_the_other_task_is_named(tmp_path):
+    det, seg = Config.fromfile(DET), Config.fromfile(SEG)
+    assert (model_task(det.model), model_task(seg.model)) == ('detector', 'segmentor')
+    det_file, seg_file = str(tmp_path / 'det.pth'), str(tmp_path / 'seg.pth')
+    torch.save({'state_dict': {'backbone.x': torch.zeros(1), 'roi_head.y': torch.zeros(1)}},
+               det_file)
+    torch.save({'state_dict': {'backbone.x': torch.zeros(1), 'decode_head.y': torch.zeros(1)}},
+               seg_file)
+    check_checkpoint_task(det_file, det)
+    check_checkpoint_task(seg_file, seg)
+    with pytest.raises(CheckpointError, match=r'is a detector checkpoint \(roi_head.y, ...\) '
+                                              r'but the config builds a segmentor'):
+        check_checkpoint_task(det_file, seg)
+    with pytest.raises(CheckpointError, match='is a segmentor checkpoint .* builds a detector'):
+        check_checkpoint_task(seg_file, det)
