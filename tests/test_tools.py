@@ -195,7 +195,7 @@ def test_amp_warns_once_on_a_cpu_without_native_bf16(train_tool, monkeypatch, na
         assert len(logged) == 1
         message, kwargs = logged[0]
         assert kwargs['level'] == logging.WARNING
-        assert 'avx512_bf16' in message and '7-10x' in message and '0.24-0.28 s/iter' in message
+        assert 'avx512_bf16' in message and 'several times slower' in message
         assert 'drop --amp' in message
     else:
         assert logged == []

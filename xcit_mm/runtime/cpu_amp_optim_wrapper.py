@@ -24,8 +24,7 @@ autocast (see ``xcit_mm.models.backbones.xcit``), so the channel-attention maps 
 
 Speed: bfloat16 is only fast on CPUs with native bfloat16 arithmetic (x86 ``avx512_bf16`` or AMX
 ``amx_bf16``; Arm ``bf16``). Elsewhere oneDNN emulates it and ``--amp`` trains several times slower
-than float32: measured 7-10x on a 2-core AVX-512 machine without either (segmentor 1.4-2.0 vs
-0.24-0.28 s/iter, Mask R-CNN 5.1 vs 0.53 s/iter). :func:`cpu_has_native_bf16` detects this and
+than float32 (docs/reliability.md). :func:`cpu_has_native_bf16` detects this and
 ``tools/train.py`` warns once (:func:`warn_if_cpu_bf16_is_slow`).
 """
 import logging
@@ -180,8 +179,7 @@ def cpu_has_native_bf16(cpuinfo: str = '/proc/cpuinfo') -> Optional[bool]:
 SLOW_BF16_MESSAGE = (
     'CPU bfloat16 autocast (--amp without a GPU) on a CPU without native bfloat16 arithmetic (no '
     'avx512_bf16 / amx_bf16 in /proc/cpuinfo): bfloat16 is emulated there and training is several '
-    'times slower than in float32 (measured 7-10x on such a CPU: segmentor 1.4-2.0 vs 0.24-0.28 '
-    's/iter, Mask R-CNN 5.1 vs 0.53 s/iter). Train in float32 here: drop --amp.')
+    'times slower than in float32. Train in float32 here: drop --amp.')
 
 _warned_slow_bf16 = False
 

@@ -414,8 +414,7 @@ class XCiTBackbone(BaseModule):
         out_channels_last (bool): Return the four maps in channels-last memory layout (same
             logical NCHW shape), which is the trunk's own layout: no transposing copies, and
             on CPU the neck and head convolutions / bilinear upsampling that follow run in the
-            layout they are fastest in (the shapes Semantic FPN: 0.83x the training step
-            time, docs/benchmark.md). Defaults to False: contiguous NCHW, which ops
+            layout they are fastest in (docs/benchmark.md). Defaults to False: contiguous NCHW, which ops
             that read raw NCHW memory need (mmcv's CPU ``RoIAlign``, i.e. Mask R-CNN with mmdet's
             ``SingleRoIExtractor``; :class:`~xcit_mm.models.roi_heads.GatherRoIExtractor`
             reads either layout).

@@ -1,4 +1,4 @@
-"""RoIAlign as a weighted gather: mmcv's ``RoIAlign`` values, faster on CPU (1.4-5.6x).
+"""RoIAlign as a weighted gather: mmcv's ``RoIAlign`` values, faster on CPU (docs/benchmark.md).
 
 Every RoIAlign output cell is a fixed linear combination of feature-map pixels: the average over
 the bin's sampling points of their bilinear interpolations, at most 4 pixels per point. So the
