@@ -1,5 +1,6 @@
 """xcit_mm.runtime.run_results: the metrics quoted in README come from mmengine's own files."""
 import json
+import os.path as osp
 import subprocess
 import sys
 from pathlib import Path
@@ -49,3 +50,28 @@ def test_cli_writes_the_artifact_and_names_a_missing_run(tmp_path):
     stored = json.loads((tmp_path / 'r.json').read_text())
     assert stored['metrics'] == {'mIoU': 50.0} and stored['command'] == 'python x'
     assert stored['note'] == 'idle' and stored['wall_seconds'] is None
+
+
+def test_readme_quick_start_table_quotes_the_committed_artifacts():
+    """The quick-start rows of README.md are the artifacts' figures, and these meet the floors."""
+    root = osp.dirname(osp.dirname(osp.abspath(__file__)))
+    with open(osp.join(root, 'README.md')) as f:
+        rows = [line for line in f if line.startswith(('| Mask R-CNN', '| Semantic FPN'))]
+    assert len(rows) == 2, rows
+    for row, name, quoted in (
+            (rows[0], 'shapes_mask_rcnn', [('box AP50', 'coco/bbox_mAP_50', 3),
+                                           ('box AP', 'coco/bbox_mAP', 3),
+                                           ('mask AP50', 'coco/segm_mAP_50', 3)]),
+            (rows[1], 'shapes_sem_fpn', [('mIoU', 'mIoU', 2), ('aAcc', 'aAcc', 2)])):
+        with open(osp.join(root, 'docs', 'results', f'{name}.json')) as f:
+            artifact = json.load(f)
+        for label, key, digits in quoted:
+            assert f'{label} {artifact["metrics"][key]:.{digits}f}' in row, (label, row)
+        minutes, seconds = divmod(int(artifact['wall_seconds']), 60)
+        assert f'{minutes} min {seconds} s' in row, row
+        assert f'{artifact["last_iter"]} iterations' in row, row
+        assert artifact['machine'].split(' (')[0] in row, row  # the CPU it ran on
+    with open(osp.join(root, 'docs', 'results', 'shapes_mask_rcnn.json')) as f:
+        assert json.load(f)['metrics']['coco/bbox_mAP_50'] >= 0.6
+    with open(osp.join(root, 'docs', 'results', 'shapes_sem_fpn.json')) as f:
+        assert json.load(f)['metrics']['mIoU'] >= 70
