@@ -1,4 +1,5 @@
-"""The OpenMMLab model index (model-index.yml -> configs/metafile.yml) against the configs and paper.
+"""The OpenMMLab model index (model-index.yml -> configs/metafile.yml) against the configs
+and the paper.
 
 Plain YAML and file checks (no mmdet / mmseg import): the index lists exactly the 24 paper configs,
 each entry's config, README and code paths exist, its results are the paper's numbers (the

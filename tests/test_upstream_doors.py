@@ -21,7 +21,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
-from test_released_models import D, DEPTH, HEADS, _scope, build, released_file
+from released_files import D, DEPTH, HEADS, _scope, build, released_file
 from xcit_reference import OfficialDenseXCiT, mmpretrain_trunk
 
 from xcit_mm.models.utils import CheckpointError

@@ -180,7 +180,8 @@ def _saves_several(cfg, checkpoint_hook) -> bool:
 
 
 def check_checkpoints(cfg, args) -> None:
-    """Check every checkpoint the run will read, before any work (see xcit_mm.models.utils.checkpoint_io).
+    """Check every checkpoint the run will read, before any work (see
+    xcit_mm.models.utils.checkpoint_io).
 
     ``--resume PATH`` / a bare ``--resume`` (the work dir's latest checkpoint) must be training
     checkpoints, ``load_from`` must hold weights, and every ``Pretrained`` init_cfg must exist;

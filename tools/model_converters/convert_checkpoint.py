@@ -5,7 +5,8 @@
 
 Reads official/DINO (``{'model': ...}``), timm, mmpretrain and xcit_mm/mmengine files with
 ``torch.load(weights_only=True)``; ``--trust`` unpickles a file you trust (e.g. a full mmengine
-training checkpoint). Writes ``{'state_dict': ..., 'meta': {...}}`` (the source's ``meta``, ``dataset_meta`` included,
+training checkpoint). Writes ``{'state_dict': ..., 'meta': {...}}`` (the source's ``meta``,
+``dataset_meta`` included,
 plus where it came from) loadable with
 ``init_cfg=dict(type='Pretrained', checkpoint=DST)``. Pass ``--arch/--patch-size`` to also check
 that the result loads into that backbone. ``--full-model`` converts a whole released detector /

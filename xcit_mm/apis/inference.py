@@ -4,7 +4,8 @@
 What :func:`mmdet.apis.init_detector` / :func:`mmseg.apis.init_model` do, for both tasks and with
 this package's checkpoint handling:
 
-* every checkpoint is read by THE reader, :mod:`xcit_mm.models.utils.checkpoint_io` (``weights_only``,
+* every checkpoint is read by THE reader, :mod:`xcit_mm.models.utils.checkpoint_io`
+  (``weights_only``,
   URLs downloaded into torch's hub cache and read like local files: nothing downloaded is
   unpickled unsafely) and checked *before* the model is built, so a truncated file, a file with
   pickled code or an HTML page saved as ``.pth`` is one :class:`CheckpointError` naming the file;

@@ -1,17 +1,16 @@
 """``ShapesCocoDataset``: mmdet's ``CocoDataset`` that generates the shapes world on first use.
 
-Opt-in (it imports mmdet): ``custom_imports = dict(imports=[..., 'xcit_mm.datasets.shapes_coco'])``.
+Opt-in (it imports mmdet):
+``custom_imports = dict(imports=[..., 'xcit_mm.datasets.shapes_coco'])``.
 """
-from typing import Optional
-
 from mmdet.datasets import CocoDataset
 from mmdet.registry import DATASETS
 
-from .shapes_first_use import ensure_at_data_root
+from .shapes_first_use import GeneratedOnFirstUse
 
 
 @DATASETS.register_module()
-class ShapesCocoDataset(CocoDataset):
+class ShapesCocoDataset(GeneratedOnFirstUse, CocoDataset):
     """``CocoDataset`` over the built-in shapes world, generated at ``data_root`` if missing.
 
     So a fresh clone trains and tests with any tool (ours, mmdet's ``tools/train.py`` /
@@ -22,7 +21,3 @@ class ShapesCocoDataset(CocoDataset):
             :func:`xcit_mm.datasets.generate_shapes` (``task='coco'``, sizes, seed...).
         **kwargs: Those of ``CocoDataset``.
     """
-
-    def __init__(self, *args, shapes_world: Optional[dict] = None, **kwargs):
-        ensure_at_data_root(kwargs.get('data_root', ''), shapes_world)
-        super().__init__(*args, **kwargs)

@@ -1,17 +1,16 @@
 """``ShapesSegDataset``: mmseg's ``BaseSegDataset`` that generates the shapes world on first use.
 
-Opt-in (it imports mmseg): ``custom_imports = dict(imports=[..., 'xcit_mm.datasets.shapes_seg'])``.
+Opt-in (it imports mmseg):
+``custom_imports = dict(imports=[..., 'xcit_mm.datasets.shapes_seg'])``.
 """
-from typing import Optional
-
 from mmseg.datasets import BaseSegDataset
 from mmseg.registry import DATASETS
 
-from .shapes_first_use import ensure_at_data_root
+from .shapes_first_use import GeneratedOnFirstUse
 
 
 @DATASETS.register_module()
-class ShapesSegDataset(BaseSegDataset):
+class ShapesSegDataset(GeneratedOnFirstUse, BaseSegDataset):
     """``BaseSegDataset`` over the built-in shapes world (ADE20k layout), generated at
     ``data_root`` if missing, so that any tool (ours, mmseg's ``tools/train.py`` / ``mim
     train``) runs on a fresh clone.
@@ -21,7 +20,3 @@ class ShapesSegDataset(BaseSegDataset):
             :func:`xcit_mm.datasets.generate_shapes` (``task='ade'``, sizes, seed...).
         **kwargs: Those of ``BaseSegDataset``.
     """
-
-    def __init__(self, *args, shapes_world: Optional[dict] = None, **kwargs):
-        ensure_at_data_root(kwargs.get('data_root', ''), shapes_world)
-        super().__init__(*args, **kwargs)

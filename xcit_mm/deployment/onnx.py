@@ -99,7 +99,8 @@ def build_export_model(config, checkpoint: Optional[str] = None,
     """The module to export for a config (and checkpoint), in eval mode on the CPU.
 
     Built with :func:`xcit_mm.apis.init_model`: the checkpoint, if any, is read by the one safe
-    reader (:mod:`xcit_mm.models.utils.checkpoint_io`) before the model is built and loaded strictly;
+    reader (:mod:`xcit_mm.models.utils.checkpoint_io`) before the model is built and loaded
+    strictly;
     without one the weights are the random initialisation (the backbone's ``init_cfg`` is dropped,
     nothing is downloaded).
 
@@ -114,7 +115,8 @@ def build_export_model(config, checkpoint: Optional[str] = None,
         ExportError: The file is no config, or the config is not an mmseg ``EncoderDecoder`` or
             an mmdet detector with a neck.
         ValueError: The config's ``default_scope`` is neither mmdet nor mmseg.
-        xcit_mm.models.utils.checkpoint_io.CheckpointError: A missing, unreadable, unsafe checkpoint,
+        xcit_mm.models.utils.checkpoint_io.CheckpointError: A missing, unreadable, unsafe
+            checkpoint,
             or one of another model.
     """
     from xcit_mm.apis import config_task, init_model, load_config, preprocess_cfg

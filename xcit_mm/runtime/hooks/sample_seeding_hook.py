@@ -61,8 +61,14 @@ class SampleSeedingHook(SkippedSamplesHook):
 
     def before_train(self, runner) -> None:
         loop = runner.train_loop
-        cfg = dict(runner.cfg.train_dataloader, dataset=loop.dataloader.dataset,
-                   on_bad_sample=self.on_bad_sample)
+        cfg = runner.cfg.get('train_dataloader')  # a Runner built from a config
+        if not isinstance(cfg, dict):  # Runner(train_dataloader=dict(...), ...)
+            cfg = getattr(runner, '_train_dataloader', None)
+        if not isinstance(cfg, dict):
+            runner.logger.warning('SampleSeedingHook: the training dataloader was given built, '
+                                  'not as a config, so it cannot be rebuilt: left as it is.')
+            return
+        cfg = dict(cfg, dataset=loop.dataloader.dataset, on_bad_sample=self.on_bad_sample)
         if isinstance(loop, IterBasedTrainLoop):  # its iterator already started the workers
             _shutdown(getattr(loop.dataloader_iterator, '_iterator', None))
         loop.dataloader = runner.build_dataloader(
