@@ -1344,7 +1344,7 @@ def _upstream_tool(package: str, name: str) -> str:
     return path
 
 
-def _run(tool: str, *args) -> str:
+def _run_tool(tool: str, *args) -> str:
     proc = subprocess.run([sys.executable, tool, *args], cwd=REPO, env=ENV, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:]
@@ -1370,11 +1370,11 @@ def test_detector_trained_by_mmdet_tools_tests_with_ours_and_opens_upstream(tmp_
         f"train_dataloader['dataset'].update(data_root='{fresh}/', shapes_world=dict("
         f"task='coco', num_train=8, num_val=5, image_size=64, seed=0))"))
     work_dir = str(tmp_path / 'work')
-    log = _run(_upstream_tool('mmdet', 'train'), cfg, '--work-dir', work_dir)
+    log = _run_tool(_upstream_tool('mmdet', 'train'), cfg, '--work-dir', work_dir)
     assert osp.isfile(fresh / 'annotations' / 'instances_train.json'), log[-2000:]
     checkpoint = _last_checkpoint(work_dir)
     _check_checkpoint_is_portable(checkpoint)
-    out = _run(osp.join(REPO, 'tools', 'test.py'), cfg, checkpoint, '--work-dir',
+    out = _run_tool(osp.join(REPO, 'tools', 'test.py'), cfg, checkpoint, '--work-dir',
                str(tmp_path / 'test'))
     assert re.search(r'coco/bbox_mAP_50: [\d.]+', out), out[-2000:]
     detector = init_detector(cfg, checkpoint, device='cpu')
@@ -1389,10 +1389,10 @@ def test_segmentor_trained_by_our_tools_tests_with_mmsegs_and_opens_upstream(tmp
     from mmseg.apis import MMSegInferencer, init_model
     cfg = _tiny_config(tmp_path, 'seg', iters=2, ckpt=2, validate=False)
     work_dir = str(tmp_path / 'work')
-    _run(osp.join(REPO, 'tools', 'train.py'), cfg, '--work-dir', work_dir)
+    _run_tool(osp.join(REPO, 'tools', 'train.py'), cfg, '--work-dir', work_dir)
     checkpoint = _last_checkpoint(work_dir)
     _check_checkpoint_is_portable(checkpoint)
-    out = _run(_upstream_tool('mmseg', 'test'), cfg, checkpoint, '--work-dir',
+    out = _run_tool(_upstream_tool('mmseg', 'test'), cfg, checkpoint, '--work-dir',
                str(tmp_path / 'test'))
     assert re.search(r'mIoU: [\d.]+', out), out[-2000:]
     segmentor = init_model(cfg, checkpoint, device='cpu')
@@ -1408,7 +1408,7 @@ def test_converted_full_model_file_keeps_dataset_meta(tmp_path):
                                'neck.x': torch.zeros(1)},
                 'meta': dict(dataset_meta=dict(classes=SHAPES_CLASSES), epoch=3)}, src)
     dst = str(tmp_path / 'dst.pth')
-    _run(osp.join(REPO, 'tools', 'model_converters', 'convert_checkpoint.py'), src, dst,
+    _run_tool(osp.join(REPO, 'tools', 'model_converters', 'convert_checkpoint.py'), src, dst,
          '--full-model')
     meta = torch.load(dst, weights_only=True)['meta']
     assert tuple(meta['dataset_meta']['classes']) == SHAPES_CLASSES and meta['epoch'] == 3

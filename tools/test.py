@@ -51,6 +51,7 @@ from xcit_mm.models.utils.checkpoint_io import is_url  # noqa: E402
 from xcit_mm.runtime.config_check import (ConfigError, check_backbone_config,  # noqa: E402
                                           check_checkpoint_task)
 from xcit_mm.runtime.dist_utils import lost_peer_message  # noqa: E402
+from xcit_mm.runtime.hooks import shutdown_dataloader_workers  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -175,6 +176,8 @@ def evaluate(cfg, out: Optional[str] = None) -> None:
             raise
         runner.logger.error(message)
         raise SystemExit(f'error: {message}') from e
+    finally:  # also after an error, which hooks do not see
+        shutdown_dataloader_workers(runner)
 
 
 def main(argv=None):

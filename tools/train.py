@@ -53,6 +53,7 @@ from xcit_mm.datasets import ensure_shapes_world  # noqa: E402
 from xcit_mm.datasets.shapes import ShapesWorldError  # noqa: E402
 from xcit_mm.runtime import (CPU_AMP_TYPE, CheckpointSaveError, NonFiniteLossError,
                              SafeCheckpointHook, SampleLoadError, amp_optim_wrapper_type)
+from xcit_mm.runtime.hooks import shutdown_dataloader_workers  # noqa: E402
 from xcit_mm.runtime.cpu_amp_optim_wrapper import (  # noqa: E402
     warn_if_cpu_bf16_is_slow)
 from xcit_mm.models.utils import (CheckpointError, check_checkpoint, check_pretrained,
@@ -242,6 +243,8 @@ def train(cfg) -> None:
             raise
         runner.logger.error(message)
         raise SystemExit(f'error: {message}') from e
+    finally:  # also after an error, which hooks do not see (see shutdown_dataloader_workers)
+        shutdown_dataloader_workers(runner)
 
 
 def main(argv=None):
