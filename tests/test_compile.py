@@ -161,6 +161,22 @@ def test_inductor_equals_eager_values_and_gradients():
         assert_close_scaled(comp_grad[name], eager_grad[name], 1e-4, f'grad {name}', floor)
 
 
+@pytest.mark.parametrize('patch_size', [8, 16])
+def test_inductor_serves_every_image_size(patch_size):
+    """inductor (CPU), eval: three image sizes, padded or not (in detection every batch can have
+    another size), equal eager. The second size compiles a dynamic-shape graph that the third
+    reuses. torch 2.13's inductor failed at the second size while the backbone computed its
+    padding as ``-H % patch_size`` (a modulo of symbolic sizes)."""
+    model = tiny(patch_size, arch=dict(embed_dims=32, depth=2, num_heads=2),
+                 out_indices=(0, 0, 1, 1)).eval()
+    compiled = torch.compile(model, backend='inductor')
+    with torch.no_grad():
+        for size in ((100, 90), (64, 96), (80, 112)):
+            x = torch.randn(1, 3, *size)
+            for a, b in zip(compiled(x), model(x)):
+                assert_close_scaled(a, b, 1e-5, f'output at {size}')
+
+
 def test_benchmark_compile_names():
     """The benchmark's +compile models: names, and --compile both pairs compiled with eager."""
     from xcit_benchmark import compile_variants, parse_model

@@ -592,7 +592,10 @@ class XCiTBackbone(BaseModule):
         """
         self._check_input(x)
         H, W = x.shape[-2:]
-        pad_h, pad_w = -H % self.patch_size, -W % self.patch_size
+        # round up with floor division, not ``-H % p``: a modulo of symbolic sizes makes
+        # torch 2.13's inductor fail at the second image size (docs/deployment.md)
+        p = self.patch_size
+        pad_h, pad_w = (H + p - 1) // p * p - H, (W + p - 1) // p * p - W
         if _tracing() or pad_h or pad_w:  # traced: always (a zero pad is a no-op), no branch
             x = F.pad(x, (0, pad_w, 0, pad_h))
         x = self.patch_embed(x)

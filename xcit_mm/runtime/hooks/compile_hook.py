@@ -16,13 +16,16 @@ class CompileFeatureExtractorHook(Hook):
     graph (tests/test_compile.py).
 
     Args:
-        **compile_kwargs: Arguments of ``torch.compile`` (``backend``, ``mode``, ``dynamic``...).
+        **compile_kwargs: Arguments of ``torch.compile`` (``backend``, ``mode``...). ``dynamic``
+            defaults to False: torch 2.13's inductor fails on training graphs of symbolic image
+            sizes (docs/deployment.md), so each new size compiles once, up to dynamo's
+            ``cache_size_limit``, after which that size runs eager.
     """
 
     priority = 'VERY_HIGH'
 
     def __init__(self, **compile_kwargs) -> None:
-        self.compile_kwargs = compile_kwargs
+        self.compile_kwargs = dict(dict(dynamic=False), **compile_kwargs)
 
     def before_run(self, runner) -> None:
         model = runner.model.module if is_model_wrapper(runner.model) else runner.model
