@@ -5,7 +5,7 @@ builds the model; a wrong ``arch`` or ``patch_size``, or a ``load_from`` file of
 model, would otherwise end under that dump, or much later.
 """
 import torch
-from mmengine.registry import DefaultScope, init_default_scope
+from mmengine.registry import MODELS, DefaultScope, init_default_scope
 
 from xcit_mm.models.utils import CheckpointError, extract_state_dict, load_checkpoint_file
 from xcit_mm.models.utils.ckpt_load import TASK_HEADS
@@ -24,7 +24,6 @@ def check_backbone_config(cfg) -> None:
     backbone = (cfg.get('model') or {}).get('backbone')
     if not isinstance(backbone, dict) or backbone.get('type') != 'XCiTBackbone':
         return
-    from mmengine.registry import MODELS
     scope = cfg.get('default_scope')
     if scope and DefaultScope.get_current_instance() is None:
         init_default_scope(scope)

@@ -39,6 +39,8 @@ from mmengine.optim import OptimWrapper
 from mmengine.registry import OPTIM_WRAPPERS
 from mmengine.runner.amp import autocast
 
+from .cpu_info import read_cpuinfo
+
 CPU_AMP_TYPE = 'CPUAmpOptimWrapper'
 
 
@@ -165,15 +167,8 @@ def cpu_has_native_bf16(cpuinfo: str = '/proc/cpuinfo') -> Optional[bool]:
     Returns:
         bool | None: None when it cannot be told (no such file, e.g. not Linux).
     """
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                key, _, value = line.partition(':')
-                if key.strip().lower() in ('flags', 'features'):
-                    return any(flag in BF16_CPU_FLAGS for flag in value.split())
-    except OSError:
-        return None
-    return None
+    flags = read_cpuinfo(cpuinfo)[1]
+    return None if flags is None else any(flag in BF16_CPU_FLAGS for flag in flags)
 
 
 SLOW_BF16_MESSAGE = (

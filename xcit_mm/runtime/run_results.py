@@ -7,10 +7,14 @@ module reads from the run's work dir (mmengine's ``<timestamp>/vis_data/scalars.
 """
 import glob
 import json
+import os
 import os.path as osp
+import platform
 import re
 from datetime import datetime
 from typing import Optional
+
+from .cpu_info import read_cpuinfo
 
 _TIME = re.compile(r'^(\d{4}/\d{2}/\d{2} \d{2}:\d{2}:\d{2}) - mmengine')
 
@@ -37,22 +41,10 @@ def _wall_seconds(log_file: str) -> Optional[float]:
 
 def cpu_description() -> str:
     """'MODEL NAME (ISA extensions that change CPU speed), N cores', from /proc/cpuinfo."""
-    import os
-    import platform
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open('/proc/cpuinfo') as f:
-            for line in f:
-                key, _, value = line.partition(':')
-                if key.strip() == 'model name' and name in ('', platform.machine()):
-                    name = value.strip()
-                elif key.strip() == 'flags':
-                    flags = set(value.split())
-                    break
-    except OSError:
-        pass
-    isa = [f for f in ('avx2', 'avx512f', 'avx512_bf16', 'amx_tile') if f in flags]
-    return f'{name} ({", ".join(isa) or "no AVX2"}), {os.cpu_count()} cores'
+    name, flags = read_cpuinfo()
+    isa = [f for f in ('avx2', 'avx512f', 'avx512_bf16', 'amx_tile') if f in (flags or ())]
+    return (f'{name or platform.processor() or platform.machine()} '
+            f'({", ".join(isa) or "no AVX2"}), {os.cpu_count()} cores')
 
 
 def collect_run_results(work_dir: str) -> dict:

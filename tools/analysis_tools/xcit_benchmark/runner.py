@@ -11,6 +11,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
+from xcit_mm.runtime.cpu_info import read_cpuinfo
+
 from .flops import point_flops
 from .memory import run_memory_worker
 from .models import ModelSpec, build_model, compile_forward
@@ -192,13 +194,7 @@ def run_metadata() -> dict:
         load = os.getloadavg()
     except OSError:
         load = None
-    cpu = platform.processor()
-    try:
-        with open('/proc/cpuinfo') as f:
-            cpu = next((ln.split(':', 1)[1].strip() for ln in f if ln.startswith('model name')),
-                       cpu)
-    except OSError:
-        pass
+    cpu = read_cpuinfo()[0] or platform.processor()
     meta = dict(date=time.strftime('%Y-%m-%d %H:%M:%S'), host=platform.node(), cpu=cpu,
                 cpu_count=os.cpu_count(), torch=torch.__version__, python=platform.python_version(),
                 torch_threads=torch.get_num_threads(), loadavg_1_5_15=load,

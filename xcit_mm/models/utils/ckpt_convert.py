@@ -72,16 +72,18 @@ def detect_layout(state_dict: Dict[str, torch.Tensor]) -> str:
                       f'XCiT checkpoint? First keys: {keys[:8]}')
 
 
-def _strip_prefix(state_dict, prefix) -> Tuple[Dict[str, torch.Tensor], List[str]]:
+def strip_prefix(state_dict, prefix) -> Tuple[Dict[str, torch.Tensor], List[str]]:
+    """``(keys under prefix with it removed, the other keys)``."""
     kept = OrderedDict((k[len(prefix):], v) for k, v in state_dict.items()
                        if k.startswith(prefix))
     dropped = [k for k in state_dict if not k.startswith(prefix)]
     return kept, dropped
 
 
-def _strip_ddp(state_dict):
+def strip_ddp_prefix(state_dict):
+    """``state_dict`` without DDP's ``module.`` prefix, when every key has it."""
     if state_dict and all(k.startswith('module.') for k in state_dict):
-        return _strip_prefix(state_dict, 'module.')[0]
+        return strip_prefix(state_dict, 'module.')[0]
     return state_dict
 
 
@@ -105,11 +107,11 @@ def convert_backbone_state_dict(state_dict: Dict[str, torch.Tensor],
     """
     outside: List[str] = []
     if prefix is None:
-        state_dict = _strip_ddp(state_dict)
+        state_dict = strip_ddp_prefix(state_dict)
         if any(k.startswith('backbone.') for k in state_dict):
             prefix = 'backbone.'
     if prefix:
-        state_dict, outside = _strip_prefix(state_dict, prefix)
+        state_dict, outside = strip_prefix(state_dict, prefix)
         if not state_dict:
             raise LayoutError(f'No key starts with prefix {prefix!r}; first keys: {outside[:8]}')
     layout = detect_layout(state_dict)
@@ -137,7 +139,7 @@ def convert_model_state_dict(state_dict: Dict[str, torch.Tensor]
     Returns:
         ``(converted, info)``; ``info['layout']`` is the backbone's source layout.
     """
-    state_dict = _strip_ddp(state_dict)
+    state_dict = strip_ddp_prefix(state_dict)
     try:
         backbone, info = convert_backbone_state_dict(state_dict, prefix='backbone.')
     except LayoutError:

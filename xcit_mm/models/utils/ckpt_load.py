@@ -19,7 +19,7 @@ from mmengine.logging import print_log
 
 from .checkpoint_io import CheckpointError, extract_state_dict, load_checkpoint_file
 from .ckpt_convert import (ADAPTER_KEY, LayoutError, convert_backbone_state_dict,
-                           describe_backbone)
+                           describe_backbone, strip_ddp_prefix, strip_prefix)
 
 # Heads that identify the kind of dense model a file was saved from (mmdet / mmseg names).
 TASK_HEADS = {
@@ -164,8 +164,9 @@ def backbone_load_post_hook(module, incompatible_keys) -> None:
                 f'the file was saved from (the {task} config it was trained with).')
     fresh = tuple(report['prefix'] + name + '.' for name in report['adapter_fresh'])
     missing = incompatible_keys.missing_keys
-    missing[:] = [k for k in missing if not (k.startswith(report['prefix']) and (
-        _is_counter(k) or k.startswith(fresh) and fresh))]
+    ours = report['prefix']
+    missing[:] = [k for k in missing
+                  if not (k.startswith(ours) and (_is_counter(k) or k.startswith(fresh)))]
 
 
 def load_backbone_checkpoint(model: torch.nn.Module, checkpoint: str,
@@ -184,9 +185,7 @@ def load_backbone_checkpoint(model: torch.nn.Module, checkpoint: str,
     state_dict = extract_state_dict(
         load_checkpoint_file(checkpoint, 'pretrained checkpoint', weights_only), source)
     if prefix:
-        outside = [k for k in state_dict if not k.startswith(prefix)]
-        state_dict = OrderedDict((k[len(prefix):], v) for k, v in state_dict.items()
-                                 if k.startswith(prefix))
+        state_dict, outside = strip_prefix(state_dict, prefix)
         if not state_dict:
             raise CheckpointError(f'{source}: no key starts with prefix {prefix!r}; first keys: '
                                   f'{outside[:8]}')
@@ -220,9 +219,7 @@ def load_model_state_dict(model: torch.nn.Module, state_dict: Dict[str, torch.Te
     Raises:
         CheckpointError: naming the keys and the likely cause.
     """
-    state_dict = OrderedDict(state_dict)
-    if state_dict and all(k.startswith('module.') for k in state_dict):
-        state_dict = OrderedDict((k[len('module.'):], v) for k, v in state_dict.items())
+    state_dict = OrderedDict(strip_ddp_prefix(state_dict))
     try:
         result = model.load_state_dict(state_dict, strict=False)
         error = None

@@ -61,9 +61,8 @@ class SampleSeedingHook(SkippedSamplesHook):
 
     def before_train(self, runner) -> None:
         loop = runner.train_loop
-        cfg = runner.cfg.get('train_dataloader')  # a Runner built from a config
-        if not isinstance(cfg, dict):  # Runner(train_dataloader=dict(...), ...)
-            cfg = getattr(runner, '_train_dataloader', None)
+        # the config the Runner built the loader from (Runner.from_cfg passes the config's)
+        cfg = getattr(runner, '_train_dataloader', None)
         if not isinstance(cfg, dict):
             runner.logger.warning('SampleSeedingHook: the training dataloader was given built, '
                                   'not as a config, so it cannot be rebuilt: left as it is.')
