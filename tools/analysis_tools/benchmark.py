@@ -148,6 +148,15 @@ def build_parser(spec: Optional[dict]) -> argparse.ArgumentParser:
                    '--rounds 3. With 2+ configs the first is the subject and every other one a '
                    'baseline: prints the median (min-max) of the per-round ratios subject / '
                    'baseline of step time and peak memory')
+    p.add_argument('--detections', type=int, default=100,
+                   help='--whole-model detectors: every config gets the first config\'s '
+                   'train_cfg / test_cfg, and inference keeps exactly this many detections per '
+                   'image (score_thr 0), so that both sides do the same RoI and mask-head work '
+                   '(default: 100, the COCO max_per_img)')
+    p.add_argument('--own-settings', action='store_true',
+                   help='--whole-model: give each config its own detector train_cfg / test_cfg '
+                   'and optimizer flags (to measure what a setting costs, e.g. a config against '
+                   'one that reverts it) instead of the first config\'s for all')
     p.add_argument('--rounds', type=int, default=None,
                    help='--whole-model only: interleaved rounds; round r measures every config '
                    'once (a fresh process each) in an order rotated by r; the reported figures '
@@ -314,14 +323,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     if args.whole_model:
         from xcit_benchmark.whole_model import (format_whole_ratios, format_whole_table,
-                                                         run_whole_models, whole_model_ratios,
-                                                         write_whole_outputs)
+                                                run_whole_models, whole_model_ratios,
+                                                work_settings, write_whole_outputs)
         repeats, rounds = args.repeats or 3, args.rounds or 3
+        work = None if args.own_settings else work_settings(args.whole_model[0],
+                                                            args.detections)
         records = run_whole_models(
             args.whole_model, args.mode, args.shape[0], args.shape[1], batch=args.batch_size,
             repeats=repeats, threads=args.threads, cpu_mem_mode=args.cpu_mem_mode,
             limit_bytes=limit, timeout_s=args.mem_timeout, log=None if args.quiet else log,
-            rounds=rounds)
+            rounds=rounds, work=work)
         print(format_whole_table(records))
         ratios = whole_model_ratios(records)
         if ratios:
@@ -331,7 +342,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         meta.update(whole_model=dict(configs=args.whole_model, mode=args.mode,
                                      shape=args.shape, batch=args.batch_size,
                                      repeats=repeats, rounds=rounds,
-                                     cpu_mem_mode=args.cpu_mem_mode))
+                                     cpu_mem_mode=args.cpu_mem_mode, work=work))
         meta['ratios'] = ratios
         paths = write_whole_outputs(records, meta, args.out_dir, args.name or 'wholemodel')
         print('wrote ' + ', '.join(paths))

@@ -6,13 +6,26 @@ initialisation (every ``init_cfg`` of type ``Pretrained`` set to None, nothing d
 SyncBN reverted to BN, on the CPU.  The input is one synthetic image of the given size (several
 with ``--batch``), passed once through the config's ``data_preprocessor`` (untimed): a detector
 gets 3 boxes with labels and box-shaped masks, a segmentor a random label map.  A train step is
-``model.loss`` + backward of the summed losses + one AdamW step (lr 1e-4, weight decay 0.05, and
-the config's ``optim_wrapper.optimizer`` flags ``fused`` / ``foreach`` where it sets them: the
-update kernel is part of a config's cost); inference is ``model.predict`` under
-``torch.no_grad`` in eval mode.
+``model.loss`` + backward of the summed losses + one AdamW step; inference is ``model.predict``
+under ``torch.no_grad`` in eval mode.
 
-Steady state: one untimed warm-up step, then ``malloc_trim(0)`` and the RSS baseline, then
-``repeats`` timed steps.  Every step is cut at part boundaries by wrappers around the model's
+Equal work (:func:`work_settings`, :func:`equalise_work`): with random weights the number of
+detections, proposals and positive RoIs depends on the model, and with it the work of the RoI and
+mask heads.  So every config gets the FIRST config's (the subject's) detector ``train_cfg`` /
+``test_cfg`` (proposal counts, NMS, RoI sampler), inference keeps exactly ``detections`` boxes per
+image (``rcnn.score_thr=0``, ``rcnn.max_per_img=detections``), and every config's optimizer is
+built the same way: ``torch.optim.AdamW`` over all trainable parameters, lr 1e-4, weight decay
+0.05, with the subject config's ``fused`` / ``foreach`` flags (torch's default kernel when it sets
+none).  The work actually done is counted per step (``work``: RoIs into the box and mask heads,
+detections per image) so that a difference shows.
+
+Steady state: one untimed warm-up step, then ``repeats`` timed steps under glibc's default malloc
+(as a training process runs), then the memory pass: ``mallopt(M_MMAP_THRESHOLD, 64 KiB)`` (for
+``cpu_mem_mode='live'``; every tensor then gets its own mapping, so the RSS peak follows the live
+tensors), ``malloc_trim(0)``, the RSS baseline and ``repeats`` more steps whose peaks are read.
+Times come from the timed steps only: with the mmap threshold every large tensor is mapped and
+unmapped, and its page faults would be timed too (``mem_pass_time_ms`` keeps those step times).
+Every step is cut at part boundaries by wrappers around the model's
 ``backbone.forward_trunk`` (XCiT only), ``backbone.forward``, ``neck.forward``, the end of the
 forward and of the backward: at each boundary the time is taken, the peak RSS since the previous
 boundary is read (``VmHWM`` of ``/proc/self/status``) and the peak is reset (``5`` written to
@@ -24,10 +37,10 @@ boundary is read (``VmHWM`` of ``/proc/self/status``) and the peak is reset (``5
   post-processing);
 * ``backward`` (train only) and ``optimizer`` (train only, the AdamW step).
 
-Per part: median time over the repeats, and ``peak_mb`` = the highest RSS reached during the part
-minus the RSS at the start of the step (max over the repeats); ``peak_mem_mb`` of the whole step is
-the highest of those.  The RSS includes whatever glibc keeps (see ``--cpu-mem-mode``), so per-part
-memory is approximate; the times of the parts sum to the step time (the boundary reads cost
+Per part: median time over the timed steps, and ``peak_mb`` = the highest RSS reached during the
+part minus the RSS at the start of the step (max over the memory steps); ``peak_mem_mb`` of the
+whole step is the highest of those.  Per-part memory is approximate (the RSS includes what the
+libraries keep); the times of the parts sum to the step time (the boundary reads cost
 microseconds).
 
 Rounds (:func:`run_whole_models`): round ``r`` measures every config once, each in its own fresh
@@ -112,8 +125,38 @@ def adamw_kernel_flags(cfg) -> dict:
     return {key: optimizer[key] for key in ('fused', 'foreach') if key in optimizer}
 
 
-def build_whole_model(config: str):
-    """(model, task, AdamW kernel flags) for a config: random init, SyncBN -> BN, on the CPU."""
+def work_settings(config: str, detections: int = 100) -> dict:
+    """What every config of a comparison shares, read from the subject's ``config``: the
+    detector's ``train_cfg`` / ``test_cfg`` (None for a segmentor), the number of detections
+    kept per image at inference, and the AdamW kernel flags (JSON-ready)."""
+    cfg = load_whole_config(config)
+    model = cfg.get('model', None) or {}
+    two_stage = 'roi_head' in model and 'train_cfg' in model and 'test_cfg' in model
+
+    def plain(value):
+        return value.to_dict() if hasattr(value, 'to_dict') else value
+    return dict(det_train_cfg=plain(model['train_cfg']) if two_stage else None,
+                det_test_cfg=plain(model['test_cfg']) if two_stage else None,
+                detections=detections, adamw_flags=adamw_kernel_flags(cfg), source=config)
+
+
+def equalise_work(model_cfg, work: Optional[dict]) -> None:
+    """Give a detector's model config the shared ``work`` settings (in place): the subject's
+    ``train_cfg`` / ``test_cfg``, and inference that keeps exactly ``work['detections']`` boxes
+    per image (no score threshold).  Segmentors and ``work=None`` are left as they are."""
+    if not work or work.get('det_train_cfg') is None or 'roi_head' not in model_cfg:
+        return
+    from mmengine.config import ConfigDict
+    model_cfg['train_cfg'] = ConfigDict(copy.deepcopy(work['det_train_cfg']))
+    test_cfg = ConfigDict(copy.deepcopy(work['det_test_cfg']))
+    test_cfg.rcnn.score_thr = 0.0
+    test_cfg.rcnn.max_per_img = work['detections']
+    model_cfg['test_cfg'] = test_cfg
+
+
+def build_whole_model(config: str, work: Optional[dict] = None):
+    """(model, task, AdamW kernel flags) for a config: random init, SyncBN -> BN, on the CPU;
+    with ``work`` (:func:`work_settings`) the shared detector settings and optimizer flags."""
     from mmengine.model import revert_sync_batchnorm
     from mmengine.registry import init_default_scope
 
@@ -124,6 +167,7 @@ def build_whole_model(config: str):
         raise WholeModelError(f'config {config!r}: needs default_scope mmdet or mmseg and a '
                               f'model dict (got scope {scope!r})')
     model_cfg = drop_pretrained(copy.deepcopy(cfg.model))  # a ConfigDict (test_cfg.mode ...)
+    equalise_work(model_cfg, work)
     init_default_scope(scope)
     if scope == 'mmdet':
         from mmdet.registry import MODELS
@@ -132,7 +176,8 @@ def build_whole_model(config: str):
     model = MODELS.build(model_cfg)
     model.init_weights()
     model = revert_sync_batchnorm(model)
-    return model, ('det' if scope == 'mmdet' else 'seg'), adamw_kernel_flags(cfg)
+    flags = work['adamw_flags'] if work else adamw_kernel_flags(cfg)
+    return model, ('det' if scope == 'mmdet' else 'seg'), flags
 
 
 def synthetic_batch(model, task: str, h: int, w: int, batch: int, training: bool):
@@ -211,6 +256,37 @@ def _wrap(obj, attr: str, after: Callable[[], None]):
     setattr(obj, attr, wrapped)
 
 
+class WorkCounter:
+    """RoIs entering a detector's box and mask RoI extractors during one step."""
+
+    def __init__(self, model):
+        self.bbox_rois = self.mask_rois = 0
+        roi_head = getattr(model, 'roi_head', None)
+        for name, attr in (('bbox_roi_extractor', 'bbox_rois'), ('mask_roi_extractor',
+                                                                 'mask_rois')):
+            extractor = getattr(roi_head, name, None)
+            if extractor is not None:
+                extractor.register_forward_pre_hook(self._counter(attr))
+
+    def _counter(self, attr):
+        def hook(module, args):
+            setattr(self, attr, getattr(self, attr) + int(args[1].shape[0]))
+        return hook
+
+    def reset(self):
+        self.bbox_rois = self.mask_rois = 0
+
+
+def _mallopt_mmap_threshold(nbytes: int) -> bool:
+    """glibc ``mallopt(M_MMAP_THRESHOLD, nbytes)``: from now on every block of ``nbytes`` or
+    more gets its own mapping, unmapped when freed (and the dynamic threshold is off)."""
+    try:
+        import ctypes
+        return bool(ctypes.CDLL('libc.so.6').mallopt(-3, int(nbytes)))  # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 def instrument(model, clock: PartClock) -> bool:
     """Put the part boundaries on ``model``; returns whether the backbone is XCiT."""
     from xcit_mm.models.backbones.xcit import XCiTBackbone
@@ -230,16 +306,20 @@ def worker_main(cfg: dict) -> dict:
     """Measure one config in this (fresh) process; see the module doc.
 
     Args:
-        cfg: dict with config, height, width, batch, mode, repeats, threads.
+        cfg: dict with config, height, width, batch, mode, repeats, threads, mem_pass ('live':
+            the memory pass under the mmap threshold, 'process': glibc's defaults) and work
+            (:func:`work_settings` of the subject, or None: each config's own settings).
     """
     set_threads(cfg.get('threads'))
     torch.manual_seed(0)
-    model, task, adamw_flags = build_whole_model(cfg['config'])
+    model, task, adamw_flags = build_whole_model(cfg['config'], cfg.get('work'))
     train = cfg['mode'] == 'train'
     model.train(train)
     inputs, samples = synthetic_batch(model, task, cfg['height'], cfg['width'], cfg['batch'],
                                       train)
     clock = PartClock()
+    counter = WorkCounter(model)
+    detections: List[int] = []
     is_xcit = instrument(model, clock)
     names = PARTS_TRAIN if train else PARTS_INFERENCE
     if train:
@@ -258,36 +338,51 @@ def worker_main(cfg: dict) -> dict:
     else:
         def step():
             with torch.no_grad():
-                model.predict(inputs, samples)
+                results = model.predict(inputs, samples)
             clock.mark('heads')
+            if task == 'det':
+                detections[:] = [len(r.pred_instances) for r in results]
+
+    def run(repeats):
+        """(step seconds, per-part (seconds, peak bytes over the step start), start RSS)."""
+        out = []
+        for _ in range(repeats):
+            counter.reset()
+            clock.start()
+            step()
+            out.append((clock.marks[-1][1] - clock.t0, clock.parts(names), clock.start_rss))
+        return out
 
     clock.start()
     step()  # warm-up
     gc.collect()
+    timed = run(cfg['repeats'])
+    work = dict(bbox_rois=counter.bbox_rois, mask_rois=counter.mask_rois)
+    if detections:
+        work['detections_per_image'] = list(detections)
+
+    live = cfg.get('mem_pass', 'live') == 'live' and _mallopt_mmap_threshold(65536)
+    gc.collect()
     _release_free_heap()
     _reset_peak_rss()
     base = proc_status_kb('VmRSS') * 1024
-    totals, per_part = [], {n: [] for n in names}
-    peak = 0
-    for _ in range(cfg['repeats']):
-        clock.start()
-        step()
-        parts = clock.parts(names)
-        totals.append(clock.marks[-1][1] - clock.t0)
-        step_peak = clock.start_rss - base + max(p for _, p in parts.values())
-        peak = max(peak, step_peak)
-        for n in names:
-            per_part[n].append(parts[n])
+    measured = run(cfg['repeats'])
+    peak = max(start_rss - base + max(p for _, p in parts.values())
+               for _, parts, start_rss in measured)
     n_params = sum(p.numel() for p in model.parameters())
+    med = statistics.median
     result = dict(status='ok', task=task, backbone=type(model.backbone).__name__,
                   is_xcit=is_xcit, params_m=n_params / 1e6,
-                  time_ms=statistics.median(totals) * 1e3,
-                  times_ms=[t * 1e3 for t in totals],
+                  time_ms=med(t for t, _, _ in timed) * 1e3,
+                  times_ms=[t * 1e3 for t, _, _ in timed],
+                  mem_pass_time_ms=med(t for t, _, _ in measured) * 1e3,
                   peak_mem_mb=peak / 2 ** 20, mem_base_mb=base / 2 ** 20,
-                  parts={n: dict(time_ms=statistics.median(t for t, _ in v) * 1e3,
-                                 peak_mb=max(m for _, m in v) / 2 ** 20)
-                         for n, v in per_part.items()},
-                  malloc_mmap_threshold=os.environ.get('MALLOC_MMAP_THRESHOLD_'), note='')
+                  parts={n: dict(time_ms=med(parts[n][0] for _, parts, _ in timed) * 1e3,
+                                 peak_mb=max(parts[n][1] for _, parts, _ in measured) / 2 ** 20)
+                         for n in names},
+                  work=work, adamw_flags=adamw_flags,
+                  memory_mode='mmap threshold 64 KiB' if live else 'glibc default malloc',
+                  note='')
     return result
 
 
@@ -296,7 +391,8 @@ def config_name(config: str) -> str:
     return osp.splitext(osp.basename(config.split('::')[-1]))[0]
 
 
-ROUND_KEYS = ('status', 'note', 'time_ms', 'times_ms', 'peak_mem_mb', 'mem_base_mb', 'parts')
+ROUND_KEYS = ('status', 'note', 'time_ms', 'times_ms', 'mem_pass_time_ms', 'peak_mem_mb',
+              'mem_base_mb', 'parts', 'work')
 
 
 def _median_record(rec: dict, per_round: Sequence[dict]) -> None:
@@ -314,7 +410,7 @@ def _median_record(rec: dict, per_round: Sequence[dict]) -> None:
     rec['rounds_ok'] = len(ok)
     if not ok:
         return
-    for key in ('task', 'backbone', 'is_xcit', 'params_m', 'malloc_mmap_threshold'):
+    for key in ('task', 'backbone', 'is_xcit', 'params_m', 'adamw_flags', 'memory_mode', 'work'):
         if key in ok[0]:
             rec[key] = ok[0][key]
     med = statistics.median
@@ -333,13 +429,16 @@ def run_whole_models(configs: Sequence[str], mode: str, height: int, width: int,
                      repeats: int = 3, threads: Optional[int] = None,
                      cpu_mem_mode: str = 'process', limit_bytes: float = 8 * 2 ** 30,
                      timeout_s: float = 1800., log: Optional[Callable[[str], None]] = None,
-                     rounds: int = 1) -> List[dict]:
+                     rounds: int = 1, work: Optional[dict] = None) -> List[dict]:
     """One record per config; every measurement is a fresh process (:func:`worker_main`).
 
     ``rounds`` interleaved rounds: round ``r`` measures every config once, in the order of
     ``configs`` rotated by ``r`` (:func:`.timing.round_order`), so a slow drift of a shared
     machine hits all configs alike.  A config that fails in a round (OOM, timeout, error) is not
-    measured in the later rounds.
+    measured in the later rounds.  ``work`` (:func:`work_settings`, usually of ``configs[0]``) is
+    given to every worker: the same detector settings and optimizer for all; None keeps each
+    config's own.  ``cpu_mem_mode`` picks the memory pass ('live' or 'process'); the steps are
+    timed under glibc's default malloc either way.
 
     Each record keeps its rounds in ``per_round`` (round index, position in that round's order,
     load average at its start, and the worker's status, ``time_ms`` (median of its ``repeats``
@@ -359,8 +458,13 @@ def run_whole_models(configs: Sequence[str], mode: str, height: int, width: int,
             if log:
                 log(f'round {r + 1}/{rounds}, {pos + 1}/{n}: {config} ({mode}, {height}x{width}, '
                     f'batch {batch}) ...')
-            cfg = dict(kind='whole_model', config=config, mode=mode, height=height, width=width,
-                       batch=batch, repeats=repeats, threads=threads, cpu_mem_mode=cpu_mem_mode)
+            # the worker process starts with glibc's default malloc ('process'); its memory pass
+            # switches to the mmap threshold itself when mem_pass is 'live'
+            # (the worker runs elsewhere: a path is made absolute)
+            cfg = dict(kind='whole_model', mode=mode, height=height, width=width,
+                       config=config if '::' in config else osp.abspath(config),
+                       batch=batch, repeats=repeats, threads=threads, cpu_mem_mode='process',
+                       mem_pass=cpu_mem_mode, work=work)
             load = os.getloadavg()[0] if hasattr(os, 'getloadavg') else None
             t0 = time.time()
             res = run_memory_worker(cfg, int(limit_bytes), timeout_s)
@@ -482,6 +586,11 @@ def format_whole_table(records: Sequence[dict]) -> str:
                      f'(median of {n} round{"s" * (n != 1)} x {r["repeats"]} '
                      f'step{"s" * (r["repeats"] != 1)}{spread}), {r["params_m"]:.1f} M params, '
                      f'backbone {r["backbone"]}')
+        work = r.get('work') or {}
+        if work.get('bbox_rois') or work.get('mask_rois'):
+            dets = work.get('detections_per_image')
+            lines.append(f'  work per step: {work["bbox_rois"]} box RoIs, {work["mask_rois"]} mask '
+                         f'RoIs' + (f', detections per image {dets}' if dets else ''))
         lines.append(f'  {"part":<10} {"ms":>10} {"%":>6} {"peak MB":>9}')
         for part, p in r['parts'].items():
             pct = 100 * p['time_ms'] / r['time_ms'] if r['time_ms'] else 0
