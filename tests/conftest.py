@@ -129,3 +129,14 @@ def roi_align_bench():
 def onnx_tool():
     """tools/deployment/export_onnx.py, loaded as a module."""
     return _load_tool('tools/deployment/export_onnx.py')
+
+
+@pytest.fixture
+def cpu_only(monkeypatch):
+    """The test's CPU code paths (gloo, CPU AMP, CPU DDP) also on a machine with a GPU: torch
+    reports no CUDA device in this process (mmengine picks the device from
+    ``torch.cuda.is_available()``) nor in the processes it starts (``CUDA_VISIBLE_DEVICES``)."""
+    import torch
+    monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '')
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 0)

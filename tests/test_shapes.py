@@ -389,7 +389,9 @@ _FIT_METRIC = {
 
 
 @pytest.mark.parametrize('task', ['coco', 'ade'])
-def test_train_test_resume(tmp_path, task):
+def test_train_then_test_learns(tmp_path, task):
+    """tools/train.py on generated data, then tools/test.py on its checkpoint: well above chance.
+    (Resuming is tested against the uninterrupted run's losses in tests/test_reliability.py.)"""
     config = DET_CONFIG if task == 'coco' else SEG_CONFIG
     root = str(tmp_path / f'shapes_{task}')
     work = str(tmp_path / 'work')
@@ -417,13 +419,3 @@ def test_train_test_resume(tmp_path, task):
     if task == 'coco':
         assert re.search(r'coco/segm_mAP: [0-9.]+', out)
 
-    # 3. resume from it with a longer schedule: training continues at the next iteration
-    more = FIT_ITERS + 2
-    out = _run(train + ['--resume', ckpt, '--cfg-options'] + _short_options(task, root, more),
-               cwd=str(tmp_path))
-    assert f'resumed epoch: 0, iter: {FIT_ITERS}' in out
-    logged = [int(i) for i in re.findall(rf'Iter\(train\) \[ *(\d+)/{more}\]', out)]
-    assert logged and min(logged) == FIT_ITERS + 1, logged
-    import torch
-    final = torch.load(osp.join(work, f'iter_{more}.pth'), map_location='cpu', weights_only=False)
-    assert final['meta']['iter'] == more

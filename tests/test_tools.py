@@ -176,7 +176,7 @@ def test_missing_config_is_one_line_not_a_traceback(tmp_path, train_tool, test_t
 
 
 # ----------------------------------------------------------------------------- --amp on a CPU
-@pytest.mark.skipif(torch.cuda.is_available(), reason='CPU-only code path')
+@pytest.mark.usefixtures('cpu_only')  # run on the CPU, also where a GPU is present
 @pytest.mark.parametrize('native_bf16', [False, True, None])
 def test_amp_warns_once_on_a_cpu_without_native_bf16(train_tool, monkeypatch, native_bf16):
     """--amp on a CPU without avx512_bf16 / AMX: one warning (measured slowdown, advice to train
@@ -330,7 +330,7 @@ def test_prepare_cpu_distributed_cfg():
     assert init_distributed(cfg, 'none') is False
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason='CPU-only code path')
+@pytest.mark.usefixtures('cpu_only')  # run on the CPU, also where a GPU is present
 def test_cpu_ddp_in_a_gloo_group(monkeypatch):
     import torch.distributed as dist
     from mmengine.registry import MODEL_WRAPPERS
@@ -373,7 +373,7 @@ def test_cpu_ddp_in_a_gloo_group(monkeypatch):
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason='CPU-only code path')
+@pytest.mark.usefixtures('cpu_only')  # run on the CPU, also where a GPU is present
 @pytest.mark.parametrize('failing', [False, True])
 def test_distributed_session_destroys_the_group(monkeypatch, failing):
     """The tools run inside distributed_session: the gloo group exists inside the block and is
@@ -424,7 +424,7 @@ print('DONE')
 """
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason='CPU-only code path')
+@pytest.mark.usefixtures('cpu_only')  # run on the CPU, also where a GPU is present
 def test_cpu_ddp_step_has_no_grad_stride_warning():
     """Every gradient of the backbone has its parameter's exact strides, so DDP's reducer does
     not warn "Grad strides do not match bucket view strides" (it did for the LPI depthwise convs:

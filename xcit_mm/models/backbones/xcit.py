@@ -399,6 +399,9 @@ class XCiTBackbone(BaseModule):
         in_channels (int): Image channels. Defaults to 3.
         out_indices (Sequence[int], optional): Four 0-based layer indices whose outputs feed the
             stride 4/8/16/32 levels. Defaults to the paper's (3, 5, 7, 11) / (7, 11, 15, 23).
+            Layers after the last index never run: they are kept (checkpoints still load) with
+            ``requires_grad=False``, so that DDP with ``find_unused_parameters=False`` accepts
+            the model.
         drop_path_rate (float): Stochastic depth, the same for every layer as in the reference
             code. Defaults to 0.
         layer_scale_init_value (float, optional): Initial gamma. Defaults to 1.0 for up to 12
@@ -549,9 +552,10 @@ class XCiTBackbone(BaseModule):
 
     # ------------------------------------------------------------------ train-mode behaviour
     def _freeze_stages(self):
-        if self.frozen_stages < 0:
-            return
-        frozen = [self.patch_embed, self.pos_embed] + list(self.layers[:self.frozen_stages])
+        # layers past the last output never run: no gradient would ever reach them
+        frozen = list(self.layers[max(self.out_indices) + 1:])
+        if self.frozen_stages >= 0:
+            frozen += [self.patch_embed, self.pos_embed] + list(self.layers[:self.frozen_stages])
         for module in frozen:
             module.eval()
             for param in module.parameters():
