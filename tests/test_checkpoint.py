@@ -5,6 +5,7 @@ and randomised BN statistics; its state dict is written to disk in each layout f
 with key names mapped by hand here (independently of ``xcit_mm.models.utils.ckpt_convert``).
 """
 import os
+import shutil
 import subprocess
 import sys
 from collections import OrderedDict
@@ -132,8 +133,11 @@ def test_converter_cli_round_trip(mmpretrain_xcit, tmp_path):
 
 
 def test_detect_layout():
-    assert detect_layout({'blocks.0.attn.qkv.weight': 0, 'pos_embeder.x': 0}) == 'official'
-    assert detect_layout({'blocks.0.attn.qkv.weight': 0, 'pos_embed.x': 0}) == 'timm'
+    lpi = {'blocks.0.local_mp.conv1.weight': 0}
+    assert detect_layout({'blocks.0.attn.qkv.weight': 0, 'pos_embeder.x': 0, **lpi}) == 'official'
+    assert detect_layout({'blocks.0.attn.qkv.weight': 0, 'pos_embed.x': 0, **lpi}) == 'timm'
+    with pytest.raises(LayoutError, match='Unrecognised'):  # a timm ViT / DeiT: no LPI
+        detect_layout({'blocks.0.attn.qkv.weight': 0, 'pos_embed': 0})
     assert detect_layout({'xca_layers.0.attn.qkv.weight': 0}) == 'mmpretrain'
     assert detect_layout({'layers.0.lpi.conv1.weight': 0}) == 'xcit_mm'
     with pytest.raises(LayoutError, match='Unrecognised checkpoint layout'):
@@ -351,19 +355,29 @@ def test_converter_rejects_an_unknown_arch_with_the_choices(tmp_path):
 
 @pytest.mark.parametrize('zip_format', [True, False])
 def test_every_truncation_is_reported_as_truncated(tmp_path, zip_format):
-    """Cut a checkpoint at every byte: always the 'truncated or corrupt' message naming the
-    file, never a raw traceback nor the advice for pickled code (a name cut short by the
-    truncation is not a request to import something)."""
-    from collections import OrderedDict as OD
+    """Cut a small checkpoint at every byte, i.e. keep its first n bytes for every n from 0 to
+    its size - 1: always the 'truncated or corrupt' message naming the file and the size it was
+    cut to, never a raw traceback nor the advice for pickled code (a name cut short by the
+    truncation is not a request to import something); cut to 0 bytes, the file is empty."""
     full = str(tmp_path / 'full.pth')
-    torch.save({'meta': {'iter': 2}, 'state_dict': OD(w=torch.arange(40.))}, full,
+    torch.save({'meta': {'iter': 2}, 'state_dict': OrderedDict(w=torch.arange(40.))}, full,
                _use_new_zipfile_serialization=zip_format)
     data = open(full, 'rb').read()
+    assert data.startswith(b'PK\x03\x04' if zip_format else b'\x80')  # the format asked for
+    assert len(data) < 2500  # small: ~0.2 ms a read, so every byte costs well under a second
     cut = str(tmp_path / 'cut.pth')
-    step = max(1, len(data) // 400)
-    for n in range(1, len(data), step):
-        open(cut, 'wb').write(data[:n])
+    shutil.copyfile(full, cut)
+    # Shrinking the file in place: rewriting it from length 0 would make ext4 flush it to disk at
+    # every close (auto_da_alloc), some ms a cut.
+    for n in range(len(data) - 1, 0, -1):
+        os.truncate(cut, n)
         with pytest.raises(CheckpointError) as info:
             read_checkpoint(cut)
         message = str(info.value)
-        assert 'truncated or corrupt' in message and 'cut.pth' in message, (n, message)
+        assert f'cut.pth ({n} bytes): the file is truncated or corrupt' in message, (n, message)
+        assert 'Refusing' not in message and '--trust' not in message, (n, message)
+    assert os.path.getsize(cut) == 1  # the loop ran down to the first byte
+    os.truncate(cut, 0)
+    with pytest.raises(CheckpointError, match=r'cut\.pth \(0 bytes\) is not a PyTorch checkpoint '
+                                              r'\(it is empty\)'):
+        read_checkpoint(cut)

@@ -58,20 +58,32 @@ def hub_cache_path(url: str) -> str:
 
 
 def download_checkpoint(url: str) -> str:
-    """Download ``url`` into the hub cache once per machine (local rank 0); return the path."""
+    """Download ``url`` into the hub cache once per machine; return the path.
+
+    In a distributed job local rank 0 downloads while the machine's other ranks wait at a
+    barrier, which rank 0 reaches even when the download fails (no rank is left waiting);
+    without a process group every process downloads for itself.
+    """
     from mmengine.dist import barrier, get_world_size
     cached = hub_cache_path(url)
-    if int(os.environ.get('LOCAL_RANK', '0')) == 0 and not osp.isfile(cached):
-        os.makedirs(osp.dirname(cached), exist_ok=True)
+    distributed = get_world_size() > 1
+    failure = None
+    if not osp.isfile(cached) and (not distributed
+                                   or int(os.environ.get('LOCAL_RANK', '0')) == 0):
         try:
+            os.makedirs(osp.dirname(cached), exist_ok=True)
             torch.hub.download_url_to_file(url, cached, progress=False)
         except Exception as e:  # urllib raises URLError, HTTPError, OSError, ValueError...
-            raise CheckpointError(
-                f'Cannot download checkpoint {url}: {type(e).__name__}: {str(e)[:300]}. Check '
-                f'the URL and the network, or download it yourself and pass the local file.'
-            ) from e
-    if get_world_size() > 1:
+            failure = e
+    if distributed:
         barrier()
+    advice = 'Check the URL and the network, or download it yourself and pass the local file.'
+    if failure is not None:
+        raise CheckpointError(f'Cannot download checkpoint {url}: {type(failure).__name__}: '
+                              f'{str(failure)[:300]}. {advice}') from failure
+    if not osp.isfile(cached):
+        raise CheckpointError(f'Cannot download checkpoint {url}: local rank 0 did not download '
+                              f'it to {cached} (its own error says why). {advice}')
     return cached
 
 
@@ -126,7 +138,17 @@ def _first_bytes(path: str, n: int = 16) -> bytes:
         return f.read(n)
 
 
-def _not_a_checkpoint(path: str, what: str, head: bytes) -> Optional[str]:
+def _downloaded(path: str, url: Optional[str]) -> Tuple[str, str]:
+    """How a message names a file, and for a download the way to get a fresh copy."""
+    if url is None:
+        return path, ''
+    return (f'{url}, downloaded to {path}',
+            f' The download is cached and the next run would read the same copy: delete {path} '
+            f'and run again, or download the file yourself and pass the local path.')
+
+
+def _not_a_checkpoint(path: str, what: str, head: bytes,
+                      url: Optional[str] = None) -> Optional[str]:
     """A message if ``path`` is not a PyTorch checkpoint by its first bytes, else None."""
     if head.startswith(_ZIP_MAGIC) or (head and head[0] == _PICKLE_PROTO):
         return None
@@ -135,9 +157,10 @@ def _not_a_checkpoint(path: str, what: str, head: bytes) -> Optional[str]:
     size = osp.getsize(path)
     shown = head.decode('utf-8', 'replace').replace('\n', ' ').strip()
     start = f"starts with {shown[:12]!r}..." if shown else 'is empty'
-    return (f'{what} {path} ({size} bytes) is not a PyTorch checkpoint (it {start}). A failed '
+    name, fresh = _downloaded(path, url)
+    return (f'{what} {name} ({size} bytes) is not a PyTorch checkpoint (it {start}). A failed '
             f'download often saves an HTML error page or a text message under the .pth name: '
-            f'download the file again, or check the path.')
+            f'download the file again, or check the path.{fresh}')
 
 
 def _importable(dotted: str) -> bool:
@@ -174,16 +197,17 @@ def _unsafe_message(path: str, what: str, error: Exception) -> str:
         f'then use OUT.pth (for a backbone init_cfg, weights_only=False also opts in).')
 
 
-def _corrupt_message(path: str, what: str, error: Exception) -> str:
+def _corrupt_message(path: str, what: str, error: Exception, url: Optional[str] = None) -> str:
     size = osp.getsize(path)
     text = str(error).strip()
     found = re.search(r'WeightsUnpickler error:\s*(.+?)\s*(\n\n|$)', text, re.S)
     first = found.group(1) if found else text.splitlines()[0] if text else ''
     first = re.split(r'(?<=[.:])\s', first, maxsplit=1)[0][:200]  # its first sentence
-    return (f'Cannot read {what} {path} ({size} bytes): the file is truncated or corrupt '
+    name, fresh = _downloaded(path, url)
+    return (f'Cannot read {what} {name} ({size} bytes): the file is truncated or corrupt '
             f'({type(error).__name__}: {first}). A checkpoint cut short while being written (a '
             f'killed job, a full disk) looks like this: use an earlier checkpoint, or copy the '
-            f'file again.')
+            f'file again.{fresh}')
 
 
 def resolve_checkpoint_path(path: str, what: str = 'checkpoint') -> str:
@@ -226,8 +250,15 @@ def load_checkpoint_file(path: str, what: str = 'checkpoint', weights_only: bool
         CheckpointError: naming the file, the problem and the fix.
     """
     local = resolve_checkpoint_path(path, what)
+    return _read_local(local, what, weights_only, map_location, mmap,
+                       url=path if is_url(path) else None)
+
+
+def _read_local(local: str, what: str, weights_only: bool = True, map_location='cpu',
+                mmap: bool = False, url: Optional[str] = None):
+    """:func:`load_checkpoint_file` of a local file; ``url``: where it was downloaded from."""
     head = _first_bytes(local)
-    problem = _not_a_checkpoint(local, what, head)
+    problem = _not_a_checkpoint(local, what, head, url)
     if problem:
         raise CheckpointError(problem)
     mmap = mmap and head.startswith(_ZIP_MAGIC)
@@ -238,10 +269,10 @@ def load_checkpoint_file(path: str, what: str = 'checkpoint', weights_only: bool
     except pickle.UnpicklingError as e:
         if weights_only and _unsafe_detail(e):
             raise CheckpointError(_unsafe_message(local, what, e)) from e
-        raise CheckpointError(_corrupt_message(local, what, e)) from e
+        raise CheckpointError(_corrupt_message(local, what, e, url)) from e
     except (RuntimeError, EOFError, OSError, ValueError, UnicodeDecodeError, KeyError,
             IndexError, struct.error) as e:
-        raise CheckpointError(_corrupt_message(local, what, e)) from e
+        raise CheckpointError(_corrupt_message(local, what, e, url)) from e
 
 
 def extract_state_dict(checkpoint, source: str = 'checkpoint') -> dict:
@@ -277,7 +308,7 @@ def check_checkpoint(path: str, what: str = 'checkpoint', kind: str = 'weights')
         CheckpointError: see :func:`load_checkpoint_file`, or a file not of ``kind``.
     """
     local = resolve_checkpoint_path(path, what)
-    checkpoint = load_checkpoint_file(local, what, mmap=True)
+    checkpoint = _read_local(local, what, mmap=True, url=path if is_url(path) else None)
     if kind == 'resume':
         meta = checkpoint.get('meta') if isinstance(checkpoint, dict) else None
         if not (isinstance(meta, dict) and 'iter' in meta and 'epoch' in meta

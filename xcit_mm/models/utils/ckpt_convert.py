@@ -64,7 +64,8 @@ def detect_layout(state_dict: Dict[str, torch.Tensor]) -> str:
     keys = list(state_dict)
     if any(k.startswith('xca_layers.') for k in keys):
         return 'mmpretrain'
-    if any(k.startswith('blocks.') for k in keys):
+    # blocks.* alone is any timm / DeiT ViT: XCiT blocks also have their LPI (local_mp)
+    if any(k.startswith('blocks.') for k in keys) and any('.local_mp.' in k for k in keys):
         return 'official' if any(k.startswith('pos_embeder.') for k in keys) else 'timm'
     if any(k.startswith('layers.') for k in keys) and any('.lpi.' in k for k in keys):
         return 'xcit_mm'
