@@ -4,6 +4,7 @@ Models are built with ``init_cfg=None`` for the backbone (no download of ImageNe
 ``meta`` device where only shapes matter (parameter counts, head widths), which keeps building all
 24 models, M24 included, to a few seconds.
 """
+import collections
 import copy
 import functools
 import glob
@@ -16,9 +17,10 @@ import pytest
 import torch
 from mmengine.config import Config
 from mmengine.model import revert_sync_batchnorm
-from mmengine.registry import init_default_scope
+from mmengine.registry import DefaultScope, init_default_scope
 
 import xcit_mm  # noqa: F401  (registers XCiTBackbone)
+from xcit_reference import OfficialAdapter
 
 CONFIG_DIR = osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'configs')
 ARCHS = ('t12', 's12', 's24', 'm24')
@@ -34,14 +36,18 @@ PAPER_PARAMS_M = {
     ('t12', 16): 26.1, ('t12', 8): 25.8, ('s12', 16): 44.3, ('s12', 8): 43.1,
     ('s24', 16): 65.8, ('s24', 8): 64.5, ('m24', 16): 101.1, ('m24', 8): 98.9,
 }
-# Exact counts of the released architecture (XCiT trunk + dense adapter + mmdet's Mask R-CNN FPN
-# heads, 80 classes), worked out layer by layer from the official detection backbone; the paper
-# prints these truncated to 0.1M (e.g. 26,177,400 -> "26.1M"). See docs/configs.md.
-EXACT_PARAMS = {
-    ('t12', 16): 26_177_400, ('t12', 8): 25_871_952, ('s12', 16): 44_386_560,
-    ('s12', 8): 43_165_104, ('s24', 16): 65_804_640, ('s24', 8): 64_583_184,
-    ('m24', 16): 101_152_240, ('m24', 8): 98_980_912,
-}
+# The expected parameter counts are not written down: they are assembled from upstream parts (see
+# _upstream_parts): mmpretrain's XCiT of each size, as its own configs define it, less the
+# classification-only parameters; the official dense adapter (tests/xcit_reference.py); the
+# necks / heads that mmdet's / mmseg's own registries build from the config's model dict.
+MMPRETRAIN_NAMES = {'t12': 'tiny-12', 's12': 'small-12', 's24': 'small-24', 'm24': 'medium-24'}
+# Top-level parameters of mmpretrain's XCiT that only the ImageNet classifier has (the CLS token,
+# the class-attention layers, the final norm; the linear head is another module); the official
+# detection / segmentation backbone has none of them.
+CLASSIFIER_ONLY = {'cls_token', 'ca_layers', 'norm'}
+# The modules that mmdet's TwoStageDetector / mmseg's EncoderDecoder build besides the backbone.
+HEAD_PARTS = {'mask_rcnn': {'neck', 'rpn_head', 'roi_head'}, 'sem_fpn': {'neck', 'decode_head'},
+              'upernet': {'decode_head', 'auxiliary_head'}}
 
 
 def _cfg_path(task, arch, patch):
@@ -151,15 +157,143 @@ def test_config_recipe(task, arch, patch):
         assert cfg.test_evaluator.iou_metrics == ['mIoU']
 
 
+def _count(module):
+    return sum(p.numel() for p in module.parameters())
+
+
+def _shapes(params):
+    return collections.Counter(tuple(p.shape) for p in params)
+
+
+@functools.lru_cache(maxsize=None)
+def _mmpretrain_metafile():
+    """{config path: {parameter counts}} from mmpretrain's published XCiT metafile."""
+    import mmpretrain
+    import yaml
+    path = osp.join(osp.dirname(mmpretrain.__file__), '.mim', 'configs', 'xcit', 'metafile.yml')
+    with open(path) as f:
+        models = yaml.safe_load(f)['Models']
+    published = collections.defaultdict(set)
+    for m in models:
+        published[m['Config']].add(m['Metadata']['Parameters'])
+    return published
+
+
+_UPSTREAM_TRUNKS = {}
+
+
+def _upstream_trunk(mmpretrain_xcit, arch, patch):
+    """(embed_dims, parameter shapes) of the trunk of the dense XCiT of this size from mmpretrain
+    alone: its ImageNet classifier built from its own config (the arch numbers embed_dims / depth
+    / num_heads of mmpretrain's config, not xcit_mm's table), less the classification-only
+    parameters."""
+    if (arch, patch) not in _UPSTREAM_TRUNKS:
+        import mmpretrain
+        from mmpretrain.registry import MODELS
+        rel = f'configs/xcit/xcit-{MMPRETRAIN_NAMES[arch]}-p{patch}_8xb128_in1k-384px.py'
+        cfg = Config.fromfile(osp.join(osp.dirname(mmpretrain.__file__), '.mim', rel))
+        assert (cfg.model.backbone.patch_size, cfg.model.backbone.depth) == (patch, int(arch[1:]))
+        with DefaultScope.overwrite_default_scope('mmpretrain'), torch.device('meta'):
+            classifier = MODELS.build(cfg.model)
+        # It is the classifier mmpretrain publishes (the metafile's count for this config) ...
+        assert _mmpretrain_metafile()[rel] == {_count(classifier)}
+        trunk = classifier.backbone
+        assert type(trunk) is mmpretrain_xcit
+        # ... and only its CLS token, class attention and final norm are left out.
+        params = dict(trunk.named_parameters())
+        assert CLASSIFIER_ONLY <= {name.split('.')[0] for name in params}
+        kept = [p for name, p in params.items() if name.split('.')[0] not in CLASSIFIER_ONLY]
+        _UPSTREAM_TRUNKS[(arch, patch)] = (cfg.model.backbone.embed_dims, _shapes(kept))
+    return _UPSTREAM_TRUNKS[(arch, patch)]
+
+
+def _trunk_widths(task, D):
+    """The head widths that follow from the trunk's width D, as released: the FPN / UperNet heads
+    read D-channel maps, and the semantic FPN is D wide (official sem_fpn configs)."""
+    return {'mask_rcnn': {'neck.in_channels': [D] * 4},
+            'sem_fpn': {'neck.in_channels': [D] * 4, 'neck.out_channels': D,
+                        'decode_head.in_channels': [D] * 4},
+            'upernet': {'decode_head.in_channels': [D] * 4,
+                        'auxiliary_head.in_channels': D}}[task]
+
+
+def _upstream_heads(cfg, task, D):
+    """{name: module} of the necks / heads built by mmdet's / mmseg's own registries, on the meta
+    device, from cfg.model without its backbone, with the widths that follow from D (so a wrong
+    width in a config shows), and with the arguments TwoStageDetector adds."""
+    cfg = copy.deepcopy(cfg)
+    cfg.merge_from_dict({f'model.{k}': v for k, v in _trunk_widths(task, D).items()})
+    model = cfg.model
+    not_modules = {'type', 'backbone', 'data_preprocessor', 'train_cfg', 'test_cfg', 'pretrained',
+                   'init_cfg', '_scope_'}
+    parts = {k: v for k, v in model.items() if k not in not_modules and v is not None}
+    assert set(parts) == HEAD_PARTS[task]
+    if task == 'mask_rcnn':
+        from mmdet.registry import MODELS
+        parts['rpn_head'].update(train_cfg=model.train_cfg.rpn, test_cfg=model.test_cfg.rpn,
+                                 num_classes=1)
+        parts['roi_head'].update(train_cfg=model.train_cfg.rcnn, test_cfg=model.test_cfg.rcnn)
+    else:
+        from mmseg.registry import MODELS
+    with DefaultScope.overwrite_default_scope(cfg.default_scope), torch.device('meta'):
+        return {k: (torch.nn.ModuleList([MODELS.build(c) for c in v]) if isinstance(v, list)
+                    else MODELS.build(v)) for k, v in parts.items()}
+
+
+_UPSTREAM_COUNTS = {}
+
+
+def _upstream_parts(mmpretrain_xcit, task, arch, patch):
+    """Parameter shapes of the expected backbone (upstream trunk + official adapter) and the
+    parameter counts of the upstream necks / heads of a paper config."""
+    if (task, arch, patch) not in _UPSTREAM_COUNTS:
+        D, trunk = _upstream_trunk(mmpretrain_xcit, arch, patch)
+        with torch.device('meta'):
+            adapter = OfficialAdapter(D, patch)  # BatchNorm2d for SyncBN: the same parameters
+        backbone = trunk + _shapes(adapter.parameters())
+        heads = {k: _count(v) for k, v in _upstream_heads(_load(task, arch, patch), task,
+                                                          D).items()}
+        _UPSTREAM_COUNTS[(task, arch, patch)] = (D, backbone, heads)
+    return _UPSTREAM_COUNTS[(task, arch, patch)]
+
+
+def _total(backbone_shapes, heads):
+    return sum(math.prod(s) * n for s, n in backbone_shapes.items()) + sum(heads.values())
+
+
+@pytest.mark.parametrize('task,arch,patch', ALL)
+def test_parameter_count_is_upstream_trunk_adapter_and_heads(task, arch, patch, mmpretrain_xcit):
+    """The model a paper config builds has exactly the parameters of the upstream parts: the
+    backbone those of mmpretrain's trunk (without the classifier) + the official adapter, shape for
+    shape; neck and heads those of mmdet's / mmseg's own modules at the released widths."""
+    D, backbone_shapes, heads = _upstream_parts(mmpretrain_xcit, task, arch, patch)
+    assert D == EMBED_DIMS[arch]
+    model = _build(_load(task, arch, patch))
+    assert _shapes(model.backbone.parameters()) == backbone_shapes
+    assert _count(model.backbone) == _total(backbone_shapes, {})
+    assert {name: _count(getattr(model, name)) for name in heads} == heads
+    assert _count(model) == _total(backbone_shapes, heads)
+    assert model.backbone.out_channels == [D] * 4
+    if task == 'mask_rcnn':
+        assert model.roi_head.bbox_head.num_classes == 80
+
+
+def _documented_mask_rcnn_counts():
+    """{(arch, patch): (paper column, "built here" column)} of docs/configs.md's Mask R-CNN table."""
+    with open(osp.join(osp.dirname(CONFIG_DIR), 'docs', 'configs.md')) as f:
+        rows = re.findall(r'^\| `configs/mask_rcnn_xcit_(\w\d+)_p(\d+)_3x_coco\.py` \| [^|]+ \| '
+                          r'([\d.]+)M \| ([\d,]+) \|', f.read(), re.M)
+    return {(a, int(p)): (float(m), int(n.replace(',', ''))) for a, p, m, n in rows}
+
+
 @pytest.mark.parametrize('arch,patch', [(a, p) for a in ARCHS for p in PATCHES])
-def test_mask_rcnn_parameter_count_matches_paper(arch, patch):
-    model = _build(_load('mask_rcnn', arch, patch))
-    count = sum(p.numel() for p in model.parameters())
-    assert count == EXACT_PARAMS[(arch, patch)]
-    # The paper prints the count truncated to 0.1M.
+def test_mask_rcnn_parameter_count_matches_paper(arch, patch, mmpretrain_xcit):
+    """The upstream count (which the built model equals, test above) is the paper's Table 5 value
+    truncated to 0.1M, and the exact number docs/configs.md lists."""
+    _, backbone_shapes, heads = _upstream_parts(mmpretrain_xcit, 'mask_rcnn', arch, patch)
+    count = _total(backbone_shapes, heads)
     assert math.floor(count / 1e5) / 10 == PAPER_PARAMS_M[(arch, patch)]
-    assert model.roi_head.bbox_head.num_classes == 80
-    assert model.backbone.out_channels == [EMBED_DIMS[arch]] * 4
+    assert _documented_mask_rcnn_counts()[(arch, patch)] == (PAPER_PARAMS_M[(arch, patch)], count)
 
 
 @pytest.mark.parametrize('task,arch,patch',
