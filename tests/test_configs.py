@@ -94,7 +94,9 @@ def test_config_recipe(task, arch, patch):
     assert cfg.custom_imports == dict(imports=['xcit_mm', 'xcit_mm.runtime'],
                                       allow_failed_imports=False)
     assert [h['type'] for h in cfg.custom_hooks] == [
-        'CheckFiniteLossHook', 'SampleSeedingHook', 'RandomStateHook', 'PortableCheckpointHook']
+        'CheckFiniteLossHook', 'SampleSeedingHook', 'RandomStateHook', 'PortableCheckpointHook',
+        'CompileFeatureExtractorHook']
+    assert cfg.custom_hooks[-1] == dict(type='CompileFeatureExtractorHook', follow_config=True)
     assert cfg.default_hooks.checkpoint.type == 'SafeCheckpointHook' and 'runner_type' not in cfg
     backbone = cfg.model.backbone
     assert backbone.type == 'XCiTBackbone'

@@ -331,14 +331,14 @@ def test_reliability_hooks_in_both_scopes_and_all_configs():
         assert isinstance(registry.build(dict(type='RandomStateHook')), RandomStateHook)
     # Every config runs on mmengine's own Runner, with the runtime base's hooks switched on.
     runtime_hooks = ['CheckFiniteLossHook', 'SampleSeedingHook', 'RandomStateHook',
-                     'PortableCheckpointHook']
+                     'PortableCheckpointHook', 'CompileFeatureExtractorHook']
     leaves = glob.glob(osp.join(CONFIGS, '*.py')) + glob.glob(osp.join(CONFIGS, 'shapes', '*.py'))
     for path in leaves + glob.glob(osp.join(CONFIGS, '_base_', 'xcit_runtime.py')):
         config = Config.fromfile(path)
         assert 'runner_type' not in config, path
         assert {'xcit_mm', 'xcit_mm.runtime'} <= set(config.custom_imports.imports), path
         # the runtime base's hooks first (the _ld configs add LayerDecayLrHook after them)
-        assert [h['type'] for h in config.custom_hooks][:4] == runtime_hooks, path
+        assert [h['type'] for h in config.custom_hooks][:5] == runtime_hooks, path
         if path in leaves:
             assert config.default_hooks.checkpoint.type == 'SafeCheckpointHook', path
 
@@ -1266,16 +1266,14 @@ _DTYPES = []
 
 @HOOKS.register_module(name='_AmpProbeHook', force=True)
 class _AmpProbeHook(Hook):
-    """Test probe: records, per training forward, the dtype of XCA's qkv projection (autocast)
-    and of its channel attention (float32 by design)."""
+    """Test probe: records, per training forward, the dtype of XCA's qkv projection (bfloat16
+    under autocast)."""
 
     def before_train(self, runner):
         model = runner.model.module if hasattr(runner.model, 'module') else runner.model
         xca = model.backbone.layers[0].attn
         xca.qkv.register_forward_hook(
             lambda m, i, o: _DTYPES.append(('qkv', o.dtype)) if m.training else None)
-        xca.probe.register_forward_hook(
-            lambda m, i, o: _DTYPES.append(('attn', i[2].dtype)) if xca.training else None)
 
 
 @CPU_ONLY
@@ -1292,7 +1290,8 @@ def test_amp_on_cpu_trains_in_bfloat16_with_finite_losses(tmp_path, train_tool, 
     assert sorted(losses) == [1, 2, 3]
     assert all(torch.isfinite(torch.tensor(v)) for v in losses.values()), losses
     assert ('qkv', torch.bfloat16) in _DTYPES  # the backbone ran under autocast
-    assert {d for name, d in _DTYPES if name == 'attn'} == {torch.float32}  # XCA kept float32
+    # (that XCA's float32 island matters is tested on gradients against a float64 reference in
+    # tests/test_gradients.py; the dtype seen here would be float32 with or without it)
     assert torch.isfinite(torch.stack([v.float().flatten()[:1] for v in load_checkpoint_file(
         str(work_dir / 'iter_3.pth'))['state_dict'].values()
         if v.is_floating_point()])).all()

@@ -12,7 +12,11 @@
 #     checkpoint and are restored on --resume;
 #   - PortableCheckpointHook: checkpoints hold plain data only, so they open with torch's
 #     weights_only loading in every upstream door (init_detector, DetInferencer, init_model,
-#     MMSegInferencer, mmdet's / mmseg's tools) and keep their dataset_meta.
+#     MMSegInferencer, mmdet's / mmseg's tools) and keep their dataset_meta;
+#   - CompileFeatureExtractorHook(follow_config=True): idle unless the config sets compile=True
+#     (or compile=dict(torch.compile arguments)); then it compiles the feature extractor
+#     (backbone + neck) instead of mmengine compiling the whole train step, which fails in the
+#     optimizer step on torch 2.13 (docs/deployment.md).
 # Atomic checkpoint files (new one written before the old one is deleted) come from
 # `default_hooks = dict(checkpoint=dict(type='SafeCheckpointHook'))`, which the XCiT task bases
 # set: mmengine refuses a key, such as default_hooks, defined by two bases of one list.
@@ -22,4 +26,5 @@ custom_hooks = [
     dict(type='SampleSeedingHook'),
     dict(type='RandomStateHook'),
     dict(type='PortableCheckpointHook'),
+    dict(type='CompileFeatureExtractorHook', follow_config=True),
 ]
