@@ -8,6 +8,7 @@ cropping without Python branches on the size. The tests check that path against 
 directly and through torch.compile.
 """
 import copy
+import os.path as osp
 
 import pytest
 import torch
@@ -137,38 +138,42 @@ def test_new_image_sizes_do_not_recompile(patch_size):
     assert counter.frame_count == 1, f'{counter.frame_count} compilations for {sizes}'
 
 
-def test_inductor_equals_eager_values_and_gradients():
-    """inductor (CPU): outputs and parameter gradients of a train step equal eager to float32
-    rounding, at a padded size."""
+def test_inductor_train_steps_at_three_sizes_equal_eager():
+    """inductor (CPU), train mode, compiled as ``CompileFeatureExtractorHook`` compiles
+    (``dynamic=False``): three image sizes, padded or not, each compiles once; outputs and every
+    parameter gradient equal eager to float32 rounding at each size."""
     model = tiny(16, arch=dict(embed_dims=32, depth=2, num_heads=2), out_indices=(0, 0, 1, 1))
     twin = copy.deepcopy(model)  # BN running statistics move in train mode: one copy each
-    compiled = torch.compile(twin, backend='inductor')
-    x = torch.randn(2, 3, 100, 90)
-    results = []
-    for m, f in ((model, model), (twin, compiled)):
-        m.train()
-        outs = f(x)
-        sum((o * o).mean() for o in outs).backward()
-        grads = {n: p.grad for n, p in m.named_parameters()}
-        results.append(([o.detach() for o in outs], grads))
-    (eager_out, eager_grad), (comp_out, comp_grad) = results
-    for a, b in zip(comp_out, eager_out):
-        assert a.is_contiguous()
-        assert_close_scaled(a, b, 1e-5, 'output')
-    assert eager_grad.keys() == comp_grad.keys()
-    floor = grad_floor(eager_grad.values())
-    for name in eager_grad:
-        assert_close_scaled(comp_grad[name], eager_grad[name], 1e-4, f'grad {name}', floor)
+    compiled = torch.compile(twin, backend='inductor', dynamic=False)
+    for size in ((100, 90), (64, 96), (80, 112)):
+        x = torch.randn(2, 3, *size)
+        results = []
+        for m, f in ((model, model), (twin, compiled)):
+            m.train()
+            m.zero_grad(set_to_none=True)
+            outs = f(x)
+            sum((o * o).mean() for o in outs).backward()
+            grads = {n: p.grad for n, p in m.named_parameters()}
+            results.append(([o.detach() for o in outs], grads))
+        (eager_out, eager_grad), (comp_out, comp_grad) = results
+        for a, b in zip(comp_out, eager_out):
+            assert a.is_contiguous()
+            assert_close_scaled(a, b, 1e-5, f'output at {size}')
+        assert eager_grad.keys() == comp_grad.keys()
+        floor = grad_floor(eager_grad.values())
+        for name in eager_grad:
+            assert_close_scaled(comp_grad[name], eager_grad[name], 1e-4, f'grad {name} at {size}',
+                                floor)
 
 
-@pytest.mark.parametrize('patch_size', [8, 16])
-def test_inductor_serves_every_image_size(patch_size):
-    """inductor (CPU), eval: three image sizes, padded or not (in detection every batch can have
-    another size), equal eager. The second size compiles a dynamic-shape graph that the third
-    reuses. torch 2.13's inductor failed at the second size while the backbone computed its
-    padding as ``-H % patch_size`` (a modulo of symbolic sizes)."""
-    model = tiny(patch_size, arch=dict(embed_dims=32, depth=2, num_heads=2),
-                 out_indices=(0, 0, 1, 1)).eval()
+def test_inductor_serves_every_image_size():
+    """inductor (CPU), eval, p8 (the train-step test above runs p16): three image sizes, padded
+    or not (in detection every batch can have another size), equal eager. The second size
+    compiles a dynamic-shape graph that the third reuses. torch 2.13's inductor failed at the
+    second size while the backbone computed its padding as ``-H % patch_size`` (a modulo of
+    symbolic sizes)."""
+    model = tiny(8, arch=dict(embed_dims=32, depth=1, num_heads=2),
+                 out_indices=(0, 0, 0, 0)).eval()
     compiled = torch.compile(model, backend='inductor')
     with torch.no_grad():
         for size in ((100, 90), (64, 96), (80, 112)):
@@ -224,3 +229,45 @@ def test_compile_hook_compiles_the_feature_extractor_once():
     with torch.no_grad():
         for got, want in zip(model.extract_feat(x), eager):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_config_compile_true_compiles_the_feature_extractor_not_the_train_step():
+    """Every XCiT config carries ``CompileFeatureExtractorHook(follow_config=True)`` (the runtime
+    base): idle without ``compile`` in the config; with ``compile=True`` / ``compile=dict(...)``
+    it compiles ``extract_feat`` with those arguments and removes ``compile`` from the runner's
+    config, so mmengine's ``_maybe_compile`` leaves ``train_step`` alone."""
+    from types import SimpleNamespace
+
+    from mmengine.config import Config
+    from mmengine.registry import HOOKS
+
+    import xcit_mm.runtime  # noqa: F401  (registers the hook)
+    base = Config.fromfile(osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'configs',
+                                    '_base_', 'xcit_runtime.py'))
+    (entry,) = [h for h in base.custom_hooks if h['type'] == 'CompileFeatureExtractorHook']
+
+    class Detector(nn.Module):
+        def extract_feat(self, x):
+            return x * 2
+
+        def train_step(self, data):
+            return data
+
+    for compile_cfg, expected in ((None, None), (False, None), (True, {'dynamic': False}),
+                                  (dict(backend='eager', dynamic=True),
+                                   {'dynamic': True, 'backend': 'eager'})):
+        model, logs = Detector(), []
+        cfg = Config(dict(compile=compile_cfg) if compile_cfg is not None else {})
+        runner = SimpleNamespace(model=model, cfg=cfg, logger=SimpleNamespace(info=logs.append))
+        HOOKS.build(copy.deepcopy(entry)).before_run(runner)
+        if expected is None:
+            assert 'extract_feat' not in vars(model) and not logs, compile_cfg
+            continue
+        assert 'extract_feat' in vars(model) and 'train_step' not in vars(model)
+        assert cfg.get('compile') is None  # mmengine's _maybe_compile now does nothing
+        assert f'torch.compile({expected})' in logs[0]
+        assert torch.equal(model.extract_feat(torch.ones(2)), torch.full((2,), 2.))
+    runner = SimpleNamespace(model=Detector(), cfg=Config(dict(compile='yes')),
+                             logger=SimpleNamespace(info=print))
+    with pytest.raises(TypeError, match='compile must be True or a dict'):
+        HOOKS.build(copy.deepcopy(entry)).before_run(runner)
