@@ -9,11 +9,19 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import os.path as osp
 import sys
 import types
 
 import pytest
+
+if os.environ.get('PYTEST_XDIST_WORKER'):
+    # Two xdist workers share the 2 cores (setup.cfg): one torch / OpenMP thread each, also in
+    # the processes the tests start (oversubscribed OpenMP threads wait on each other).
+    os.environ['OMP_NUM_THREADS'] = os.environ['MKL_NUM_THREADS'] = '1'
+    import torch
+    torch.set_num_threads(1)
 
 # The benchmark library lives beside the tools that use it (tools/analysis_tools/xcit_benchmark).
 sys.path.insert(0, osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'tools',

@@ -14,6 +14,7 @@
 #                        cached by pip).
 #   mmpretrain --no-deps its requirements name `modelindex`; the package that works is `model-index`,
 #                        and its extras would pull torchvision (no CPU build exists).
+#   pytest-xdist         the test suite runs on 2 worker processes (setup.cfg: -n 2), one per core.
 #   onnx==1.17.0         ONNX export / ONNX Runtime check (tools/deployment/export_onnx.py):
 #   onnxruntime==1.20.1  releases that install with numpy 1.26 (checked; onnx 1.23 needs
 #                        ml_dtypes>=0.5.4, which needs numpy 2). Resolved in the same pip call as
@@ -38,7 +39,7 @@ step "3/6 runtime dependencies of mmengine/mmcv/mmdet/mmseg/mmpretrain"
 pipi "numpy<2" "opencv-python-headless>=4.8,<4.11" mmengine==0.10.7 \
     pycocotools shapely scipy terminaltables tqdm six prettytable ftfy regex \
     einops importlib-metadata mat4py matplotlib model-index rich \
-    scikit-image pytest onnx==1.17.0 onnxruntime==1.20.1
+    scikit-image pytest pytest-xdist onnx==1.17.0 onnxruntime==1.20.1
 
 step "4/6 mmcv 2.1.0 with ops (skipped when mmcv.ops already imports)"
 if "$PY" -c "import mmcv, mmcv.ops; assert mmcv.__version__ == '2.1.0'" 2>/dev/null; then
