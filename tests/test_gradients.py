@@ -36,7 +36,12 @@ Precision: float64 is the check (rounding ~1e-14 relative, so tolerances of 1e-9
 nothing but bugs: a gradient off by 1e-5, a LayerNorm recomputed with another eps fail it). The
 float32 cases run the dtype training uses, at 2e-4 of each module's gradient scale (measured
 differences stay below 3e-5); they catch only gross errors (a missing term, a double BN update,
-other drop-path masks).
+other drop-path masks). A bf16-autocast training step is compared with the float64 reference at
+measured bf16 tolerances, in a regime where XCA's float32 attention is needed to meet them.
+
+Fine-tuning as it runs (frozen_stages >= 0, an image that needs no gradient, with_cp on and off)
+reaches the hand-written backwards with an input that needs no gradient; those cases are compared
+in float64 too.
 """
 import functools
 import math
@@ -136,11 +141,12 @@ def count_drops(reference):
 
 
 # ----------------------------------------------------------------------------- one step
-def forward_backward(model, image, weights, seed, pad_to=None):
-    """Outputs (cropped to ceil(H / s)) and the image's gradient, after backpropagating the
-    weighted sum of the four outputs. ``pad_to``: zero-pad bottom/right to a multiple first."""
+def forward_backward(model, image, weights, seed, pad_to=None, image_requires_grad=True):
+    """Outputs (cropped to ceil(H / s)) and the image's gradient (None if it requires none), after
+    backpropagating the weighted sum of the four outputs. ``pad_to``: zero-pad bottom/right to a
+    multiple first."""
     H, W = image.shape[-2:]
-    image = image.clone().requires_grad_()
+    image = image.clone().requires_grad_(image_requires_grad)
     x = F.pad(image, (0, -W % pad_to, 0, -H % pad_to)) if pad_to else image
     torch.manual_seed(seed)  # the same drop-path masks in both models
     outs = [out[..., :math.ceil(H / s), :math.ceil(W / s)] for out, s in zip(model(x), STRIDES)]
@@ -154,17 +160,20 @@ def assert_close(got, want, dtype, scale=None, msg=''):
     torch.testing.assert_close(got, want, rtol=rtol, atol=atol * max(scale, 1e-30), msg=msg)
 
 
-def compare_step(reference, backbone, dtype, seed, frozen=frozenset()):
-    """One forward/backward of both models on each of INPUTS; everything must agree.
+def compare_step(reference, backbone, dtype, seed, frozen=frozenset(), image_requires_grad=True,
+                 inputs=INPUTS):
+    """One forward/backward of both models on each of ``inputs``; everything must agree.
 
-    ``frozen``: backbone parameters that must get no gradient (None). Returns, per input, the
-    reference's state-dict keys that the step changed (BN statistics).
+    ``frozen``: backbone parameters that must get no gradient (None). ``image_requires_grad``:
+    False as in training (data loaders give plain tensors): the image then gets no gradient, and
+    the first trainable module after frozen ones gets an input that needs none. Returns, per
+    input, the reference's state-dict keys that the step changed (BN statistics).
     """
     changed_per_input = []
     names = reference_names(reference, backbone)
     patch_size = backbone.patch_size
     generator = torch.Generator().manual_seed(seed)
-    for batch, H, W in INPUTS:
+    for batch, H, W in inputs:
         for model in (reference, backbone):
             model.zero_grad(set_to_none=True)
         image = torch.randn(batch, 3, H, W, generator=generator, dtype=dtype)
@@ -174,13 +183,18 @@ def compare_step(reference, backbone, dtype, seed, frozen=frozenset()):
         ref_buffers = {k: v.clone() for k, v in reference.state_dict().items()}
 
         # the backbone's outputs have the cropped shapes themselves (cropping changes nothing)
-        got_outs, got_grad = forward_backward(backbone, image, weights, seed)
+        got_outs, got_grad = forward_backward(backbone, image, weights, seed,
+                                              image_requires_grad=image_requires_grad)
         assert [tuple(out.shape) for out in got_outs] == shapes, case
-        want_outs, want_grad = forward_backward(reference, image, weights, seed, patch_size)
+        want_outs, want_grad = forward_backward(reference, image, weights, seed, patch_size,
+                                                image_requires_grad=image_requires_grad)
 
         for level, (got, want) in enumerate(zip(got_outs, want_outs)):
             assert_close(got, want, dtype, msg=f'{case}: output {level}')
-        assert_close(got_grad, want_grad, dtype, msg=f'{case}: image gradient')
+        if image_requires_grad:
+            assert_close(got_grad, want_grad, dtype, msg=f'{case}: image gradient')
+        else:
+            assert got_grad is None and want_grad is None, case
 
         ref_params = dict(reference.named_parameters())
         params = dict(backbone.named_parameters())
@@ -279,6 +293,54 @@ def test_frozen_stages_get_no_gradient(mmpretrain_xcit, patch_size, dtype):
     assert drops['dropped'] > 0 and drops['kept'] > 0, drops
 
 
+# Sub-blocks of layer 0 frozen by hand (requires_grad=False, modules left in train mode), on top
+# of frozen_stages=0: the LPI residual, then the FFN residual, get an input that needs no grad.
+XCA_PART = ('layers.0.norm1.', 'layers.0.attn.', 'layers.0.gamma1')
+LPI_PART = ('layers.0.norm3.', 'layers.0.lpi.', 'layers.0.gamma3')
+FINE_TUNING_CASES = {
+    # the first trainable layer's XCA residual gets an input that needs no gradient
+    'p16-frozen0': (16, 0, ()),
+    # ... and (p8: fpn1 upsamples layer 0, which is frozen) the NCHW upsampling too
+    'p8-frozen1': (8, 1, ()),
+    'p16-frozen0-xca-by-hand': (16, 0, XCA_PART),  # the recomputed LPI residual
+    'p8-frozen0-xca-lpi-by-hand': (8, 0, XCA_PART + LPI_PART),  # the FFN residual
+}
+
+
+@pytest.mark.parametrize('with_cp', [False, True], ids=['plain', 'with_cp'])
+@pytest.mark.parametrize('case', list(FINE_TUNING_CASES))
+def test_fine_tuning_with_an_image_that_needs_no_gradient(mmpretrain_xcit, case, with_cp):
+    """Fine-tuning as it runs: frozen_stages >= 0 and an image from the data loader (no
+    requires_grad), with and without with_cp, float64. The first trainable module after the
+    frozen ones then gets an input that needs no gradient: the hand-written backwards skip the
+    input's gradient there (``ctx.needs_input_grad``) and must still give every trainable
+    parameter the reference's gradient; frozen parameters get none, frozen BN statistics stay.
+    Sub-blocks frozen by hand reach the same branch in the LPI and FFN residuals."""
+    patch_size, frozen_stages, by_hand = FINE_TUNING_CASES[case]
+    dtype = torch.float64
+    reference, backbone = build_pair(mmpretrain_xcit, patch_size, dtype, DROP_PATH,
+                                     frozen_stages=frozen_stages, with_cp=with_cp)
+    for name, param in backbone.named_parameters():
+        if name.startswith(by_hand):
+            param.requires_grad_(False)
+    reference.train()
+    backbone.train()
+    trunk = reference.trunk
+    for module in [trunk.patch_embed, trunk.pos_embed, *trunk.xca_layers[:frozen_stages]]:
+        module.eval()  # what frozen_stages does to the backbone's frozen modules
+    frozen = {n for n, p in backbone.named_parameters() if not p.requires_grad}
+    prefixes = ('patch_embed.', 'pos_embed.') + tuple(
+        f'layers.{i}.' for i in range(frozen_stages)) + by_hand
+    assert frozen == {n for n, _ in backbone.named_parameters() if n.startswith(prefixes)}
+    drops = count_drops(reference)
+    # one input (a batch of two, sides not multiples of the patch size): 8 cases stay short
+    for changed in compare_step(reference, backbone, dtype, seed=14, frozen=frozen,
+                                image_requires_grad=False, inputs=INPUTS[:1]):
+        assert not any(k.startswith('trunk.patch_embed.') for k in changed), changed
+        assert any(k.startswith(f'trunk.xca_layers.{frozen_stages}.') for k in changed), changed
+    assert drops['dropped'] > 0 and drops['kept'] > 0, drops
+
+
 @pytest.mark.parametrize('dtype', DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize('mode', ['eval', 'norm_eval'])
 @pytest.mark.parametrize('patch_size', [8, 16])
@@ -305,3 +367,111 @@ def test_eval_and_norm_eval_gradients_equal_the_reference(mmpretrain_xcit, patch
         assert drops == dict(dropped=0, kept=0)
     else:
         assert drops['dropped'] > 0 and drops['kept'] > 0, drops
+
+
+# ----------------------------------------------------------------------------- bf16 autocast
+# The regime where XCA's float32 attention matters (see the test's docstring): p8 on a 256 x 256
+# image (a 32 x 32 grid, 1024 tokens), a qkv bias of std QKV_OFFSET (the token-dependent part
+# of q, k and v has std ~0.16: LayerNorm output times Linear weights of std 0.02) and
+# temperatures drawn in BF16_TEMPERATURES.
+BF16_IMAGE = (1, 256, 256)
+QKV_OFFSET = 6.
+BF16_TEMPERATURES = (8., 12.)
+# Relative errors (2-norm of the difference over 2-norm of the reference) against float64, with
+# the code as it is / with XCA's autocast-disabled block removed (q^T k and the mixing then run
+# in bf16), measured for the test's seed 21 [and the range over seeds 21-26]:
+# - the temperatures' gradients of all layers, as one vector: 0.0051 [0.0033-0.0114] /
+#   0.199 [0.141-0.503]; the bound sits a factor ~3.5 from both ranges.
+BF16_TEMPERATURE_TOL = 0.04
+# - every other gradient: at most 0.134 [0.134-0.251] / 0.247 [0.187-0.312] (LayerNorm and LPI
+#   biases); the image's gradient 0.045 / 0.044; the outputs 0.0058 / 0.0076. bf16 noise: this
+#   bound catches only gross errors (a missing term, a cast that loses a gradient).
+BF16_TOL = 0.5
+
+
+def bf16_autocast_errors(mmpretrain_xcit, seed=21, qkv_offset=QKV_OFFSET,
+                         temperatures=BF16_TEMPERATURES, image_size=BF16_IMAGE):
+    """{name: relative error} of a bf16-autocast training step (train mode, forward and backward)
+    of a float32 p8 XCiTBackbone against the float64 reference: ``out{level}``, ``image`` (its
+    gradient), every parameter's gradient, and ``temperatures`` (all layers' at once).
+    ``qkv_offset`` / ``temperatures`` None: the weights of :func:`build_pair` as they are."""
+    reference, backbone = build_pair(mmpretrain_xcit, 8, torch.float64)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in reference.trunk.xca_layers:
+            if qkv_offset is not None:
+                bias = layer.attn.qkv.bias
+                bias.copy_(qkv_offset * torch.randn(bias.shape, generator=generator,
+                                                    dtype=bias.dtype))
+            if temperatures is not None:
+                low, high = temperatures
+                temperature = layer.attn.temperature
+                temperature.copy_(low + (high - low) * torch.rand(
+                    temperature.shape, generator=generator, dtype=temperature.dtype))
+        # weights that bf16 represents exactly: the error measured is the computation's, not
+        # that of rounding the stored weights (which autocast does with or without the block)
+        for param in reference.parameters():
+            param.copy_(param.to(torch.bfloat16))
+    state, _ = convert_backbone_state_dict(reference.released_state_dict())
+    backbone.load_state_dict(state, strict=True)
+    backbone.float()
+    names = reference_names(reference, backbone)
+    reference.train()
+    backbone.train()
+
+    batch, H, W = image_size
+    image = torch.randn(batch, 3, H, W, generator=generator, dtype=torch.float64)
+    image = image.to(torch.bfloat16).double()
+    shapes = [(batch, D, math.ceil(H / s), math.ceil(W / s)) for s in STRIDES]
+    weights = [torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes]
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        got_outs, got_grad = forward_backward(backbone, image.float(),
+                                              [w.float() for w in weights], seed)
+    want_outs, want_grad = forward_backward(reference, image, weights, seed, 8)
+
+    def error(got, want):
+        return float((got.double() - want).norm() / want.norm())
+
+    errors = {f'out{level}': error(got, want)
+              for level, (got, want) in enumerate(zip(got_outs, want_outs))}
+    errors['image'] = error(got_grad, want_grad)
+    ref_params = dict(reference.named_parameters())
+    got_temperatures, want_temperatures = [], []
+    for name, param in backbone.named_parameters():
+        assert param.grad is not None, name
+        want = ref_params[names[name]].grad
+        if name.endswith('attn.temperature'):
+            got_temperatures.append(param.grad.flatten())
+            want_temperatures.append(want.flatten())
+        else:
+            errors[name] = error(param.grad, want)
+    errors['temperatures'] = error(torch.cat(got_temperatures), torch.cat(want_temperatures))
+    return errors
+
+
+def test_bf16_autocast_training_gradients_keep_attention_in_float32(mmpretrain_xcit):
+    """A bf16-autocast training step (train mode, backward) of a float32 backbone against the
+    float64 reference: every gradient and output within bf16 noise, and the temperatures'
+    gradients within a bound that needs XCA's float32 attention (the autocast-disabled block
+    around the normalisation, the product q^T k, the softmax and the mixing).
+
+    Why this regime: the cosines ``q_i^T k_j / (|q_i| |k_j|)`` are sums over all tokens. The
+    per-token bf16 rounding of q and k averages out in a float32 product (its effect shrinks like
+    1 / sqrt(tokens)); rounding the product itself to bf16 adds 2^-9 of its size, which does not
+    average out. The softmax sees that error times the temperature, and it matters where the q
+    and k channels are nearly parallel over the tokens (a large token-independent part, here
+    from the qkv bias): the cosines then crowd near +-1, and the attention, the normalisation's
+    backward and the temperatures' gradients live on their small differences. Measured
+    temperatures' gradient error with / without the block: qkv bias std 1 (6x the
+    token-dependent part; seeds 21-23) 0.007-0.012 / 0.046-0.076, std 6 (used here, for the
+    margin; seeds 21-26) 0.003-0.011 / 0.14-0.50. Without the offset no difference, neither at
+    temperatures ~10 and 1024 tokens (seeds 21-23: 0.027-0.041 / 0.031-0.046) nor on the usual
+    random weights (temperatures 0.5-1.5, a 2 x 70 x 90 batch; seeds 21-24: 0.016-0.075 /
+    0.016-0.065): no test can see the block there. The outputs' and the other gradients'
+    errors come from the rest of the bf16 network, with or without the block.
+    """
+    errors = bf16_autocast_errors(mmpretrain_xcit)
+    assert all(math.isfinite(e) for e in errors.values()), errors
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < BF16_TOL, (worst, errors[worst])
+    assert errors['temperatures'] < BF16_TEMPERATURE_TOL, errors['temperatures']
