@@ -5,6 +5,7 @@ that import torchvision (box utils, dataset transforms), which has no CPU build 
 below installs a TEST-ONLY stand-in for those unused torchvision imports before importing the
 port; xcit_mm itself never imports torchvision.
 """
+import gc
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -148,3 +149,44 @@ def cpu_only(monkeypatch):
     monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '')
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 0)
+
+
+@pytest.fixture(scope='module')
+def one_torch_thread():
+    """One torch thread for a module's in-process work: on a shared 2-core machine two OpenMP
+    threads wait for each other's descheduled thread (and a module's background process may
+    have the other core)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope='module')
+def _unfreeze_at_the_end():
+    yield
+    gc.unfreeze()
+
+
+@pytest.fixture
+def frozen_heap(_unfreeze_at_the_end):
+    """What this process holds before a test is moved out of the garbage collector's sight
+    (``gc.freeze``): the benchmark's timing and memory code call ``gc.collect()``, slow over the
+    heap of a pytest process that imported torch, mmdet and mmseg; the objects a test creates are
+    still collected. Unfrozen after the module."""
+    gc.freeze()
+    yield
+
+
+# Modules whose tests run whole trainings / compilations, started first so that the two xdist
+# workers (setup.cfg) end together on the many short tests instead of one waiting for the other.
+_LONG_RUNNING_MODULES = ('test_compile', 'test_shapes', 'test_reliability', 'test_released_models')
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item):
+        name = item.module.__name__.rsplit('.', 1)[-1] if item.module else ''
+        return (_LONG_RUNNING_MODULES.index(name) if name in _LONG_RUNNING_MODULES
+                else len(_LONG_RUNNING_MODULES))
+    items.sort(key=rank)  # stable: file order within each group

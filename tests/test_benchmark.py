@@ -33,13 +33,14 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
 import torch.nn as nn
+
+from background import background_process
 
 import xcit_benchmark as lib
 from xcit_benchmark import flops as lib_flops
@@ -70,30 +71,8 @@ def no_placeholder_leak():
     assert _placeholders() == [], 'the mmpretrain loader ran inside the pytest process'
 
 
-@pytest.fixture(scope='module', autouse=True)
-def one_thread():
-    """The in-process computations run on one thread, as the end-to-end run (--threads 1): with
-    two threads on a shared 2-core machine, OpenMP's barriers wait for descheduled threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope='module')
-def _unfreeze_at_the_end():
-    yield
-    gc.unfreeze()
-
-
-@pytest.fixture(autouse=True)
-def frozen_heap(_unfreeze_at_the_end):
-    """What this process holds before a test is moved out of the garbage collector's sight
-    (``gc.freeze``): the timing and memory code call ``gc.collect()``, which costs ~0.5 s per
-    call over the heap of a pytest process that imported torch, mmengine, mmdet and mmseg; the
-    objects a test creates are still collected.  Unfrozen after the module."""
-    gc.freeze()
-    yield
+# one torch thread and a frozen heap for the timing code (fixtures of conftest.py)
+pytestmark = pytest.mark.usefixtures('one_torch_thread', 'frozen_heap')
 
 
 @pytest.fixture
@@ -538,6 +517,17 @@ class KnownAllocation(nn.Module):
         return [torch.ones(b, 256, h, w)]
 
 
+@pytest.fixture
+def worker_malloc():
+    """The memory worker's malloc setting (its fresh process runs with MALLOC_MMAP_THRESHOLD_=
+    65536: every tensor mapped and unmapped) in this pytest process for one test: with glibc's
+    dynamic threshold the RSS of a long-lived process depends on what earlier tests freed."""
+    assert lib_whole._mallopt_mmap_threshold(65536)
+    yield
+    lib_whole._mallopt_mmap_threshold(32 * MIB)  # the ceiling of glibc's dynamic threshold
+
+
+@pytest.mark.usefixtures('worker_malloc')
 def test_memory_worker_measures_a_known_allocation(monkeypatch):
     """The memory method (peak RSS growth over the RSS after the build, warm-up, input and
     malloc_trim) sees a tensor allocated by the call: 16 MiB at 128 px, 64 MiB at 256 px; not
@@ -879,15 +869,9 @@ def end_to_end_run(request, tmp_path_factory):
     argv = ['--models', 'mmpretrain_xcit_n12_p16', '--resolutions', '64', '--repeats', '3',
             '--warmup', '0', '--device', 'cpu', '--threads', '1', '--out-dir', str(out_dir),
             '--name', 'tiny', '--quiet']
-    with open(out_dir / 'stdout.txt', 'w') as out, open(out_dir / 'stderr.txt', 'w') as err:
-        proc = subprocess.Popen([sys.executable, '-c', E2E_SCRIPT, TOOL, *argv], stdout=out,
-                                stderr=err, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS='1'))
-    try:
+    with background_process([sys.executable, '-c', E2E_SCRIPT, TOOL, *argv], out_dir, cwd=ROOT,
+                            env=dict(os.environ, OMP_NUM_THREADS='1')) as proc:
         yield proc, out_dir
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_cli_end_to_end_in_a_fresh_process(end_to_end_run):

@@ -14,17 +14,17 @@ The Sem-FPN model is built once (``seg_model``) and exported once, through the c
 (``seg_cli``); the other Sem-FPN tests reuse both.
 """
 import contextlib
-import gc
 import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn as nn
+
+from background import background_process
 
 import xcit_mm.deployment as deployment
 
@@ -55,29 +55,8 @@ def test_onnx_and_onnxruntime_are_installed():
     assert onnx.__version__ and ort.__version__
 
 
-@pytest.fixture(scope='module', autouse=True)
-def one_thread():
-    """One torch thread (and so one ONNX Runtime thread) in this process: the module's
-    background process has the other core of a 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope='module')
-def _unfreeze_at_the_end():
-    yield
-    gc.unfreeze()
-
-
-@pytest.fixture(autouse=True)
-def frozen_heap(_unfreeze_at_the_end):
-    """What this process holds before a test is moved out of the garbage collector's sight
-    (``gc.freeze``): the benchmark's timing calls ``gc.collect()``, slow over the heap of a
-    pytest process that imported torch, mmdet and mmseg.  Unfrozen after the module."""
-    gc.freeze()
-    yield
+# one torch thread and a frozen heap for the timing code (fixtures of conftest.py)
+pytestmark = pytest.mark.usefixtures('one_torch_thread', 'frozen_heap')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,15 +241,8 @@ def blocked_import_run(request, tmp_path_factory):
         yield None
         return
     out_dir = tmp_path_factory.mktemp('onnx_blocked')
-    with open(out_dir / 'stdout.txt', 'w') as out, open(out_dir / 'stderr.txt', 'w') as err:
-        proc = subprocess.Popen([sys.executable, '-c', BLOCK_ONNX], stdout=out, stderr=err,
-                                cwd=ROOT)
-    try:
+    with background_process([sys.executable, '-c', BLOCK_ONNX], out_dir, cwd=ROOT) as proc:
         yield proc, out_dir
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_package_imports_without_onnx(blocked_import_run):
