@@ -509,42 +509,50 @@ def _check_csv_matches_records(rows, records, committed=False):
 # ---------------------------------------------------------------------------------------------
 # memory
 # ---------------------------------------------------------------------------------------------
-class KnownAllocation(nn.Module):
-    """Allocates (and writes) a float32 (B, 256, H, W) tensor: 256 * H * W * 4 bytes per image."""
+KNOWN_ALLOCATION = """
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from xcit_benchmark import memory
 
+
+class KnownAllocation(torch.nn.Module):
+    # allocates (and writes) a float32 (B, 256, H, W) tensor: 256 * H * W * 4 bytes per image
     def forward(self, img):
         b, _, h, w = img.shape
         return [torch.ones(b, 256, h, w)]
 
 
-@pytest.fixture
-def worker_malloc():
-    """The memory worker's malloc setting (its fresh process runs with MALLOC_MMAP_THRESHOLD_=
-    65536: every tensor mapped and unmapped) in this pytest process for one test: with glibc's
-    dynamic threshold the RSS of a long-lived process depends on what earlier tests freed."""
-    assert lib_whole._mallopt_mmap_threshold(65536)
-    yield
-    lib_whole._mallopt_mmap_threshold(32 * MIB)  # the ceiling of glibc's dynamic threshold
-
-
-@pytest.mark.usefixtures('worker_malloc')
-def test_memory_worker_measures_a_known_allocation(monkeypatch):
-    """The memory method (peak RSS growth over the RSS after the build, warm-up, input and
-    malloc_trim) sees a tensor allocated by the call: 16 MiB at 128 px, 64 MiB at 256 px; not
-    the 96 MiB the build allocated and freed before."""
+def build(spec, device='cpu'):
+    torch.ones(96 * 2 ** 20 // 4).sum()  # a transient peak before the measurement
     model = KnownAllocation()
+    return model, model
 
-    def build(spec, device='cpu'):
-        torch.ones(96 * MIB // 4).sum()  # a transient peak before the measurement
-        return model, model
 
-    monkeypatch.setattr(lib_memory, 'build_model', build)
+memory.build_model = build
+print(json.dumps([memory.worker_main(dict(
+    model='resnet50', resolution=res, batch=1, mode='inference', precision='fp32',
+    device='cpu', threads=1, mem_iters=2)) for res in (128, 256)]))
+"""
+
+
+def test_memory_worker_measures_a_known_allocation():
+    """The memory method (a fresh process as the worker is, with its malloc setting: peak RSS
+    growth over the RSS after the build, warm-up, input and malloc_trim) sees a tensor allocated
+    by the call: 16 MiB at 128 px, 64 MiB at 256 px; not the 96 MiB the build allocated and
+    freed before. (In a long-lived pytest process the RSS also depends on what earlier tests
+    freed.)"""
+    import subprocess
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_='65536', OMP_NUM_THREADS='1')
+    proc = subprocess.run([sys.executable, '-c', KNOWN_ALLOCATION,
+                           os.path.join(ROOT, 'tools', 'analysis_tools')],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
     peaks = {}
-    for res in (128, 256):
-        out = lib_memory.worker_main(dict(model='resnet50', resolution=res, batch=1,
-                                          mode='inference', precision='fp32', device='cpu',
-                                          threads=None, mem_iters=2))
+    for res, out in zip((128, 256), results):
         assert out['status'] == 'ok' and out['mem_base_mb'] > 0
+        assert 'MALLOC_MMAP_THRESHOLD_=65536' in out['mem_method']
         want = 256 * res * res * 4 / MIB
         assert want - 1 <= out['peak_mem_mb'] <= want + 4, (res, out)
         peaks[res] = out['peak_mem_mb']
