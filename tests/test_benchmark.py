@@ -929,6 +929,17 @@ def test_cli_end_to_end_in_a_fresh_process(end_to_end_run):
 # ---------------------------------------------------------------------------------------------
 # --whole-model: the part clock, one tiny config in this process, the rounds with fake workers
 # ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def mmap_every_tensor():
+    """The whole-model worker's memory-pass malloc setting (every block of 64 KiB or more mapped
+    and unmapped) in this pytest process for one test: with glibc's dynamic threshold a tensor
+    can reuse resident pages that earlier tests freed, and the RSS does not grow."""
+    assert lib_whole._mallopt_mmap_threshold(65536)
+    yield
+    lib_whole._mallopt_mmap_threshold(32 * MIB)  # the ceiling of glibc's dynamic threshold
+
+
+@pytest.mark.usefixtures('mmap_every_tensor')
 def test_part_clock_times_and_peaks_of_known_parts(monkeypatch):
     """Virtual clock and a 48 MiB tensor allocated in the neck: each part gets its own time, the
     trunk no memory, the neck the tensor (and the heads too: it was alive when they started);
@@ -964,11 +975,12 @@ model = dict(
 """
 
 
+@pytest.mark.usefixtures('mmap_every_tensor')
 def test_whole_model_worker_parts(tmp_path, capsys):
     """issue 14.1: one --whole-model measurement of a tiny XCiT Sem-FPN train step at 64x64, by
-    the worker entry point (here in this process; the memory pass under glibc's defaults, the
-    'live' one would change this process's malloc): every part has a positive time, the parts
-    add up to the step, the step's peak is the highest part peak."""
+    the worker entry point (here in this process, its memory pass under the worker's 'live'
+    malloc setting, which the fixture undoes afterwards): every part has a positive time, the
+    parts add up to the step, the step's peak is the highest part peak."""
     from xcit_benchmark import worker
     cfg = tmp_path / 'tiny_sem_fpn.py'
     cfg.write_text(TINY_WHOLE_CFG.format(
@@ -976,7 +988,7 @@ def test_whole_model_worker_parts(tmp_path, capsys):
     capsys.readouterr()
     assert worker.main([json.dumps(dict(kind='whole_model', config=str(cfg), mode='train',
                                         height=64, width=64, batch=1, repeats=1, threads=None,
-                                        mem_pass='process', work=None))]) == 0
+                                        mem_pass='live', work=None))]) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines()
                if x.startswith(lib_memory.WORKER_MARK)]
     rec = json.loads(line[len(lib_memory.WORKER_MARK):])
