@@ -178,8 +178,9 @@ def _tool_config(family, patch_size, roots, tmp_path):
     return path, Config.fromfile(path)
 
 
-@pytest.mark.parametrize('family,patch_size', [('mask_rcnn', 16), ('sem_fpn', 8),
-                                               ('upernet', 16)])
+# one detector and one segmentor through tools/test.py (the UperNet files' loading and values
+# are tested above, test_released_model_equals_the_official_structure[upernet-*])
+@pytest.mark.parametrize('family,patch_size', [('mask_rcnn', 16), ('sem_fpn', 8)])
 def test_tools_test_evaluates_a_released_file_as_downloaded(
         mmpretrain_xcit, tmp_path, family, patch_size, shapes_roots, test_tool):
     """``tools/test.py CONFIG RELEASED.pth``: no conversion step, the metric comes out."""
