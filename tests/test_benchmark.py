@@ -509,6 +509,19 @@ def _check_csv_matches_records(rows, records, committed=False):
 # ---------------------------------------------------------------------------------------------
 # memory
 # ---------------------------------------------------------------------------------------------
+def _json_of_a_fresh_worker_process(script):
+    """What ``script`` prints last (JSON), run in a fresh single-threaded process with the memory
+    worker's malloc setting (as ``run_memory_worker`` starts it), ``tools/analysis_tools`` as its
+    first argument."""
+    import subprocess
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_='65536', OMP_NUM_THREADS='1')
+    proc = subprocess.run([sys.executable, '-c', script,
+                           os.path.join(ROOT, 'tools', 'analysis_tools')],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 KNOWN_ALLOCATION = """
 import json, sys
 import torch
@@ -542,13 +555,7 @@ def test_memory_worker_measures_a_known_allocation():
     by the call: 16 MiB at 128 px, 64 MiB at 256 px; not the 96 MiB the build allocated and
     freed before. (In a long-lived pytest process the RSS also depends on what earlier tests
     freed.)"""
-    import subprocess
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_='65536', OMP_NUM_THREADS='1')
-    proc = subprocess.run([sys.executable, '-c', KNOWN_ALLOCATION,
-                           os.path.join(ROOT, 'tools', 'analysis_tools')],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = _json_of_a_fresh_worker_process(KNOWN_ALLOCATION)
     peaks = {}
     for res, out in zip((128, 256), results):
         assert out['status'] == 'ok' and out['mem_base_mb'] > 0
@@ -934,9 +941,9 @@ def mmap_every_tensor():
     """The whole-model worker's memory-pass malloc setting (every block of 64 KiB or more mapped
     and unmapped) in this pytest process for one test: with glibc's dynamic threshold a tensor
     can reuse resident pages that earlier tests freed, and the RSS does not grow."""
-    assert lib_whole._mallopt_mmap_threshold(65536)
+    assert lib_memory._mallopt_mmap_threshold(65536)
     yield
-    lib_whole._mallopt_mmap_threshold(32 * MIB)  # the ceiling of glibc's dynamic threshold
+    lib_memory._mallopt_mmap_threshold(32 * MIB)  # the ceiling of glibc's dynamic threshold
 
 
 PART_CLOCK_MEMORY = """
@@ -952,7 +959,8 @@ x = torch.ones(48 * 2 ** 20 // 4)
 clock.mark('neck')
 del x
 clock.mark('heads')
-print(json.dumps({k: p for k, (_, p) in clock.parts(('trunk', 'adapter', 'neck', 'heads')).items()}))
+parts = clock.parts(('trunk', 'adapter', 'neck', 'heads'))
+print(json.dumps({k: p for k, (_, p) in parts.items()}))
 """
 
 
@@ -975,13 +983,7 @@ def test_part_clock_times_and_peaks_of_known_parts(monkeypatch):
     assert {k: t for k, (t, _) in parts.items()} == pytest.approx(
         dict(trunk=0.002, adapter=0., neck=0.005, heads=0.001), rel=1e-9, abs=1e-12)
 
-    import subprocess
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_='65536', OMP_NUM_THREADS='1')
-    proc = subprocess.run([sys.executable, '-c', PART_CLOCK_MEMORY,
-                           os.path.join(ROOT, 'tools', 'analysis_tools')],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    peaks = {k: p / MIB for k, p in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+    peaks = {k: p / MIB for k, p in _json_of_a_fresh_worker_process(PART_CLOCK_MEMORY).items()}
     assert peaks['trunk'] < 4 and peaks['adapter'] == 0, peaks
     assert 47 <= peaks['neck'] <= 52 and 47 <= peaks['heads'] <= 52, peaks
 

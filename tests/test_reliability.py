@@ -1295,9 +1295,9 @@ def test_amp_on_cpu_trains_in_bfloat16_with_finite_losses(tmp_path, train_tool, 
         if v.is_floating_point()])).all()
 
 
-def test_amp_config_conversion_without_gpu(train_tool, monkeypatch):
+@CPU_ONLY
+def test_amp_config_conversion_without_gpu(train_tool):
     """A config that itself asks for AmpOptimWrapper runs with bfloat16 CPU autocast here."""
-    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
     cfg = Config(dict(optim_wrapper=dict(type='AmpOptimWrapper', loss_scale='dynamic',
                                          optimizer=dict(type='AdamW', lr=1e-4))))
     assert train_tool.use_cpu_amp(cfg) is True

@@ -52,6 +52,21 @@ def mem_available_bytes() -> int:
         return 8 * 2 ** 30
 
 
+# glibc's mmap threshold of the 'live' memory mode: every block of 64 KiB or more (every tensor
+# that matters) gets its own mapping, unmapped when freed, so the RSS follows the live tensors.
+LIVE_MMAP_THRESHOLD = 65536
+
+
+def _mallopt_mmap_threshold(nbytes: int) -> bool:
+    """glibc ``mallopt(M_MMAP_THRESHOLD, nbytes)`` in this process from now on (the dynamic
+    threshold is then off); what ``MALLOC_MMAP_THRESHOLD_`` does for a new process."""
+    try:
+        import ctypes
+        return bool(ctypes.CDLL('libc.so.6').mallopt(-3, int(nbytes)))  # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 def _release_free_heap():
     """Return free malloc pages to the OS (glibc ``malloc_trim(0)``; no-op elsewhere).
 
@@ -148,7 +163,7 @@ def run_memory_worker(cfg: dict, limit_bytes: int, timeout_s: float) -> dict:
         # tensor that matters) gets its own mapping, unmapped when freed, so the RSS peak follows
         # the live tensors.  With the default, freed blocks stay in the heap and the peak varies
         # +-15% run to run and overstates the need by up to 2x (measured on XCiT-S12/16 @512).
-        env['MALLOC_MMAP_THRESHOLD_'] = '65536'
+        env['MALLOC_MMAP_THRESHOLD_'] = str(LIVE_MMAP_THRESHOLD)
     else:
         env.pop('MALLOC_MMAP_THRESHOLD_', None)
     cmd = [sys.executable, '-m', WORKER_MODULE, json.dumps(cfg)]

@@ -59,7 +59,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .memory import _release_free_heap, _reset_peak_rss, proc_status_kb, run_memory_worker
+from .memory import (LIVE_MMAP_THRESHOLD, _mallopt_mmap_threshold, _release_free_heap,
+                     _reset_peak_rss, proc_status_kb, run_memory_worker)
 from .timing import round_order, set_threads
 
 PARTS_TRAIN = ('trunk', 'adapter', 'neck', 'heads', 'backward', 'optimizer')
@@ -277,16 +278,6 @@ class WorkCounter:
         self.bbox_rois = self.mask_rois = 0
 
 
-def _mallopt_mmap_threshold(nbytes: int) -> bool:
-    """glibc ``mallopt(M_MMAP_THRESHOLD, nbytes)``: from now on every block of ``nbytes`` or
-    more gets its own mapping, unmapped when freed (and the dynamic threshold is off)."""
-    try:
-        import ctypes
-        return bool(ctypes.CDLL('libc.so.6').mallopt(-3, int(nbytes)))  # -3: M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return False
-
-
 def instrument(model, clock: PartClock) -> bool:
     """Put the part boundaries on ``model``; returns whether the backbone is XCiT."""
     from xcit_mm.models.backbones.xcit import XCiTBackbone
@@ -361,7 +352,8 @@ def worker_main(cfg: dict) -> dict:
     if detections:
         work['detections_per_image'] = list(detections)
 
-    live = cfg.get('mem_pass', 'live') == 'live' and _mallopt_mmap_threshold(65536)
+    live = (cfg.get('mem_pass', 'live') == 'live'
+            and _mallopt_mmap_threshold(LIVE_MMAP_THRESHOLD))
     gc.collect()
     _release_free_heap()
     _reset_peak_rss()
