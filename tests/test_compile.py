@@ -138,14 +138,16 @@ def test_new_image_sizes_do_not_recompile(patch_size):
     assert counter.frame_count == 1, f'{counter.frame_count} compilations for {sizes}'
 
 
-def test_inductor_train_steps_at_three_sizes_equal_eager():
+def test_inductor_train_steps_at_two_sizes_equal_eager():
     """inductor (CPU), train mode, compiled as ``CompileFeatureExtractorHook`` compiles
-    (``dynamic=False``): three image sizes, padded or not, each compiles once; outputs and every
-    parameter gradient equal eager to float32 rounding at each size."""
+    (``dynamic=False``): two image sizes, one padded to a 7x6 grid, one unpadded 4x6, each
+    compiled for itself; outputs and every parameter gradient equal eager to float32 rounding at
+    each size. (A cold inductor cache compiles every size's kernels anew, the slowest part of
+    the suite on a fresh machine: two sizes cover padded / unpadded and odd / even grids.)"""
     model = tiny(16, arch=dict(embed_dims=32, depth=2, num_heads=2), out_indices=(0, 0, 1, 1))
     twin = copy.deepcopy(model)  # BN running statistics move in train mode: one copy each
     compiled = torch.compile(twin, backend='inductor', dynamic=False)
-    for size in ((100, 90), (64, 96), (80, 112)):
+    for size in ((100, 90), (64, 96)):
         x = torch.randn(2, 3, *size)
         results = []
         for m, f in ((model, model), (twin, compiled)):

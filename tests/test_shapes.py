@@ -14,6 +14,7 @@ shapes configs.
 """
 import glob
 import hashlib
+import json
 import os
 import os.path as osp
 import re
@@ -383,15 +384,16 @@ def _short_options(task, root, iters):
 # (nearly) everything background: background IoU / 4 (measured on held-out images: 18.1-19.6).
 FIT_ITERS = 100
 _FIT_METRIC = {
-    'coco': ('coco/bbox_mAP_50', 0.3),  # measured 0.723 (seed 0, one thread, per-sample seeds)
-    'ade': ('mIoU', 40.0),  # measured 72.49 (seed 0, one thread, per-sample seeds)
+    'coco': ('coco/bbox_mAP_50', 0.3),  # measured 0.586 (seed 0, one thread, AMD EPYC)
+    'ade': ('mIoU', 40.0),  # measured 68.27 (seed 0, one thread, AMD EPYC)
 }
 
 
 @pytest.mark.parametrize('task', ['coco', 'ade'])
-def test_train_then_test_learns(tmp_path, task):
-    """tools/train.py on generated data, then tools/test.py on its checkpoint: well above chance.
-    (Resuming is tested against the uninterrupted run's losses in tests/test_reliability.py.)"""
+def test_train_then_test_learns(tmp_path, task, test_tool):
+    """tools/train.py on generated data (the command line, in a subprocess), then tools/test.py
+    on its checkpoint (in this process): well above chance. (Resuming is tested against the
+    uninterrupted run's losses in tests/test_reliability.py.)"""
     config = DET_CONFIG if task == 'coco' else SEG_CONFIG
     root = str(tmp_path / f'shapes_{task}')
     work = str(tmp_path / 'work')
@@ -410,12 +412,14 @@ def test_train_then_test_learns(tmp_path, task):
     # 2. tools/test.py evaluates the checkpoint: the model has learnt (well above chance)
     test_opts = [o for o in _short_options(task, root, FIT_ITERS)
                  if not o.startswith('train_cfg')]
-    out = _run([osp.join(ROOT, 'tools', 'test.py'), config, ckpt, '--work-dir', work,
-                '--cfg-options'] + test_opts, cwd=str(tmp_path))
-    found = re.findall(rf'{re.escape(metric_key)}: ([0-9.]+)', out)
-    assert found, out[-3000:]
-    print(f'{task}: {metric_key} = {found[-1]} after {FIT_ITERS} iterations')
-    assert float(found[-1]) >= lower_bound, out[-3000:]
+    test_work = tmp_path / 'test'
+    test_tool.main([config, ckpt, '--work-dir', str(test_work), '--cfg-options'] + test_opts)
+    metrics = glob.glob(str(test_work / '*' / '*.json'))  # mmengine's <time>/<time>.json
+    assert len(metrics) == 1, metrics
+    with open(metrics[0]) as f:
+        metrics = json.load(f)
+    print(f'{task}: {metric_key} = {metrics[metric_key]} after {FIT_ITERS} iterations')
+    assert metrics[metric_key] >= lower_bound, metrics
     if task == 'coco':
-        assert re.search(r'coco/segm_mAP: [0-9.]+', out)
+        assert 'coco/segm_mAP' in metrics
 
