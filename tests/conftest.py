@@ -27,10 +27,10 @@ if os.environ.get('PYTEST_XDIST_WORKER'):
 
 def _memoize_config_formatting():
     """mmengine formats a config's text with yapf (``Config.pretty_text``) four to five times per
-    Runner (the logged and the dumped config, the message hub, every checkpoint's meta), about
-    0.3 s each: over half a minute of the in-process runs here. yapf's ``FormatCode`` is a pure
-    function of the text and the style, so its results are kept per (text, style): the same
-    strings, formatted once."""
+    Runner (the logged and the dumped config, the message hub, every checkpoint's meta), the
+    slowest part of building a small Runner. yapf's ``FormatCode`` is a pure function of the text
+    and the style, so its results are kept per (text, style): the same strings, formatted once
+    per test process."""
     import functools
 
     import mmengine.config.config as mmengine_config

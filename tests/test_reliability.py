@@ -324,6 +324,12 @@ def _losses(work_dir):
     return list(losses.values())
 
 
+def _run_log(work_dir):
+    """The text of the newest run's log in ``work_dir`` (mmengine writes <time>/<time>.log)."""
+    with open(sorted(glob.glob(osp.join(str(work_dir), '*', '*.log')))[-1]) as f:
+        return f.read()
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
@@ -672,12 +678,6 @@ def test_every_epoch_draws_new_augmentations_whatever_the_workers(tmp_path):
     # ... and persistent workers restarted in epoch 1 draw other numbers than the ones that ran
     # through epoch 0
     assert _augmentations(cfg, [1], **plain) != _augmentations(cfg, [0, 1], **plain)[1:]
-
-
-def _run_log(work_dir):
-    """The text of the newest run's log in ``work_dir`` (mmengine writes <time>/<time>.log)."""
-    with open(sorted(glob.glob(osp.join(str(work_dir), '*', '*.log')))[-1]) as f:
-        return f.read()
 
 
 @CPU_ONLY
@@ -1238,7 +1238,7 @@ def test_a_bad_image_halfway_through_an_epoch_is_named(tmp_path, train_tool, fau
     if fault == 'skipped':
         train_tool.main(argv + ["custom_hooks.1.on_bad_sample=skip"])
         assert sorted(_losses(work_dir)[0]) == [1, 2, 3, 4]
-        log = open(glob.glob(str(work_dir / '*' / '*.log'))[0]).read()
+        log = _run_log(work_dir)
         assert re.search(rf'Skipped training sample \d+ \(img_path={re.escape(victim)}\) at '
                          rf'iteration 3: \w+', log), log[-3000:]
         assert '1 unreadable training sample(s) were skipped' in log

@@ -9,8 +9,8 @@ shapes configs.
   ADE20k's reduce_zero_label and as the shapes config reads it (background = class 0); IoUMetric
   scores the ground truth as mIoU 100;
 * both shapes configs run end to end through tools/train.py (a short run on a handful of
-  images), tools/test.py evaluates the saved checkpoint well above chance, and --resume continues
-  from the saved iteration; the configs keep 2 checkpoints.
+  images) and tools/test.py evaluates the saved checkpoint well above chance (resuming:
+  tests/test_reliability.py); the configs keep 2 checkpoints.
 """
 import glob
 import hashlib
