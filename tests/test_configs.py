@@ -281,7 +281,8 @@ def test_parameter_count_is_upstream_trunk_adapter_and_heads(task, arch, patch, 
 
 
 def _documented_mask_rcnn_counts():
-    """{(arch, patch): (paper column, "built here" column)} of docs/configs.md's Mask R-CNN table."""
+    """{(arch, patch): (paper column, "built here" column)} of docs/configs.md's Mask R-CNN
+    table."""
     with open(osp.join(osp.dirname(CONFIG_DIR), 'docs', 'configs.md')) as f:
         rows = re.findall(r'^\| `configs/mask_rcnn_xcit_(\w\d+)_p(\d+)_3x_coco\.py` \| [^|]+ \| '
                           r'([\d.]+)M \| ([\d,]+) \|', f.read(), re.M)

@@ -37,6 +37,8 @@ from xcit_mm.runtime import (CheckFiniteLossHook, CPUAmpOptimWrapper, NonFiniteL
 from xcit_mm.models.utils import CheckpointError, check_checkpoint, load_checkpoint_file
 from xcit_mm.runtime import AnnotationFormatError, check_annotation_formats, coco_annotation_problem
 
+from work_dir_files import evaluation_metrics, newest_run_log
+
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 CONFIGS = osp.join(REPO, 'configs')
 # CPU runs also on a machine with a GPU: subprocesses see no CUDA device, in-process runs get the
@@ -322,12 +324,6 @@ def _losses(work_dir):
                 if 'loss' in record:
                     losses.setdefault(path, {})[record['iter']] = record['loss']
     return list(losses.values())
-
-
-def _run_log(work_dir):
-    """The text of the newest run's log in ``work_dir`` (mmengine writes <time>/<time>.log)."""
-    with open(sorted(glob.glob(osp.join(str(work_dir), '*', '*.log')))[-1]) as f:
-        return f.read()
 
 
 def _free_port():
@@ -699,7 +695,7 @@ def test_paper_configs_resume_identically_with_persistent_workers(tmp_path, task
                             for name in ('ref', 'killed', 'resumed'))
     total = epochs * 4 if task == 'det' else iters
     train_tool.main([ref, '--work-dir', str(tmp_path / 'ref')])
-    log = _run_log(tmp_path / 'ref')
+    log = newest_run_log(tmp_path / 'ref')
     assert "'num_workers': 2" in log or 'num_workers=2' in log
     metric = 'coco/bbox_mAP' if task == 'det' else 'mIoU'
     assert log.count(f'{metric}: ') == (epochs if task == 'det' else iters // 2)  # validations
@@ -712,21 +708,13 @@ def test_paper_configs_resume_identically_with_persistent_workers(tmp_path, task
     done = int(re.search(r'(\d+)\.pth$', checkpoint).group(1)) * (4 if task == 'det' else 1)
     assert done < total
     train_tool.main([resumed, '--work-dir', str(work_dir), '--resume'])
-    assert f'Load checkpoint from {checkpoint}' in _run_log(work_dir)
+    assert f'Load checkpoint from {checkpoint}' in newest_run_log(work_dir)
     after = _losses(work_dir)[-1]
     assert sorted(after) == list(range(done + 1, total + 1))
     assert after == {i: expected[i] for i in after}  # bit-identical
 
 
 # ============================================================================ 4. distributed
-def _metrics(work_dir):
-    """The metrics dict tools/test.py wrote (mmengine dumps it to <work_dir>/<time>/<time>.json)."""
-    files = glob.glob(osp.join(str(work_dir), '*', '*.json'))
-    assert len(files) == 1, files
-    with open(files[0]) as f:
-        return {k: v for k, v in json.load(f).items() if k not in ('data_time', 'time')}
-
-
 @CPU_ONLY
 def test_dist_train_and_dist_test_on_two_cpu_processes(tmp_path, test_tool):
     """tools/dist_train.sh CONFIG 2 trains a detector with gloo (SyncBN kept in the config), rank
@@ -766,7 +754,8 @@ def test_dist_train_and_dist_test_on_two_cpu_processes(tmp_path, test_tool):
     assert proc.returncode == 0, log[-4000:]
     test_tool.main([cfg, checkpoint, '--work-dir', str(tmp_path / 'single_test'),
                     '--out', str(tmp_path / 'single.pkl')])
-    distributed, single = _metrics(tmp_path / 'dist_test'), _metrics(tmp_path / 'single_test')
+    distributed = evaluation_metrics(tmp_path / 'dist_test')
+    single = evaluation_metrics(tmp_path / 'single_test')
     assert 'coco/bbox_mAP' in single
     assert distributed == single
     # The gathered predictions are those of the single process: all 5 images, in order.
@@ -814,7 +803,7 @@ def test_tools_free_the_ddp_model_before_destroying_the_group(tmp_path, monkeypa
     test_tool.main([cfg, str(tmp_path / 'train' / 'iter_2.pth'), '--launcher', 'pytorch',
                     '--work-dir', str(tmp_path / 'test')])
     assert live_ddp_at_destroy == [0, 0]  # one destroy per tool, no DDP left at either
-    assert 'coco/bbox_mAP' in _metrics(tmp_path / 'test')
+    assert 'coco/bbox_mAP' in evaluation_metrics(tmp_path / 'test')
 
 
 @HOOKS.register_module(name='_CrashHook', force=True)
@@ -915,8 +904,9 @@ def test_slurm_train_and_slurm_test_on_two_cpu_tasks(tmp_path, test_tool):
     assert proc.returncode == 0, log[-4000:]
     assert json.loads(record.read_text())['--job-name'] == 'xcit_eval'
     test_tool.main([cfg, checkpoint, '--work-dir', str(tmp_path / 'single_test')])
-    assert 'mIoU' in _metrics(tmp_path / 'single_test')
-    assert _metrics(tmp_path / 'slurm_test') == _metrics(tmp_path / 'single_test')
+    assert 'mIoU' in evaluation_metrics(tmp_path / 'single_test')
+    assert (evaluation_metrics(tmp_path / 'slurm_test')
+            == evaluation_metrics(tmp_path / 'single_test'))
 
 
 def _assert_close(a, b, where='results'):
@@ -1153,7 +1143,7 @@ def test_a_save_killed_half_way_loses_nothing(tmp_path, probes, train_tool):
     resumed = _tiny_config(tmp_path, 'seg', name='resumed', iters=6, ckpt=2, validate=False,
                            extra="default_hooks['checkpoint']['max_keep_ckpts'] = 1")
     train_tool.main([resumed, '--work-dir', str(work_dir), '--resume'])
-    log = _run_log(work_dir)
+    log = newest_run_log(work_dir)
     assert f'Removed {work_dir / "iter_4.pth.tmp"}: an incomplete checkpoint' in log
     assert f'Load checkpoint from {work_dir / "iter_2.pth"}' in log
     assert sorted(_losses(work_dir)[-1]) == [3, 4, 5, 6]
@@ -1238,7 +1228,7 @@ def test_a_bad_image_halfway_through_an_epoch_is_named(tmp_path, train_tool, fau
     if fault == 'skipped':
         train_tool.main(argv + ["custom_hooks.1.on_bad_sample=skip"])
         assert sorted(_losses(work_dir)[0]) == [1, 2, 3, 4]
-        log = _run_log(work_dir)
+        log = newest_run_log(work_dir)
         assert re.search(rf'Skipped training sample \d+ \(img_path={re.escape(victim)}\) at '
                          rf'iteration 3: \w+', log), log[-3000:]
         assert '1 unreadable training sample(s) were skipped' in log
@@ -1328,8 +1318,9 @@ def test_cpu_amp_wrapper_rejects_float16_and_models_without_the_modules():
 # A checkpoint trained with one tool tests with the other: the detector is trained by mmdet's
 # ``tools/train.py`` (shipped inside the installed package) on a fresh data root, which the shapes
 # dataset generates on first use, and tested by ours; the segmentor is trained by ours and tested by
-# mmseg's. The upstream tools run in subprocesses, ours in this process. Both checkpoints open in the upstream APIs under torch's ``weights_only`` loading, with
-# the class names of the data they were trained on (``dataset_meta``), not COCO's or Cityscapes'.
+# mmseg's. The upstream tools run in subprocesses, ours in this process. Both checkpoints open in
+# the upstream APIs under torch's ``weights_only`` loading, with the class names of the data they
+# were trained on (``dataset_meta``), not COCO's or Cityscapes'.
 SHAPES_CLASSES = ('circle', 'square', 'triangle')
 
 
@@ -1371,7 +1362,7 @@ def test_detector_trained_by_mmdet_tools_tests_with_ours_and_opens_upstream(tmp_
     checkpoint = _last_checkpoint(work_dir)
     _check_checkpoint_is_portable(checkpoint)
     test_tool.main([cfg, checkpoint, '--work-dir', str(tmp_path / 'test')])
-    assert 'coco/bbox_mAP_50' in _metrics(tmp_path / 'test')
+    assert 'coco/bbox_mAP_50' in evaluation_metrics(tmp_path / 'test')
     detector = init_detector(cfg, checkpoint, device='cpu')
     assert tuple(detector.dataset_meta['classes']) == SHAPES_CLASSES
     inferencer = DetInferencer(model=cfg, weights=checkpoint, device='cpu', show_progress=False)

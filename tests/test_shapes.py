@@ -14,7 +14,6 @@ shapes configs.
 """
 import glob
 import hashlib
-import json
 import os
 import os.path as osp
 import re
@@ -26,6 +25,8 @@ import pytest
 from PIL import Image
 
 from xcit_mm.datasets import CLASSES, generate_shapes, load_samples, make_mosaic
+
+from work_dir_files import evaluation_metrics
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 DET_CONFIG = osp.join(ROOT, 'configs', 'shapes', 'mask_rcnn_xcit_shapes_coco.py')
@@ -414,10 +415,7 @@ def test_train_then_test_learns(tmp_path, task, test_tool):
                  if not o.startswith('train_cfg')]
     test_work = tmp_path / 'test'
     test_tool.main([config, ckpt, '--work-dir', str(test_work), '--cfg-options'] + test_opts)
-    metrics = glob.glob(str(test_work / '*' / '*.json'))  # mmengine's <time>/<time>.json
-    assert len(metrics) == 1, metrics
-    with open(metrics[0]) as f:
-        metrics = json.load(f)
+    metrics = evaluation_metrics(test_work)
     print(f'{task}: {metric_key} = {metrics[metric_key]} after {FIT_ITERS} iterations')
     assert metrics[metric_key] >= lower_bound, metrics
     if task == 'coco':

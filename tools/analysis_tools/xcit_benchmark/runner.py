@@ -176,8 +176,8 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions,
         rec.setdefault('matmul_gflop_s', matmul)
         if 'ms_per_img' in rec and 'gflop_exec' in rec:
             rec['achieved_gflop_s'] = rec['gflop_exec'] / (rec['ms_per_img'] / 1e3)
-            # against the matmul step timed in the same rounds (the mean of the rates measured
-            # before / after the run where nothing was timed)
+            # against the matmul rate of this record: the one timed in the same rounds where it
+            # was, else the mean of the calibrations before and after the run
             rec['matmul_frac'] = rec['achieved_gflop_s'] / rec['matmul_gflop_s']
     meta = run_metadata()
     meta.update(matmul_gflop_s_before=matmul_before, matmul_gflop_s_after=matmul_after,

@@ -1,0 +1,19 @@
+"""What mmengine writes into a tool's work dir: the metrics of a test run and the run's log."""
+import glob
+import json
+import os.path as osp
+
+
+def evaluation_metrics(work_dir) -> dict:
+    """The metrics dict tools/test.py wrote (mmengine dumps it to <work_dir>/<time>/<time>.json),
+    without the timings."""
+    files = glob.glob(osp.join(str(work_dir), '*', '*.json'))
+    assert len(files) == 1, files
+    with open(files[0]) as f:
+        return {k: v for k, v in json.load(f).items() if k not in ('data_time', 'time')}
+
+
+def newest_run_log(work_dir) -> str:
+    """The text of the newest run's log in ``work_dir`` (mmengine writes <time>/<time>.log)."""
+    with open(sorted(glob.glob(osp.join(str(work_dir), '*', '*.log')))[-1]) as f:
+        return f.read()
