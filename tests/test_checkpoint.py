@@ -256,37 +256,6 @@ def test_truncated_file_names_the_file(tmp_path):
 
 
 # ------------------------------------------------------------------------- mmengine's own files
-class _SneakyGetattr:
-    """Pickles as getattr(HistoryBuffer, '__init__'): an attribute mmengine never writes."""
-
-    def __reduce__(self):
-        from mmengine.logging.history_buffer import HistoryBuffer
-        return (getattr, (HistoryBuffer, '__init__'))
-
-
-def test_runner_checkpoints_load_safely(tmp_path):
-    """mmengine's message hub (HistoryBuffer, numpy) loads with weights_only=True, nothing more."""
-    from mmengine.logging import MessageHub
-    from xcit_mm.models.utils.checkpoint_io import runner_checkpoint_globals
-    hub = MessageHub.get_instance('xcit_mm_test_hub')
-    for i in range(3):
-        hub.update_scalar('train/loss', 1.0 / (i + 1))
-    hub.update_info('iter', 3)
-    path = str(tmp_path / 'iter_3.pth')
-    torch.save({'meta': {'iter': 3}, 'state_dict': {'w': torch.ones(2)},
-                'message_hub': hub.state_dict()}, path)
-    with runner_checkpoint_globals():
-        loaded = torch.load(path, weights_only=True)
-    restored = MessageHub.get_instance('xcit_mm_test_hub_restored')
-    restored.load_state_dict(loaded['message_hub'])
-    assert restored.get_scalar('train/loss').current() == pytest.approx(1 / 3)
-    # the getattr stand-in serves only what mmengine writes
-    sneaky = str(tmp_path / 'sneaky.pth')
-    torch.save({'x': _SneakyGetattr()}, sneaky)
-    with pytest.raises(CheckpointError, match='Refusing to load'):
-        read_checkpoint(sneaky)
-
-
 def test_official_file_with_training_args_loads(mmpretrain_xcit, tmp_path):
     """DeiT-style files keep an argparse.Namespace next to the weights: harmless, allowed."""
     import argparse

@@ -536,9 +536,10 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 def test_url_checkpoints_are_checked_before_mmengine_unpickles_them(tmp_path, checkpoints,
                                                                     test_tool, monkeypatch):
-    """mmengine loads http(s) checkpoints with torch.hub.load_state_dict_from_url, which
-    unpickles with weights_only=False: the file's code runs. The tools download it into the
-    hub cache, check it with weights_only=True, and give the Runner the local copy."""
+    """mmengine's own http(s) loader unpickles with torch.hub.load_state_dict_from_url's
+    weights_only=False: the file's code runs. The tools download it into the hub cache, check
+    it with weights_only=True, and give the Runner the local copy; with xcit_mm imported,
+    mmengine's CheckpointLoader reads URLs through the same reader."""
     monkeypatch.setenv('TORCH_HOME', str(tmp_path / 'torch_home'))
     server = http.server.ThreadingHTTPServer(
         ('127.0.0.1', 0), functools.partial(_QuietHandler, directory=str(tmp_path)))
@@ -554,9 +555,13 @@ def test_url_checkpoints_are_checked_before_mmengine_unpickles_them(tmp_path, ch
         # A safe URL comes back as its checked local copy in the hub cache.
         local = check_checkpoint(f'{url}/weights.pth')
         assert local == str(tmp_path / 'torch_home' / 'hub' / 'checkpoints' / 'weights.pth')
-        # The hazard is real: the way mmengine loads URLs runs the payload.
-        from mmengine.runner.checkpoint import CheckpointLoader
-        CheckpointLoader.load_checkpoint(f'{url}/evil.pth', map_location='cpu')
+        # With xcit_mm imported, mmengine reads URLs through the same reader: refused too.
+        from mmengine.runner.checkpoint import CheckpointLoader, load_from_http
+        with pytest.raises(CheckpointError, match='Refusing to load'):
+            CheckpointLoader.load_checkpoint(f'{url}/evil.pth', map_location='cpu')
+        assert not osp.exists(checkpoints.marker)
+        # The hazard is real: mmengine's own URL loader runs the payload.
+        load_from_http(f'{url}/evil.pth', map_location='cpu')
         assert osp.isdir(checkpoints.marker)
     finally:
         server.shutdown()

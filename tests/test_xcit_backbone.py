@@ -191,6 +191,29 @@ class TestErrors(TestCase):
         with self.assertRaisesRegex(ValueError, r'frozen_stages must be in \[-1, 12\]'):
             XCiTBackbone(arch='n12', frozen_stages=13)
 
+    def test_pretrained_from_mmsegs_model_bases(self):
+        """mmseg's EncoderDecoder hands ``model.pretrained`` to the backbone, and its model bases
+        set their ResNet's: an error naming the fix. A path is taken as init_cfg, as mmseg's own
+        backbones do."""
+        import mmseg.models  # noqa: F401  (registers EncoderDecoder)
+        from mmengine.config import Config
+        from mmseg.registry import MODELS
+        cfg = Config.fromfile(os.path.join(os.path.dirname(mmseg.models.__file__), '..', '.mim',
+                                           'configs', 'sem_fpn',
+                                           'fpn_r50_4xb4-160k_ade20k-512x512.py')).model
+        cfg.backbone = dict(type='XCiTBackbone', arch='n12')
+        from mmengine.registry import DefaultScope
+        with DefaultScope.overwrite_default_scope('mmseg'):
+            with self.assertRaisesRegex(ValueError, r"pretrained='open-mmlab://resnet50_v1c'.*"
+                                                    r"Fix: set model\.pretrained=None"):
+                MODELS.build(cfg)
+            cfg.pretrained = 'xcit_nano_12_p16_224.pth'
+            cfg.backbone = dict(type='XCiTBackbone', arch='n12')  # the build wrote into it
+            with self.assertWarnsRegex(UserWarning, 'pretrained is deprecated'):
+                model = MODELS.build(cfg)
+        self.assertEqual(model.backbone.init_cfg,
+                         dict(type='Pretrained', checkpoint='xcit_nano_12_p16_224.pth'))
+
     def test_bad_inputs(self):
         model = tiny().eval()
         with self.assertRaisesRegex(ValueError, 'in_channels=3 but the image has 1 channels'):
@@ -410,20 +433,30 @@ def test_package_never_imports_torchvision():
     subprocess.run([sys.executable, '-c', code], check=True)
 
 
-def test_importing_the_package_changes_nothing_process_wide():
-    """``import xcit_mm`` registers modules and nothing else: torch's weights_only allow-list,
-    the warning filters and the default dtype are as before (an earlier version allow-listed
-    mmengine's classes for the whole process on import)."""
+def test_importing_the_package_changes_only_what_it_documents():
+    """``import xcit_mm`` registers its modules, adds exactly mmengine's pure-data training state
+    to torch's weights_only allow-list, and makes its reader mmengine's loader for local paths
+    and URLs; the warning filters, the default dtype and the other loaders are as before."""
     import subprocess
     import sys
     code = (
         'import warnings, torch, mmengine, mmcv.cnn\n'
+        'from mmengine.runner import CheckpointLoader\n'
+        'loaders = dict(CheckpointLoader._schemes)\n'
         'before = (list(torch.serialization.get_safe_globals()), list(warnings.filters), '
         'torch.get_default_dtype())\n'
         'import xcit_mm\n'
+        'from xcit_mm.models.utils import checkpoint_io, safe_unpickling\n'
         'after = (list(torch.serialization.get_safe_globals()), list(warnings.filters), '
         'torch.get_default_dtype())\n'
-        'assert before == after, (before, after)\n'
+        'names = lambda entries: sorted(e[1] if isinstance(e, tuple) else e.__qualname__ '
+        'for e in entries)\n'
+        'assert names(after[0]) == names(before[0] + safe_unpickling.training_state_entries()), '
+        'names(after[0])\n'
+        'assert after[1:] == before[1:]\n'
+        'changed = {k for k, v in CheckpointLoader._schemes.items() if loaders.get(k) is not v}\n'
+        'assert changed == {"", "http://", "https://"}, changed\n'
+        'assert CheckpointLoader._schemes[""] is checkpoint_io.load_from_weights_only\n'
         'from mmengine.registry import HOOKS, MODELS, OPTIM_WRAPPER_CONSTRUCTORS\n'
         'assert MODELS.get("XCiTBackbone") and HOOKS.get("LayerDecayLrHook") and '
         'OPTIM_WRAPPER_CONSTRUCTORS.get("XCiTLayerDecayOptimizerConstructor")\n'

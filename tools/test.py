@@ -193,8 +193,7 @@ def main(argv=None):
         try:
             # Before anything is built: a missing, truncated or pickled-code checkpoint is
             # reported by name; a URL is downloaded into torch's hub cache (after the cheaper data
-            # check), checked, and loaded from there (mmengine would unpickle a URL with
-            # weights_only=False).
+            # check), checked, and loaded from there.
             check_backbone_config(cfg)
             if not is_url(args.checkpoint):
                 cfg.load_from = check_checkpoint(args.checkpoint, 'checkpoint')

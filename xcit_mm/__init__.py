@@ -7,6 +7,15 @@ mmengine's root registries that mmdet's and mmseg's fall back to, exactly:
 - ``XCiTLayerDecayOptimizerConstructor`` (OPTIM_WRAPPER_CONSTRUCTORS) and ``LayerDecayLrHook``
   (HOOKS), the optional layer-wise learning-rate decay.
 
+It also makes every door read checkpoints the same safe way
+(:func:`~xcit_mm.models.utils.install_checkpoint_reader`): torch's ``weights_only`` allow-list
+gains mmengine 0.10's pure-data training state (``HistoryBuffer``, plain numpy arrays, scalars and
+dtypes, ``argparse.Namespace``; :mod:`xcit_mm.models.utils.safe_unpickling`), so the checkpoints
+any config writes open in ``init_detector``, the inferencers, the upstream ``tools/test.py``,
+``load_from`` and ``--resume``; mmengine's loader for local paths and URLs is this package's
+reader, whose refusals name the file, the cause and the fix; and a script stopped by such an error
+prints it as one line.
+
 Everything else is an opt-in import: ``xcit_mm.runtime`` (reliable-training hooks, sample
 seeding, CPU AMP, CPU distributed helpers), ``xcit_mm.models.roi_heads`` (a faster CPU RoIAlign),
 ``xcit_mm.datasets`` (the built-in shapes data), ``xcit_mm.apis``, ``xcit_mm.deployment`` and
@@ -14,6 +23,9 @@ seeding, CPU AMP, CPU distributed helpers), ``xcit_mm.models.roi_heads`` (a fast
 """
 from .engine import LayerDecayLrHook, XCiTLayerDecayOptimizerConstructor
 from .models import XCiTBackbone
+from .models.utils import install_checkpoint_reader
 from .version import __version__
+
+install_checkpoint_reader()
 
 __all__ = ['LayerDecayLrHook', 'XCiTBackbone', 'XCiTLayerDecayOptimizerConstructor', '__version__']

@@ -18,6 +18,7 @@ official, timm and mmpretrain layouts to it)::
                                           files load under the same names
 """
 import math
+import warnings
 from contextlib import contextmanager, nullcontext
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -425,6 +426,9 @@ class XCiTBackbone(BaseModule):
             published layout (official / DINO ``{'model': ...}``, timm, mmpretrain, xcit_mm or
             mmengine checkpoints; ``prefix`` selects a sub-module, ``weights_only=False`` opts in
             to unpickling a file you trust). See :mod:`xcit_mm.models.utils`.
+        pretrained (str, optional): Deprecated, as in mmseg's backbones (its ``EncoderDecoder``
+            passes ``model.pretrained`` here): a path or URL becomes ``init_cfg``. mmseg's model
+            bases set it to their ResNet's ``open-mmlab://`` weights, which is an error here.
     """
 
     def __init__(self,
@@ -440,8 +444,9 @@ class XCiTBackbone(BaseModule):
                  norm_eval: bool = False,
                  with_cp: bool = False,
                  out_channels_last: bool = False,
-                 init_cfg: Optional[dict] = None):
-        super().__init__(init_cfg=init_cfg)
+                 init_cfg: Optional[dict] = None,
+                 pretrained: Optional[str] = None):
+        super().__init__(init_cfg=self._pretrained_init_cfg(pretrained, init_cfg))
         arch = self._parse_arch(arch)
         self.embed_dims = arch['embed_dims']
         self.num_layers = arch['depth']
@@ -498,6 +503,23 @@ class XCiTBackbone(BaseModule):
         self.register_load_state_dict_post_hook(backbone_load_post_hook)
 
     # ------------------------------------------------------------------ construction helpers
+    @staticmethod
+    def _pretrained_init_cfg(pretrained: Optional[str], init_cfg: Optional[dict]):
+        if pretrained is None:
+            return init_cfg
+        fix = ('set model.pretrained=None and give XCiT weights with '
+               'model.backbone.init_cfg=dict(type=\'Pretrained\', checkpoint=PATH_OR_URL)')
+        if not isinstance(pretrained, str) or init_cfg is not None or \
+                pretrained.startswith(('open-mmlab://', 'torchvision://', 'mmcls://')):
+            raise ValueError(
+                f'XCiTBackbone got pretrained={pretrained!r}' +
+                (f' and init_cfg={init_cfg!r}' if init_cfg is not None else '') +
+                ': mmseg\'s EncoderDecoder passes model.pretrained to the backbone, and mmseg\'s '
+                'model bases set it to the ImageNet weights of their ResNet. Fix: ' + fix)
+        warnings.warn(f'XCiTBackbone: pretrained is deprecated, as in mmseg\'s backbones; '
+                      f'using init_cfg=dict(type=\'Pretrained\', checkpoint={pretrained!r})')
+        return dict(type='Pretrained', checkpoint=pretrained)
+
     @staticmethod
     def _parse_arch(arch: Union[str, dict]) -> dict:
         if isinstance(arch, str):

@@ -1,6 +1,6 @@
 from .checkpoint_io import (CheckpointError, check_checkpoint, check_pretrained,
-                            extract_state_dict, find_pretrained, load_checkpoint_file,
-                            resolve_auto_resume)
+                            extract_state_dict, find_pretrained, install_checkpoint_reader,
+                            load_checkpoint_file, resolve_auto_resume)
 from .ckpt_convert import (LAYOUTS, LayoutError, convert_backbone_state_dict,
                            convert_model_state_dict, detect_layout)
 from .ckpt_load import (is_released_layout, load_backbone_checkpoint,
@@ -8,7 +8,7 @@ from .ckpt_load import (is_released_layout, load_backbone_checkpoint,
 
 __all__ = [
     'CheckpointError', 'check_checkpoint', 'check_pretrained', 'extract_state_dict',
-    'find_pretrained', 'load_checkpoint_file', 'resolve_auto_resume',
+    'find_pretrained', 'install_checkpoint_reader', 'load_checkpoint_file', 'resolve_auto_resume',
     'LAYOUTS', 'LayoutError', 'convert_backbone_state_dict', 'convert_model_state_dict',
     'detect_layout', 'is_released_layout', 'load_backbone_checkpoint',
     'load_model_checkpoint', 'load_model_state_dict'

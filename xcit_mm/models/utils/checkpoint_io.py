@@ -9,28 +9,28 @@ One reader, one error class (:class:`CheckpointError`), one message per kind of 
 - a checkpoint that holds pickled Python objects beyond tensors and mmengine's own training
   state: refused, nothing is executed, and the way out is named.
 
-Files are read with ``torch.load(weights_only=True)``. mmengine 0.10's own training checkpoints
-pickle a ``HistoryBuffer`` (with numpy arrays and scalars) and official XCiT files carry an
-``argparse.Namespace``; :func:`runner_checkpoint_globals` allow-lists exactly those, only for
-the duration of a load (no process-wide change), under the numpy 1 *and* numpy 2 names, so a
-file written under either numpy major version loads under the other.
+Files are read with ``torch.load(weights_only=True)``, with the pure-data types of mmengine's
+training state allow-listed (:mod:`.safe_unpickling`). :func:`read_for_mmengine` serves
+mmengine's ``CheckpointLoader`` for local paths and URLs, so every door (``load_from``,
+``--resume``, ``init_detector``, the inferencers, the upstream ``tools/test.py``) reads through
+here and reports the same clear errors.
 
 URLs are downloaded once into torch's hub cache (the file mmengine would have downloaded) and
 then read like local files: nothing downloaded is ever unpickled unsafely.
 """
-import argparse
 import importlib
 import os
 import os.path as osp
 import pickle
 import re
 import struct
-from contextlib import contextmanager
+import sys
 from typing import Iterator, List, Optional, Tuple
 from urllib.parse import urlparse
 
-import numpy as np
 import torch
+
+from .safe_unpickling import allow_training_state
 
 _URL = re.compile(r'^https?://')
 _ZIP_MAGIC = b'PK\x03\x04'
@@ -87,51 +87,6 @@ def download_checkpoint(url: str) -> str:
     return cached
 
 
-# ---------------------------------------------------------------------------- allow-list
-def _history_buffer_getattr(obj, name):
-    """Stands in for ``getattr`` while unpickling: only HistoryBuffer's statistics methods.
-
-    mmengine pickles the statistics registry of its ``HistoryBuffer`` as
-    ``getattr(HistoryBuffer, 'mean')``. Allow-listing the builtin ``getattr`` would let a file
-    reach any attribute of any object; this serves exactly the lookups mmengine writes.
-    """
-    from mmengine.logging.history_buffer import HistoryBuffer
-    if obj is HistoryBuffer and name in ('min', 'max', 'current', 'mean'):
-        return getattr(HistoryBuffer, name)
-    raise pickle.UnpicklingError(f'checkpoint asks for getattr({obj!r}, {name!r}), which is not '
-                                 f'part of an mmengine checkpoint: refused')
-
-
-def _numpy_globals() -> list:
-    """numpy's unpickling entry points under both the numpy 1 and numpy 2 module names.
-
-    numpy 2 moved ``numpy.core`` to ``numpy._core``; pickles name the module they were written
-    with. The functions are taken from numpy's public pickling protocol (``__reduce__``), not from
-    private module paths.
-    """
-    reconstruct = np.zeros(1).__reduce__()[0]
-    scalar = np.float64(1).__reduce__()[0]
-    found = [np.dtype, np.ndarray]
-    found += [type(np.dtype(t)) for t in ('float64', 'float32', 'int64', 'int32', 'bool')]
-    for module in ('numpy.core.multiarray', 'numpy._core.multiarray'):
-        found += [(reconstruct, f'{module}._reconstruct'), (scalar, f'{module}.scalar')]
-    return found
-
-
-@contextmanager
-def runner_checkpoint_globals():
-    """Allow-list mmengine's training state for ``weights_only`` loads inside the block only.
-
-    What it admits cannot run code: ``HistoryBuffer``, numpy arrays / scalars / dtypes, the
-    ``argparse.Namespace`` of official XCiT files, and a ``getattr`` restricted to what mmengine
-    writes. Everything else pickled is still refused.
-    """
-    from mmengine.logging.history_buffer import HistoryBuffer
-    safe = [HistoryBuffer, argparse.Namespace, (_history_buffer_getattr, 'builtins.getattr')]
-    with torch.serialization.safe_globals(safe + _numpy_globals()):
-        yield
-
-
 # ---------------------------------------------------------------------------- reading
 def _first_bytes(path: str, n: int = 16) -> bytes:
     with open(path, 'rb') as f:
@@ -181,8 +136,8 @@ def _unsafe_detail(error: Exception) -> Optional[str]:
     found = re.search(r'Can only build .*? but got (<class [^>]*>)', text)
     if found:
         return f'it asks to build a {found.group(1)}'
-    found = re.search(r'asks for (getattr\(.*?\)), which is not part', text)
-    if found:  # refused by _history_buffer_getattr
+    found = re.search(r'asks for (.*?), which is not part of an mmengine', text, re.S)
+    if found:  # refused by a stand-in of safe_unpickling
         return f'it asks for {found.group(1)}'
     return None  # e.g. "Unsupported operand 60": not a pickle of objects at all
 
@@ -195,6 +150,48 @@ def _unsafe_message(path: str, what: str, error: Exception) -> str:
         f'file (e.g. you wrote it), re-save its weights once: python '
         f'tools/model_converters/convert_checkpoint.py {path} OUT.pth --full-model --trust, '
         f'then use OUT.pth (for a backbone init_cfg, weights_only=False also opts in).')
+
+
+# ---------------------------------------------------------------------------- every door
+def load_from_weights_only(filename: str, map_location=None):
+    """mmengine's ``CheckpointLoader`` backend for local paths and http(s) URLs.
+
+    The same reader as ours, hence the same refusals and messages, wherever mmengine loads:
+    ``load_from``, ``--resume``, ``init_detector`` / ``init_model``, the inferencers, the upstream
+    ``tools/test.py``. mmengine logs it as "Loads checkpoint by weights_only backend".
+    """
+    return load_checkpoint_file(osp.expanduser(filename), 'checkpoint',
+                                map_location=map_location)
+
+
+def _report_in_one_line(previous_hook):
+    def excepthook(kind, error, traceback):
+        if issubclass(kind, CheckpointError):  # the message names the file, cause and fix
+            print(f'error: {error}', file=sys.stderr)
+        else:
+            previous_hook(kind, error, traceback)
+
+    excepthook.reports_checkpoint_errors = True
+    return excepthook
+
+
+def install_checkpoint_reader() -> None:
+    """Make this module the reader of every checkpoint the process opens (``import xcit_mm``).
+
+    - torch's ``weights_only`` allow-list gains mmengine's pure-data training state
+      (:mod:`.safe_unpickling`), for every ``torch.load`` of the process;
+    - mmengine's ``CheckpointLoader`` reads local paths and http(s) URLs with
+      :func:`load_from_weights_only`;
+    - a script (mmdet's / mmseg's ``tools/test.py``, ours) that stops on a
+      :class:`CheckpointError` prints its message as one line, ``error: ...``, not a traceback;
+      every other exception is reported by the previous ``sys.excepthook`` as before.
+    """
+    from mmengine.runner import CheckpointLoader
+    allow_training_state()
+    CheckpointLoader.register_scheme(prefixes=('', 'http://', 'https://'),
+                                     loader=load_from_weights_only, force=True)
+    if not getattr(sys.excepthook, 'reports_checkpoint_errors', False):
+        sys.excepthook = _report_in_one_line(sys.excepthook)
 
 
 def _corrupt_message(path: str, what: str, error: Exception, url: Optional[str] = None) -> str:
@@ -263,9 +260,8 @@ def _read_local(local: str, what: str, weights_only: bool = True, map_location='
         raise CheckpointError(problem)
     mmap = mmap and head.startswith(_ZIP_MAGIC)
     try:
-        with runner_checkpoint_globals():
-            return torch.load(local, map_location=map_location, weights_only=weights_only,
-                              mmap=mmap)
+        return torch.load(local, map_location=map_location, weights_only=weights_only,
+                          mmap=mmap)
     except pickle.UnpicklingError as e:
         if weights_only and _unsafe_detail(e):
             raise CheckpointError(_unsafe_message(local, what, e)) from e

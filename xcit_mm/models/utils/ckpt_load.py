@@ -93,6 +93,17 @@ def _check_fit(module, converted: Dict[str, torch.Tensor], where: str) -> List[s
     return sorted({k.split('.')[0] for k in adapter_missing})
 
 
+def _check_same_task(unexpected_keys: List[str]) -> None:
+    """Raise if the model left heads of a detector / segmentor file unexpected: another task."""
+    for task, heads in TASK_HEADS.items():
+        foreign = [k for k in unexpected_keys if k.startswith(heads)]
+        if foreign:
+            raise CheckpointError(
+                f'The checkpoint is a {task} checkpoint ({foreign[0]}, ...) whose heads the '
+                f'model holding this XCiTBackbone does not have: use the config of the model '
+                f'the file was saved from (the {task} config it was trained with).')
+
+
 def backbone_load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
                            unexpected_keys, error_msgs) -> None:
     """Convert the backbone's part of ``state_dict`` (keys under ``prefix``) in place.
@@ -101,6 +112,9 @@ def backbone_load_pre_hook(module, state_dict, prefix, local_metadata, strict, m
     ``Pretrained`` init_cfg) a DDP ``module.`` prefix is stripped and, in a whole-model file,
     only the ``backbone.`` weights are taken; classification-only keys are dropped there too.
     """
+    # The model holding the backbone is loaded first: heads it lacks are already unexpected.
+    # Another task's file names that cause, not the backbone it happens to hold (e.g. p16 in p8).
+    _check_same_task(unexpected_keys)
     keys = [k for k in state_dict if k.startswith(prefix)]
     where = f' (keys under {prefix!r})' if prefix else ''
     module.last_load_report = None
@@ -155,13 +169,7 @@ def backbone_load_post_hook(module, incompatible_keys) -> None:
             f'The state dict loaded into the model has no weights for its XCiTBackbone, which '
             f'would stay randomly initialised. Likely cause: {_no_weights_cause(unexpected)}. '
             f'First unexpected keys: {unexpected[:4]}')
-    for task, heads in TASK_HEADS.items():
-        foreign = [k for k in unexpected if k.startswith(heads)]
-        if foreign:
-            raise CheckpointError(
-                f'The checkpoint is a {task} checkpoint ({foreign[0]}, ...) whose heads the '
-                f'model holding this XCiTBackbone does not have: use the config of the model '
-                f'the file was saved from (the {task} config it was trained with).')
+    _check_same_task(unexpected)
     fresh = tuple(report['prefix'] + name + '.' for name in report['adapter_fresh'])
     missing = incompatible_keys.missing_keys
     ours = report['prefix']

@@ -1,0 +1,334 @@
+"""Training checkpoints of any config that imports xcit_mm open in every door; pickled code in none.
+
+mmengine 0.10 pickles its message hub (``HistoryBuffer`` objects holding numpy arrays) into every
+training checkpoint, and torch >= 2.6 refuses such files by default. The files here are written
+the way users write them, without ``configs/_base_/xcit_runtime.py`` (so without
+``PortableCheckpointHook``, which would store plain data instead):
+
+- the detector: the config README's "Using the backbone" snippet gives (mmdet's Mask R-CNN base,
+  ``XCiTBackbone`` T12/16), trained 2 iterations by mmdet's own ``tools/train.py``, the script
+  ``mim train mmdet`` runs;
+- the segmentor: mmseg's Semantic FPN config with ``XCiTBackbone`` T12/16, trained 2 iterations
+  by our ``tools/train.py``.
+
+Each file exists as written (numpy 1 pickles name ``numpy.core.multiarray``), renamed the way
+numpy 2 writes it (``numpy._core.multiarray``), and with one more entry whose unpickling would
+create a directory. Expected weights and metadata come from the files themselves, read back with
+``weights_only=False`` only where the test wrote them.
+"""
+import os
+import os.path as osp
+import re
+import subprocess
+import sys
+import time
+import zipfile
+
+import pytest
+import torch
+
+from work_dir_files import evaluation_metrics
+
+from xcit_mm.datasets import generate_shapes
+from xcit_mm.models.utils import CheckpointError
+
+REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
+ENV = dict(os.environ, OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore', CUDA_VISIBLE_DEVICES='')
+CLASSES = ('circle', 'square', 'triangle')
+NUMPY_NAMES = {'numpy1': b'numpy.core.multiarray\n', 'numpy2': b'numpy._core.multiarray\n'}
+
+# What README's "Using the backbone" tells a user to write, on mmdet's own Mask R-CNN config.
+DET_CONFIG = '''
+_base_ = ['mmdet::mask_rcnn/mask-rcnn_r50_fpn_1x_coco.py']
+custom_imports = dict(imports=['xcit_mm'], allow_failed_imports=False)
+model = dict(
+    backbone=dict(_delete_=True, type='XCiTBackbone', arch='t12', patch_size=16, init_cfg=None),
+    neck=dict(in_channels=[192] * 4),
+    roi_head=dict(bbox_head=dict(num_classes=3), mask_head=dict(num_classes=3)))
+data_root = '{root}/'
+metainfo = dict(classes={classes})
+train_dataloader = dict(
+    batch_size=2, num_workers=0, persistent_workers=False,
+    dataset=dict(data_root=data_root, metainfo=metainfo,
+                 ann_file='annotations/instances_train.json', data_prefix=dict(img='train/'),
+                 pipeline=[dict(type='LoadImageFromFile'),
+                           dict(type='LoadAnnotations', with_bbox=True, with_mask=True),
+                           dict(type='Resize', scale=(64, 64), keep_ratio=True),
+                           dict(type='PackDetInputs')]))
+test_dataloader = dict(
+    batch_size=2, num_workers=0, persistent_workers=False,
+    dataset=dict(data_root=data_root, metainfo=metainfo,
+                 ann_file='annotations/instances_val.json', data_prefix=dict(img='val/'),
+                 pipeline=[dict(type='LoadImageFromFile'),
+                           dict(type='Resize', scale=(64, 64), keep_ratio=True),
+                           dict(type='LoadAnnotations', with_bbox=True, with_mask=True),
+                           dict(type='PackDetInputs', meta_keys=(
+                               'img_id', 'img_path', 'ori_shape', 'img_shape', 'scale_factor'))]))
+test_evaluator = dict(ann_file=data_root + 'annotations/instances_val.json')
+train_cfg = dict(_delete_=True, type='IterBasedTrainLoop', max_iters=2)
+val_cfg = None
+val_dataloader = None
+val_evaluator = None
+param_scheduler = []
+optim_wrapper = dict(optimizer=dict(lr=0.001))
+default_hooks = dict(checkpoint=dict(by_epoch=False, interval=1), logger=dict(interval=1))
+log_processor = dict(by_epoch=False)
+'''
+
+# mmseg's own Semantic FPN config with the backbone swapped the same way.
+SEG_CONFIG = '''
+_base_ = ['mmseg::sem_fpn/fpn_r50_4xb4-160k_ade20k-512x512.py']
+custom_imports = dict(imports=['xcit_mm'], allow_failed_imports=False)
+norm_cfg = dict(type='BN', requires_grad=True)
+model = dict(
+    data_preprocessor=dict(size=(64, 64)),
+    pretrained=None,  # mmseg's base sets its ResNet's ImageNet weights here
+    backbone=dict(_delete_=True, type='XCiTBackbone', arch='t12', patch_size=16, init_cfg=None),
+    neck=dict(in_channels=[192] * 4),
+    decode_head=dict(num_classes=3, norm_cfg=norm_cfg))
+data_root = '{root}/'
+_data = dict(type='BaseSegDataset', img_suffix='.jpg', seg_map_suffix='.png',
+             reduce_zero_label=True, data_root=data_root, metainfo=dict(classes={classes}))
+train_dataloader = dict(
+    batch_size=2, num_workers=0, persistent_workers=False,
+    dataset=dict(_delete_=True, **_data, data_prefix=dict(
+        img_path='images/training', seg_map_path='annotations/training'), pipeline=[
+        dict(type='LoadImageFromFile'), dict(type='LoadAnnotations', reduce_zero_label=True),
+        dict(type='PackSegInputs')]))
+test_dataloader = dict(
+    batch_size=1, num_workers=0, persistent_workers=False,
+    dataset=dict(_delete_=True, **_data, data_prefix=dict(
+        img_path='images/validation', seg_map_path='annotations/validation'), pipeline=[
+        dict(type='LoadImageFromFile'), dict(type='LoadAnnotations', reduce_zero_label=True),
+        dict(type='PackSegInputs')]))
+train_cfg = dict(max_iters=2, val_interval=100)
+val_cfg = None
+val_dataloader = None
+val_evaluator = None
+param_scheduler = []
+default_hooks = dict(checkpoint=dict(by_epoch=False, interval=1), logger=dict(interval=1))
+'''
+
+
+def _unique(name: str) -> str:
+    """A visualizer name of its own: mmengine keys its global Visualizer instances by name."""
+    return f'visualizer.name=vis_{name}_{time.time_ns()}'
+
+
+def _run(tool: str, *args, ok: bool = True) -> str:
+    proc = subprocess.run([sys.executable, tool, *args], cwd=REPO, env=ENV, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
+    assert (proc.returncode == 0) == ok, proc.stdout[-4000:]
+    return proc.stdout
+
+
+def _upstream_tool(package: str, name: str) -> str:
+    """A tool as shipped inside the installed package (what ``mim train`` / ``mim test`` run)."""
+    path = osp.join(osp.dirname(__import__(package).__file__), '.mim', 'tools', f'{name}.py')
+    assert osp.isfile(path), path
+    return path
+
+
+def _last_checkpoint(work_dir) -> str:
+    with open(osp.join(work_dir, 'last_checkpoint')) as f:
+        return f.read().strip()
+
+
+def _pickle_bytes(path: str) -> bytes:
+    with zipfile.ZipFile(path) as archive:
+        return archive.read(next(n for n in archive.namelist() if n.endswith('/data.pkl')))
+
+
+def _as_numpy2(path: str, out: str) -> str:
+    """The file with its numpy GLOBALs renamed as numpy 2 writes them (same zip layout)."""
+    with zipfile.ZipFile(path) as source, zipfile.ZipFile(out, 'w', zipfile.ZIP_STORED) as dest:
+        for info in source.infolist():
+            data = source.read(info.filename)
+            if info.filename.endswith('/data.pkl'):
+                assert NUMPY_NAMES['numpy1'] in data, 'no numpy array pickled: nothing to test'
+                data = data.replace(NUMPY_NAMES['numpy1'], NUMPY_NAMES['numpy2'])
+            dest.writestr(info, data)
+    return out
+
+
+class Payload:
+    """Unpickling this creates ``path``: code a checkpoint must never get to run."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path, ))
+
+
+def _with_payload(path: str, out: str, marker: str) -> str:
+    checkpoint = torch.load(path, map_location='cpu', weights_only=False)  # a file we wrote
+    checkpoint['meta']['note'] = Payload(marker)
+    torch.save(checkpoint, out)
+    return out
+
+
+def _files(root, cfg: str, checkpoint: str) -> dict:
+    return dict(cfg=cfg, numpy1=checkpoint,
+                numpy2=_as_numpy2(checkpoint, str(root / 'numpy2.pth')),
+                evil=_with_payload(checkpoint, str(root / 'evil.pth'), str(root / 'pwned')),
+                marker=str(root / 'pwned'))
+
+
+@pytest.fixture(scope='module')
+def det_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp('det_doors')
+    generate_shapes(str(root / 'coco'), task='coco', num_train=4, num_val=2, image_size=64)
+    cfg = root / 'mask_rcnn_readme_snippet.py'
+    cfg.write_text(DET_CONFIG.format(root=root / 'coco', classes=CLASSES))
+    work_dir = str(root / 'train')
+    _run(_upstream_tool('mmdet', 'train'), str(cfg), '--work-dir', work_dir)
+    return _files(root, str(cfg), _last_checkpoint(work_dir))
+
+
+@pytest.fixture(scope='module')
+def seg_files(tmp_path_factory, train_tool):
+    root = tmp_path_factory.mktemp('seg_doors')
+    generate_shapes(str(root / 'ade'), task='ade', num_train=4, num_val=2, image_size=64)
+    cfg = root / 'sem_fpn_mmseg_base.py'
+    cfg.write_text(SEG_CONFIG.format(root=root / 'ade', classes=CLASSES))
+    work_dir = str(root / 'train')
+    train_tool.main([str(cfg), '--work-dir', work_dir, '--cfg-options', _unique('seg_train')])
+    return _files(root, str(cfg), _last_checkpoint(work_dir))
+
+
+def test_the_files_hold_mmengines_pickled_training_state(det_files, seg_files):
+    """Else every test below would prove nothing: HistoryBuffers and numpy arrays, pickled under
+    numpy 1's names, renamed to numpy 2's, and the payload."""
+    for files in (det_files, seg_files):
+        data = _pickle_bytes(files['numpy1'])
+        assert b'mmengine.logging.history_buffer\nHistoryBuffer\n' in data
+        assert NUMPY_NAMES['numpy1'] + b'_reconstruct\n' in data
+        renamed = _pickle_bytes(files['numpy2'])
+        assert NUMPY_NAMES['numpy2'] + b'_reconstruct\n' in renamed
+        assert NUMPY_NAMES['numpy1'] not in renamed
+        assert b'posix\nmkdir\n' in _pickle_bytes(files['evil'])
+
+
+def _expected(path: str) -> dict:
+    return torch.load(path, map_location='cpu', weights_only=False)  # files this module wrote
+
+
+def _assert_loaded(model, path: str) -> None:
+    expected = _expected(path)
+    own = model.state_dict()
+    for key, value in expected['state_dict'].items():
+        assert torch.equal(own[key], value), key
+    assert tuple(model.dataset_meta['classes']) == CLASSES
+
+
+def _open(door: str, cfg: str, path: str):
+    """The model a user of ``door`` gets for ``path``."""
+    if door == 'init_detector':
+        from mmdet.apis import init_detector
+        return init_detector(cfg, path, device='cpu')
+    if door == 'DetInferencer':
+        from mmdet.apis import DetInferencer
+        return DetInferencer(model=cfg, weights=path, device='cpu', show_progress=False).model
+    if door == 'init_model':
+        from mmseg.apis import init_model
+        return init_model(cfg, path, device='cpu')
+    from mmseg.apis import MMSegInferencer
+    assert door == 'MMSegInferencer', door
+    return MMSegInferencer(model=cfg, weights=path, device='cpu').model
+
+
+PYTHON_DOORS = [('det', 'init_detector'), ('det', 'DetInferencer'), ('seg', 'init_model'),
+                ('seg', 'MMSegInferencer')]
+
+
+@pytest.mark.parametrize('numpy', ['numpy1', 'numpy2'])
+@pytest.mark.parametrize('task,door', PYTHON_DOORS)
+def test_training_checkpoint_opens_in_the_upstream_apis(det_files, seg_files, task, door, numpy):
+    files = det_files if task == 'det' else seg_files
+    _assert_loaded(_open(door, files['cfg'], files[numpy]), files['numpy1'])
+
+
+@pytest.mark.parametrize('numpy', ['numpy1', 'numpy2'])
+def test_detector_checkpoint_evaluates_with_our_test_tool(det_files, test_tool, tmp_path, numpy):
+    """``tools/test.py`` sets ``load_from``: the door a fine-tuning config uses too."""
+    work_dir = str(tmp_path / 'test')
+    test_tool.main([det_files['cfg'], det_files[numpy], '--work-dir', work_dir,
+                    '--cfg-options', _unique(f'det_test_{numpy}')])
+    assert 'coco/bbox_mAP_50' in evaluation_metrics(work_dir)
+
+
+def test_detector_checkpoint_evaluates_with_mmdets_test_tool(det_files, tmp_path):
+    out = _run(_upstream_tool('mmdet', 'test'), det_files['cfg'], det_files['numpy1'],
+               '--work-dir', str(tmp_path / 'test'))
+    assert re.search(r'coco/bbox_mAP_50: [\d.]+', out), out[-2000:]
+
+
+def test_segmentor_checkpoint_evaluates_with_mmsegs_test_tool(seg_files, tmp_path):
+    out = _run(_upstream_tool('mmseg', 'test'), seg_files['cfg'], seg_files['numpy2'],
+               '--work-dir', str(tmp_path / 'test'))
+    assert re.search(r'mIoU: [\d.]+', out), out[-2000:]
+
+
+def _loss_history(path: str):
+    hub = torch.load(path, map_location='cpu')['message_hub']  # torch's default weights_only
+    return list(hub['log_scalars']['train/loss']._log_history)
+
+
+def test_detector_resumes_with_mmdets_train_tool(det_files, tmp_path):
+    """The resumed run continues the file's iteration count and message hub."""
+    work_dir = str(tmp_path / 'resumed')
+    _run(_upstream_tool('mmdet', 'train'), det_files['cfg'], '--work-dir', work_dir,
+         '--resume', det_files['numpy2'], '--cfg-options', 'train_cfg.max_iters=3')
+    resumed = _last_checkpoint(work_dir)
+    assert osp.basename(resumed) == 'iter_3.pth'
+    before = _loss_history(det_files['numpy1'])
+    after = _loss_history(resumed)
+    assert len(before) == 2 and after[:2] == before and len(after) == 3
+
+
+def test_segmentor_resumes_with_our_train_tool(seg_files, train_tool, tmp_path):
+    work_dir = str(tmp_path / 'resumed')
+    train_tool.main([seg_files['cfg'], '--work-dir', work_dir, '--resume', seg_files['numpy2'],
+                     '--cfg-options', 'train_cfg.max_iters=3', _unique('seg_resume')])
+    resumed = _last_checkpoint(work_dir)
+    assert osp.basename(resumed) == 'iter_3.pth'
+    before = _loss_history(seg_files['numpy1'])
+    assert len(before) == 2 and _loss_history(resumed)[:2] == before
+
+
+# ------------------------------------------------------------------------------ pickled code
+REFUSED = r'Refusing to load (--resume )?checkpoint .*evil\.pth.*it asks to import posix\.mkdir.*Nothing ' \
+          r'from the file was executed'
+
+
+@pytest.mark.parametrize('task,door', PYTHON_DOORS + [('det', 'load_checkpoint')])
+def test_pickled_code_is_refused_in_the_upstream_apis(det_files, seg_files, task, door):
+    files = det_files if task == 'det' else seg_files
+    with pytest.raises(CheckpointError, match=REFUSED):
+        if door == 'load_checkpoint':
+            from mmengine.runner import load_checkpoint
+            load_checkpoint(torch.nn.Linear(1, 1), files['evil'])
+        else:
+            _open(door, files['cfg'], files['evil'])
+    assert not osp.exists(files['marker'])
+
+
+def test_pickled_code_is_refused_by_mmdets_test_tool_in_one_line(det_files, tmp_path):
+    out = _run(_upstream_tool('mmdet', 'test'), det_files['cfg'], det_files['evil'],
+               '--work-dir', str(tmp_path / 'test'), ok=False)
+    assert 'Traceback' not in out, out[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert last.startswith('error: ') and re.search(REFUSED, last), out[-3000:]
+    assert not osp.exists(det_files['marker'])
+
+
+@pytest.mark.parametrize('tool', ['test', 'resume'])
+def test_pickled_code_is_refused_by_our_tools(seg_files, train_tool, test_tool, tmp_path, tool):
+    with pytest.raises(SystemExit, match='error: ' + REFUSED):
+        if tool == 'test':
+            test_tool.main([seg_files['cfg'], seg_files['evil'], '--work-dir', str(tmp_path)])
+        else:
+            train_tool.main([seg_files['cfg'], '--resume', seg_files['evil'], '--work-dir',
+                             str(tmp_path)])
+    assert not osp.exists(seg_files['marker'])
