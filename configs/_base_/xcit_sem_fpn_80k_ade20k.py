@@ -13,6 +13,10 @@ _base_ = [
 # Pads training batches to the crop size (mmseg's usual companion of the 512x512 ADE pipeline).
 data_preprocessor = dict(size=_base_.crop_size)
 model = dict(
+    # mmseg's EncoderDecoder with whole-image prediction that never holds full-size logits of
+    # all classes, same labels (xcit_mm.models.segmentors; docs/lean_segmentation.md);
+    # test_cfg.lean=False gives the stock predict.
+    type='LeanEncoderDecoder',
     data_preprocessor=data_preprocessor,
     # The ResNet base sets `pretrained`, which EncoderDecoder would forward to the backbone; XCiT
     # loads its ImageNet weights through backbone.init_cfg instead.

@@ -13,6 +13,10 @@ _base_ = [
 
 data_preprocessor = dict(size=_base_.crop_size)
 model = dict(
+    # mmseg's EncoderDecoder with whole-image prediction that never holds full-size logits of
+    # all classes, same labels (xcit_mm.models.segmentors; docs/lean_segmentation.md);
+    # test_cfg.lean=False gives the stock predict.
+    type='LeanEncoderDecoder',
     data_preprocessor=data_preprocessor,
     # The ResNet base sets `pretrained`; XCiT uses backbone.init_cfg instead.
     pretrained=None,

@@ -648,19 +648,28 @@ class XCiTBackbone(BaseModule):
         ceil(W/s): contiguous NCHW, or channels-last with ``out_channels_last``."""
         H, W = x.shape[-2:] if isinstance(x, torch.Tensor) else (0, 0)
         feats = self.forward_trunk(x)
-        tracing = _tracing()
+        return tuple(self.forward_level(feat, level, (H, W)) for level, feat in enumerate(feats))
+
+    def forward_level(self, feat: torch.Tensor, level: int,
+                      image_hw: Tuple[int, int]) -> torch.Tensor:
+        """Adapter output of one level from its trunk map (one item of :meth:`forward_trunk`).
+
+        :meth:`forward` is ``forward_level`` of every level; callers that need the levels one at
+        a time (``xcit_mm.models.segmentors.LeanEncoderDecoder`` computes the large stride-4
+        map last and frees it early) get the same values from the same code.
+        """
+        H, W = image_hw
+        stride = self.strides[level]
         layout = torch.channels_last if self.out_channels_last else torch.contiguous_format
-        outs = []
-        for feat, adapter, stride in zip(feats, self.adapters, self.strides):
-            out = _adapt(adapter, feat, tracing, layout)
-            # ceil(H / stride) in integer arithmetic: also right for traced (symbolic) sizes
-            h, w = (H + stride - 1) // stride, (W + stride - 1) // stride
-            if tracing:  # crop and lay out unconditionally: no guard on the padding
-                out = torch.clone(out[..., :h, :w], memory_format=layout)
-            elif out.shape[-2:] != (h, w):  # input padded to the patch size: crop, keep layout
-                out = out[..., :h, :w].contiguous(memory_format=layout)
-            outs.append(out)
-        return tuple(outs)
+        tracing = _tracing()
+        out = _adapt(self.adapters[level], feat, tracing, layout)
+        # ceil(H / stride) in integer arithmetic: also right for traced (symbolic) sizes
+        h, w = (H + stride - 1) // stride, (W + stride - 1) // stride
+        if tracing:  # crop and lay out unconditionally: no guard on the padding
+            out = torch.clone(out[..., :h, :w], memory_format=layout)
+        elif out.shape[-2:] != (h, w):  # input padded to the patch size: crop, keep layout
+            out = out[..., :h, :w].contiguous(memory_format=layout)
+        return out
 
     # ------------------------------------------------------------------ introspection
     @contextmanager
