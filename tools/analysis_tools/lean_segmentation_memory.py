@@ -1,0 +1,132 @@
+"""Peak RSS growth and time of whole-image segmentation through ``mmseg.apis.inference_model``,
+stock ``EncoderDecoder`` vs ``LeanEncoderDecoder``, one fresh process per point.
+
+    python tools/analysis_tools/lean_segmentation_memory.py \
+        --out docs/benchmark/lean_segmentation_sem_fpn_s12_p16
+
+Each point builds the config's model with random weights (``backbone.init_cfg=None``), runs one
+64 px warm-up image, makes the test image (random uint8), frees the heap (``malloc_trim``),
+resets the peak RSS and runs ``inference_model`` once: peak growth = VmHWM - VmRSS before the
+call, under ``MALLOC_MMAP_THRESHOLD_=65536`` so the RSS follows live tensors (the method of
+``xcit_benchmark/memory.py``, whose helpers it uses). ``full`` removes the test ``Resize`` (the
+network runs at the image size). The parent kills a child above ``--limit-gb`` (status 'killed').
+"""
+import argparse
+import csv
+import gc
+import json
+import os
+import os.path as osp
+import subprocess
+import sys
+import time
+
+HERE = osp.dirname(osp.abspath(__file__))
+sys.path.insert(0, HERE)
+DEFAULT_CONFIG = 'configs/sem_fpn_xcit_s12_p16_80k_ade20k.py'
+# (segmentor, pipeline, size): the issue's points, lean first (stock may be killed)
+POINTS = [('lean', 'paper', 4096), ('stock', 'paper', 4096), ('lean', 'full', 2048),
+          ('stock', 'full', 2048), ('lean', 'full', 4096), ('stock', 'full', 4096),
+          ('lean', 'full', 8192)]
+
+
+def child(point: dict) -> dict:
+    import numpy as np
+    import torch
+    from mmengine.config import Config
+    from mmseg.apis import inference_model, init_model
+    from xcit_benchmark.memory import _release_free_heap, _reset_peak_rss, proc_status_kb
+    cfg = Config.fromfile(point['config'])
+    cfg.model.backbone.init_cfg = None
+    cfg.model.backbone.norm_cfg = dict(type='BN', requires_grad=True)  # one CPU process
+    if point['segmentor'] == 'stock':
+        cfg.model.type = 'EncoderDecoder'
+    if point['pipeline'] == 'full':
+        cfg.test_pipeline = [t for t in cfg.test_pipeline if t['type'] != 'Resize']
+    torch.manual_seed(0)
+    model = init_model(cfg, device='cpu')
+    inference_model(model, np.zeros((64, 64, 3), np.uint8))
+    img = np.random.RandomState(0).randint(0, 255, (point['size'], point['size'], 3), np.uint8)
+    gc.collect()
+    _release_free_heap()
+    _reset_peak_rss()
+    base = proc_status_kb('VmRSS') * 1024
+    start = time.perf_counter()
+    result = inference_model(model, img)
+    seconds = time.perf_counter() - start
+    peak = proc_status_kb('VmHWM') * 1024
+    labels = result.pred_sem_seg.data
+    return dict(status='ok', peak_growth_mb=round((peak - base) / 2**20), time_s=round(seconds, 1),
+                type=type(model).__name__, labels_shape=list(labels.shape),
+                labels_sum=int(labels.sum()))
+
+
+def run_point(point: dict, limit_bytes: int, timeout_s: float) -> dict:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_='65536')
+    proc = subprocess.Popen([sys.executable, __file__, '--child', json.dumps(point)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    start, peak_rss = time.time(), 0
+    while proc.poll() is None:
+        try:
+            with open(f'/proc/{proc.pid}/status') as f:
+                rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith('VmRSS'))
+            peak_rss = max(peak_rss, rss)
+        except (OSError, StopIteration):
+            rss = 0
+        if rss > limit_bytes or time.time() - start > timeout_s:
+            proc.kill()
+            proc.wait()
+            why = 'rss' if rss > limit_bytes else 'timeout'
+            return dict(status='killed', note=f'{why}: RSS {rss / 2**30:.1f} GiB after '
+                        f'{time.time() - start:.0f} s (limit {limit_bytes / 2**30:.1f} GiB)')
+        time.sleep(0.05)
+    out = proc.stdout.read().strip().splitlines()
+    return json.loads(out[-1]) if proc.returncode == 0 and out else dict(
+        status='error', note=f'exit {proc.returncode}')
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(['lscpu'], capture_output=True, text=True).stdout
+        return next(line.split(':', 1)[1].strip() for line in out.splitlines()
+                    if line.startswith('Model name'))
+    except (OSError, StopIteration):
+        return 'unknown'
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--child', help=argparse.SUPPRESS)
+    parser.add_argument('--config', default=DEFAULT_CONFIG)
+    parser.add_argument('--out', required=False, help='artifact path without extension')
+    parser.add_argument('--points', nargs='*', help='segmentor:pipeline:size, e.g. lean:full:4096')
+    parser.add_argument('--limit-gb', type=float, default=20.0)
+    parser.add_argument('--timeout', type=float, default=1800.0)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return
+    points = ([tuple(p.split(':')) for p in args.points] if args.points else POINTS)
+    rows = []
+    for segmentor, pipeline, size in points:
+        point = dict(config=args.config, segmentor=segmentor, pipeline=pipeline, size=int(size))
+        result = run_point(point, int(args.limit_gb * 2**30), args.timeout)
+        row = dict(point, **result)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.out:
+        meta = dict(cpu=cpu_model(), threads=os.cpu_count(), command=' '.join(sys.argv),
+                    door='mmseg.apis.inference_model', weights='random (init_cfg=None), BN',
+                    note='one fresh process per point; the machine was shared with a test suite '
+                         'on the same 2 cores, so times are noisy')
+        with open(args.out + '.json', 'w') as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        keys = ['segmentor', 'pipeline', 'size', 'status', 'peak_growth_mb', 'time_s', 'note']
+        with open(args.out + '.csv', 'w', newline='') as f:
+            writer = csv.DictWriter(f, fieldnames=keys, extrasaction='ignore')
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+if __name__ == '__main__':
+    main()
