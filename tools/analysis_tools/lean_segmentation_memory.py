@@ -2,7 +2,7 @@
 stock ``EncoderDecoder`` vs ``LeanEncoderDecoder``, one fresh process per point.
 
     python tools/analysis_tools/lean_segmentation_memory.py \
-        --out docs/benchmark/lean_segmentation_sem_fpn_s12_p16
+        --out docs/results/lean_segmentation_sem_fpn_s12_p16
 
 Each point builds the config's model with random weights (``backbone.init_cfg=None``), runs one
 64 px warm-up image, makes the test image (random uint8), frees the heap (``malloc_trim``),

@@ -131,7 +131,8 @@ def build_export_model(config, checkpoint: Optional[str] = None,
         raise ExportError(f'config {config!r} has no model dict')
     task = config_task(cfg)
     model_type = str(cfg.model.get('type', ''))
-    if task == 'seg' and model_type.split('.')[-1] != 'EncoderDecoder':
+    # LeanEncoderDecoder changes only predict(); the exported encode_decode is EncoderDecoder's
+    if task == 'seg' and model_type.split('.')[-1] not in ('EncoderDecoder', 'LeanEncoderDecoder'):
         raise ExportError(f'segmentor type {model_type!r} is not supported: ONNX export takes an '
                           f'mmseg EncoderDecoder (Semantic FPN, UperNet, ...)')
     if task == 'det' and not cfg.model.get('neck'):
