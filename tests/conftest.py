@@ -207,7 +207,8 @@ def frozen_heap(_unfreeze_at_the_end):
 
 # Modules whose tests run whole trainings / compilations, started first so that the two xdist
 # workers (setup.cfg) end together on the many short tests instead of one waiting for the other.
-_LONG_RUNNING_MODULES = ('test_compile', 'test_shapes', 'test_reliability', 'test_released_models')
+_LONG_RUNNING_MODULES = ('test_compile', 'test_shapes', 'test_reliability', 'test_checkpoint_doors',
+                         'test_released_models')
 
 
 def pytest_collection_modifyitems(session, config, items):

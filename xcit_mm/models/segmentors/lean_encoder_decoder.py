@@ -192,9 +192,12 @@ class LeanEncoderDecoder(EncoderDecoder):
             lat = neck.lateral_convs[i](level(i))
             if i + 1 < num_levels:
                 if 'scale_factor' in upsample_cfg:
-                    lat = lat + resize(lateral[i + 1], **upsample_cfg)
+                    top_down = resize(lateral[i + 1], **upsample_cfg)
                 else:
-                    lat = lat + resize(lateral[i + 1], size=lat.shape[2:], **upsample_cfg)
+                    top_down = resize(lateral[i + 1], size=lat.shape[2:], **upsample_cfg)
+                # in place: the sum's bits, without a third map of the level's size
+                lat = lat + top_down if lat.requires_grad else lat.add_(top_down)
+                del top_down
                 # the level above has given its top-down term: its FPN conv can run, then go
                 fpn_out[i + 1] = neck.fpn_convs[i + 1](lateral[i + 1])
                 lateral[i + 1] = None
