@@ -298,8 +298,8 @@ def test_segmentor_resumes_with_our_train_tool(seg_files, train_tool, tmp_path):
 
 
 # ------------------------------------------------------------------------------ pickled code
-REFUSED = r'Refusing to load (--resume )?checkpoint .*evil\.pth.*it asks to import posix\.mkdir.*Nothing ' \
-          r'from the file was executed'
+REFUSED = (r'Refusing to load (--resume )?checkpoint .*evil\.pth.*it asks to import '
+           r'posix\.mkdir.*Nothing from the file was executed')
 
 
 @pytest.mark.parametrize('task,door', PYTHON_DOORS + [('det', 'load_checkpoint')])

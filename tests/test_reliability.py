@@ -1384,9 +1384,12 @@ def test_segmentor_trained_by_our_tools_tests_with_mmsegs_and_opens_upstream(tmp
     train_tool.main([cfg, '--work-dir', work_dir])
     checkpoint = _last_checkpoint(work_dir)
     _check_checkpoint_is_portable(checkpoint)
+    show_dir = tmp_path / 'show'
     out = _run_tool(_upstream_tool('mmseg', 'test'), cfg, checkpoint, '--work-dir',
-               str(tmp_path / 'test'))
+               str(tmp_path / 'test'), '--show-dir', str(show_dir))
     assert re.search(r'mIoU: [\d.]+', out), out[-2000:]
+    drawn = glob.glob(str(show_dir / '**' / '*.png'), recursive=True)
+    assert len(drawn) == 5, drawn  # every held-out image of the tiny world
     segmentor = init_model(cfg, checkpoint, device='cpu')
     assert tuple(segmentor.dataset_meta['classes']) == SHAPES_CLASSES
     inferencer = MMSegInferencer(model=cfg, weights=checkpoint, device='cpu')

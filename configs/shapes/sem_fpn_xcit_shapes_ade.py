@@ -108,5 +108,8 @@ param_scheduler = [
 optim_wrapper = dict(optimizer=dict(lr=1e-3, fused=True))
 default_hooks = dict(
     logger=dict(interval=100),
-    checkpoint=dict(by_epoch=False, interval=max_iters, max_keep_ckpts=2))
+    checkpoint=dict(by_epoch=False, interval=max_iters, max_keep_ckpts=2),
+    # mmseg's `tools/test.py --show-dir` draws every `interval`-th test batch (50 by default, more
+    # than this test set has): draw each one (nothing is drawn without --show-dir or --show)
+    visualization=dict(interval=1))
 randomness = dict(seed=0)
