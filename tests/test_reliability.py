@@ -1390,6 +1390,12 @@ def test_segmentor_trained_by_our_tools_tests_with_mmsegs_and_opens_upstream(tmp
     assert re.search(r'mIoU: [\d.]+', out), out[-2000:]
     drawn = glob.glob(str(show_dir / '**' / '*.png'), recursive=True)
     assert len(drawn) == 5, drawn  # every held-out image of the tiny world
+    # mmdet's log analysis, as installed by tools/install.sh (it imports seaborn)
+    log = glob.glob(osp.join(work_dir, '*', 'vis_data', '2*.json'))[0]
+    curve = str(tmp_path / 'loss.png')
+    _run_tool(_upstream_tool('mmdet', osp.join('analysis_tools', 'analyze_logs')), 'plot_curve',
+              log, '--keys', 'loss', '--out', curve)
+    assert osp.getsize(curve) > 0
     segmentor = init_model(cfg, checkpoint, device='cpu')
     assert tuple(segmentor.dataset_meta['classes']) == SHAPES_CLASSES
     inferencer = MMSegInferencer(model=cfg, weights=checkpoint, device='cpu')

@@ -15,6 +15,8 @@
 #   mmpretrain --no-deps its requirements name `modelindex`; the package that works is `model-index`,
 #                        and its extras would pull torchvision (no CPU build exists).
 #   pytest-xdist         the test suite runs on 2 worker processes (setup.cfg: -n 2), one per core.
+#   psutil seaborn       what mmdet's own tools/analysis_tools/benchmark.py and analyze_logs.py
+#                        import (mmdet installs neither); resolved with numpy<2 in the same call.
 #   onnx==1.17.0         ONNX export / ONNX Runtime check (tools/deployment/export_onnx.py):
 #   onnxruntime==1.20.1  releases that install with numpy 1.26 (checked; onnx 1.23 needs
 #                        ml_dtypes>=0.5.4, which needs numpy 2). Resolved in the same pip call as
@@ -39,7 +41,7 @@ step "3/6 runtime dependencies of mmengine/mmcv/mmdet/mmseg/mmpretrain"
 pipi "numpy<2" "opencv-python-headless>=4.8,<4.11" mmengine==0.10.7 \
     pycocotools shapely scipy terminaltables tqdm six prettytable ftfy regex \
     einops importlib-metadata mat4py matplotlib model-index rich \
-    scikit-image pytest pytest-xdist onnx==1.17.0 onnxruntime==1.20.1
+    scikit-image pytest pytest-xdist onnx==1.17.0 onnxruntime==1.20.1 psutil seaborn
 
 step "4/6 mmcv 2.1.0 with ops (skipped when mmcv.ops already imports)"
 if "$PY" -c "import mmcv, mmcv.ops; assert mmcv.__version__ == '2.1.0'" 2>/dev/null; then
@@ -56,7 +58,7 @@ step "6/6 xcit_mm (editable)"
 pipi --no-deps --no-build-isolation -e .
 
 "$PY" - <<'PY'
-import numpy, onnx, onnxruntime
+import numpy, onnx, onnxruntime, psutil, seaborn
 import torch, mmcv, mmcv.ops, mmengine, mmdet, mmseg, mmpretrain, xcit_mm
 print('installed: numpy', numpy.__version__, '| onnx', onnx.__version__, '| onnxruntime',
       onnxruntime.__version__)
