@@ -88,19 +88,17 @@ model = dict(
     decode_head=dict(num_classes=3, norm_cfg=norm_cfg))
 data_root = '{root}/'
 _data = dict(type='BaseSegDataset', img_suffix='.jpg', seg_map_suffix='.png',
-             reduce_zero_label=True, data_root=data_root, metainfo=dict(classes={classes}))
-train_dataloader = dict(
-    batch_size=2, num_workers=0, persistent_workers=False,
-    dataset=dict(_delete_=True, **_data, data_prefix=dict(
-        img_path='images/training', seg_map_path='annotations/training'), pipeline=[
-        dict(type='LoadImageFromFile'), dict(type='LoadAnnotations', reduce_zero_label=True),
-        dict(type='PackSegInputs')]))
-test_dataloader = dict(
-    batch_size=1, num_workers=0, persistent_workers=False,
-    dataset=dict(_delete_=True, **_data, data_prefix=dict(
-        img_path='images/validation', seg_map_path='annotations/validation'), pipeline=[
-        dict(type='LoadImageFromFile'), dict(type='LoadAnnotations', reduce_zero_label=True),
-        dict(type='PackSegInputs')]))
+             reduce_zero_label=True, data_root=data_root, metainfo=dict(classes={classes}),
+             pipeline=[dict(type='LoadImageFromFile'),
+                       dict(type='LoadAnnotations', reduce_zero_label=True),
+                       dict(type='PackSegInputs')])
+_loader = dict(num_workers=0, persistent_workers=False)
+train_dataloader = dict(batch_size=2, **_loader, dataset=dict(
+    _delete_=True, **_data,
+    data_prefix=dict(img_path='images/training', seg_map_path='annotations/training')))
+test_dataloader = dict(batch_size=1, **_loader, dataset=dict(
+    _delete_=True, **_data,
+    data_prefix=dict(img_path='images/validation', seg_map_path='annotations/validation')))
 train_cfg = dict(max_iters=2, val_interval=100)
 val_cfg = None
 val_dataloader = None
