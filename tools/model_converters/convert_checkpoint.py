@@ -3,11 +3,10 @@
 
     python tools/model_converters/convert_checkpoint.py xcit_small_12_p8_224.pth xcit_s12_p8.pth
 
-Reads official/DINO (``{'model': ...}``), timm, mmpretrain and xcit_mm/mmengine files with
-``torch.load(weights_only=True)``; ``--trust`` unpickles a file you trust (e.g. a full mmengine
-training checkpoint). Writes ``{'state_dict': ..., 'meta': {...}}`` (the source's ``meta``,
-``dataset_meta`` included,
-plus where it came from) loadable with
+Reads official/DINO (``{'model': ...}``), timm, mmpretrain and xcit_mm/mmengine files (training
+checkpoints included) with ``torch.load(weights_only=True)``; ``--trust`` unpickles a file you
+trust that pickles other Python objects. Writes ``{'state_dict': ..., 'meta': {...}}`` (the
+source's ``meta``, ``dataset_meta`` included, plus where it came from) loadable with
 ``init_cfg=dict(type='Pretrained', checkpoint=DST)``. Pass ``--arch/--patch-size`` to also check
 that the result loads into that backbone. ``--full-model`` converts a whole released detector /
 segmentor (backbone renamed, neck and heads kept) for ``tools/test.py CONFIG DST``:
