@@ -15,4 +15,15 @@ def _build_lean_encoder_decoder(*args, **kwargs):
 if 'LeanEncoderDecoder' not in _ROOT_MODELS.module_dict:
     _ROOT_MODELS.register_module('LeanEncoderDecoder', module=_build_lean_encoder_decoder)
 
+
+def _build_lean_mask_rcnn(*args, **kwargs):
+    """Build :class:`xcit_mm.models.detectors.LeanMaskRCNN`, importing it (and so mmdet) only
+    now, as :func:`_build_lean_encoder_decoder` does for mmseg."""
+    from .detectors import LeanMaskRCNN
+    return LeanMaskRCNN(*args, **kwargs)
+
+
+if 'LeanMaskRCNN' not in _ROOT_MODELS.module_dict:
+    _ROOT_MODELS.register_module('LeanMaskRCNN', module=_build_lean_mask_rcnn)
+
 __all__ = ['XCiTBackbone', 'arch_zoo']
