@@ -162,6 +162,26 @@ def _width(*args):
     return chunk_width(*args)
 
 
+@pytest.mark.parametrize('top_hw,lat_hw', [((6, 7), (12, 14)), ((5, 7), (9, 13)),
+                                            ((4, 4), (11, 3))])
+@pytest.mark.parametrize('channels_last', [False, True])
+def test_top_down_sum_in_bands_is_fpns(top_hw, lat_hw, channels_last):
+    """The FPN top-down sum, added in bands of one or a few rows: the bits of mmseg's ``FPN``
+    (``lateral + resize(top, size=..., mode='nearest')``), also for sizes that are no multiple."""
+    from mmseg.models.utils import resize
+
+    from xcit_mm.models.segmentors.lean_encoder_decoder import _add_top_down
+    generator = torch.Generator().manual_seed(0)
+    top = torch.randn(2, 3, *top_hw, generator=generator)
+    lat = torch.randn(2, 3, *lat_hw, generator=generator)
+    if channels_last:
+        top, lat = (x.contiguous(memory_format=torch.channels_last) for x in (top, lat))
+    expected = lat + resize(top, size=lat.shape[2:], mode='nearest')
+    for band_mb in (1e-9, 1e-3):  # one row per band; three rows or so per band
+        got = _add_top_down(lat.clone(), top, dict(mode='nearest'), band_mb=band_mb)
+        assert torch.equal(got, expected)
+
+
 def test_inference_model_door_paper_pipeline_and_full_resolution():
     """mmseg.apis.inference_model on the shapes config (our paper Sem-FPN base underneath: the
     lean segmentor is its default), with its test Resize and without it (full resolution)."""

@@ -77,6 +77,36 @@ def _is_channels_last(x: Tensor) -> bool:
             and x.is_contiguous(memory_format=torch.channels_last))
 
 
+def _upsample(x: Tensor, size, upsample_cfg: dict) -> Tensor:
+    """mmseg ``FPN``'s top-down resize of ``x`` to ``size``, with its arguments."""
+    if 'scale_factor' in upsample_cfg:
+        return resize(x, **upsample_cfg)
+    return resize(x, size=size, **upsample_cfg)
+
+
+def _add_top_down(lat: Tensor, top: Tensor, upsample_cfg: dict, band_mb: int = 64) -> Tensor:
+    """``lat + resize(top)`` as mmseg's ``FPN`` computes it, without a map of ``lat``'s size.
+
+    Nearest resizing copies pixels: the source row and column of every output pixel are read off
+    the very same resize call applied to a map of coordinates, and ``lat`` receives its sum in
+    bands of rows, in place (the bits of ``a + b``). Other modes resize whole.
+    """
+    if lat.requires_grad or upsample_cfg.get('mode', 'nearest') != 'nearest':
+        top_down = _upsample(top, lat.shape[2:], upsample_cfg)
+        return lat + top_down if lat.requires_grad else lat.add_(top_down)
+    h, w = top.shape[2:]
+    rows = torch.arange(h, dtype=torch.float64).view(1, 1, h, 1).expand(1, 1, h, w)
+    cols = torch.arange(w, dtype=torch.float64).view(1, 1, 1, w).expand(1, 1, h, w)
+    source = _upsample(torch.cat([rows, cols], dim=1), lat.shape[2:], upsample_cfg)
+    row_of, col_of = source[0, 0, :, 0].long(), source[0, 1, 0, :].long()
+    assert source.shape[2:] == lat.shape[2:], (source.shape, lat.shape)
+    band = max(1, int(band_mb * 2**20) // max(1, lat.shape[0] * lat.shape[1] * lat.shape[3] * 4))
+    for r0 in range(0, lat.shape[2], band):
+        lat[:, :, r0:r0 + band].add_(top.index_select(2, row_of[r0:r0 + band]).index_select(
+            3, col_of))
+    return lat
+
+
 @MODELS.register_module()
 class LeanEncoderDecoder(EncoderDecoder):
     """mmseg's ``EncoderDecoder`` whose ``predict`` never holds full-size logits of all classes.
@@ -191,13 +221,7 @@ class LeanEncoderDecoder(EncoderDecoder):
         for i in range(num_levels - 1, -1, -1):
             lat = neck.lateral_convs[i](level(i))
             if i + 1 < num_levels:
-                if 'scale_factor' in upsample_cfg:
-                    top_down = resize(lateral[i + 1], **upsample_cfg)
-                else:
-                    top_down = resize(lateral[i + 1], size=lat.shape[2:], **upsample_cfg)
-                # in place: the sum's bits, without a third map of the level's size
-                lat = lat + top_down if lat.requires_grad else lat.add_(top_down)
-                del top_down
+                lat = _add_top_down(lat, lateral[i + 1], upsample_cfg)
                 # the level above has given its top-down term: its FPN conv can run, then go
                 fpn_out[i + 1] = neck.fpn_convs[i + 1](lateral[i + 1])
                 lateral[i + 1] = None
