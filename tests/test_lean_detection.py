@@ -64,6 +64,12 @@ def _pair(**test_cfg):
     return stock.eval(), lean.eval()
 
 
+@pytest.fixture(scope='module')
+def pair():
+    """One (stock, lean) pair for the tests that only predict (eval, no_grad: left unchanged)."""
+    return _pair()
+
+
 def _samples(metas):
     return [DetDataSample(metainfo=dict(meta)) for meta in metas]
 
@@ -99,8 +105,8 @@ SIZES = [((64, 64), (64, 64), (64, 64)), ((97, 131), (97, 131), (97, 131)),
 
 
 @pytest.mark.parametrize('batch_hw,img_hw,ori_hw', SIZES)
-def test_detections_equal_stock(batch_hw, img_hw, ori_hw):
-    stock, lean = _pair()
+def test_detections_equal_stock(pair, batch_hw, img_hw, ori_hw):
+    stock, lean = pair
     torch.manual_seed(1)
     inputs = torch.randn(1, 3, *batch_hw)
     metas = [_meta(batch_hw, img_hw, ori_hw)]
@@ -110,8 +116,8 @@ def test_detections_equal_stock(batch_hw, img_hw, ori_hw):
     _assert_same(stock_out, _predict(lean, inputs, metas))
 
 
-def test_padded_batch_of_two_and_no_rescale():
-    stock, lean = _pair()
+def test_padded_batch_of_two_and_no_rescale(pair):
+    stock, lean = pair
     torch.manual_seed(2)
     inputs = torch.randn(2, 3, 96, 128)
     metas = [_meta((96, 128), (96, 120), (192, 240)), _meta((96, 128), (81, 128), (81, 128))]
@@ -120,10 +126,10 @@ def test_padded_batch_of_two_and_no_rescale():
                  _predict(lean, inputs, metas, rescale=False))
 
 
-def test_features_equal_stock_and_top_down_in_blocks(monkeypatch):
+def test_features_equal_stock_and_top_down_in_blocks(pair, monkeypatch):
     """The data-flow-order backbone + FPN gives ``extract_feat``'s maps bit for bit, also with
     top-down blocks of 3 rows (block edges inside the odd-sized maps)."""
-    stock, lean = _pair()
+    stock, lean = pair
     monkeypatch.setattr(lean_mask_rcnn, 'TOP_DOWN_BLOCK_ROWS', 3)
     inputs = torch.randn(1, 3, 99, 145, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -155,7 +161,7 @@ def test_lean_false_and_training_are_stock():
     assert not calls
 
 
-def test_inference_detector_equals_stock():
+def test_inference_detector_equals_stock(pair):
     """mmdet's own door: ``init_detector`` + ``inference_detector`` on a config (test Resize to
     another size than the image's, so the results are rescaled to the original)."""
     from mmdet.apis import inference_detector, init_detector
@@ -168,7 +174,7 @@ def test_inference_detector_equals_stock():
     stock_cfg = copy.deepcopy(cfg)
     stock_cfg.model.type = 'MaskRCNN'
     cfg.model.type = 'LeanMaskRCNN'
-    stock, lean = _pair()
+    stock, lean = pair
     models = []
     for c, weights in ((stock_cfg, stock), (cfg, lean)):
         model = init_detector(c, device='cpu')

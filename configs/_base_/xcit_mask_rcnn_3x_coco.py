@@ -25,6 +25,10 @@ _base_ = [
 
 
 model = dict(
+    # mmdet's MaskRCNN whose predict frees feature maps as soon as they are used, same boxes,
+    # labels, scores and masks (xcit_mm.models.detectors; docs/lean_segmentation.md);
+    # test_cfg.lean=False gives the stock predict. Training is MaskRCNN's.
+    type='LeanMaskRCNN',
     backbone=dict(
         # Replace the ResNet-50 settings of the base model entirely.
         _delete_=True,

@@ -19,6 +19,7 @@ The parent kills a child above ``--limit-gb`` (status 'killed').
 import argparse
 import csv
 import gc
+import hashlib
 import json
 import os
 import os.path as osp
@@ -37,7 +38,8 @@ POINTS = [('xcit-lean', 2048), ('xcit-stock', 2048), ('swin-stock', 2048),
 PARTS = [('data_preprocessor', 'data_preprocessor', 'forward'),
          ('backbone', 'backbone', 'forward'), ('backbone_trunk', 'backbone', 'forward_trunk'),
          ('neck', 'neck', 'forward'), ('lean_features', '', '_lean_extract_feat'),
-         ('rpn', 'rpn_head', 'predict'), ('rpn_post', 'rpn_head', 'predict_by_feat'),
+         ('rpn', 'rpn_head', 'predict'), ('lean_rpn', '', '_lean_rpn_predict'),
+         ('rpn_post', 'rpn_head', 'predict_by_feat'), ('lean_roi', '', '_lean_roi_predict'),
          ('roi_bbox', 'roi_head', 'predict_bbox'), ('roi_mask_forward', 'roi_head', '_mask_forward'),
          ('mask_paste', 'roi_head.mask_head', 'predict_by_feat')]
 
@@ -129,9 +131,13 @@ def child(point: dict) -> dict:
     meter.fold()
     pred = result.pred_instances
     assert tuple(result.img_shape) == (point['size'],) * 2, result.img_shape  # full resolution
+    digest = hashlib.sha256()  # of the results: equal digests = identical detections
+    for key in ('bboxes', 'labels', 'scores', 'masks'):
+        digest.update(pred[key].contiguous().numpy().tobytes())
     return dict(status='ok', peak_growth_mb=round(meter.peak / 2**20), time_s=round(seconds, 1),
                 type=type(model).__name__, num_dets=len(pred), masks_shape=list(pred.masks.shape),
                 masks_dtype=str(pred.masks.dtype), mask_pixels=int(pred.masks.sum()),
+                results_sha256=digest.hexdigest()[:16],
                 parts=meter.parts)
 
 
@@ -191,14 +197,15 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:
-        meta = dict(cpu=cpu_model(), threads=os.cpu_count(), command=' '.join(sys.argv),
+        meta = dict(cpu=cpu_model(), threads=os.cpu_count(), command='python ' + ' '.join(sys.argv),
                     door='mmdet.apis.inference_detector', weights='random (init_cfg=None)',
                     swin_config=SWIN_CONFIG,
                     note='one fresh process per point; score_thr=0, 100 detections; the machine '
                          'was shared with a test suite on the same 2 cores, so times are noisy')
         with open(args.out + '.json', 'w') as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
-        keys = ['model', 'size', 'status', 'peak_growth_mb', 'time_s', 'num_dets', 'note']
+        keys = ['model', 'size', 'status', 'peak_growth_mb', 'time_s', 'num_dets',
+                'results_sha256', 'note']
         with open(args.out + '.csv', 'w', newline='') as f:
             writer = csv.DictWriter(f, fieldnames=keys, extrasaction='ignore')
             writer.writeheader()
