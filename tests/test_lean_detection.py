@@ -151,13 +151,18 @@ def test_add_nearest_upsampled_equals_interpolate(monkeypatch, src_hw, dst_hw):
     assert torch.equal(expected, got)
 
 
-def test_lean_false_and_training_are_stock():
-    stock, lean = _pair(lean=False)
+def test_lean_false_and_autograd_are_stock():
+    """``test_cfg.lean=False`` and a ``predict`` under autograd run stock ``predict``."""
+    stock, lean = _pair()
     inputs = torch.randn(1, 3, 64, 96, generator=torch.Generator().manual_seed(5))
     metas = [_meta((64, 96), (64, 96), (64, 96))]
+    expected = _predict(stock, inputs, metas)
     calls = []
     lean._lean_extract_feat = lambda *a: calls.append(1)  # must not run
-    _assert_same(_predict(stock, inputs, metas), _predict(lean, inputs, metas))
+    with torch.enable_grad():
+        _assert_same(expected, [r.detach() for r in lean.predict(inputs, _samples(metas))])
+    lean.test_cfg['lean'] = False
+    _assert_same(expected, _predict(lean, inputs, metas))
     assert not calls
 
 

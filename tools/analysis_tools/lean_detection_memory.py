@@ -40,7 +40,8 @@ PARTS = [('data_preprocessor', 'data_preprocessor', 'forward'),
          ('neck', 'neck', 'forward'), ('lean_features', '', '_lean_extract_feat'),
          ('rpn', 'rpn_head', 'predict'), ('lean_rpn', '', '_lean_rpn_predict'),
          ('rpn_post', 'rpn_head', 'predict_by_feat'), ('lean_roi', '', '_lean_roi_predict'),
-         ('roi_bbox', 'roi_head', 'predict_bbox'), ('roi_mask_forward', 'roi_head', '_mask_forward'),
+         ('roi_bbox', 'roi_head', 'predict_bbox'),
+         ('roi_mask_forward', 'roi_head', '_mask_forward'),
          ('mask_paste', 'roi_head.mask_head', 'predict_by_feat')]
 
 

@@ -27,7 +27,8 @@ Boxes, labels, scores and masks equal stock ``MaskRCNN.predict`` on the same wei
 (``tests/test_lean_detection.py``). Configs: ``model = dict(type='LeanMaskRCNN', ...)`` is the
 one key (``custom_imports`` of ``xcit_mm``, which the backbone needs anyway, registers the name;
 the class is imported on first build, so ``import xcit_mm`` does not import mmdet).
-``model.test_cfg.lean=False`` gives the stock ``predict``. Parts that are not the stock ones
+``model.test_cfg.lean=False`` gives the stock ``predict``, and so does a ``predict`` under
+autograd (the in-place sums would break it). Parts that are not the stock ones
 (another neck, RPN head or RoI head class) run stock, only the ordering around them is lean.
 Training, ``_forward`` and ``tensor`` mode are stock.
 """
