@@ -13,16 +13,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from mmengine.config import Config, ConfigDict
 from mmengine.registry import init_default_scope
 
-pytest.importorskip("mmdet")
 import xcit_mm  # noqa: E402,F401  (registers XCiTBackbone and LeanMaskRCNN)
 from mmdet.registry import MODELS  # noqa: E402
 from mmdet.structures import DetDataSample  # noqa: E402
 
-from xcit_mm.models.detectors import lean_mask_rcnn  # noqa: E402
 
 NORM = dict(type='BN', requires_grad=True)
 BACKBONE = dict(type='XCiTBackbone', arch=dict(embed_dims=32, depth=2, num_heads=4),
@@ -128,9 +125,12 @@ def test_padded_batch_of_two_and_no_rescale(pair):
 
 def test_features_equal_stock_and_top_down_in_blocks(pair, monkeypatch):
     """The data-flow-order backbone + FPN gives ``extract_feat``'s maps bit for bit, also with
-    top-down blocks of 3 rows (block edges inside the odd-sized maps)."""
+    top-down bands of a few rows (band edges inside the odd-sized maps)."""
+    from xcit_mm.models.layers import fpn_data_flow
     stock, lean = pair
-    monkeypatch.setattr(lean_mask_rcnn, 'TOP_DOWN_BLOCK_ROWS', 3)
+    add = fpn_data_flow.add_top_down_
+    monkeypatch.setattr(fpn_data_flow, 'add_top_down_',
+                        lambda lat, top, cfg: add(lat, top, cfg, band_mb=3 * 4 * 256 / 2**20))
     inputs = torch.randn(1, 3, 99, 145, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = stock.extract_feat(inputs)
@@ -138,17 +138,6 @@ def test_features_equal_stock_and_top_down_in_blocks(pair, monkeypatch):
     assert len(got) == len(expected) == 5
     for e, g in zip(expected, got):
         assert torch.equal(e, g)
-
-
-@pytest.mark.parametrize('src_hw,dst_hw', [((4, 6), (8, 12)), ((3, 5), (7, 9)), ((7, 9), (13, 18))])
-def test_add_nearest_upsampled_equals_interpolate(monkeypatch, src_hw, dst_hw):
-    monkeypatch.setattr(lean_mask_rcnn, 'TOP_DOWN_BLOCK_ROWS', 2)
-    gen = torch.Generator().manual_seed(4)
-    source, target = torch.randn(1, 5, *src_hw, generator=gen), torch.randn(1, 5, *dst_hw,
-                                                                              generator=gen)
-    expected = target + F.interpolate(source, size=dst_hw, mode='nearest')
-    got = lean_mask_rcnn.add_nearest_upsampled_(target.clone(), source, dict(mode='nearest'))
-    assert torch.equal(expected, got)
 
 
 def test_lean_false_and_autograd_are_stock():

@@ -16,7 +16,6 @@ from mmengine.config import ConfigDict
 from mmengine.registry import init_default_scope
 from mmengine.structures import PixelData
 
-pytest.importorskip("mmseg")
 import xcit_mm  # noqa: E402,F401  (registers XCiTBackbone and LeanEncoderDecoder)
 from mmseg.registry import MODELS  # noqa: E402
 from mmseg.structures import SegDataSample  # noqa: E402
@@ -170,7 +169,7 @@ def test_top_down_sum_in_bands_is_fpns(top_hw, lat_hw, channels_last):
     (``lateral + resize(top, size=..., mode='nearest')``), also for sizes that are no multiple."""
     from mmseg.models.utils import resize
 
-    from xcit_mm.models.segmentors.lean_encoder_decoder import _add_top_down
+    from xcit_mm.models.layers.fpn_data_flow import add_top_down_
     generator = torch.Generator().manual_seed(0)
     top = torch.randn(2, 3, *top_hw, generator=generator)
     lat = torch.randn(2, 3, *lat_hw, generator=generator)
@@ -178,7 +177,7 @@ def test_top_down_sum_in_bands_is_fpns(top_hw, lat_hw, channels_last):
         top, lat = (x.contiguous(memory_format=torch.channels_last) for x in (top, lat))
     expected = lat + resize(top, size=lat.shape[2:], mode='nearest')
     for band_mb in (1e-9, 1e-3):  # one row per band; three rows or so per band
-        got = _add_top_down(lat.clone(), top, dict(mode='nearest'), band_mb=band_mb)
+        got = add_top_down_(lat.clone(), top, dict(mode='nearest'), band_mb=band_mb)
         assert torch.equal(got, expected)
 
 

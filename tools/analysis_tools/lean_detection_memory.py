@@ -17,18 +17,17 @@ ran (the peak counter is reset at each part's start; the overall peak folds them
 The parent kills a child above ``--limit-gb`` (status 'killed').
 """
 import argparse
-import csv
-import gc
 import hashlib
 import json
 import os
 import os.path as osp
-import subprocess
 import sys
 import time
 
 HERE = osp.dirname(osp.abspath(__file__))
 sys.path.insert(0, HERE)
+from xcit_benchmark.fresh_points import (cpu_model, run_point, settle_heap,  # noqa: E402
+                                         test_image, write_artifact)
 XCIT_CONFIG = 'configs/mask_rcnn_xcit_s12_p16_3x_coco.py'
 SWIN_CONFIG = 'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_ms-crop-3x_coco.py'
 # (model, size): lean first (stock may be killed)
@@ -107,16 +106,13 @@ def child(point: dict) -> dict:
     import numpy as np
     import torch
     from mmdet.apis import inference_detector, init_detector
-    from xcit_benchmark.memory import _release_free_heap, _reset_peak_rss, proc_status_kb
+    from xcit_benchmark.memory import _reset_peak_rss, proc_status_kb
     cfg = build_cfg(point)
     torch.manual_seed(0)
     model = init_detector(cfg, device='cpu')
     inference_detector(model, np.zeros((64, 64, 3), np.uint8))
-    img = np.random.RandomState(0).randint(0, 255, (point['size'], point['size'], 3), np.uint8)
-    gc.collect()
-    _release_free_heap()
-    _reset_peak_rss()
-    base = proc_status_kb('VmRSS') * 1024
+    img = test_image(point['size'])
+    base = settle_heap()
     meter = PartMeter(base)
     if point.get('parts', True):
         for label, path, method in PARTS:
@@ -142,40 +138,6 @@ def child(point: dict) -> dict:
                 parts=meter.parts)
 
 
-def run_point(point: dict, limit_bytes: int, timeout_s: float) -> dict:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_='65536')
-    proc = subprocess.Popen([sys.executable, __file__, '--child', json.dumps(point)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    start, rss = time.time(), 0
-    while proc.poll() is None:
-        try:
-            with open(f'/proc/{proc.pid}/status') as f:
-                rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith('VmRSS'))
-        except (OSError, StopIteration):
-            rss = 0
-        if rss > limit_bytes or time.time() - start > timeout_s:
-            proc.kill()
-            proc.wait()
-            why = 'rss' if rss > limit_bytes else 'timeout'
-            return dict(status='killed', note=f'{why}: RSS {rss / 2**30:.1f} GiB after '
-                        f'{time.time() - start:.0f} s (limit {limit_bytes / 2**30:.1f} GiB)')
-        time.sleep(0.05)
-    out = proc.stdout.read().strip().splitlines()
-    if proc.returncode == 0 and out:
-        return json.loads(out[-1])
-    err = proc.stderr.read().strip().splitlines()[-3:]
-    return dict(status='error', note=f'exit {proc.returncode}: ' + ' | '.join(err))
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(['lscpu'], capture_output=True, text=True).stdout
-        return next(line.split(':', 1)[1].strip() for line in out.splitlines()
-                    if line.startswith('Model name'))
-    except (OSError, StopIteration):
-        return 'unknown'
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--child', help=argparse.SUPPRESS)
@@ -193,7 +155,7 @@ def main():
     rows = []
     for model_name, size in points:
         point = dict(config=args.config, model=model_name, size=int(size))
-        result = run_point(point, int(args.limit_gb * 2**30), args.timeout)
+        result = run_point(__file__, point, int(args.limit_gb * 2**30), args.timeout)
         row = dict(point, **result)
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -203,15 +165,8 @@ def main():
                     swin_config=SWIN_CONFIG,
                     note='one fresh process per point; score_thr=0, 100 detections; the machine '
                          'was shared with a test suite on the same 2 cores, so times are noisy')
-        with open(args.out + '.json', 'w') as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
-        keys = ['model', 'size', 'status', 'peak_growth_mb', 'time_s', 'num_dets',
-                'results_sha256', 'note']
-        with open(args.out + '.csv', 'w', newline='') as f:
-            writer = csv.DictWriter(f, fieldnames=keys, extrasaction='ignore')
-            writer.writeheader()
-            writer.writerows(rows)
-
+        write_artifact(args.out, meta, rows, ['model', 'size', 'status', 'peak_growth_mb',
+                                              'time_s', 'num_dets', 'results_sha256', 'note'])
 
 if __name__ == '__main__':
     main()

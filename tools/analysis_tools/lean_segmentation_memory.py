@@ -12,17 +12,16 @@ call, under ``MALLOC_MMAP_THRESHOLD_=65536`` so the RSS follows live tensors (th
 network runs at the image size). The parent kills a child above ``--limit-gb`` (status 'killed').
 """
 import argparse
-import csv
-import gc
 import json
 import os
 import os.path as osp
-import subprocess
 import sys
 import time
 
 HERE = osp.dirname(osp.abspath(__file__))
 sys.path.insert(0, HERE)
+from xcit_benchmark.fresh_points import (cpu_model, run_point, settle_heap,  # noqa: E402
+                                         test_image, write_artifact)
 DEFAULT_CONFIG = 'configs/sem_fpn_xcit_s12_p16_80k_ade20k.py'
 # (segmentor, pipeline, size): the issue's points, lean first (stock may be killed)
 POINTS = [('lean', 'paper', 4096), ('stock', 'paper', 4096), ('lean', 'full', 2048),
@@ -35,7 +34,7 @@ def child(point: dict) -> dict:
     import torch
     from mmengine.config import Config
     from mmseg.apis import inference_model, init_model
-    from xcit_benchmark.memory import _release_free_heap, _reset_peak_rss, proc_status_kb
+    from xcit_benchmark.memory import proc_status_kb
     cfg = Config.fromfile(point['config'])
     cfg.model.backbone.init_cfg = None
     cfg.model.backbone.norm_cfg = dict(type='BN', requires_grad=True)  # one CPU process
@@ -46,11 +45,8 @@ def child(point: dict) -> dict:
     torch.manual_seed(0)
     model = init_model(cfg, device='cpu')
     inference_model(model, np.zeros((64, 64, 3), np.uint8))
-    img = np.random.RandomState(0).randint(0, 255, (point['size'], point['size'], 3), np.uint8)
-    gc.collect()
-    _release_free_heap()
-    _reset_peak_rss()
-    base = proc_status_kb('VmRSS') * 1024
+    img = test_image(point['size'])
+    base = settle_heap()
     start = time.perf_counter()
     result = inference_model(model, img)
     seconds = time.perf_counter() - start
@@ -59,39 +55,6 @@ def child(point: dict) -> dict:
     return dict(status='ok', peak_growth_mb=round((peak - base) / 2**20), time_s=round(seconds, 1),
                 type=type(model).__name__, labels_shape=list(labels.shape),
                 labels_sum=int(labels.sum()))
-
-
-def run_point(point: dict, limit_bytes: int, timeout_s: float) -> dict:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_='65536')
-    proc = subprocess.Popen([sys.executable, __file__, '--child', json.dumps(point)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    start, peak_rss = time.time(), 0
-    while proc.poll() is None:
-        try:
-            with open(f'/proc/{proc.pid}/status') as f:
-                rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith('VmRSS'))
-            peak_rss = max(peak_rss, rss)
-        except (OSError, StopIteration):
-            rss = 0
-        if rss > limit_bytes or time.time() - start > timeout_s:
-            proc.kill()
-            proc.wait()
-            why = 'rss' if rss > limit_bytes else 'timeout'
-            return dict(status='killed', note=f'{why}: RSS {rss / 2**30:.1f} GiB after '
-                        f'{time.time() - start:.0f} s (limit {limit_bytes / 2**30:.1f} GiB)')
-        time.sleep(0.05)
-    out = proc.stdout.read().strip().splitlines()
-    return json.loads(out[-1]) if proc.returncode == 0 and out else dict(
-        status='error', note=f'exit {proc.returncode}')
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(['lscpu'], capture_output=True, text=True).stdout
-        return next(line.split(':', 1)[1].strip() for line in out.splitlines()
-                    if line.startswith('Model name'))
-    except (OSError, StopIteration):
-        return 'unknown'
 
 
 def main():
@@ -110,7 +73,7 @@ def main():
     rows = []
     for segmentor, pipeline, size in points:
         point = dict(config=args.config, segmentor=segmentor, pipeline=pipeline, size=int(size))
-        result = run_point(point, int(args.limit_gb * 2**30), args.timeout)
+        result = run_point(__file__, point, int(args.limit_gb * 2**30), args.timeout)
         row = dict(point, **result)
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -119,14 +82,8 @@ def main():
                     door='mmseg.apis.inference_model', weights='random (init_cfg=None), BN',
                     note='one fresh process per point; the machine was shared with a test suite '
                          'on the same 2 cores, so times are noisy')
-        with open(args.out + '.json', 'w') as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
-        keys = ['segmentor', 'pipeline', 'size', 'status', 'peak_growth_mb', 'time_s', 'note']
-        with open(args.out + '.csv', 'w', newline='') as f:
-            writer = csv.DictWriter(f, fieldnames=keys, extrasaction='ignore')
-            writer.writeheader()
-            writer.writerows(rows)
-
+        write_artifact(args.out, meta, rows, ['segmentor', 'pipeline', 'size', 'status',
+                                              'peak_growth_mb', 'time_s', 'note'])
 
 if __name__ == '__main__':
     main()

@@ -48,39 +48,7 @@ from mmdet.registry import MODELS
 from mmdet.structures import SampleList
 from mmdet.structures.bbox import bbox2roi
 
-# rows of a stride-4 map per block of the in-place top-down sum (a 1 MB-ish temporary)
-TOP_DOWN_BLOCK_ROWS = 64
-
-
-def _nearest_index(in_size: int, out_size: int, device) -> Tensor:
-    """Source index of each output index of 1-D nearest resizing ``in_size`` -> ``out_size``,
-    computed by ``F.interpolate`` itself (so it is the index torch uses; exact for sizes
-    < 2**24)."""
-    src = torch.arange(in_size, dtype=torch.float32, device=device).view(1, 1, in_size)
-    return F.interpolate(src, size=out_size, mode='nearest').view(out_size).long()
-
-
-def add_nearest_upsampled_(target: Tensor, source: Tensor, upsample_cfg: dict) -> Tensor:
-    """``target += F.interpolate(source, size=target.shape[2:], **upsample_cfg)`` in row blocks.
-
-    Nearest resizing is separable and only copies values, so gathering the source rows and
-    columns torch's nearest resize reads gives its values; the block sum is the elementwise sum
-    of the same operands. Other modes (or a ``scale_factor``) run the full-size call.
-    """
-    cfg = dict(upsample_cfg)
-    if cfg.get('mode', 'nearest') != 'nearest' or 'scale_factor' in cfg or len(cfg) > 1:
-        if 'scale_factor' in cfg:
-            return target.add_(F.interpolate(source, **cfg))
-        return target.add_(F.interpolate(source, size=target.shape[2:], **cfg))
-    H, W = target.shape[2:]
-    rows = _nearest_index(source.shape[2], H, source.device)
-    cols = _nearest_index(source.shape[3], W, source.device)
-    for r0 in range(0, H, TOP_DOWN_BLOCK_ROWS):
-        r1 = min(r0 + TOP_DOWN_BLOCK_ROWS, H)
-        block = source.index_select(2, rows[r0:r1]).index_select(3, cols)
-        target[:, :, r0:r1].add_(block)
-    return target
-
+from ..layers.fpn_data_flow import fpn_in_data_flow_order
 
 @MODELS.register_module()
 class LeanMaskRCNN(MaskRCNN):
@@ -119,26 +87,8 @@ class LeanMaskRCNN(MaskRCNN):
                 and type(neck) is FPN and neck.start_level == 0
                 and neck.backbone_end_level == neck.num_ins):
             return list(self.extract_feat(batch_inputs))
-        feats = list(backbone.forward_trunk(batch_inputs))
-        image_hw = tuple(batch_inputs.shape[-2:])
-        num_levels = len(feats)
-        assert num_levels == len(neck.in_channels)
-        lateral = [None] * num_levels
-        outs = [None] * num_levels
-        for i in range(num_levels - 1, -1, -1):
-            level = backbone.forward_level(feats[i], i, image_hw)
-            feats[i] = None  # the trunk map of this level is no longer needed
-            lat = neck.lateral_convs[i](level)
-            del level
-            if i + 1 < num_levels:
-                add_nearest_upsampled_(lat, lateral[i + 1], neck.upsample_cfg)
-                # the level above has given its top-down term: its FPN conv can run, then go
-                outs[i + 1] = neck.fpn_convs[i + 1](lateral[i + 1])
-                lateral[i + 1] = None
-            lateral[i] = lat
-            del lat
-        outs[0] = neck.fpn_convs[0](lateral[0])
-        lateral[0] = None
+        outs = fpn_in_data_flow_order(backbone, neck, batch_inputs)
+        num_levels = len(outs)
         if neck.num_outs > num_levels:
             if neck.add_extra_convs:  # RetinaNet-style extra convs: stock code for the extras
                 return list(self.extract_feat(batch_inputs))

@@ -56,6 +56,8 @@ from mmseg.registry import MODELS
 from mmseg.structures import SegDataSample
 from mmseg.utils import OptSampleList, SampleList
 
+from ..layers.fpn_data_flow import fpn_in_data_flow_order
+
 # Chunk widths whose bilinear results equal the full call's, channel by channel (module docstring).
 CHUNK_MULTIPLE = 8
 MIN_CHUNK_CHANNELS_LAST = 24
@@ -75,36 +77,6 @@ def _is_channels_last(x: Tensor) -> bool:
     """Whether torch's resize takes its channels-last kernel for ``x`` (a whole head output)."""
     return (x.dim() == 4 and not x.is_contiguous()
             and x.is_contiguous(memory_format=torch.channels_last))
-
-
-def _upsample(x: Tensor, size, upsample_cfg: dict) -> Tensor:
-    """mmseg ``FPN``'s top-down resize of ``x`` to ``size``, with its arguments."""
-    if 'scale_factor' in upsample_cfg:
-        return resize(x, **upsample_cfg)
-    return resize(x, size=size, **upsample_cfg)
-
-
-def _add_top_down(lat: Tensor, top: Tensor, upsample_cfg: dict, band_mb: int = 64) -> Tensor:
-    """``lat + resize(top)`` as mmseg's ``FPN`` computes it, without a map of ``lat``'s size.
-
-    Nearest resizing copies pixels: the source row and column of every output pixel are read off
-    the very same resize call applied to a map of coordinates, and ``lat`` receives its sum in
-    bands of rows, in place (the bits of ``a + b``). Other modes resize whole.
-    """
-    if lat.requires_grad or upsample_cfg.get('mode', 'nearest') != 'nearest':
-        top_down = _upsample(top, lat.shape[2:], upsample_cfg)
-        return lat + top_down if lat.requires_grad else lat.add_(top_down)
-    h, w = top.shape[2:]
-    rows = torch.arange(h, dtype=torch.float64).view(1, 1, h, 1).expand(1, 1, h, w)
-    cols = torch.arange(w, dtype=torch.float64).view(1, 1, 1, w).expand(1, 1, h, w)
-    source = _upsample(torch.cat([rows, cols], dim=1), lat.shape[2:], upsample_cfg)
-    row_of, col_of = source[0, 0, :, 0].long(), source[0, 1, 0, :].long()
-    assert source.shape[2:] == lat.shape[2:], (source.shape, lat.shape)
-    band = max(1, int(band_mb * 2**20) // max(1, lat.shape[0] * lat.shape[1] * lat.shape[3] * 4))
-    for r0 in range(0, lat.shape[2], band):
-        lat[:, :, r0:r0 + band].add_(top.index_select(2, row_of[r0:r0 + band]).index_select(
-            3, col_of))
-    return lat
 
 
 @MODELS.register_module()
@@ -181,54 +153,17 @@ class LeanEncoderDecoder(EncoderDecoder):
                 and list(head.in_index) == list(range(len(head.in_index)))
                 and len(head.in_index) <= neck.num_outs)
 
-    def _backbone_levels(self, inputs: Tensor):
-        """Function of the level index giving that backbone level, computed on demand when the
-        backbone can (XCiT: trunk once, adapter per level), else from one ``backbone(x)``."""
-        backbone = self.backbone
-        if hasattr(backbone, 'forward_trunk') and hasattr(backbone, 'forward_level'):
-            feats = list(backbone.forward_trunk(inputs))
-            image_hw = tuple(inputs.shape[-2:])
-
-            def level(i):
-                out = backbone.forward_level(feats[i], i, image_hw)
-                feats[i] = None  # the trunk map of this level is no longer needed
-                return out
-
-            return level, len(feats)
-        outs = list(backbone(inputs))
-
-        def level(i):
-            out, outs[i] = outs[i], None
-            return out
-
-        return level, len(outs)
-
     def _semantic_fpn_forward(self, inputs: Tensor) -> Tensor:
         """``FPNHead.forward(FPN.forward(backbone(inputs)))`` with each map freed when done.
 
-        The same operations on the same tensors as stock, in data-flow order: lateral 3, 2, 1 and
-        their top-down sums (the backbone's stride-4 map is made only after them), ``fpn_convs``
-        of a level once its sum is final, the head's branch 0 once the stride-4 FPN output
-        exists, then branches 1..3 added into it one at a time in stock's order (float addition
-        is not associative). ``a.add_(b)`` on a tensor that only this function holds gives the
-        bits of ``a + b``.
+        The same operations on the same tensors as stock, in data-flow order: the backbone and
+        FPN by :func:`~xcit_mm.models.layers.fpn_data_flow.fpn_in_data_flow_order`, then the
+        head's branch 0, then branches 1..3 added into it one at a time in stock's order (float
+        addition is not associative). ``a.add_(b)`` on a tensor that only this function holds
+        gives the bits of ``a + b``.
         """
-        neck, head = self.neck, self.decode_head
-        level, num_levels = self._backbone_levels(inputs)
-        upsample_cfg = neck.upsample_cfg
-        lateral = [None] * num_levels
-        fpn_out = [None] * num_levels
-        for i in range(num_levels - 1, -1, -1):
-            lat = neck.lateral_convs[i](level(i))
-            if i + 1 < num_levels:
-                lat = _add_top_down(lat, lateral[i + 1], upsample_cfg)
-                # the level above has given its top-down term: its FPN conv can run, then go
-                fpn_out[i + 1] = neck.fpn_convs[i + 1](lateral[i + 1])
-                lateral[i + 1] = None
-            lateral[i] = lat
-            del lat
-        fpn_out[0] = neck.fpn_convs[0](lateral[0])
-        lateral[0] = None
+        head = self.decode_head
+        fpn_out = fpn_in_data_flow_order(self.backbone, self.neck, inputs)
         num_branches = len(head.feature_strides)
         output = head.scale_heads[0](fpn_out[0])
         fpn_out[0] = None
