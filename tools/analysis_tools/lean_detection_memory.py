@@ -147,6 +147,7 @@ def main():
                         'xcit-stock, swin-stock; e.g. xcit-lean:4096')
     parser.add_argument('--limit-gb', type=float, default=20.0)
     parser.add_argument('--timeout', type=float, default=1800.0)
+    parser.add_argument('--note', help='what else ran on the machine, written into the artifact')
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
@@ -163,8 +164,7 @@ def main():
         meta = dict(cpu=cpu_model(), threads=os.cpu_count(), command='python ' + ' '.join(sys.argv),
                     door='mmdet.apis.inference_detector', weights='random (init_cfg=None)',
                     swin_config=SWIN_CONFIG,
-                    note='one fresh process per point; score_thr=0, 100 detections; the machine '
-                         'was shared with a test suite on the same 2 cores, so times are noisy')
+                    note=args.note or 'one fresh process per point; score_thr=0, 100 detections')
         write_artifact(args.out, meta, rows, ['model', 'size', 'status', 'peak_growth_mb',
                                               'time_s', 'num_dets', 'results_sha256', 'note'])
 

@@ -65,6 +65,7 @@ def main():
     parser.add_argument('--points', nargs='*', help='segmentor:pipeline:size, e.g. lean:full:4096')
     parser.add_argument('--limit-gb', type=float, default=20.0)
     parser.add_argument('--timeout', type=float, default=1800.0)
+    parser.add_argument('--note', help='what else ran on the machine, written into the artifact')
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
@@ -80,8 +81,7 @@ def main():
     if args.out:
         meta = dict(cpu=cpu_model(), threads=os.cpu_count(), command=' '.join(sys.argv),
                     door='mmseg.apis.inference_model', weights='random (init_cfg=None), BN',
-                    note='one fresh process per point; the machine was shared with a test suite '
-                         'on the same 2 cores, so times are noisy')
+                    note=args.note or 'one fresh process per point')
         write_artifact(args.out, meta, rows, ['segmentor', 'pipeline', 'size', 'status',
                                               'peak_growth_mb', 'time_s', 'note'])
 
