@@ -5,7 +5,9 @@ mmengine's root registries that mmdet's and mmseg's fall back to, exactly:
 
 - ``XCiTBackbone`` (MODELS), which loads every published XCiT weight layout by itself;
 - ``XCiTLayerDecayOptimizerConstructor`` (OPTIM_WRAPPER_CONSTRUCTORS) and ``LayerDecayLrHook``
-  (HOOKS), the optional layer-wise learning-rate decay.
+  (HOOKS), the optional layer-wise learning-rate decay;
+- ``LeanEncoderDecoder`` and ``LeanMaskRCNN`` (MODELS), whole-image inference with fewer
+  full-size maps alive, as builders that import mmseg / mmdet only when a config builds them.
 
 It also makes every door read checkpoints the same safe way
 (:func:`~xcit_mm.models.utils.install_checkpoint_reader`): torch's ``weights_only`` allow-list

@@ -1,29 +1,26 @@
+import importlib
+
 from mmengine.registry import MODELS as _ROOT_MODELS
 
 from .backbones import XCiTBackbone, arch_zoo
 
 
-def _build_lean_encoder_decoder(*args, **kwargs):
-    """Build :class:`xcit_mm.models.segmentors.LeanEncoderDecoder`, importing it (and so mmseg)
-    only now: ``model = dict(type='LeanEncoderDecoder', ...)`` works with ``custom_imports`` of
-    ``xcit_mm`` alone, and ``import xcit_mm`` stays free of mmseg. Once imported, the class
-    itself is in mmseg's registry, which mmseg-scoped builds search before this one."""
-    from .segmentors import LeanEncoderDecoder
-    return LeanEncoderDecoder(*args, **kwargs)
+def _register_lazily(name: str, package: str) -> None:
+    """Register ``name`` in mmengine's root MODELS as a builder that imports ``package`` (and so
+    mmseg or mmdet) only when a config builds it: ``model = dict(type=name, ...)`` works with
+    ``custom_imports`` of ``xcit_mm`` alone, and ``import xcit_mm`` stays free of both. Once
+    imported, the class itself is in mmseg's / mmdet's registry, which their scoped builds search
+    before this one."""
+
+    def build(*args, **kwargs):
+        return getattr(importlib.import_module(package, __name__), name)(*args, **kwargs)
+
+    build.__name__ = build.__qualname__ = f'build_{name}'
+    if name not in _ROOT_MODELS.module_dict:
+        _ROOT_MODELS.register_module(name, module=build)
 
 
-if 'LeanEncoderDecoder' not in _ROOT_MODELS.module_dict:
-    _ROOT_MODELS.register_module('LeanEncoderDecoder', module=_build_lean_encoder_decoder)
-
-
-def _build_lean_mask_rcnn(*args, **kwargs):
-    """Build :class:`xcit_mm.models.detectors.LeanMaskRCNN`, importing it (and so mmdet) only
-    now, as :func:`_build_lean_encoder_decoder` does for mmseg."""
-    from .detectors import LeanMaskRCNN
-    return LeanMaskRCNN(*args, **kwargs)
-
-
-if 'LeanMaskRCNN' not in _ROOT_MODELS.module_dict:
-    _ROOT_MODELS.register_module('LeanMaskRCNN', module=_build_lean_mask_rcnn)
+_register_lazily('LeanEncoderDecoder', '.segmentors')
+_register_lazily('LeanMaskRCNN', '.detectors')
 
 __all__ = ['XCiTBackbone', 'arch_zoo']
