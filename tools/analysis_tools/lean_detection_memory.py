@@ -16,7 +16,6 @@ of the model that ran (wrapped methods), the growth when it started and the peak
 ran (the peak counter is reset at each part's start; the overall peak folds them all in).
 The parent kills a child above ``--limit-gb`` (status 'killed').
 """
-import argparse
 import hashlib
 import json
 import os
@@ -26,8 +25,9 @@ import time
 
 HERE = osp.dirname(osp.abspath(__file__))
 sys.path.insert(0, HERE)
-from xcit_benchmark.fresh_points import (cpu_model, run_point, settle_heap,  # noqa: E402
-                                         test_image, write_artifact)
+from xcit_benchmark.fresh_points import (cpu_model, points_parser,  # noqa: E402
+                                         run_point, settle_heap, test_image,
+                                         write_artifact)
 XCIT_CONFIG = 'configs/mask_rcnn_xcit_s12_p16_3x_coco.py'
 SWIN_CONFIG = 'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_ms-crop-3x_coco.py'
 # (model, size): lean first (stock may be killed)
@@ -139,15 +139,8 @@ def child(point: dict) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--child', help=argparse.SUPPRESS)
-    parser.add_argument('--config', default=XCIT_CONFIG, help='the XCiT Mask R-CNN config')
-    parser.add_argument('--out', required=False, help='artifact path without extension')
-    parser.add_argument('--points', nargs='*', help='model:size, model one of xcit-lean, '
-                        'xcit-stock, swin-stock; e.g. xcit-lean:4096')
-    parser.add_argument('--limit-gb', type=float, default=20.0)
-    parser.add_argument('--timeout', type=float, default=1800.0)
-    parser.add_argument('--note', help='what else ran on the machine, written into the artifact')
+    parser = points_parser(__doc__.split('\n')[0], XCIT_CONFIG,
+                           'model:size (xcit-lean, xcit-stock, swin-stock), e.g. xcit-lean:4096')
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))

@@ -11,7 +11,6 @@ call, under ``MALLOC_MMAP_THRESHOLD_=65536`` so the RSS follows live tensors (th
 ``xcit_benchmark/memory.py``, whose helpers it uses). ``full`` removes the test ``Resize`` (the
 network runs at the image size). The parent kills a child above ``--limit-gb`` (status 'killed').
 """
-import argparse
 import json
 import os
 import os.path as osp
@@ -20,8 +19,9 @@ import time
 
 HERE = osp.dirname(osp.abspath(__file__))
 sys.path.insert(0, HERE)
-from xcit_benchmark.fresh_points import (cpu_model, run_point, settle_heap,  # noqa: E402
-                                         test_image, write_artifact)
+from xcit_benchmark.fresh_points import (cpu_model, points_parser,  # noqa: E402
+                                         run_point, settle_heap, test_image,
+                                         write_artifact)
 DEFAULT_CONFIG = 'configs/sem_fpn_xcit_s12_p16_80k_ade20k.py'
 # (segmentor, pipeline, size): the issue's points, lean first (stock may be killed)
 POINTS = [('lean', 'paper', 4096), ('stock', 'paper', 4096), ('lean', 'full', 2048),
@@ -58,14 +58,8 @@ def child(point: dict) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--child', help=argparse.SUPPRESS)
-    parser.add_argument('--config', default=DEFAULT_CONFIG)
-    parser.add_argument('--out', required=False, help='artifact path without extension')
-    parser.add_argument('--points', nargs='*', help='segmentor:pipeline:size, e.g. lean:full:4096')
-    parser.add_argument('--limit-gb', type=float, default=20.0)
-    parser.add_argument('--timeout', type=float, default=1800.0)
-    parser.add_argument('--note', help='what else ran on the machine, written into the artifact')
+    parser = points_parser(__doc__.split('\n')[0], DEFAULT_CONFIG,
+                           'segmentor:pipeline:size, e.g. lean:full:4096')
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))

@@ -4,6 +4,7 @@
 through mmseg's / mmdet's own API, one point (model, image size) per process, so that no point
 inherits another's heap.
 """
+import argparse
 import csv
 import gc
 import json
@@ -76,3 +77,16 @@ def write_artifact(out: str, meta: dict, rows: list, columns: list) -> None:
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction='ignore')
         writer.writeheader()
         writer.writerows(rows)
+
+
+def points_parser(description: str, config: str, points_help: str) -> argparse.ArgumentParser:
+    """The command line both scripts share (``--child`` is the fresh process's own)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument('--child', help=argparse.SUPPRESS)
+    parser.add_argument('--config', default=config, help='the XCiT config measured')
+    parser.add_argument('--out', help='artifact path without extension (.json, .csv)')
+    parser.add_argument('--points', nargs='*', help=points_help)
+    parser.add_argument('--limit-gb', type=float, default=20.0)
+    parser.add_argument('--timeout', type=float, default=1800.0)
+    parser.add_argument('--note', help='what else ran on the machine, written into the artifact')
+    return parser

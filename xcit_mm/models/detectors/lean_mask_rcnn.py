@@ -85,15 +85,12 @@ class LeanMaskRCNN(MaskRCNN):
         backbone, neck = self.backbone, getattr(self, 'neck', None)
         if not (hasattr(backbone, 'forward_trunk') and hasattr(backbone, 'forward_level')
                 and type(neck) is FPN and neck.start_level == 0
-                and neck.backbone_end_level == neck.num_ins):
-            return list(self.extract_feat(batch_inputs))
+                and neck.backbone_end_level == neck.num_ins
+                and not (neck.num_outs > neck.num_ins and neck.add_extra_convs)):
+            return list(self.extract_feat(batch_inputs))  # e.g. RetinaNet-style extra convs
         outs = fpn_in_data_flow_order(backbone, neck, batch_inputs)
-        num_levels = len(outs)
-        if neck.num_outs > num_levels:
-            if neck.add_extra_convs:  # RetinaNet-style extra convs: stock code for the extras
-                return list(self.extract_feat(batch_inputs))
-            for _ in range(neck.num_outs - num_levels):
-                outs.append(F.max_pool2d(outs[-1], 1, stride=2))
+        for _ in range(neck.num_outs - len(outs)):  # extra levels as FPN makes them
+            outs.append(F.max_pool2d(outs[-1], 1, stride=2))
         return outs
 
     # ------------------------------------------------------------------ RPN

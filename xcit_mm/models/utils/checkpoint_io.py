@@ -10,7 +10,7 @@ One reader, one error class (:class:`CheckpointError`), one message per kind of 
   state: refused, nothing is executed, and the way out is named.
 
 Files are read with ``torch.load(weights_only=True)``, with the pure-data types of mmengine's
-training state allow-listed (:mod:`.safe_unpickling`). :func:`read_for_mmengine` serves
+training state allow-listed (:mod:`.safe_unpickling`). :func:`load_from_weights_only` serves
 mmengine's ``CheckpointLoader`` for local paths and URLs, so every door (``load_from``,
 ``--resume``, ``init_detector``, the inferencers, the upstream ``tools/test.py``) reads through
 here and reports the same clear errors.
