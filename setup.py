@@ -16,7 +16,8 @@ setup(
     'mmdetection and mmsegmentation',
     long_description=open('README.md').read() if __import__('os').path.exists('README.md') else '',
     long_description_content_type='text/markdown',
-    packages=find_packages(include=['xcit_mm', 'xcit_mm.*']),
+    packages=find_packages(include=['xcit_mm', 'xcit_mm.*', 'training_extras', 'training_extras.*',
+                                    'shapes_world']),
     python_requires='>=3.8',
     # torch/mmcv are installed by tools/install.sh: a bare `torch` requirement would pull the CUDA
     # build and mmcv needs a source build with ops. Only what pip can safely resolve is listed.

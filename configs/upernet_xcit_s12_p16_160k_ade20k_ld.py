@@ -19,5 +19,5 @@ optim_wrapper = dict(
     # Merged with the base paramwise_cfg (custom_keys={'norm': dict(decay_mult=0.0)}).
     paramwise_cfg=dict(decay_rate=0.75))
 
-# The paper config's hooks, plus the per-depth learning rates in the log (train/depth_{d}_lr).
-custom_hooks = _base_.custom_hooks + [dict(type='LayerDecayLrHook')]
+# The per-depth learning rates in the log (train/depth_{d}_lr).
+custom_hooks = [dict(type='LayerDecayLrHook')]

@@ -29,7 +29,7 @@ import torch
 
 from work_dir_files import evaluation_metrics
 
-from xcit_mm.datasets import generate_shapes
+from shapes_world import generate_shapes
 from xcit_mm.models.utils import CheckpointError
 
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))

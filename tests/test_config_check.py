@@ -8,7 +8,7 @@ import torch
 from mmengine.config import Config
 
 from xcit_mm.models.utils import CheckpointError
-from xcit_mm.runtime.config_check import (ConfigError, check_backbone_config,
+from xcit_mm.models.utils.config_check import (ConfigError, check_backbone_config,
                                           check_checkpoint_task, model_task)
 
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))

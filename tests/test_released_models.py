@@ -147,7 +147,7 @@ def test_every_published_size_equals_the_official_structure(mmpretrain_xcit, arc
 # ----------------------------------------------------------------------------- through the tools
 @pytest.fixture(scope='module')
 def shapes_roots(tmp_path_factory):
-    from xcit_mm.datasets import generate_shapes
+    from shapes_world import generate_shapes
     base = tmp_path_factory.mktemp('released_data')
     roots = {}
     for task in ('coco', 'ade'):

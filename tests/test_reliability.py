@@ -32,10 +32,10 @@ from mmengine.config import Config
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 
-from xcit_mm.runtime import (CheckFiniteLossHook, CPUAmpOptimWrapper, NonFiniteLossError,
+from training_extras import (CheckFiniteLossHook, CPUAmpOptimWrapper, NonFiniteLossError,
                              RandomStateHook)
 from xcit_mm.models.utils import CheckpointError, check_checkpoint, load_checkpoint_file
-from xcit_mm.runtime import AnnotationFormatError, check_annotation_formats, coco_annotation_problem
+from training_extras import AnnotationFormatError, check_annotation_formats, coco_annotation_problem
 
 from work_dir_files import evaluation_metrics, newest_run_log
 
@@ -183,12 +183,14 @@ def _tiny_config(tmp_path, task, name=None, iters=4, ckpt=2, val_interval=None, 
 
 
 # The paper configs themselves (their dataloaders: 2 persistent workers, the random
-# augmentations, samplers, loops), with a tiny XCiT and the pipelines' image sizes divided by 8.
+# augmentations, samplers, loops), with a tiny XCiT and the pipelines' image sizes divided by 8,
+# and the training extras switched on by their one base, as a user would.
+_EXTRAS = osp.join(CONFIGS, '_base_', 'training_extras.py')
 _PAPER = {'det': osp.join(CONFIGS, 'mask_rcnn_xcit_t12_p16_3x_coco.py'),
           'seg': osp.join(CONFIGS, 'sem_fpn_xcit_t12_p16_80k_ade20k.py')}
 
 _PAPER_DET = """
-_base_ = ['{base}']
+_base_ = ['{base}', '{extras}']
 data_root = '{root}/'
 metainfo = dict(classes=('circle', 'square', 'triangle'),
                 palette=[(220, 20, 60), (0, 130, 255), (20, 200, 60)])
@@ -208,7 +210,7 @@ default_hooks = dict(logger=dict(interval=1))
 """
 
 _PAPER_SEG = """
-_base_ = ['{base}']
+_base_ = ['{base}', '{extras}']
 data_root = '{root}/'
 shapes_world = dict(root=data_root, task='ade', num_train=8, num_val=5, image_size=64,
                     seed=0)
@@ -274,7 +276,8 @@ def _paper_config(tmp_path, task, name=None, epochs=3, iters=6, extra='', valida
     pipeline = _shrink(base.train_dataloader.dataset.pipeline)
     template = {'det': _PAPER_DET, 'seg': _PAPER_SEG}[task]
     val_interval = (1 if task == 'det' else 2) if validate else 1000
-    text = template.format(base=_PAPER[task], root=_data_root(task), pipeline=repr(pipeline),
+    text = template.format(base=_PAPER[task], extras=_EXTRAS, root=_data_root(task),
+                           pipeline=repr(pipeline),
                            epochs=epochs, iters=iters, val_interval=val_interval) + _PAPER_COMMON
     if validate:
         text += _PAPER_VALIDATION[task].format(
@@ -299,7 +302,7 @@ def _data_root(task):
 @pytest.fixture(scope='module', autouse=True)
 def shapes_data(tmp_path_factory):
     """Generate the tiny shapes worlds once for the module (COCO and ADE20k layouts)."""
-    from xcit_mm.datasets import generate_shapes
+    from shapes_world import generate_shapes
     base = tmp_path_factory.mktemp('shapes')
     for task, layout in (('det', 'coco'), ('seg', 'ade')):
         root = str(base / f'shapes_{layout}')
@@ -350,21 +353,21 @@ def test_reliability_hooks_in_both_scopes_and_all_configs():
     for registry in (DET_HOOKS, SEG_HOOKS):
         assert isinstance(registry.build(dict(type='CheckFiniteLossHook')), CheckFiniteLossHook)
         assert isinstance(registry.build(dict(type='RandomStateHook')), RandomStateHook)
-    # Every config runs on mmengine's own Runner, with the runtime base's hooks switched on (the
-    # 24 paper configs: tests/test_configs.py; here the others).
-    runtime_hooks = ['CheckFiniteLossHook', 'SampleSeedingHook', 'RandomStateHook',
-                     'PortableCheckpointHook', 'CompileFeatureExtractorHook']
-    leaves = (glob.glob(osp.join(CONFIGS, '*_ld.py')) +
-              glob.glob(osp.join(CONFIGS, 'shapes', '*.py')))
-    assert len(leaves) >= 4, leaves
-    for path in leaves + glob.glob(osp.join(CONFIGS, '_base_', 'xcit_runtime.py')):
+    # Every config runs on mmengine's own Runner; the quick-start jobs switch the extras on with
+    # the one base (the 24 paper configs run on stock hooks: tests/test_configs.py).
+    extras = ['training_extras.' + name for name in (
+        'CheckFiniteLossHook', 'SampleSeedingHook', 'RandomStateHook', 'PortableCheckpointHook',
+        'AtomicCheckpointHook', 'CompileFeatureExtractorHook')]
+    jobs = glob.glob(osp.join(CONFIGS, 'shapes', '*.py'))
+    assert len(jobs) >= 2, jobs
+    for path in jobs + glob.glob(osp.join(CONFIGS, '*_ld.py')):
         config = Config.fromfile(path)
         assert 'runner_type' not in config, path
-        assert {'xcit_mm', 'xcit_mm.runtime'} <= set(config.custom_imports.imports), path
-        # the runtime base's hooks first (the _ld configs add LayerDecayLrHook after them)
-        assert [h['type'] for h in config.custom_hooks][:5] == runtime_hooks, path
-        if path in leaves:
-            assert config.default_hooks.checkpoint.type == 'SafeCheckpointHook', path
+        types = [h['type'] for h in config.get('custom_hooks', [])]
+        if path in jobs:
+            assert types == extras, path
+        else:  # the layer-decay variants of paper configs: stock hooks and the plugin's own
+            assert types == ['LayerDecayLrHook'], path
 
 
 def test_check_finite_loss_hook_names_iteration_terms_and_checkpoint(tmp_path):
@@ -629,7 +632,7 @@ def _augmentations(dataloader_cfg, epochs, **overrides):
 
     from mmengine.runner import Runner
 
-    from xcit_mm.runtime.sample_seeding import seeded_train_dataloader
+    from training_extras.sample_seeding import seeded_train_dataloader
     loader = Runner.build_dataloader(
         seeded_train_dataloader(dict(dataloader_cfg, **overrides), seed=0), seed=0)
     draws = []
@@ -1195,7 +1198,7 @@ def test_a_full_disk_during_a_save_is_named_and_keeps_the_earlier_checkpoints(
 def test_last_checkpoint_is_replaced_atomically(tmp_path, monkeypatch):
     """A job killed while last_checkpoint is rewritten leaves the old content (the rename is
     the only step that changes it): here the rename itself fails."""
-    from xcit_mm.runtime.hooks.safe_checkpoint_hook import write_text_atomically
+    from training_extras.hooks.safe_checkpoint_hook import write_text_atomically
     marker = tmp_path / 'last_checkpoint'
     write_text_atomically(str(marker), '/work/iter_2.pth')
     monkeypatch.setattr(os, 'replace', lambda *a: (_ for _ in ()).throw(OSError('killed')))

@@ -1,4 +1,4 @@
-"""xcit_mm.runtime.run_results: the metrics quoted in README come from mmengine's own files."""
+"""training_extras.run_results: the metrics quoted in README come from mmengine's own files."""
 import json
 import os.path as osp
 import subprocess
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from xcit_mm.runtime.run_results import collect_run_results
+from training_extras.run_results import collect_run_results
 
 ROOT = Path(__file__).resolve().parents[1]
 

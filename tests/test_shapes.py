@@ -1,4 +1,4 @@
-"""The built-in shapes world (xcit_mm.datasets), tools/dataset_converters/make_shapes.py and the
+"""The built-in shapes world (shapes_world), tools/dataset_converters/make_shapes.py and the
 shapes configs.
 
 * the generator is deterministic (same arguments -> byte-identical files), held out, and refuses
@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from xcit_mm.datasets import CLASSES, generate_shapes, load_samples, make_mosaic
+from shapes_world import CLASSES, generate_shapes, load_samples, make_mosaic
 
 from work_dir_files import evaluation_metrics
 

@@ -1,4 +1,4 @@
-"""tools/train.py, tools/test.py and their helpers in xcit_mm.runtime (CPU only, no real data).
+"""tools/train.py, tools/test.py and their helpers in training_extras (CPU only, no real data).
 
 Training and resuming on the built-in shapes data are covered by tests/test_shapes.py; here the
 tools are exercised up to the point where they hand over to mmengine's Runner, plus the CPU
@@ -18,8 +18,8 @@ import pytest
 import torch
 from mmengine.config import Config
 
-from xcit_mm.datasets import ensure_shapes_world
-from xcit_mm.runtime import (CPUDistributedDataParallel, DatasetNotFoundError, check_data,
+from shapes_world import ensure_shapes_world
+from training_extras import (CPUDistributedDataParallel, DatasetNotFoundError, check_data,
                              distributed_session, find_missing_data, init_cpu_dist,
                              init_distributed, prepare_cpu_distributed_cfg)
 
@@ -181,7 +181,7 @@ def test_missing_config_is_one_line_not_a_traceback(tmp_path, train_tool, test_t
 def test_amp_warns_once_on_a_cpu_without_native_bf16(train_tool, monkeypatch, native_bf16):
     """--amp on a CPU without avx512_bf16 / AMX: one warning (measured slowdown, advice to train
     in float32) per process; none where bfloat16 is native or the CPU cannot be told."""
-    import xcit_mm.runtime.cpu_amp_optim_wrapper as amp
+    import training_extras.cpu_amp_optim_wrapper as amp
     monkeypatch.setattr(amp, 'cpu_has_native_bf16', lambda: native_bf16)
     monkeypatch.setattr(amp, '_warned_slow_bf16', False)
     monkeypatch.delenv('RANK', raising=False)
@@ -202,7 +202,7 @@ def test_amp_warns_once_on_a_cpu_without_native_bf16(train_tool, monkeypatch, na
 
 
 def test_cpu_bf16_detection_reads_the_cpu_flags(tmp_path):
-    from xcit_mm.runtime.cpu_amp_optim_wrapper import cpu_has_native_bf16
+    from training_extras.cpu_amp_optim_wrapper import cpu_has_native_bf16
     cpuinfo = tmp_path / 'cpuinfo'
     cpuinfo.write_text('processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n')
     assert cpu_has_native_bf16(str(cpuinfo)) is False
@@ -256,7 +256,7 @@ def test_stale_shapes_world_is_regenerated_with_a_warning(tmp_path, monkeypatch)
 
 
 def test_foreign_data_at_the_shapes_root_is_refused_not_deleted(tmp_path, train_tool):
-    from xcit_mm.datasets.shapes import ShapesWorldError
+    from shapes_world.shapes import ShapesWorldError
     root = tmp_path / 'shapes'
     root.mkdir()
     (root / 'mine.txt').write_text('keep')
@@ -367,7 +367,7 @@ def test_cpu_ddp_in_a_gloo_group(monkeypatch):
         assert weight.grad is not None
     finally:
         # DDP first: its C++ Reducer must not hold the group's last reference (see
-        # xcit_mm.runtime.distributed_session), or destroying the group can deadlock.
+        # training_extras.distributed_session), or destroying the group can deadlock.
         ddp = None
         gc.collect()
         dist.destroy_process_group()
@@ -401,7 +401,7 @@ import torch
 import torch.distributed as dist
 from mmengine.registry import MODEL_WRAPPERS
 from xcit_mm.models.backbones.xcit import XCiTBackbone
-from xcit_mm.runtime import init_cpu_dist
+from training_extras import init_cpu_dist
 init_cpu_dist('pytorch', timeout=60)
 torch.manual_seed(0)
 model = XCiTBackbone(arch=dict(embed_dims=64, depth=2, num_heads=4), patch_size=16,

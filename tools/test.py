@@ -42,16 +42,16 @@ from mmengine.config import Config, DictAction  # noqa: E402
 from mmengine.registry import RUNNERS  # noqa: E402
 from mmengine.runner import Runner  # noqa: E402
 
-from xcit_mm.datasets import ensure_shapes_world  # noqa: E402
-from xcit_mm.datasets.shapes import ShapesWorldError  # noqa: E402
+from shapes_world import ensure_shapes_world  # noqa: E402
+from shapes_world.shapes import ShapesWorldError  # noqa: E402
 from xcit_mm.models.utils import CheckpointError, check_checkpoint
-from xcit_mm.runtime import (AnnotationFormatError, DatasetNotFoundError, check_data,
+from training_extras import (AnnotationFormatError, DatasetNotFoundError, check_data,
                              distributed_session)
 from xcit_mm.models.utils.checkpoint_io import is_url  # noqa: E402
-from xcit_mm.runtime.config_check import (ConfigError, check_backbone_config,  # noqa: E402
+from xcit_mm.models.utils.config_check import (ConfigError, check_backbone_config,  # noqa: E402
                                           check_checkpoint_task)
-from xcit_mm.runtime.dist_utils import lost_peer_message  # noqa: E402
-from xcit_mm.runtime.hooks import shutdown_dataloader_workers  # noqa: E402
+from training_extras.dist_utils import lost_peer_message  # noqa: E402
+from training_extras.hooks import shutdown_dataloader_workers  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -16,7 +16,7 @@ tools/train.py; the differences are
 - ``--amp`` without a GPU trains under bfloat16 CPU autocast (``CPUAmpOptimWrapper``), since
   mmengine's ``AmpOptimWrapper`` needs a GPU; on a CPU without native bfloat16 (no
   ``avx512_bf16`` / ``amx_bf16``) that is several times slower than float32, and a warning says so;
-- distributed runs also work without a GPU (gloo; see ``xcit_mm/runtime/dist_utils.py``); when
+- distributed runs also work without a GPU (gloo; see ``training_extras/dist_utils.py``); when
   another rank dies or hangs past ``env_cfg.dist_cfg.timeout`` (gloo: 1800 s by default), this
   rank stops with a message saying so instead of a gloo traceback;
 - a checkpoint that cannot be written (full disk) and a training image that cannot be read stop
@@ -24,7 +24,7 @@ tools/train.py; the differences are
   docs/reliability.md);
 - the Runner is mmengine's own, as in mmdet's / mmseg's tools; released XCiT COCO / ADE20k
   files load as downloaded because ``XCiTBackbone`` converts their keys itself, and the configs'
-  ``configs/_base_/xcit_runtime.py`` switches on the reliability hooks of ``xcit_mm.runtime``.
+  ``configs/_base_/xcit_runtime.py`` switches on the reliability hooks of ``training_extras``.
 
 Examples::
 
@@ -49,20 +49,20 @@ from mmengine.logging import print_log  # noqa: E402
 from mmengine.registry import RUNNERS  # noqa: E402
 from mmengine.runner import Runner  # noqa: E402
 
-from xcit_mm.datasets import ensure_shapes_world  # noqa: E402
-from xcit_mm.datasets.shapes import ShapesWorldError  # noqa: E402
-from xcit_mm.runtime import (CPU_AMP_TYPE, CheckpointSaveError, NonFiniteLossError,
+from shapes_world import ensure_shapes_world  # noqa: E402
+from shapes_world.shapes import ShapesWorldError  # noqa: E402
+from training_extras import (CPU_AMP_TYPE, CheckpointSaveError, NonFiniteLossError,
                              SafeCheckpointHook, SampleLoadError, amp_optim_wrapper_type)
-from xcit_mm.runtime.hooks import shutdown_dataloader_workers  # noqa: E402
-from xcit_mm.runtime.cpu_amp_optim_wrapper import (  # noqa: E402
+from training_extras.hooks import shutdown_dataloader_workers  # noqa: E402
+from training_extras.cpu_amp_optim_wrapper import (  # noqa: E402
     warn_if_cpu_bf16_is_slow)
 from xcit_mm.models.utils import (CheckpointError, check_checkpoint, check_pretrained,
                                   resolve_auto_resume)
-from xcit_mm.runtime import (AnnotationFormatError, DatasetNotFoundError, check_data,
+from training_extras import (AnnotationFormatError, DatasetNotFoundError, check_data,
                              distributed_session)
-from xcit_mm.runtime.config_check import (ConfigError, check_backbone_config,  # noqa: E402
+from xcit_mm.models.utils.config_check import (ConfigError, check_backbone_config,  # noqa: E402
                                           check_checkpoint_task)
-from xcit_mm.runtime.dist_utils import lost_peer_message  # noqa: E402
+from training_extras.dist_utils import lost_peer_message  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -206,7 +206,9 @@ def check_checkpoints(cfg, args) -> None:
     checkpoint_hook = cfg.get('default_hooks', {}).get('checkpoint') or {}
     # SafeCheckpointHook writes the new checkpoint before deleting the old one; mmengine's own
     # CheckpointHook deletes first.
-    safe = checkpoint_hook.get('type') in ('SafeCheckpointHook', SafeCheckpointHook)
+    safe = checkpoint_hook.get('type') in ('SafeCheckpointHook', SafeCheckpointHook) or any(
+        str(hook.get('type')).endswith('AtomicCheckpointHook')
+        for hook in cfg.get('custom_hooks') or [])
     if not safe and checkpoint_hook.get('max_keep_ckpts', -1) == 1 and \
             _saves_several(cfg, checkpoint_hook):
         print_log(

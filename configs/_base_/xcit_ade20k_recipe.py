@@ -8,8 +8,9 @@
 _base_ = [
     'mmseg::_base_/datasets/ade20k.py',
     'mmseg::_base_/default_runtime.py',
-    './xcit_runtime.py',
 ]
+# XCiTBackbone, the layer-decay pieces and the lean models; everything else is stock.
+custom_imports = dict(imports=['xcit_mm'], allow_failed_imports=False)
 
 
 # 2 images per GPU x 8 GPUs = the paper's batch of 16.

@@ -33,5 +33,3 @@ param_scheduler = [
     # Over the whole run, overlapping the warm-up, as released (see ./xcit_ade20k_recipe.py).
     dict(type='PolyLR', eta_min=0.0, power=1.0, begin=0, end=80000 + 1, by_epoch=False),
 ]
-# Checkpoints written atomically (xcit_mm.runtime's SafeCheckpointHook: see ./xcit_runtime.py).
-default_hooks = dict(checkpoint=dict(type='SafeCheckpointHook'))

@@ -4,7 +4,7 @@
 #
 #   python tools/train.py configs/shapes/mask_rcnn_xcit_shapes_coco.py
 #
-# generates data/shapes_coco/ if it does not exist (xcit_mm.datasets.generate_shapes), trains, and
+# generates data/shapes_coco/ if it does not exist (shapes_world.generate_shapes), trains, and
 # evaluates box and mask AP (mmdet CocoMetric) on the held-out validation images at the end.
 # Changed here: data, classes, image size (160 px), a small from-scratch XCiT (D=128, 6 layers, p8),
 # narrower FPN and heads with GroupNorm (bbox head Shared4Conv1FC), fewer RoIs, lr 6e-4, a cosine
@@ -12,13 +12,14 @@
 # values, several times faster on CPU; docs/benchmark.md). Everything else (Mask R-CNN + FPN
 # structure, AdamW, the released weight-decay rule: no decay for names containing 'norm',
 # CocoDataset, CocoMetric) is the paper config's. See docs/shapes.md.
-_base_ = ['../mask_rcnn_xcit_t12_p16_3x_coco.py']
+# The training extras are on (../_base_/training_extras.py, docs/reliability.md).
+_base_ = ['../mask_rcnn_xcit_t12_p16_3x_coco.py', '../_base_/training_extras.py']
 custom_imports = dict(
     imports=[
         'xcit_mm',
-        'xcit_mm.runtime',
+        'training_extras',
         'xcit_mm.models.roi_heads',
-        'xcit_mm.datasets.shapes_coco',
+        'shapes_world.shapes_coco',
     ],
     allow_failed_imports=False)
 

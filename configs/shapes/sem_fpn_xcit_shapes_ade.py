@@ -4,7 +4,7 @@
 #
 #   python tools/train.py configs/shapes/sem_fpn_xcit_shapes_ade.py
 #
-# generates data/shapes_ade/ if it does not exist (xcit_mm.datasets.generate_shapes), trains, and
+# generates data/shapes_ade/ if it does not exist (shapes_world.generate_shapes), trains, and
 # evaluates mIoU (mmseg IoUMetric) on the held-out validation images at the end.
 #
 # Background is a class here (label 0, as in Pascal VOC), not ignored as ADE20k's "other" is
@@ -17,12 +17,13 @@
 # its 150 class names). Everything else not changed here (Semantic FPN structure, AdamW, the
 # released weight-decay rule: no decay for names containing 'norm', IoUMetric) is the paper
 # config's.
-_base_ = ['../sem_fpn_xcit_t12_p16_80k_ade20k.py']
+# The training extras are on (../_base_/training_extras.py, docs/reliability.md).
+_base_ = ['../sem_fpn_xcit_t12_p16_80k_ade20k.py', '../_base_/training_extras.py']
 custom_imports = dict(
     imports=[
         'xcit_mm',
-        'xcit_mm.runtime',
-        'xcit_mm.datasets.shapes_seg',
+        'training_extras',
+        'shapes_world.shapes_seg',
     ],
     allow_failed_imports=False)
 

@@ -13,7 +13,7 @@ import os.path as osp
 import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))))
-from xcit_mm.runtime.run_results import collect_run_results, cpu_description  # noqa: E402
+from training_extras.run_results import collect_run_results, cpu_description  # noqa: E402
 
 
 def main(argv=None):

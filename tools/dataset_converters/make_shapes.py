@@ -65,11 +65,11 @@ def main(argv=None):
         argv (list[str] | None): Arguments; ``sys.argv[1:]`` if None.
 
     Returns:
-        dict: The summary returned by :func:`xcit_mm.datasets.generate_shapes`.
+        dict: The summary returned by :func:`shapes_world.generate_shapes`.
     """
     args = parse_args(argv)
-    from xcit_mm.datasets import generate_shapes, load_samples, make_mosaic
-    from xcit_mm.datasets.shapes import ShapesWorldExistsError
+    from shapes_world import generate_shapes, load_samples, make_mosaic
+    from shapes_world.shapes import ShapesWorldExistsError
 
     kwargs = {}
     if args.config:

@@ -28,7 +28,7 @@ from xcit_mm.models import arch_zoo  # noqa: E402
 from xcit_mm.models.utils import (CheckpointError, LayoutError,  # noqa: E402
                                   convert_backbone_state_dict, convert_model_state_dict,
                                   extract_state_dict, load_checkpoint_file)
-from xcit_mm.runtime.hooks.portable_checkpoint_hook import to_plain_data  # noqa: E402
+from training_extras.hooks.portable_checkpoint_hook import to_plain_data  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -11,7 +11,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from xcit_mm.runtime.cpu_info import read_cpuinfo
+from training_extras.cpu_info import read_cpuinfo
 
 from .flops import point_flops
 from .memory import run_memory_worker

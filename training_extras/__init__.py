@@ -1,8 +1,10 @@
-"""Opt-in training runtime, switched on by ``configs/_base_/xcit_runtime.py``.
+"""Training extras for mmengine's own ``Runner``: nothing here is about XCiT.
 
-Registers the pieces that make long runs reliable and CPU-only runs possible, for mmengine's own
-``Runner`` (docs/reliability.md): the hooks ``CheckFiniteLossHook``, ``RandomStateHook``,
-``SampleSeedingHook``, ``PortableCheckpointHook``, ``SafeCheckpointHook``,
+Any mmdet / mmseg config switches them on with one base, ``configs/_base_/training_extras.py``
+(the quick-start jobs do; the paper configs run on stock hooks). Registers the pieces that make
+long runs reliable and CPU-only runs possible (docs/reliability.md): the hooks
+``CheckFiniteLossHook``, ``RandomStateHook``, ``SampleSeedingHook``, ``PortableCheckpointHook``,
+``SafeCheckpointHook`` (``AtomicCheckpointHook`` selects it from ``custom_hooks``),
 ``SkippedSamplesHook`` and ``CompileFeatureExtractorHook``; the dataset wrapper
 ``SeededSampleDataset`` and batch sampler ``SampleKeyBatchSampler``; ``CPUAmpOptimWrapper``
 (bfloat16 autocast without a GPU) and ``CPUDistributedDataParallel`` (gloo without a GPU).
@@ -13,13 +15,14 @@ from .data_check import (AnnotationFormatError, DatasetNotFoundError, check_anno
                          check_data, coco_annotation_problem, find_missing_data)
 from .dist_utils import (CPUDistributedDataParallel, distributed_session, init_cpu_dist,
                          init_distributed, prepare_cpu_distributed_cfg)
-from .hooks import (CheckFiniteLossHook, CheckpointSaveError, CompileFeatureExtractorHook,
-                    NonFiniteLossError, PortableCheckpointHook, RandomStateHook,
+from .hooks import (AtomicCheckpointHook, CheckFiniteLossHook, CheckpointSaveError,
+                    CompileFeatureExtractorHook, NonFiniteLossError, PortableCheckpointHook, RandomStateHook,
                     SafeCheckpointHook, SampleSeedingHook, SkippedSamplesHook)
 from .sample_seeding import SampleKeyBatchSampler, SampleLoadError, SeededSampleDataset
 
 __all__ = [
-    'AnnotationFormatError', 'CPU_AMP_TYPE', 'CPUAmpOptimWrapper', 'CPUDistributedDataParallel',
+    'AnnotationFormatError', 'AtomicCheckpointHook', 'CPU_AMP_TYPE', 'CPUAmpOptimWrapper',
+    'CPUDistributedDataParallel',
     'CheckFiniteLossHook', 'CheckpointSaveError', 'CompileFeatureExtractorHook',
     'DatasetNotFoundError', 'NonFiniteLossError', 'PortableCheckpointHook', 'RandomStateHook',
     'SafeCheckpointHook', 'SampleKeyBatchSampler', 'SampleLoadError', 'SampleSeedingHook',

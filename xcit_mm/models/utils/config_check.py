@@ -7,8 +7,8 @@ model, would otherwise end under that dump, or much later.
 import torch
 from mmengine.registry import MODELS, DefaultScope, init_default_scope
 
-from xcit_mm.models.utils import CheckpointError, extract_state_dict, load_checkpoint_file
-from xcit_mm.models.utils.ckpt_load import TASK_HEADS
+from .checkpoint_io import CheckpointError, extract_state_dict, load_checkpoint_file
+from .ckpt_load import TASK_HEADS
 
 
 class ConfigError(ValueError):

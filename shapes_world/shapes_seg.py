@@ -1,7 +1,7 @@
 """``ShapesSegDataset``: mmseg's ``BaseSegDataset`` that generates the shapes world on first use.
 
 Opt-in (it imports mmseg):
-``custom_imports = dict(imports=[..., 'xcit_mm.datasets.shapes_seg'])``.
+``custom_imports = dict(imports=[..., 'shapes_world.shapes_seg'])``.
 """
 from mmseg.datasets import BaseSegDataset
 from mmseg.registry import DATASETS
@@ -17,6 +17,6 @@ class ShapesSegDataset(GeneratedOnFirstUse, BaseSegDataset):
 
     Args:
         shapes_world (dict, optional): Keyword arguments of
-            :func:`xcit_mm.datasets.generate_shapes` (``task='ade'``, sizes, seed...).
+            :func:`shapes_world.generate_shapes` (``task='ade'``, sizes, seed...).
         **kwargs: Those of ``BaseSegDataset``.
     """

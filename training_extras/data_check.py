@@ -8,7 +8,7 @@ evaluator settings of a config the same way mmengine's ``BaseDataset`` resolves 
 :class:`DatasetNotFoundError` that lists every missing path and says what to download and where to
 put it, or how to point the config elsewhere with ``--cfg-options``.
 
-The built-in shapes dataset is created on use by :func:`xcit_mm.datasets.ensure_shapes_world`.
+The built-in shapes dataset is created on use by :func:`shapes_world.ensure_shapes_world`.
 """
 import os
 import os.path as osp

@@ -1,7 +1,7 @@
 """``ShapesCocoDataset``: mmdet's ``CocoDataset`` that generates the shapes world on first use.
 
 Opt-in (it imports mmdet):
-``custom_imports = dict(imports=[..., 'xcit_mm.datasets.shapes_coco'])``.
+``custom_imports = dict(imports=[..., 'shapes_world.shapes_coco'])``.
 """
 from mmdet.datasets import CocoDataset
 from mmdet.registry import DATASETS
@@ -18,6 +18,6 @@ class ShapesCocoDataset(GeneratedOnFirstUse, CocoDataset):
 
     Args:
         shapes_world (dict, optional): Keyword arguments of
-            :func:`xcit_mm.datasets.generate_shapes` (``task='coco'``, sizes, seed...).
+            :func:`shapes_world.generate_shapes` (``task='coco'``, sizes, seed...).
         **kwargs: Those of ``CocoDataset``.
     """

@@ -1,7 +1,7 @@
 """Count and report the training samples skipped as unreadable (``on_bad_sample='skip'``).
 
 With ``SampleSeedingHook(on_bad_sample='skip')`` a sample whose files cannot be loaded is replaced
-by the next loadable one (``xcit_mm.runtime.sample_seeding.SeededSampleDataset``), in whichever
+by the next loadable one (``training_extras.sample_seeding.SeededSampleDataset``), in whichever
 process loads it; the replacement carries a record of what it replaced. This hook (the base class
 of ``SampleSeedingHook``) reads those records from every training batch in the main process, logs each skipped sample with its index, files and reason and counts them
 (:attr:`SkippedSamplesHook.count`, per process, since this run started or resumed). At the end
@@ -11,7 +11,7 @@ from mmengine.dist import all_reduce, get_world_size
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 
-from xcit_mm.runtime.sample_seeding import skipped_in_batch
+from training_extras.sample_seeding import skipped_in_batch
 
 
 @HOOKS.register_module()

@@ -38,7 +38,7 @@ same arguments always give byte-identical files, and a larger ``num_train`` only
 images. Training and validation images come from different streams (held out).
 
 Example:
-    >>> from xcit_mm.datasets import generate_shapes
+    >>> from shapes_world import generate_shapes
     >>> generate_shapes('data/shapes_coco', task='coco', num_train=800, num_val=100,
     ...                 image_size=160, seed=0)
 """

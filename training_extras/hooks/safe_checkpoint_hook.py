@@ -22,7 +22,7 @@ import os.path as osp
 import shutil
 
 from mmengine.dist import is_main_process
-from mmengine.hooks import CheckpointHook
+from mmengine.hooks import CheckpointHook, Hook
 from mmengine.registry import HOOKS
 
 TMP_SUFFIX = '.tmp'
@@ -180,3 +180,27 @@ class SafeCheckpointHook(CheckpointHook):
                 self.file_backend.remove(path)
             elif self.file_backend.isdir(path):  # checkpoints saved by deepspeed are directories
                 self.file_backend.rmtree(path)
+
+
+@HOOKS.register_module()
+class AtomicCheckpointHook(Hook):
+    """Switches the run's checkpoints to :class:`SafeCheckpointHook` from ``custom_hooks``.
+
+    mmengine refuses a key that two bases of one ``_base_`` list define, and every runtime base
+    defines ``default_hooks``, so ``configs/_base_/training_extras.py`` cannot select the
+    checkpoint hook there. This hook does it before the run: the stock ``CheckpointHook`` built
+    from ``default_hooks.checkpoint`` is replaced, in its place and with the same settings, by a
+    :class:`SafeCheckpointHook`. A checkpoint hook of any other class is left as it is.
+    """
+
+    priority = 'VERY_HIGH'
+
+    def before_run(self, runner) -> None:
+        for index, hook in enumerate(runner.hooks):
+            if type(hook) is CheckpointHook:
+                args = dict(runner.cfg.get('default_hooks', {}).get('checkpoint') or {})
+                for registry_key in ('type', '_scope_', 'priority'):
+                    args.pop(registry_key, None)
+                safe = SafeCheckpointHook(**args)
+                safe.priority = hook.priority
+                runner.hooks[index] = safe

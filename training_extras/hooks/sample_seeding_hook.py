@@ -1,7 +1,7 @@
 """Give every training sample random numbers of its own; stop dataloader workers on the way out.
 
 The training dataloader is rebuilt from the config before the first iteration, around the dataset
-mmengine built (not loaded twice), by :func:`xcit_mm.runtime.sample_seeding.seeded_train_dataloader`
+mmengine built (not loaded twice), by :func:`training_extras.sample_seeding.seeded_train_dataloader`
 (fresh samplers: the first loader's iterator may have advanced shared sampler state already):
 each sample's augmentation is seeded by (seed, rank, epoch, position), whichever worker loads it,
 so every epoch draws new augmentations and a resumed run draws those of an uninterrupted one, with

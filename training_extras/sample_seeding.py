@@ -31,7 +31,7 @@ a traceback relayed from a worker process. With ``on_bad_sample='skip'`` the sam
 the next loadable one and the replacement is recorded, so that the training loop can count it
 (``SkippedSamplesHook``).
 
-:class:`~xcit_mm.runtime.hooks.SampleSeedingHook` applies both to the training dataloader (see
+:class:`~training_extras.hooks.SampleSeedingHook` applies both to the training dataloader (see
 :func:`seeded_train_dataloader`); its ``on_bad_sample='skip'`` skips unreadable samples.
 """
 import random
