@@ -9,8 +9,6 @@ any ``num_workers`` / ``persistent_workers``; a sample that cannot be loaded is 
 file, or skipped (``on_bad_sample='skip'``) and counted.
 """
 from mmengine.registry import HOOKS
-from mmengine.runner import IterBasedTrainLoop
-from mmengine.runner.loops import _InfiniteDataloaderIterator
 
 from ..sample_seeding import ON_BAD_SAMPLE, seeded_train_dataloader
 from .skipped_samples_hook import SkippedSamplesHook
@@ -61,20 +59,21 @@ class SampleSeedingHook(SkippedSamplesHook):
 
     def before_train(self, runner) -> None:
         loop = runner.train_loop
-        # the config the Runner built the loader from (Runner.from_cfg passes the config's)
-        cfg = getattr(runner, '_train_dataloader', None)
+        # the config the Runner built the loader from (Runner.from_cfg keeps the whole config)
+        cfg = runner.cfg.get('train_dataloader')
         if not isinstance(cfg, dict):
             runner.logger.warning('SampleSeedingHook: the training dataloader was given built, '
                                   'not as a config, so it cannot be rebuilt: left as it is.')
             return
         cfg = dict(cfg, dataset=loop.dataloader.dataset, on_bad_sample=self.on_bad_sample)
-        if isinstance(loop, IterBasedTrainLoop):  # its iterator already started the workers
-            _shutdown(getattr(loop.dataloader_iterator, '_iterator', None))
+        restart = getattr(loop, 'dataloader_iterator', None)  # IterBasedTrainLoop's: started
+        if restart is not None:
+            _shutdown(getattr(restart, '_iterator', None))
         loop.dataloader = runner.build_dataloader(
             seeded_train_dataloader(cfg, runner.seed), seed=runner.seed,
-            diff_rank_seed=runner._randomness_cfg.get('diff_rank_seed', False))
-        if isinstance(loop, IterBasedTrainLoop):
-            loop.dataloader_iterator = _InfiniteDataloaderIterator(loop.dataloader)
+            diff_rank_seed=(runner.cfg.get('randomness') or {}).get('diff_rank_seed', False))
+        if restart is not None:
+            loop.dataloader_iterator = type(restart)(loop.dataloader)
 
     def after_train(self, runner) -> None:
         super().after_train(runner)
