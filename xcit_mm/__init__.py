@@ -16,18 +16,22 @@ dtypes, ``argparse.Namespace``; :mod:`xcit_mm.models.utils.safe_unpickling`), so
 any config writes open in ``init_detector``, the inferencers, the upstream ``tools/test.py``,
 ``load_from`` and ``--resume``; mmengine's loader for local paths and URLs is this package's
 reader, whose refusals name the file, the cause and the fix; and a script stopped by such an error
-prints it as one line.
+prints it as one line. And mmengine's FLOP counter, which mmdet's and mmseg's ``get_flops.py`` use,
+counts XCA's fused output projection (``aten::baddbmm``;
+:func:`~xcit_mm.models.utils.flop_count.install_flop_handles`).
 
-Everything else is an opt-in import: ``xcit_mm.runtime`` (reliable-training hooks, sample
+Everything else is an opt-in import: ``training_extras`` (reliable-training hooks, sample
 seeding, CPU AMP, CPU distributed helpers), ``xcit_mm.models.roi_heads`` (a faster CPU RoIAlign),
-``xcit_mm.datasets`` (the built-in shapes data), ``xcit_mm.apis``, ``xcit_mm.deployment`` and
+``shapes_world`` (the built-in shapes data), ``xcit_mm.apis``, ``xcit_mm.deployment`` and
 ``xcit_mm.visualization``.
 """
 from .engine import LayerDecayLrHook, XCiTLayerDecayOptimizerConstructor
 from .models import XCiTBackbone
 from .models.utils import install_checkpoint_reader
+from .models.utils.flop_count import install_flop_handles
 from .version import __version__
 
 install_checkpoint_reader()
+install_flop_handles()
 
 __all__ = ['LayerDecayLrHook', 'XCiTBackbone', 'XCiTLayerDecayOptimizerConstructor', '__version__']

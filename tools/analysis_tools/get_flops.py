@@ -12,10 +12,17 @@ With ``--models`` (names as in ``benchmark.py --list-models``): the forward GMAC
 GFLOPs of ``--mode`` and the parameters of each model at each ``--resolutions`` (one image).
 
 Counted with ``torch.utils.flop_counter.FlopCounterMode`` on fake tensors (no compute, any size
-is cheap): mm/addmm/bmm, convolutions (grouped and depthwise exactly, also in the backward), SDPA;
-the XCA products ``q k^T`` and ``A v`` included; norms, softmax and element-wise ops not (as
-fvcore).  GMACs are what the XCiT, Swin and DeiT papers call "GFLOPs".  The library is
-``xcit_benchmark``; this file only parses the command line and prints.
+is cheap): mm/addmm/bmm/baddbmm, convolutions (grouped and depthwise exactly, also in the
+backward), SDPA; XCA's products included; norms, softmax and element-wise ops not.  GMACs are what
+the XCiT, Swin and DeiT papers call "GFLOPs".  The library is ``xcit_benchmark``; this file only
+parses the command line and prints.
+
+For a config's whole detector or segmentor, count with mmengine as upstream does: mmdet's
+``tools/analysis_tools/get_flops.py CONFIG``, or ``mmengine.analysis.get_model_complexity_info``
+(mmseg 1.2.2's script passes ``input_shape`` with ``inputs``, which mmengine 0.10 refuses).
+``import xcit_mm`` (the configs' ``custom_imports``) makes that counter count XCA's fused
+projection; it then reports these multiply-adds plus what it counts for norms (5 FLOPs per
+LayerNorm, 2 per eval BatchNorm element), upsampling and pooling (tests/test_flops.py).
 
 Examples::
 

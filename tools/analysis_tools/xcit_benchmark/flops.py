@@ -1,12 +1,19 @@
 """FLOP counting: the exact counter, the XCiT trunk formula, per-point FLOPs and the paper
 Table 1 report.
 
-Counted with ``torch.utils.flop_counter.FlopCounterMode`` (aten-level: mm/addmm/bmm, convolutions
-incl. depthwise and transposed, SDPA; matmul/einsum decompose into bmm, so the XCA ``q @ k^T`` and
-``attn @ v`` products are counted; norms, softmax and element-wise ops are not, as in fvcore).
-``gmacs`` = forward multiply-accumulates per image, the unit the XCiT/Swin/DeiT papers call
-"GFLOPs"; ``gflop_exec`` = 2 FLOPs per MAC of everything executed (forward, plus backward and
-checkpoint recomputation in train mode).
+Counted with ``torch.utils.flop_counter.FlopCounterMode`` (aten-level: mm/addmm/bmm/baddbmm,
+convolutions incl. depthwise and transposed, SDPA; matmul/einsum decompose into bmm, so XCA's
+``q^T k`` and its projection fused with ``attn @ v`` are counted; norms, softmax and element-wise
+ops are not).  ``gmacs`` = forward multiply-accumulates per image, the unit the XCiT/Swin/DeiT
+papers call "GFLOPs"; ``gflop_exec`` = 2 FLOPs per MAC of everything executed (forward, plus
+backward and checkpoint recomputation in train mode).
+
+mmengine's ``FlopAnalyzer`` (what mmdet's and mmseg's ``get_flops.py`` run) counts the same
+multiply-adds once ``import xcit_mm`` has given it XCA's ``aten::baddbmm``
+(:mod:`xcit_mm.models.utils.flop_count`), plus norms (5 FLOPs per LayerNorm, 2 per eval
+BatchNorm element), upsampling and pooling; tests/test_flops.py checks both against a hand
+count.  This counter stays here for what mmengine's jit tracing cannot do: count on fake tensors
+(nothing computed, any size) and count the backward of a train step.
 """
 import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
