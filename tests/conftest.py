@@ -50,9 +50,8 @@ def _memoize_config_formatting():
 
 _memoize_config_formatting()
 
-# The benchmark library lives beside the tools that use it (tools/analysis_tools/xcit_benchmark).
-sys.path.insert(0, osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'tools',
-                            'analysis_tools'))
+# The benchmark library lives beside the scripts that use it (benchmarks/xcit_benchmark).
+sys.path.insert(0, osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'benchmarks'))
 
 
 class _UnusedTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -144,20 +143,20 @@ def xca_tool():
 
 @pytest.fixture(scope='session')
 def bench():
-    """tools/analysis_tools/benchmark.py, loaded as a module."""
-    return _load_tool('tools/analysis_tools/benchmark.py')
+    """benchmarks/benchmark.py, loaded as a module."""
+    return _load_tool('benchmarks/benchmark.py')
 
 
 @pytest.fixture(scope='session')
 def flops_tool():
-    """tools/analysis_tools/get_flops.py, loaded as a module."""
-    return _load_tool('tools/analysis_tools/get_flops.py')
+    """benchmarks/get_flops.py, loaded as a module."""
+    return _load_tool('benchmarks/get_flops.py')
 
 
 @pytest.fixture(scope='session')
 def roi_align_bench():
-    """tools/analysis_tools/benchmark_roi_align.py, loaded as a module."""
-    return _load_tool('tools/analysis_tools/benchmark_roi_align.py')
+    """benchmarks/benchmark_roi_align.py, loaded as a module."""
+    return _load_tool('benchmarks/benchmark_roi_align.py')
 
 
 @pytest.fixture(scope='session')

@@ -1,5 +1,5 @@
 """Tests of the benchmark library (xcit_benchmark) and its CLIs
-(tools/analysis_tools/benchmark.py, get_flops.py).
+(benchmarks/benchmark.py, get_flops.py).
 
 The measurements are checked against workloads whose cost is known without the code under test:
 
@@ -33,6 +33,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -54,7 +55,7 @@ from xcit_benchmark.spec import SpecError, validate_spec
 from xcit_benchmark.timing import time_interleaved
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOL = os.path.join(ROOT, 'tools', 'analysis_tools', 'benchmark.py')
+TOOL = os.path.join(ROOT, 'benchmarks', 'benchmark.py')
 ARTIFACTS = os.path.join(ROOT, 'docs', 'benchmark')
 MIB = 2 ** 20
 
@@ -511,12 +512,12 @@ def _check_csv_matches_records(rows, records, committed=False):
 # ---------------------------------------------------------------------------------------------
 def _json_of_a_fresh_worker_process(script):
     """What ``script`` prints last (JSON), run in a fresh single-threaded process with the memory
-    worker's malloc setting (as ``run_memory_worker`` starts it), ``tools/analysis_tools`` as its
+    worker's malloc setting (as ``run_memory_worker`` starts it), ``benchmarks`` as its
     first argument."""
     import subprocess
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_='65536', OMP_NUM_THREADS='1')
     proc = subprocess.run([sys.executable, '-c', script,
-                           os.path.join(ROOT, 'tools', 'analysis_tools')],
+                           os.path.join(ROOT, 'benchmarks')],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -1178,3 +1179,18 @@ def test_whole_model_cli_rounds_and_ratios(bench, monkeypatch, tmp_path, capsys)
         with pytest.raises(SystemExit) as exc:
             bench.parse_args(argv)
         assert exc.value.code == 2
+
+
+def test_the_user_entry_in_tools_runs_the_harness():
+    """tools/analysis_tools/benchmark.py is the harness (benchmarks/benchmark.py) with the same
+    command line: same output, same exit status."""
+    def run(script, *args):
+        return subprocess.run([sys.executable, os.path.join(ROOT, script), *args],
+                              capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+    entry = run('tools/analysis_tools/benchmark.py', '--list-models')
+    harness = run('benchmarks/benchmark.py', '--list-models')
+    assert entry.returncode == harness.returncode == 0, entry.stderr[-2000:]
+    assert entry.stdout == harness.stdout and 'xcit_' in entry.stdout
+    bad = run('tools/analysis_tools/benchmark.py', '--models', 'no_such_model')
+    assert bad.returncode != 0 and 'no_such_model' in bad.stdout + bad.stderr

@@ -1,4 +1,4 @@
-"""Tests of tools/analysis_tools/benchmark_roi_align.py: a tiny end-to-end run, its JSON / CSV /
+"""Tests of benchmarks/benchmark_roi_align.py: a tiny end-to-end run, its JSON / CSV /
 Markdown outputs and its command-line errors.
 
 No timing assertions: the machine is shared and timings are noise here.

@@ -1,7 +1,7 @@
 # Swin-T + Semantic FPN: the benchmark's Swin-T BASELINE for
 # configs/sem_fpn_xcit_s12_p16_80k_ade20k.py, NOT a paper config (the XCiT paper reports no
 # Swin-T Semantic FPN; nothing here was trained or evaluated). It exists only so that
-#   tools/analysis_tools/benchmark.py --whole-model configs/sem_fpn_xcit_s12_p16_80k_ade20k.py \
+#   benchmarks/benchmark.py --whole-model configs/sem_fpn_xcit_s12_p16_80k_ade20k.py \
 #       configs/benchmark/sem_fpn_swin_t_512x512_ade20k.py --shape 512 512 --batch-size 2 ...
 # compares the two backbones inside the SAME segmentor: everything is inherited from the XCiT-S12/16
 # config (data preprocessor, FPN with 384 output channels and 4 outputs, FPNHead with 128

@@ -1,7 +1,7 @@
 """Peak RSS growth and time of whole-image Mask R-CNN through ``mmdet.apis.inference_detector``:
 XCiT stock ``MaskRCNN`` vs ``LeanMaskRCNN``, and Swin-T stock, one fresh process per point.
 
-    python tools/analysis_tools/lean_detection_memory.py \
+    python benchmarks/lean_detection_memory.py \
         --out docs/results/lean_detection_mask_rcnn_s12_p16
 
 Each point builds the config's model with random weights (``backbone.init_cfg=None``, BN for one

@@ -1,4 +1,4 @@
-"""The benchmark library behind ``tools/analysis_tools/benchmark.py`` and ``get_flops.py``.
+"""The benchmark library behind ``benchmarks/benchmark.py`` and ``get_flops.py``.
 
 Speed, fresh-process peak memory and FLOPs of XCiT backbones and the usual alternatives (mmdet
 ResNet-50 and Swin-T, mmseg ViT-S/16, mmpretrain's XCiT port); see docs/benchmark.md.

@@ -26,10 +26,10 @@ hit both alike. Reported: medians in ms and speedup = mmcv median / gather media
 
 Examples::
 
-    python tools/analysis_tools/benchmark_roi_align.py      # all cases -> docs/benchmark/
-    python tools/analysis_tools/benchmark_roi_align.py --cases shapes_bbox --repeats 3 \\
+    python benchmarks/benchmark_roi_align.py      # all cases -> docs/benchmark/
+    python benchmarks/benchmark_roi_align.py --cases shapes_bbox --repeats 3 \\
         --out-dir /tmp/rb
-    python tools/analysis_tools/benchmark_roi_align.py --markdown \\
+    python benchmarks/benchmark_roi_align.py --markdown \\
         docs/benchmark/roi_align_cpu.json                    # the table docs quote
 """
 import argparse
@@ -45,7 +45,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 # Run from a checkout without installing: make `import xcit_mm` find the repository.
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
@@ -170,7 +170,7 @@ def metadata(argv: Sequence[str]) -> dict:
 
     from xcit_benchmark.runner import run_metadata
     meta = run_metadata()
-    meta.update(command=' '.join(['tools/analysis_tools/benchmark_roi_align.py', *argv]),
+    meta.update(command=' '.join(['benchmarks/benchmark_roi_align.py', *argv]),
                 mmcv=mmcv.__version__, threads=torch.get_num_threads())
     return meta
 

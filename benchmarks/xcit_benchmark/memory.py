@@ -26,7 +26,7 @@ from .timing import make_step, set_threads
 
 WORKER_MARK = '@@XCIT_BENCHMARK_WORKER@@'
 WORKER_MODULE = 'xcit_benchmark.worker'
-# the directory that holds this package (tools/analysis_tools)
+# the directory that holds this package (benchmarks/)
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -1,7 +1,7 @@
 """Peak RSS growth and time of whole-image segmentation through ``mmseg.apis.inference_model``,
 stock ``EncoderDecoder`` vs ``LeanEncoderDecoder``, one fresh process per point.
 
-    python tools/analysis_tools/lean_segmentation_memory.py \
+    python benchmarks/lean_segmentation_memory.py \
         --out docs/results/lean_segmentation_sem_fpn_s12_p16
 
 Each point builds the config's model with random weights (``backbone.init_cfg=None``), runs one

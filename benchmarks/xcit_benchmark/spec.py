@@ -23,9 +23,8 @@ from typing import Optional
 
 from .models import XCIT_ARCHS, parse_model
 
-# the directory that holds the xcit_mm package (the repository root in a checkout)
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))))
+# the repository root (benchmarks/xcit_benchmark/spec.py)
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_SPEC_PATH = os.path.join(_PACKAGE_PARENT, 'docs', 'benchmark', 'goals_spec.json')
 
 METRICS = ('peak_mem_mb', 'ms_per_img')

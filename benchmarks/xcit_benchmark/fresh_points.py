@@ -1,6 +1,6 @@
 """One fresh process per measured point: the runner of the lean-inference memory scripts.
 
-``tools/analysis_tools/lean_{segmentation,detection}_memory.py`` measure whole-image inference
+``benchmarks/lean_{segmentation,detection}_memory.py`` measure whole-image inference
 through mmseg's / mmdet's own API, one point (model, image size) per process, so that no point
 inherits another's heap.
 """

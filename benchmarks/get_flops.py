@@ -18,7 +18,7 @@ the XCiT, Swin and DeiT papers call "GFLOPs".  The library is ``xcit_benchmark``
 parses the command line and prints.
 
 For a config's whole detector or segmentor, count with mmengine as upstream does: mmdet's
-``tools/analysis_tools/get_flops.py CONFIG``, or ``mmengine.analysis.get_model_complexity_info``
+``benchmarks/get_flops.py CONFIG``, or ``mmengine.analysis.get_model_complexity_info``
 (mmseg 1.2.2's script passes ``input_shape`` with ``inputs``, which mmengine 0.10 refuses).
 ``import xcit_mm`` (the configs' ``custom_imports``) makes that counter count XCA's fused
 projection; it then reports these multiply-adds plus what it counts for norms (5 FLOPs per
@@ -26,9 +26,9 @@ LayerNorm, 2 per eval BatchNorm element), upsampling and pooling (tests/test_flo
 
 Examples::
 
-    python tools/analysis_tools/get_flops.py --out-dir docs/benchmark
-    python tools/analysis_tools/get_flops.py --models xcit_s12_p16 swin_t --resolutions 512 1024
-    python tools/analysis_tools/get_flops.py --models xcit_s12_p16 xcit_s12_p16+cp --mode train
+    python benchmarks/get_flops.py --out-dir docs/benchmark
+    python benchmarks/get_flops.py --models xcit_s12_p16 swin_t --resolutions 512 1024
+    python benchmarks/get_flops.py --models xcit_s12_p16 xcit_s12_p16+cp --mode train
 """
 import argparse
 import os
@@ -37,7 +37,7 @@ import warnings
 from typing import Optional, Sequence
 
 # Run from a checkout without installing: make `import xcit_mm` find the repository.
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
