@@ -1,16 +1,15 @@
 # Copyright (c) xcit_mm contributors. All rights reserved.
-"""Inference APIs: build a detector / segmentor / bare XCiT backbone and load its checkpoint.
+"""What the tools need beyond upstream: a bare XCiT backbone (XCA maps), the task of a config,
+one-line errors.
 
-Not imported by ``import xcit_mm``: ``from xcit_mm.apis import init_model``.
+Detectors and segmentors are built and run with upstream's ``mmdet.apis`` (``DetInferencer``,
+``init_detector``) and ``mmseg.apis`` (``MMSegInferencer``, ``init_model``); ``import xcit_mm``
+makes their checkpoint loading safe and exact. Not imported by ``import xcit_mm``.
 """
-from .inference import (IMAGENET_MEAN, IMAGENET_STD, build_test_pipeline, config_task,
-                        get_test_pipeline_cfg, inference_model, init_backbone, init_model,
-                        load_config, load_model_weights, model_num_classes, preprocess_cfg,
-                        resolve_dataset_meta)
-from .utils import error_line
+from .backbone import IMAGENET_MEAN, IMAGENET_STD, init_backbone, preprocess_cfg
+from .utils import config_task, error_line
 
 __all__ = [
-    'IMAGENET_MEAN', 'IMAGENET_STD', 'build_test_pipeline', 'config_task', 'error_line',
-    'get_test_pipeline_cfg', 'inference_model', 'init_backbone', 'init_model', 'load_config',
-    'load_model_weights', 'model_num_classes', 'preprocess_cfg', 'resolve_dataset_meta'
+    'IMAGENET_MEAN', 'IMAGENET_STD', 'config_task', 'error_line', 'init_backbone',
+    'preprocess_cfg'
 ]

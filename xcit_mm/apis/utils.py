@@ -1,8 +1,13 @@
 # Copyright (c) xcit_mm contributors. All rights reserved.
 """Helpers shared by the command-line tools."""
+import importlib
 import re
 
 _ANSI = re.compile(r'\x1b\[[0-9;?]*[ -/]*[@-~]')
+
+# task: (upstream package, its base model class, the xcit_mm models registered into its registry)
+_TASKS = {'det': ('mmdet', 'BaseDetector', 'xcit_mm.models.detectors'),
+          'seg': ('mmseg', 'BaseSegmentor', 'xcit_mm.models.segmentors')}
 
 
 def error_line(error) -> str:
@@ -13,3 +18,34 @@ def error_line(error) -> str:
     """
     text = _ANSI.sub('', str(error))
     return 'error: ' + ' '.join(text.split())
+
+
+def config_task(cfg) -> str:
+    """``'det'`` or ``'seg'``: whether ``cfg.model.type`` is an mmdet detector or an mmseg
+    segmentor, as their ``MODELS`` registries resolve it (``LeanMaskRCNN`` and
+    ``LeanEncoderDecoder`` included). A task whose package is not installed is skipped.
+
+    Raises:
+        ValueError: The model is neither (e.g. an mmpretrain classifier), naming its type and
+            the config's ``default_scope``.
+    """
+    model_type = (cfg.get('model', None) or {}).get('type', None)
+    missing = []
+    for task, (package, base_name, ours) in _TASKS.items():
+        try:
+            registry = importlib.import_module(f'{package}.registry').MODELS
+            base = getattr(importlib.import_module(f'{package}.models'), base_name)
+            importlib.import_module(ours)  # the lean model's class into the upstream registry
+        except ImportError:
+            missing.append(package)
+            continue
+        cls = registry.get(model_type) if isinstance(model_type, str) else model_type
+        if isinstance(cls, type) and issubclass(cls, base):
+            return task
+    raise ValueError(f"config model type {model_type!r} (default_scope is "
+                     f"{cfg.get('default_scope', None)!r}) is neither an mmdet detector nor an "
+                     'mmseg segmentor: xcit_mm runs mmdet detectors and mmseg segmentors'
+                     + (f' ({" and ".join(missing)} not installed)' if missing else ''))
+
+
+__all__ = ['config_task', 'error_line']

@@ -21,6 +21,7 @@ reads wrong memory at others.
 
 ``onnx`` / ``onnxruntime`` are imported only here, when needed (:func:`check_onnx_runtime`).
 """
+import copy
 import os
 import os.path as osp
 import types
@@ -94,15 +95,44 @@ class DetectorFeatures(nn.Module):
         return tuple(self.model.extract_feat(image))
 
 
+def _read_config(config, cfg_options: Optional[dict] = None):
+    """An mmengine ``Config`` from a path (or a copy of one), ``cfg_options`` merged."""
+    from mmengine.config import Config
+    if isinstance(config, Config):
+        cfg = copy.deepcopy(config)
+    elif isinstance(config, (str, os.PathLike)):
+        config = str(config)
+        if not osp.isfile(config):
+            raise FileNotFoundError(f'config not found: {config!r}')
+        try:
+            cfg = Config.fromfile(config)
+        except Exception as e:  # a file that is not an mmengine config
+            raise ExportError(f'cannot read config {config!r} ({type(e).__name__}: {e}); is it '
+                              'an mmdet / mmseg config file?') from e
+    else:
+        raise TypeError(f'config must be a path or an mmengine Config, got {type(config)}')
+    if cfg_options:
+        cfg.merge_from_dict(cfg_options)
+    return cfg
+
+
+def _class_names(meta: dict, cfg) -> Tuple[str, ...]:
+    """The checkpoint's class names, else those the config's test dataset declares."""
+    names = (meta.get('dataset_meta') or {}).get('classes') or meta.get('CLASSES')
+    if not names:
+        loader = cfg.get('test_dataloader', None) or {}
+        names = ((loader.get('dataset', None) or {}).get('metainfo', None) or {}).get('classes')
+    return tuple(names or ())
+
+
 def build_export_model(config, checkpoint: Optional[str] = None,
                        cfg_options: Optional[dict] = None) -> nn.Module:
     """The module to export for a config (and checkpoint), in eval mode on the CPU.
 
-    Built with :func:`xcit_mm.apis.init_model`: the checkpoint, if any, is read by the one safe
-    reader (:mod:`xcit_mm.models.utils.checkpoint_io`) before the model is built and loaded
-    strictly;
-    without one the weights are the random initialisation (the backbone's ``init_cfg`` is dropped,
-    nothing is downloaded).
+    Built with upstream's ``mmdet.apis.init_detector`` / ``mmseg.apis.init_model`` and loaded with
+    mmengine's ``load_checkpoint``: ``import xcit_mm`` makes that read safe (the one reader,
+    :mod:`xcit_mm.models.utils.checkpoint_io`) and a file of another model or task an error.
+    Without a checkpoint the weights are the random initialisation (nothing is downloaded).
 
     Returns:
         :class:`SegmentorLogits` or :class:`DetectorFeatures`, with the attributes ``task``
@@ -114,19 +144,15 @@ def build_export_model(config, checkpoint: Optional[str] = None,
         TypeError: ``config`` is neither a path nor an mmengine ``Config``.
         ExportError: The file is no config, or the config is not an mmseg ``EncoderDecoder`` or
             an mmdet detector with a neck.
-        ValueError: The config's ``default_scope`` is neither mmdet nor mmseg.
+        ValueError: The config's model is neither an mmdet detector nor an mmseg segmentor.
         xcit_mm.models.utils.checkpoint_io.CheckpointError: A missing, unreadable, unsafe
-            checkpoint,
-            or one of another model.
+            checkpoint, or one of another model.
     """
-    from xcit_mm.apis import config_task, init_model, load_config, preprocess_cfg
-    try:
-        cfg = load_config(config, cfg_options)
-    except (FileNotFoundError, TypeError):
-        raise
-    except Exception as e:  # a file that is not an mmengine config
-        raise ExportError(f'cannot read config {config!r} ({type(e).__name__}: {e}); is it an '
-                          'mmdet / mmseg config file?') from e
+    from mmengine.model import revert_sync_batchnorm
+    from mmengine.runner import load_checkpoint
+
+    from xcit_mm.apis import config_task, preprocess_cfg
+    cfg = _read_config(config, cfg_options)
     if not isinstance(cfg.get('model', None), dict):
         raise ExportError(f'config {config!r} has no model dict')
     task = config_task(cfg)
@@ -138,7 +164,18 @@ def build_export_model(config, checkpoint: Optional[str] = None,
     if task == 'det' and not cfg.model.get('neck'):
         raise ExportError(f'detector {model_type!r} has no neck: ONNX export of a detector '
                           f'covers backbone + neck (e.g. Mask R-CNN\'s FPN)')
-    model = init_model(cfg, checkpoint, device='cpu')
+    if task == 'det':
+        from mmdet.apis import init_detector as init
+    else:
+        from mmseg.apis import init_model as init
+    # record=True: init_detector resets the filters to warn "checkpoint is None, use COCO
+    # classes" (the class names are taken below)
+    with warnings.catch_warnings(record=True):
+        model = init(copy.deepcopy(cfg), None, device='cpu')
+    model = revert_sync_batchnorm(model).eval()
+    meta = {}
+    if checkpoint is not None:  # what init_* would do, without mmseg's KeyError for no 'meta'
+        meta = load_checkpoint(model, checkpoint, map_location='cpu').get('meta', None) or {}
     if task == 'seg':
         if isinstance(model.decode_head, nn.ModuleList):
             raise ExportError('a segmentor with several decode heads (cascade) is not supported')
@@ -151,7 +188,6 @@ def build_export_model(config, checkpoint: Optional[str] = None,
         wrapper.output_names = [f'feat{i}' for i in range(n_out)]
     wrapper.task = task
     pre = preprocess_cfg(cfg)
-    classes = model.dataset_meta.get('classes', ())
     wrapper.metadata = {
         'xcit_mm.task': task,
         'xcit_mm.model': model_type,
@@ -163,7 +199,7 @@ def build_export_model(config, checkpoint: Optional[str] = None,
         'xcit_mm.checkpoint_file': osp.basename(checkpoint) if checkpoint else 'random init',
     }
     if task == 'seg':
-        wrapper.metadata['xcit_mm.classes'] = ','.join(str(c) for c in classes)
+        wrapper.metadata['xcit_mm.classes'] = ','.join(str(c) for c in _class_names(meta, cfg))
     return wrapper.eval()
 
 

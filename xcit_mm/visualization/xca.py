@@ -283,7 +283,7 @@ def visualize_xca(image: str, model: str, out_file: str, arch: Union[str, dict] 
         FileNotFoundError / ValueError: a bad image, config or argument;
         CheckpointError: a bad checkpoint, before the backbone is built.
     """
-    from xcit_mm.apis.inference import init_backbone
+    from xcit_mm.apis import init_backbone
     img, name = load_image(image)
     img = resize_longer_side(img, size)
     if min(img.shape[:2]) < 32:
