@@ -49,7 +49,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from xcit_mm.models.roi_heads import GatherRoIAlign  # noqa: E402
+from training_extras.roi_heads import GatherRoIAlign  # noqa: E402
 
 CASES = (
     dict(name='shapes_bbox', map=(4, 64, 40, 40), stride=4, rois=128, output=7,

@@ -13,8 +13,8 @@ import torch
 from mmcv.ops import RoIAlign
 from mmdet.models.roi_heads.roi_extractors import SingleRoIExtractor
 
-from xcit_mm.models.roi_heads import GatherRoIAlign
-from xcit_mm.models.roi_heads import GatherRoIExtractor
+from training_extras.roi_heads import GatherRoIAlign
+from training_extras.roi_heads import GatherRoIExtractor
 
 
 def random_rois(num, batch, height, width, stride, seed):

@@ -20,10 +20,10 @@ prints it as one line. And mmengine's FLOP counter, which mmdet's and mmseg's ``
 counts XCA's fused output projection (``aten::baddbmm``;
 :func:`~xcit_mm.models.utils.flop_count.install_flop_handles`).
 
-Everything else is an opt-in import: ``training_extras`` (reliable-training hooks, sample
-seeding, CPU AMP, CPU distributed helpers), ``xcit_mm.models.roi_heads`` (a faster CPU RoIAlign),
-``shapes_world`` (the built-in shapes data), ``xcit_mm.apis``, ``xcit_mm.deployment`` and
-``xcit_mm.visualization``.
+The rest of the package is imported only when asked for: ``xcit_mm.deployment`` (ONNX export),
+``xcit_mm.visualization`` and ``xcit_mm.apis`` (XCA maps). What is not about XCiT lives beside
+the package: ``training_extras`` (reliable-training hooks, sample seeding, CPU AMP, CPU
+distributed helpers, a faster CPU RoIAlign) and ``shapes_world`` (the quick-start data).
 """
 from .engine import LayerDecayLrHook, XCiTLayerDecayOptimizerConstructor
 from .models import XCiTBackbone

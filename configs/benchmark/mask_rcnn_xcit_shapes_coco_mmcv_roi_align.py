@@ -1,5 +1,5 @@
 # Baseline of the shapes Mask R-CNN for benchmarks only: the same model with mmdet's
-# SingleRoIExtractor (mmcv's RoIAlign kernels) instead of xcit_mm's GatherRoIExtractor; same
+# SingleRoIExtractor (mmcv's RoIAlign kernels) instead of training_extras' GatherRoIExtractor; same
 # values, so any difference is the RoI op's speed (docs/benchmark.md, "The shapes quick-start").
 _base_ = ['../shapes/mask_rcnn_xcit_shapes_coco.py']
 model = dict(

@@ -8,7 +8,7 @@
 # evaluates box and mask AP (mmdet CocoMetric) on the held-out validation images at the end.
 # Changed here: data, classes, image size (160 px), a small from-scratch XCiT (D=128, 6 layers, p8),
 # narrower FPN and heads with GroupNorm (bbox head Shared4Conv1FC), fewer RoIs, lr 6e-4, a cosine
-# schedule of 1200 iterations, and RoI features from xcit_mm's GatherRoIExtractor (mmcv's RoIAlign
+# schedule of 1200 iterations, and RoI features from training_extras' GatherRoIExtractor (mmcv's RoIAlign
 # values, several times faster on CPU; docs/benchmark.md). Everything else (Mask R-CNN + FPN
 # structure, AdamW, the released weight-decay rule: no decay for names containing 'norm',
 # CocoDataset, CocoMetric) is the paper config's. See docs/shapes.md.
@@ -18,7 +18,7 @@ custom_imports = dict(
     imports=[
         'xcit_mm',
         'training_extras',
-        'xcit_mm.models.roi_heads',
+        'training_extras.roi_heads',
         'shapes_world.shapes_coco',
     ],
     allow_failed_imports=False)

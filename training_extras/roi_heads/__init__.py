@@ -1,7 +1,8 @@
-"""mmdet RoI-head parts; importing this package imports mmdet (``xcit_mm`` itself does not).
+"""RoIAlign as a weighted gather, for CPU training; importing this package imports mmdet
+(``training_extras`` itself does not).
 
 Configs that use them add it to ``custom_imports``:
-``custom_imports = dict(imports=['xcit_mm', 'xcit_mm.models.roi_heads'])``.
+``custom_imports = dict(imports=['training_extras.roi_heads'])``.
 """
 from .gather_roi_extractor import GatherRoIExtractor
 from .roi_align import GatherRoIAlign, gather_roi_align
