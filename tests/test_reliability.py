@@ -1371,6 +1371,13 @@ def test_detector_trained_by_mmdet_tools_tests_with_ours_and_opens_upstream(tmp_
     _check_checkpoint_is_portable(checkpoint)
     test_tool.main([cfg, checkpoint, '--work-dir', str(tmp_path / 'test')])
     assert 'coco/bbox_mAP_50' in evaluation_metrics(tmp_path / 'test')
+    # mmdet's own test.py --show-dir draws every held-out image
+    show_dir = tmp_path / 'show'
+    _run_tool(_upstream_tool('mmdet', 'test'), cfg, checkpoint, '--work-dir',
+              str(tmp_path / 'upstream_test'), '--show-dir', str(show_dir))
+    drawn = glob.glob(str(tmp_path / '**' / 'show' / '*.jpg'), recursive=True) + glob.glob(
+        str(tmp_path / '**' / 'show' / '*.png'), recursive=True)
+    assert len(drawn) == 5, drawn  # every held-out image of the tiny world
     detector = init_detector(cfg, checkpoint, device='cpu')
     assert tuple(detector.dataset_meta['classes']) == SHAPES_CLASSES
     inferencer = DetInferencer(model=cfg, weights=checkpoint, device='cpu', show_progress=False)
