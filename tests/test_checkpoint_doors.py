@@ -330,3 +330,26 @@ def test_pickled_code_is_refused_by_our_tools(seg_files, train_tool, test_tool, 
             train_tool.main([seg_files['cfg'], '--resume', seg_files['evil'], '--work-dir',
                              str(tmp_path)])
     assert not osp.exists(seg_files['marker'])
+
+
+@pytest.mark.parametrize('task', ['det', 'seg'])
+def test_a_file_without_head_weights_is_refused_not_a_random_head(task, tmp_path):
+    """Backbone weights alone (as a classifier's file holds them, under ``backbone.``) given as a
+    whole model's checkpoint: the door names the head the file lacks, instead of a model whose
+    head stays random. A whole model's own file loads."""
+    import xcit_mm  # noqa: F401  (the door's custom_imports)
+    from mmdet.apis import init_detector
+    from mmseg.apis import init_model
+    config, init, head = {
+        'det': ('mask_rcnn_xcit_t12_p16_3x_coco.py', init_detector, 'rpn_head'),
+        'seg': ('sem_fpn_xcit_t12_p16_80k_ade20k.py', init_model, 'decode_head')}[task]
+    config = osp.join(REPO, 'configs', config)
+    model = init(config, None, device='cpu')
+    whole, headless = str(tmp_path / 'whole.pth'), str(tmp_path / 'backbone_only.pth')
+    torch.save({'state_dict': model.state_dict(), 'meta': {}}, whole)
+    torch.save({'state_dict': {k: v for k, v in model.state_dict().items()
+                               if k.startswith('backbone.')}, 'meta': {}}, headless)
+    init(config, whole, device='cpu')
+    with pytest.raises(CheckpointError, match=rf'has no weights for {head} .* randomly '
+                                              r'initialised.*model\.backbone\.init_cfg'):
+        init(config, headless, device='cpu')

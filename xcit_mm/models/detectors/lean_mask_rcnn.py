@@ -49,6 +49,7 @@ from mmdet.structures import SampleList
 from mmdet.structures.bbox import bbox2roi
 
 from ..layers.fpn_data_flow import fpn_in_data_flow_order
+from ..utils.ckpt_load import refuse_headless_load
 
 @MODELS.register_module()
 class LeanMaskRCNN(MaskRCNN):
@@ -57,6 +58,12 @@ class LeanMaskRCNN(MaskRCNN):
     Same constructor, training and ``_forward`` as ``MaskRCNN``; only ``predict`` changes (see
     the module docstring for what is freed when and why each step is exact).
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # a file without weights for a head is an error, never a silently random head
+        self.register_load_state_dict_post_hook(refuse_headless_load)
+
 
     def _lean(self) -> bool:
         cfg = self.test_cfg

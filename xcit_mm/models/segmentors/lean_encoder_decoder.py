@@ -57,6 +57,7 @@ from mmseg.structures import SegDataSample
 from mmseg.utils import OptSampleList, SampleList
 
 from ..layers.fpn_data_flow import fpn_in_data_flow_order
+from ..utils.ckpt_load import refuse_headless_load
 
 # Chunk widths whose bilinear results equal the full call's, channel by channel (module docstring).
 CHUNK_MULTIPLE = 8
@@ -87,6 +88,12 @@ class LeanEncoderDecoder(EncoderDecoder):
     ``predict`` changes (see the module docstring for why each step is exact, and for the
     ``test_cfg`` keys ``lean``, ``keep_seg_logits`` and ``lean_chunk_mb``).
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # a file without weights for a head is an error, never a silently random head
+        self.register_load_state_dict_post_hook(refuse_headless_load)
+
 
     # ------------------------------------------------------------------ settings
     def _test_option(self, key, default):

@@ -104,6 +104,24 @@ def _check_same_task(unexpected_keys: List[str]) -> None:
                 f'the file was saved from (the {task} config it was trained with).')
 
 
+def refuse_headless_load(model, incompatible_keys) -> None:
+    """Load post-hook of a whole detector / segmentor: a file that leaves one of its heads with no
+    weight at all is not a checkpoint of this model (a backbone-only or classifier file, say), and
+    loading it would give a model whose heads stay random."""
+    missing = set(incompatible_keys.missing_keys)
+    if not missing:
+        return
+    for name, head in model.named_children():
+        own = [f'{name}.{key}' for key in head.state_dict()  # BN counters may be absent
+               if not key.endswith('num_batches_tracked')]
+        if name + '.' in sum(TASK_HEADS.values(), ()) and own and missing.issuperset(own):
+            raise CheckpointError(
+                f'The checkpoint has no weights for {name} ({own[0]}, ...): it is not a checkpoint '
+                f'of this model, whose {name} would stay randomly initialised. Load a whole '
+                f'model trained with this config; backbone-only or ImageNet weights go to '
+                f'model.backbone.init_cfg.')
+
+
 def backbone_load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
                            unexpected_keys, error_msgs) -> None:
     """Convert the backbone's part of ``state_dict`` (keys under ``prefix``) in place.
