@@ -8,8 +8,7 @@ import torch
 from mmengine.config import Config
 
 from xcit_mm.models.utils import CheckpointError
-from xcit_mm.models.utils.config_check import (ConfigError, check_backbone_config,
-                                          check_checkpoint_task, model_task)
+from xcit_mm.models.utils.config_check import ConfigError, check_backbone_config
 
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 DET = osp.join(REPO, 'configs', 'mask_rcnn_xcit_s12_p16_3x_coco.py')
@@ -41,20 +40,3 @@ def test_every_published_backbone_config_passes_the_check():
     cfg.model.backbone.frozen_stages = 40
     with pytest.raises(ConfigError, match=r'model.backbone: frozen_stages must be in \[-1, 12\]'):
         check_backbone_config(cfg)
-
-
-def test_a_checkpoint_of_the_other_task_is_named(tmp_path):
-    det, seg = Config.fromfile(DET), Config.fromfile(SEG)
-    assert (model_task(det.model), model_task(seg.model)) == ('detector', 'segmentor')
-    det_file, seg_file = str(tmp_path / 'det.pth'), str(tmp_path / 'seg.pth')
-    torch.save({'state_dict': {'backbone.x': torch.zeros(1), 'roi_head.y': torch.zeros(1)}},
-               det_file)
-    torch.save({'state_dict': {'backbone.x': torch.zeros(1), 'decode_head.y': torch.zeros(1)}},
-               seg_file)
-    check_checkpoint_task(det_file, det)
-    check_checkpoint_task(seg_file, seg)
-    with pytest.raises(CheckpointError, match=r'is a detector checkpoint \(roi_head.y, ...\) '
-                                              r'but the config builds a segmentor'):
-        check_checkpoint_task(det_file, seg)
-    with pytest.raises(CheckpointError, match='is a segmentor checkpoint .* builds a detector'):
-        check_checkpoint_task(seg_file, det)

@@ -48,8 +48,7 @@ from xcit_mm.models.utils import CheckpointError, check_checkpoint
 from training_extras import (AnnotationFormatError, DatasetNotFoundError, check_data,
                              distributed_session)
 from xcit_mm.models.utils.checkpoint_io import is_url  # noqa: E402
-from xcit_mm.models.utils.config_check import (ConfigError, check_backbone_config,  # noqa: E402
-                                          check_checkpoint_task)
+from xcit_mm.models.utils.config_check import ConfigError, check_backbone_config  # noqa: E402
 from training_extras.dist_utils import lost_peer_message  # noqa: E402
 from training_extras.hooks import shutdown_dataloader_workers  # noqa: E402
 
@@ -201,7 +200,6 @@ def main(argv=None):
             check_data(cfg, splits=('test', ), config_name=args.config)
             if is_url(args.checkpoint):
                 cfg.load_from = check_checkpoint(args.checkpoint, 'checkpoint')
-            check_checkpoint_task(cfg.load_from, cfg)
         except (ShapesWorldError, DatasetNotFoundError, AnnotationFormatError,
                 CheckpointError, ConfigError) as e:
             raise SystemExit(f'error: {e}')

@@ -60,8 +60,7 @@ from xcit_mm.models.utils import (CheckpointError, check_checkpoint, check_pretr
                                   resolve_auto_resume)
 from training_extras import (AnnotationFormatError, DatasetNotFoundError, check_data,
                              distributed_session)
-from xcit_mm.models.utils.config_check import (ConfigError, check_backbone_config,  # noqa: E402
-                                          check_checkpoint_task)
+from xcit_mm.models.utils.config_check import ConfigError, check_backbone_config  # noqa: E402
 from training_extras.dist_utils import lost_peer_message  # noqa: E402
 
 
@@ -200,8 +199,6 @@ def check_checkpoints(cfg, args) -> None:
         cfg.load_from = check_checkpoint(args.resume, '--resume checkpoint', kind='resume')
     elif cfg.get('load_from'):
         cfg.load_from = check_checkpoint(cfg.load_from, 'load_from checkpoint')
-    if cfg.get('load_from'):
-        check_checkpoint_task(cfg.load_from, cfg, 'load_from / --resume checkpoint')
     check_pretrained(cfg)
     checkpoint_hook = cfg.get('default_hooks', {}).get('checkpoint') or {}
     # SafeCheckpointHook writes the new checkpoint before deleting the old one; mmengine's own
