@@ -80,12 +80,12 @@ def test_unknown_case_is_an_argparse_error(roi_align_bench, tmp_path, capsys):
 
 
 def test_docs_table_quotes_the_committed_artifact(roi_align_bench, capsys):
-    """docs/benchmark.md shows the RoIAlign table exactly as --markdown renders the JSON."""
+    """docs/benchmark_shapes.md shows the RoIAlign table exactly as --markdown renders the JSON."""
     artifact = os.path.join(ROOT, 'docs', 'benchmark', 'roi_align_cpu.json')
     assert roi_align_bench.main(['--markdown', artifact]) == 0
     rendered = capsys.readouterr().out.strip().splitlines()
-    with open(os.path.join(ROOT, 'docs', 'benchmark.md')) as f:
+    with open(os.path.join(ROOT, 'docs', 'benchmark_shapes.md')) as f:
         doc = f.read()
     assert len(rendered) == 2 + len(roi_align_bench.CASES)
     missing = [line for line in rendered if line not in doc]
-    assert not missing, f'docs/benchmark.md does not quote roi_align_cpu.json: {missing}'
+    assert not missing, f'docs/benchmark_shapes.md does not quote roi_align_cpu.json: {missing}'
