@@ -18,7 +18,6 @@ from torch._dynamo.testing import CompileCounter
 
 from xcit_mm import XCiTBackbone
 from xcit_mm.models.backbones import xcit as xcit_module
-from xcit_mm.models.layers import up2_to_nchw
 
 TINY = dict(embed_dims=64, depth=4, num_heads=4)
 
@@ -59,31 +58,36 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def test_up2_traceable_equals_conv_transpose_and_the_eager_blocks():
-    """Values and gradients of the traceable upsampling equal nn.ConvTranspose2d and the eager
-    row-block path, for a map split into several row blocks on the eager path and a small one."""
-    conv = nn.ConvTranspose2d(64, 64, kernel_size=2, stride=2).double()
-    for shape in [(1, 64, 20, 512), (2, 64, 5, 7)]:
+@pytest.mark.parametrize('layout', [torch.contiguous_format, torch.channels_last],
+                         ids=['nchw', 'channels_last'])
+def test_up2_traceable_equals_conv_transpose(layout):
+    """The traceable upsampling (one matmul, oriented by the output layout) equals
+    nn.ConvTranspose2d in values and gradients: odd sides, in != out channels, batch 2
+    (float64: only a wrong index, not the summation order, can make a difference)."""
+    torch.manual_seed(0)
+    conv = nn.ConvTranspose2d(64, 48, kernel_size=2, stride=2).double().to(
+        memory_format=torch.channels_last)
+    for shape in [(1, 64, 21, 131), (2, 64, 5, 7)]:
         x = torch.randn(shape, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
-        xs = [x.detach().clone().requires_grad_() for _ in range(3)]
-        outs = [xcit_module._up2_traceable(conv, xs[0]), up2_to_nchw(conv, xs[1]),
-                conv(xs[2])]
-        grad = torch.randn_like(outs[2])
-        grads = [torch.autograd.grad(o, [x_, conv.weight, conv.bias], grad)
-                 for o, x_ in zip(outs, xs)]
-        for out, g in zip(outs[:2], grads[:2]):
-            torch.testing.assert_close(out, outs[2])
-            for a, b in zip(g, grads[2]):
-                torch.testing.assert_close(a, b)
+        xs = [x.detach().clone().requires_grad_() for _ in range(2)]
+        out, ref = xcit_module._up2_traceable(conv, xs[0], layout), conv(xs[1])
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+        grad = torch.randn_like(ref)
+        got = torch.autograd.grad(out, [xs[0], conv.weight, conv.bias], grad)
+        want = torch.autograd.grad(ref, [xs[1], conv.weight, conv.bias], grad)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize('patch_size', [8, 16])
-def test_traceable_path_equals_the_eager_path(monkeypatch, patch_size):
+@pytest.mark.parametrize('patch_size, channels_last', [(8, False), (16, False), (16, True)],
+                         ids=['p8', 'p16', 'p16-channels_last'])
+def test_traceable_path_equals_the_eager_path(monkeypatch, patch_size, channels_last):
     """The whole forward with the traceable path forced on (as under torch.compile / ONNX
-    export) equals the eager path in values and gradients: padded and unpadded sizes (float32:
-    XCA keeps its attention in float32 whatever the input; the paths differ only in the
-    summation order of the upsampling matmuls)."""
-    model = tiny(patch_size)
+    export) equals the eager path in values and gradients: padded and unpadded sizes, NCHW and
+    channels-last outputs (float32: XCA keeps its attention in float32 whatever the input; the
+    paths differ only in the summation order of the upsampling matmuls)."""
+    model = tiny(patch_size, out_channels_last=channels_last)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
     for hw in [(64, 96), (97, 131)]:
         x = torch.randn(2, 3, *hw)
         results = []
@@ -95,7 +99,7 @@ def test_traceable_path_equals_the_eager_path(monkeypatch, patch_size):
                 for o in outs).backward()
             grads = [p.grad.clone() for p in model.parameters()]
             results.append(([o.detach() for o in outs], grads))
-            assert all(o.is_contiguous() for o in outs)
+            assert all(o.is_contiguous(memory_format=layout) for o in outs)
         (eager_out, eager_grad), (traced_out, traced_grad) = results
         for a, b in zip(traced_out, eager_out):
             assert_close_scaled(a, b, 1e-5, f'{hw} output')
@@ -217,7 +221,7 @@ def test_compile_hook_compiles_the_feature_extractor_once():
 
     from mmengine.registry import HOOKS, MODELS, init_default_scope
 
-    import xcit_mm.runtime  # noqa: F401  (registers the hook)
+    import training_extras  # noqa: F401  (registers the hook)
     init_default_scope('mmseg')
     torch.manual_seed(0)
     model = MODELS.build(dict(
@@ -254,10 +258,11 @@ def test_config_compile_true_compiles_the_feature_extractor_not_the_train_step()
     from mmengine.config import Config
     from mmengine.registry import HOOKS
 
-    import xcit_mm.runtime  # noqa: F401  (registers the hook)
+    import training_extras  # noqa: F401  (registers the hook)
     base = Config.fromfile(osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'configs',
-                                    '_base_', 'xcit_runtime.py'))
-    (entry,) = [h for h in base.custom_hooks if h['type'] == 'CompileFeatureExtractorHook']
+                                    '_base_', 'training_extras.py'))
+    (entry,) = [h for h in base.custom_hooks
+                if h['type'] == 'training_extras.CompileFeatureExtractorHook']
 
     class Detector(nn.Module):
         def extract_feat(self, x):

@@ -257,7 +257,7 @@ def test_train_mode_gradients_equal_the_reference(mmpretrain_xcit, patch_size, d
 @pytest.mark.parametrize('patch_size', [8, 16])
 def test_channels_last_outputs_equal_the_reference(mmpretrain_xcit, patch_size, dtype):
     """out_channels_last=True: the same values and gradients as the reference's NCHW maps (the
-    adapter's channels-last upsampling is one matmul and an interleaving copy), every output
+    adapter's channels-last upsampling writes row blocks into a channels-last map), every output
     laid out channels-last, the padded inputs' crops included."""
     reference, backbone = build_pair(mmpretrain_xcit, patch_size, dtype, out_channels_last=True)
     reference.train()

@@ -76,7 +76,7 @@ class TestShapes(TestCase):
         and still read right by RoIAlign through GatherRoIAlign."""
         from mmcv.ops import RoIAlign
 
-        from xcit_mm.models.roi_heads import GatherRoIAlign
+        from training_extras.roi_heads import GatherRoIAlign
         rois = torch.tensor([[0., 4., 6., 50., 40.], [1., 20., 10., 90., 70.]],
                             dtype=torch.float64)
         for patch_size in (8, 16):
@@ -98,27 +98,32 @@ class TestShapes(TestCase):
                     GatherRoIAlign(7, 0.25, 2)(got[0], rois),
                     RoIAlign(7, 0.25, 2)(want[0], rois), rtol=1e-10, atol=1e-10)
 
-    def test_nchw_upsampling_equals_conv_transpose(self):
-        """The adapter's 2x upsampling, written into NCHW row block by row block, equals
-        nn.ConvTranspose2d in values and gradients, across block boundaries (a 20-row map in
-        blocks of 8, 8 and 4) and for a map done in one block. float64, so that only a wrong
-        index, not the summation order, can make a difference."""
-        from xcit_mm.models.layers import up2_to_nchw
+    def test_blockwise_upsampling_equals_conv_transpose(self):
+        """The adapter's eager 2x upsampling (up2_blockwise), written row block by row block into
+        an NCHW or a channels-last map, equals nn.ConvTranspose2d in values and gradients (output
+        gradients in either layout, as a crop hands them back), across block boundaries (21 rows
+        in blocks of 10, 10 and 1), odd sides and in != out channels, and for a map done in one
+        block. float64, so that only a wrong index, not the summation order, can make a
+        difference."""
+        from xcit_mm.models.layers import up2_blockwise
         torch.manual_seed(0)
-        conv = nn.ConvTranspose2d(64, 64, kernel_size=2, stride=2).double()
-        for shape in [(1, 64, 20, 1024), (2, 64, 5, 7)]:
+        conv = nn.ConvTranspose2d(64, 48, kernel_size=2, stride=2).double().to(
+            memory_format=torch.channels_last)  # as the backbone holds it
+        params = [conv.weight, conv.bias]
+        for shape in [(1, 64, 21, 1023), (2, 64, 5, 7)]:
             x = torch.randn(shape, dtype=torch.float64).contiguous(
-                memory_format=torch.channels_last)
-            x_ref = x.detach().clone().requires_grad_()
-            x = x.requires_grad_()
-            out, ref = up2_to_nchw(conv, x), conv(x_ref)
-            self.assertTrue(out.is_contiguous())
-            torch.testing.assert_close(out, ref)
-            grad = torch.randn_like(ref)
-            got = torch.autograd.grad(out, [x, conv.weight, conv.bias], grad)
-            want = torch.autograd.grad(ref, [x_ref, conv.weight, conv.bias], grad)
-            for g, w in zip(got, want):
-                torch.testing.assert_close(g, w)
+                memory_format=torch.channels_last).requires_grad_()
+            ref = conv(x)
+            for layout in (torch.contiguous_format, torch.channels_last):
+                out = up2_blockwise(conv, x, layout)
+                self.assertTrue(out.is_contiguous(memory_format=layout))
+                torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+                for grad_layout in (torch.contiguous_format, torch.channels_last):
+                    grad = torch.randn_like(ref).contiguous(memory_format=grad_layout)
+                    got = torch.autograd.grad(out, [x] + params, grad, retain_graph=True)
+                    want = torch.autograd.grad(ref, [x] + params, grad, retain_graph=True)
+                    for g, w in zip(got, want):
+                        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
 
     def test_published_archs_build_with_paper_widths(self):
         # Paper Table 1 (D, depth, heads), written out here: an outside source for arch_zoo.
@@ -460,10 +465,10 @@ def test_importing_the_package_changes_only_what_it_documents():
         'from mmengine.registry import HOOKS, MODELS, OPTIM_WRAPPER_CONSTRUCTORS\n'
         'assert MODELS.get("XCiTBackbone") and HOOKS.get("LayerDecayLrHook") and '
         'OPTIM_WRAPPER_CONSTRUCTORS.get("XCiTLayerDecayOptimizerConstructor")\n'
-        '# the runtime, RoIAlign, data and upstream task packages are opt-in imports\n'
+        '# the training extras, the data and the upstream task packages are other imports\n'
         'import sys\n'
-        'loaded = [m for m in sys.modules if m.startswith(("xcit_mm.runtime", "xcit_mm.datasets", '
-        '"xcit_mm.models.roi_heads", "xcit_mm.apis", "mmdet", "mmseg"))]\n'
+        'loaded = [m for m in sys.modules if m.startswith(("training_extras", "shapes_world", '
+        '"xcit_mm.apis", "mmdet", "mmseg"))]\n'
         'assert not loaded, loaded\n'
         'assert HOOKS.get("RandomStateHook") is None\n')
     subprocess.run([sys.executable, '-c', code], check=True)

@@ -33,7 +33,7 @@ from mmengine.model.weight_init import trunc_normal_
 from mmengine.registry import MODELS
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..layers import (batch_norm_stats_frozen, ffn_residual, recomputed_residual, up2_to_nchw,
+from ..layers import (batch_norm_stats_frozen, ffn_residual, recomputed_residual, up2_blockwise,
                       xca_mixing, xca_residual)
 from ..utils.ckpt_load import (backbone_load_post_hook, backbone_load_pre_hook,
                                load_backbone_checkpoint)
@@ -294,53 +294,6 @@ def _build_adapter(embed_dims: int, patch_size: int, norm_cfg: dict) -> List[nn.
     return [nn.Sequential(up2()), nn.Identity(), nn.Sequential(pool(2)), nn.Sequential(pool(4))]
 
 
-def _up2_traceable(conv: nn.ConvTranspose2d, x: torch.Tensor) -> torch.Tensor:
-    """What :func:`~xcit_mm.models.layers.up2_to_nchw` computes, as plain tensor code for
-    compilers and exporters.
-
-    One matmul ``W^T (4 C_out, C) @ x (C, B*H*W)`` for the four kernel offsets (the channels-last
-    ``x`` is read as a transposed matrix, no copy), then one write into the NCHW output that
-    interleaves the offsets and adds the bias. No in-place writes and no Python loop over
-    size-dependent row blocks: ``torch.compile`` turns each block write into a full-size copy
-    (and specialises on the size), ``torch.onnx.export`` bakes the blocks of the export size into
-    the graph. Rows of the matmul result are output channels, so the interleaving write reads
-    two contiguous streams per output row; under inductor it fuses with the bias and the
-    caller's crop into one kernel.
-    """
-    B, C, H, W = x.shape
-    out_channels = conv.out_channels
-    weight = conv.weight.reshape(C, out_channels * 4).t()  # (C_out * 4, C): (o, di, dj) rows
-    # (C, B*H*W): a view of the channels-last map (a transposed matrix for BLAS); one mm, no
-    # batched matmul (whose backward copies the expanded weight's gradient)
-    y = torch.mm(weight, x.transpose(0, 1).reshape(C, B * H * W))
-    y = y.reshape(out_channels, 2, 2, B, H, W)
-    if conv.bias is not None:
-        y = y + conv.bias.reshape(out_channels, 1, 1, 1, 1, 1)
-    # (o, di, dj, B, i, j) -> (B, o, i, di, j, dj) = (B, o, 2i + di, 2j + dj)
-    return y.permute(3, 0, 4, 1, 5, 2).reshape(B, out_channels, 2 * H, 2 * W)
-
-
-def _up2_channels_last(conv: nn.ConvTranspose2d, x: torch.Tensor) -> torch.Tensor:
-    """``conv`` (kernel 2, stride 2) of a channels-last map, as a channels-last map.
-
-    In that layout the transposed conv is one matmul ``tokens (B*H*W, C) @ W (C, 4 C_out)`` and
-    one copy that interleaves the four kernel offsets; plain autograd differentiates it with two
-    matmuls and one copy.
-    """
-    B, C, H, W = x.shape
-    out_channels = conv.out_channels
-    # (C, C_out, 2, 2) -> (C, 2, 2, C_out) -> (C, 4 C_out): columns ordered (di, dj, o)
-    weight = conv.weight.permute(0, 2, 3, 1).reshape(C, 4 * out_channels)
-    tokens = x.permute(0, 2, 3, 1).reshape(B * H * W, C)  # a view for channels-last x
-    if conv.bias is None:
-        y = torch.mm(tokens, weight)
-    else:
-        y = torch.addmm(conv.bias.repeat(4), tokens, weight)
-    # (B, i, j, di, dj, o) -> (B, i, di, j, dj, o) = (B, 2i + di, 2j + dj, o)
-    y = y.view(B, H, W, 2, 2, out_channels).permute(0, 1, 3, 2, 4, 5)
-    return y.reshape(B, 2 * H, 2 * W, out_channels).permute(0, 3, 1, 2)
-
-
 def _tracing() -> bool:
     """Whether ``torch.compile`` / ``torch.export`` (dynamo) or a TorchScript trace (what
     ``torch.onnx.export(..., dynamo=False)`` runs) is recording the forward.
@@ -353,6 +306,36 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
+def _up2_traceable(conv: nn.ConvTranspose2d, x: torch.Tensor,
+                   layout: torch.memory_format) -> torch.Tensor:
+    """``conv`` (kernel 2, stride 2) of a channels-last map as plain tensor code, for compilers
+    and exporters: one matmul for the four kernel offsets, then one copy that interleaves them
+    and adds the bias (under inductor fused with the caller's crop and layout into one kernel).
+
+    No in-place writes and no Python loop over size-dependent row blocks, which is what
+    :func:`~xcit_mm.models.layers.up2_blockwise` does: ``torch.compile`` turns each block write
+    into a full-size copy (and specialises on the size), ``torch.onnx.export`` bakes the blocks
+    of the export size into the graph. The module's own forward traces too, but compiled (CPU,
+    a 2x384x64x64 map, 1 thread) its forward + backward took ~1.9x the time of this one. The
+    matmul's orientation follows ``layout`` (``tokens (B*H*W, C) @ W (C, 4 C_out)`` for
+    channels-last, its transpose for NCHW), so that the interleaving copy reads contiguous rows:
+    the other orientation's forward measured 1.2-1.6x slower compiled.
+    """
+    B, C, H, W = x.shape
+    out_channels = conv.out_channels
+    weight = conv.weight.permute(0, 2, 3, 1).reshape(C, 4 * out_channels)  # (di, dj, o) columns
+    tokens = x.permute(0, 2, 3, 1).reshape(B * H * W, C)  # a view of the channels-last map
+    # both to (B, o, i, di, j, dj), i.e. (B, o, 2i + di, 2j + dj) once reshaped
+    if layout == torch.channels_last:
+        y = torch.mm(tokens, weight).view(B, H, W, 2, 2, out_channels).permute(0, 5, 1, 3, 2, 4)
+    else:  # one mm, no batched matmul (whose backward copies the expanded weight's gradient)
+        y = torch.mm(weight.t(), tokens.t()).view(2, 2, out_channels, B, H, W)
+        y = y.permute(3, 2, 4, 0, 5, 1)
+    if conv.bias is not None:
+        y = y + conv.bias.view(out_channels, 1, 1, 1, 1)
+    return y.reshape(B, out_channels, 2 * H, 2 * W)
+
+
 def _adapt(adapter: nn.Module, feat: torch.Tensor, tracing: bool = False,
            layout: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
     """Run one adapter branch on a channels-last trunk map; return a map in ``layout``:
@@ -361,26 +344,18 @@ def _adapt(adapter: nn.Module, feat: torch.Tensor, tracing: bool = False,
     Downstream ops such as mmcv's CPU ``RoIAlign`` read raw NCHW memory and return wrong values
     for channels-last maps, hence NCHW by default. The branch runs channels-last like the trunk
     (faster on CPU); a final 2x upsampling writes its (largest) map straight into the output
-    layout, identity and pooled maps (small) are copied (not at all when channels-last: the
-    identity level is then a view of the trunk's tokens). ``tracing``: the NCHW upsampling is
-    :func:`_up2_traceable` and the result is returned as computed (the caller crops and lays it
-    out).
-
-    Why the last 2x upsampling has three implementations (one per output path; all compute
-    ``ConvTranspose2d(kernel 2, stride 2)``, and the tests compare each with the module):
-    :func:`~xcit_mm.models.layers.up2_to_nchw` writes eager NCHW output in row blocks with a
-    hand-written backward (no second full-size copy), which compilers and exporters cannot
-    trace (in-place block writes, size-dependent Python loops), hence :func:`_up2_traceable`;
-    for channels-last output the conv is one matmul on the tokens, :func:`_up2_channels_last`.
-    Inner upsamplings (p16 ``fpn1.0``) feed a BN, not the output: the module's own forward.
+    layout, in row blocks (:func:`~xcit_mm.models.layers.up2_blockwise`: the output plus small
+    temporaries, forward and backward); identity and pooled maps (small) are copied (not at all
+    when channels-last: the identity level is then a view of the trunk's tokens). ``tracing``:
+    that upsampling is :func:`_up2_traceable` and the result is returned as computed (the caller
+    crops and lays it out). Inner upsamplings (p16 ``fpn1.0``) feed a BN, not the output: the
+    module's own forward.
     """
     *body, last = adapter if isinstance(adapter, nn.Sequential) else [adapter]
     for module in body:
         feat = module(feat)
     if isinstance(last, nn.ConvTranspose2d):
-        if layout == torch.channels_last:
-            return _up2_channels_last(last, feat)
-        return _up2_traceable(last, feat) if tracing else up2_to_nchw(last, feat)
+        return _up2_traceable(last, feat, layout) if tracing else up2_blockwise(last, feat, layout)
     return last(feat) if tracing else last(feat).contiguous(memory_format=layout)
 
 
@@ -420,7 +395,7 @@ class XCiTBackbone(BaseModule):
             on CPU the neck and head convolutions / bilinear upsampling that follow run in the
             layout they are fastest in (docs/benchmark.md). Defaults to False: contiguous NCHW, which ops
             that read raw NCHW memory need (mmcv's CPU ``RoIAlign``, i.e. Mask R-CNN with mmdet's
-            ``SingleRoIExtractor``; :class:`~xcit_mm.models.roi_heads.GatherRoIExtractor`
+            ``SingleRoIExtractor``; :class:`~training_extras.roi_heads.GatherRoIExtractor`
             reads either layout).
         init_cfg (dict, optional): ``dict(type='Pretrained', checkpoint=PATH_OR_URL)`` loads any
             published layout (official / DINO ``{'model': ...}``, timm, mmpretrain, xcit_mm or

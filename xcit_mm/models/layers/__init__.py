@@ -1,7 +1,7 @@
 from .lean_autograd import (batch_norm_stats_frozen, ffn_residual, recomputed_residual,
-                            up2_to_nchw, xca_mixing, xca_residual)
+                            up2_blockwise, xca_mixing, xca_residual)
 
 __all__ = [
-    'batch_norm_stats_frozen', 'ffn_residual', 'recomputed_residual', 'up2_to_nchw',
+    'batch_norm_stats_frozen', 'ffn_residual', 'recomputed_residual', 'up2_blockwise',
     'xca_mixing', 'xca_residual'
 ]

@@ -14,9 +14,9 @@ recompute and re-derive the rest in the backward:
   updated once per step.
 * :func:`ffn_residual` ``x + gamma * FFN(LN(x))``: keeps ``x`` and the pre-GELU hidden layer; the
   GELU output and LN are recomputed, the gradient is hand-derived.
-* :func:`up2_to_nchw`: the adapter's last 2x transposed conv, written block by block into an NCHW
-  map, with a backward that reads the gradient block by block too (the in-place block writes
-  under plain autograd clone the whole output gradient once per block).
+* :func:`up2_blockwise`: the adapter's last 2x transposed conv, written block by block into an
+  NCHW or channels-last map, with a backward that reads the gradient block by block too (the
+  in-place block writes under plain autograd clone the whole output gradient once per block).
 
 The layer-scale gradient needs no saved branch output: for a branch ending in a linear map
 ``y = a W^T + b``, ``sum_n dy_n * y_n = (dy^T a) . W + b sum_n dy_n`` reuses ``dy^T a``, which the
@@ -300,7 +300,7 @@ def recomputed_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.
 
 
 def _row_block(B: int, W: int, channels: int, H: int, device: torch.device) -> int:
-    """Input rows per matmul block of :func:`up2_to_nchw`. CPU: temporaries of at most ~2 MB
+    """Input rows per matmul block of :func:`up2_blockwise`. CPU: temporaries of at most ~2 MB
     (they stay in cache), and few calls for small maps. Other devices: the whole map at once,
     since each block costs kernel launches and memory is not the concern there."""
     if device.type != 'cpu':
@@ -308,13 +308,14 @@ def _row_block(B: int, W: int, channels: int, H: int, device: torch.device) -> i
     return max(1, min(H, (1 << 19) // max(1, B * W * channels)))
 
 
-def _up2_forward(x: torch.Tensor, weight: torch.Tensor,
-                 bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _up2_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 memory_format: torch.memory_format) -> torch.Tensor:
     B, C, H, W = x.shape
     out_channels = weight.shape[1]
     tokens = x.permute(0, 2, 3, 1)  # (B, H, W, C), a view for channels-last x
-    out = x.new_empty(B, out_channels, 2 * H, 2 * W)
-    grid = out.view(B, out_channels, H, 2, W, 2)
+    out = torch.empty(B, out_channels, 2 * H, 2 * W, dtype=x.dtype, device=x.device,
+                      memory_format=memory_format)
+    grid = out.view(B, out_channels, H, 2, W, 2)  # splitting dims: a view in either layout
     bias = bias if bias is not None else x.new_zeros(out_channels)
     rows = _row_block(B, W, out_channels, H, x.device)
     for top in range(0, H, rows):
@@ -327,14 +328,14 @@ def _up2_forward(x: torch.Tensor, weight: torch.Tensor,
     return out
 
 
-class _Up2ToNCHW(torch.autograd.Function):
-    """See :func:`up2_to_nchw`."""
+class _Up2Blockwise(torch.autograd.Function):
+    """See :func:`up2_blockwise`."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, memory_format):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _up2_forward(x, weight, bias)
+        return _up2_forward(x, weight, bias, memory_format)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -342,7 +343,7 @@ class _Up2ToNCHW(torch.autograd.Function):
         needs = ctx.needs_input_grad
         B, C, H, W = x.shape
         out_channels = weight.shape[1]
-        grid = grad_out.contiguous().view(B, out_channels, H, 2, W, 2)
+        grid = grad_out.view(B, out_channels, H, 2, W, 2)  # any layout: read block by block
         tokens = x.permute(0, 2, 3, 1)
         grad_tokens = x.new_empty(B, H, W, C) if needs[0] else None
         grad_weight = x.new_zeros(2, 2, C, out_channels) if needs[1] else None
@@ -366,18 +367,21 @@ class _Up2ToNCHW(torch.autograd.Function):
         if needs[1]:
             grad_weight = grad_weight.permute(2, 3, 0, 1)
         grad_bias = grad_out.sum((0, 2, 3)) if ctx.has_bias and needs[2] else None
-        return grad_x, grad_weight, grad_bias
+        return grad_x, grad_weight, grad_bias, None
 
 
-def up2_to_nchw(conv: nn.ConvTranspose2d, x: torch.Tensor) -> torch.Tensor:
-    """``conv`` (kernel 2, stride 2) of a channels-last map, written into a contiguous NCHW map.
+def up2_blockwise(conv: nn.ConvTranspose2d, x: torch.Tensor,
+                  memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+    """``conv`` (kernel 2, stride 2) of a channels-last map, written into a map laid out in
+    ``memory_format`` (contiguous NCHW or channels-last). Eager only: not for tracing.
 
     Such a transposed conv is one matmul per kernel offset (di, dj) whose result lands on
-    ``out[..., di::2, dj::2]``. Filling a preallocated NCHW output that way, in blocks of input
-    rows, costs little more than the output itself, where conv + ``.contiguous()`` costs two
-    outputs and an NCHW conv on CPU more still. The backward reads the output gradient in the
-    same blocks. Under autocast, plain autograd of the same forward (mixed dtypes).
+    ``out[..., di::2, dj::2]``. Filling a preallocated output that way, in blocks of input rows,
+    costs little more than the output itself, where conv + ``.contiguous()`` costs two outputs
+    (and an NCHW conv on CPU more still), and a single matmul plus an interleaving copy two as
+    well. The backward reads the output gradient in the same blocks, in whatever layout it comes.
+    Under autocast, plain autograd of the same forward (mixed dtypes).
     """
     if torch.is_autocast_enabled(x.device.type):
-        return _up2_forward(x, conv.weight, conv.bias)
-    return _Up2ToNCHW.apply(x, conv.weight, conv.bias)
+        return _up2_forward(x, conv.weight, conv.bias, memory_format)
+    return _Up2Blockwise.apply(x, conv.weight, conv.bias, memory_format)
