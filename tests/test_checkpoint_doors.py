@@ -333,13 +333,13 @@ def test_pickled_code_is_refused_by_our_tools(seg_files, train_tool, test_tool, 
 
 
 @pytest.mark.parametrize('tool', ['ours', 'mmdet'])
-def test_a_checkpoint_of_the_other_task_is_one_line_from_the_test_tools(det_files, seg_files,
-                                                                          tmp_path, tool):
+def test_a_checkpoint_of_the_other_task_is_one_line_from_the_test_tools(
+        det_files, seg_files, tmp_path, tool):
     """A segmentor's training checkpoint given to a detector config: the load path every door
     takes (the backbone's load hook) names the other task, and both test tools end in that one
     line."""
-    script = osp.join(REPO, 'tools', 'test.py') if tool == 'ours' else _upstream_tool('mmdet',
-                                                                                     'test')
+    script = (osp.join(REPO, 'tools', 'test.py') if tool == 'ours' else
+              _upstream_tool('mmdet', 'test'))
     out = _run(script, det_files['cfg'], seg_files['numpy1'], '--work-dir', str(tmp_path),
                ok=False)
     assert 'Traceback' not in out, out[-3000:]

@@ -4,10 +4,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from mmengine.config import Config
 
-from xcit_mm.models.utils import CheckpointError
 from xcit_mm.models.utils.config_check import ConfigError, check_backbone_config
 
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))

@@ -44,13 +44,13 @@ from mmengine.runner import Runner  # noqa: E402
 
 from shapes_world import ensure_shapes_world  # noqa: E402
 from shapes_world.shapes import ShapesWorldError  # noqa: E402
-from xcit_mm.models.utils import CheckpointError, check_checkpoint
-from training_extras import (AnnotationFormatError, DatasetNotFoundError, check_data,
-                             distributed_session)
-from xcit_mm.models.utils.checkpoint_io import is_url  # noqa: E402
-from xcit_mm.models.utils.config_check import ConfigError, check_backbone_config  # noqa: E402
+from training_extras import (AnnotationFormatError, DatasetNotFoundError,  # noqa: E402
+                             check_data, distributed_session)
 from training_extras.dist_utils import lost_peer_message  # noqa: E402
 from training_extras.hooks import shutdown_dataloader_workers  # noqa: E402
+from xcit_mm.models.utils import CheckpointError, check_checkpoint  # noqa: E402
+from xcit_mm.models.utils.checkpoint_io import is_url  # noqa: E402
+from xcit_mm.models.utils.config_check import ConfigError, check_backbone_config  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -51,17 +51,16 @@ from mmengine.runner import Runner  # noqa: E402
 
 from shapes_world import ensure_shapes_world  # noqa: E402
 from shapes_world.shapes import ShapesWorldError  # noqa: E402
-from training_extras import (CPU_AMP_TYPE, CheckpointSaveError, NonFiniteLossError,
-                             SafeCheckpointHook, SampleLoadError, amp_optim_wrapper_type)
-from training_extras.hooks import shutdown_dataloader_workers  # noqa: E402
-from training_extras.cpu_amp_optim_wrapper import (  # noqa: E402
-    warn_if_cpu_bf16_is_slow)
-from xcit_mm.models.utils import (CheckpointError, check_checkpoint, check_pretrained,
-                                  resolve_auto_resume)
-from training_extras import (AnnotationFormatError, DatasetNotFoundError, check_data,
-                             distributed_session)
-from xcit_mm.models.utils.config_check import ConfigError, check_backbone_config  # noqa: E402
+from training_extras import (CPU_AMP_TYPE, AnnotationFormatError,  # noqa: E402
+                             CheckpointSaveError, DatasetNotFoundError, NonFiniteLossError,
+                             SafeCheckpointHook, SampleLoadError, amp_optim_wrapper_type,
+                             check_data, distributed_session)
+from training_extras.checkpoint_check import check_pretrained, resolve_auto_resume  # noqa: E402
+from training_extras.cpu_amp_optim_wrapper import warn_if_cpu_bf16_is_slow  # noqa: E402
 from training_extras.dist_utils import lost_peer_message  # noqa: E402
+from training_extras.hooks import shutdown_dataloader_workers  # noqa: E402
+from xcit_mm.models.utils import CheckpointError, check_checkpoint  # noqa: E402
+from xcit_mm.models.utils.config_check import ConfigError, check_backbone_config  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -2,7 +2,7 @@
 
 Any mmdet / mmseg config switches them on with one base, ``configs/_base_/training_extras.py``
 (the quick-start jobs do; the paper configs run on stock hooks). Registers the pieces that make
-long runs reliable and CPU-only runs possible (docs/reliability.md): the hooks
+long runs reliable and CPU-only runs possible (docs/training_extras.md): the hooks
 ``CheckFiniteLossHook``, ``RandomStateHook``, ``SampleSeedingHook``, ``PortableCheckpointHook``,
 ``SafeCheckpointHook`` (``AtomicCheckpointHook`` selects it from ``custom_hooks``),
 ``SkippedSamplesHook`` and ``CompileFeatureExtractorHook``; the dataset wrapper
@@ -16,8 +16,8 @@ from .data_check import (AnnotationFormatError, DatasetNotFoundError, check_anno
 from .dist_utils import (CPUDistributedDataParallel, distributed_session, init_cpu_dist,
                          init_distributed, prepare_cpu_distributed_cfg)
 from .hooks import (AtomicCheckpointHook, CheckFiniteLossHook, CheckpointSaveError,
-                    CompileFeatureExtractorHook, NonFiniteLossError, PortableCheckpointHook, RandomStateHook,
-                    SafeCheckpointHook, SampleSeedingHook, SkippedSamplesHook)
+                    CompileFeatureExtractorHook, NonFiniteLossError, PortableCheckpointHook,
+                    RandomStateHook, SafeCheckpointHook, SampleSeedingHook, SkippedSamplesHook)
 from .sample_seeding import SampleKeyBatchSampler, SampleLoadError, SeededSampleDataset
 
 __all__ = [

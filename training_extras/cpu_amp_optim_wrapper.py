@@ -24,7 +24,7 @@ autocast (see ``xcit_mm.models.backbones.xcit``), so the channel-attention maps 
 
 Speed: bfloat16 is only fast on CPUs with native bfloat16 arithmetic (x86 ``avx512_bf16`` or AMX
 ``amx_bf16``; Arm ``bf16``). Elsewhere oneDNN emulates it and ``--amp`` trains several times slower
-than float32 (docs/reliability.md). :func:`cpu_has_native_bf16` detects this and
+than float32 (docs/training_extras.md). :func:`cpu_has_native_bf16` detects this and
 ``tools/train.py`` warns once (:func:`warn_if_cpu_bf16_is_slow`).
 """
 import logging

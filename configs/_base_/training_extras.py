@@ -1,4 +1,4 @@
-# The training extras (training_extras/, docs/reliability.md) for any mmdet / mmseg config: add
+# The training extras (training_extras/, docs/training_extras.md) for any mmdet / mmseg config: add
 # this file to the config's `_base_` list, as the quick-start jobs in configs/shapes/ do:
 #
 #   _base_ = ['../mask_rcnn_xcit_s12_p8_3x_coco.py', '../_base_/training_extras.py']

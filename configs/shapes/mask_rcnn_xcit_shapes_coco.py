@@ -8,11 +8,11 @@
 # evaluates box and mask AP (mmdet CocoMetric) on the held-out validation images at the end.
 # Changed here: data, classes, image size (160 px), a small from-scratch XCiT (D=128, 6 layers, p8),
 # narrower FPN and heads with GroupNorm (bbox head Shared4Conv1FC), fewer RoIs, lr 6e-4, a cosine
-# schedule of 1200 iterations, and RoI features from training_extras' GatherRoIExtractor (mmcv's RoIAlign
-# values, several times faster on CPU; docs/benchmark.md). Everything else (Mask R-CNN + FPN
-# structure, AdamW, the released weight-decay rule: no decay for names containing 'norm',
-# CocoDataset, CocoMetric) is the paper config's. See docs/shapes.md.
-# The training extras are on (../_base_/training_extras.py, docs/reliability.md).
+# schedule of 1200 iterations, and RoI features from training_extras' GatherRoIExtractor (mmcv's
+# RoIAlign values, several times faster on CPU; docs/benchmark_shapes.md). Everything else (Mask
+# R-CNN + FPN structure, AdamW, the released weight-decay rule: no decay for names containing
+# 'norm', CocoDataset, CocoMetric) is the paper config's. See docs/shapes.md.
+# The training extras are on (../_base_/training_extras.py, docs/training_extras.md).
 _base_ = ['../mask_rcnn_xcit_t12_p16_3x_coco.py', '../_base_/training_extras.py']
 custom_imports = dict(
     imports=[

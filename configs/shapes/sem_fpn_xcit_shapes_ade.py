@@ -17,7 +17,7 @@
 # its 150 class names). Everything else not changed here (Semantic FPN structure, AdamW, the
 # released weight-decay rule: no decay for names containing 'norm', IoUMetric) is the paper
 # config's.
-# The training extras are on (../_base_/training_extras.py, docs/reliability.md).
+# The training extras are on (../_base_/training_extras.py, docs/training_extras.md).
 _base_ = ['../sem_fpn_xcit_t12_p16_80k_ade20k.py', '../_base_/training_extras.py']
 custom_imports = dict(
     imports=[

@@ -7,7 +7,8 @@ from .sample_seeding_hook import SampleSeedingHook, shutdown_dataloader_workers
 from .skipped_samples_hook import SkippedSamplesHook
 
 __all__ = [
-    'AtomicCheckpointHook', 'CheckFiniteLossHook', 'CheckpointSaveError', 'CompileFeatureExtractorHook',
-    'NonFiniteLossError', 'PortableCheckpointHook', 'RandomStateHook', 'SafeCheckpointHook',
+    'AtomicCheckpointHook', 'CheckFiniteLossHook', 'CheckpointSaveError',
+    'CompileFeatureExtractorHook', 'NonFiniteLossError', 'PortableCheckpointHook',
+    'RandomStateHook', 'SafeCheckpointHook',
     'SampleSeedingHook', 'SkippedSamplesHook', 'shutdown_dataloader_workers'
 ]

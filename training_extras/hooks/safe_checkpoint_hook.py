@@ -108,7 +108,9 @@ class SafeCheckpointHook(CheckpointHook):
     ``max_keep_ckpts`` drops, and replaces ``last_checkpoint`` atomically.
 
     Same arguments and checkpoints as mmengine's ``CheckpointHook``; configs select it with
-    ``default_hooks = dict(checkpoint=dict(type='SafeCheckpointHook', ...))``. Also removes, at the start of training, ``*.pth.tmp`` files that an interrupted save left behind.
+    ``default_hooks = dict(checkpoint=dict(type='SafeCheckpointHook', ...))`` or, from
+    ``custom_hooks``, :class:`AtomicCheckpointHook`. Also removes, at the start of training,
+    ``*.pth.tmp`` files that an interrupted save left behind.
     """
 
     def before_train(self, runner) -> None:

@@ -3,7 +3,8 @@
 With ``SampleSeedingHook(on_bad_sample='skip')`` a sample whose files cannot be loaded is replaced
 by the next loadable one (``training_extras.sample_seeding.SeededSampleDataset``), in whichever
 process loads it; the replacement carries a record of what it replaced. This hook (the base class
-of ``SampleSeedingHook``) reads those records from every training batch in the main process, logs each skipped sample with its index, files and reason and counts them
+of ``SampleSeedingHook``) reads those records from every training batch in the main process,
+logs each skipped sample with its index, files and reason and counts them
 (:attr:`SkippedSamplesHook.count`, per process, since this run started or resumed). At the end
 of training it logs the total of all ranks.
 """

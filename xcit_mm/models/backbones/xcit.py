@@ -390,13 +390,13 @@ class XCiTBackbone(BaseModule):
         norm_eval (bool): Keep every norm layer (BN and LN) in eval mode during training, so BN
             statistics stay those of the pretrained weights.
         with_cp (bool): Gradient checkpointing per layer: trades compute for activation memory.
-        out_channels_last (bool): Return the four maps in channels-last memory layout (same
-            logical NCHW shape), which is the trunk's own layout: no transposing copies, and
-            on CPU the neck and head convolutions / bilinear upsampling that follow run in the
-            layout they are fastest in (docs/benchmark.md). Defaults to False: contiguous NCHW, which ops
-            that read raw NCHW memory need (mmcv's CPU ``RoIAlign``, i.e. Mask R-CNN with mmdet's
-            ``SingleRoIExtractor``; :class:`~training_extras.roi_heads.GatherRoIExtractor`
-            reads either layout).
+        out_channels_last (bool): Return the four maps in channels-last memory layout (same logical
+            NCHW shape), which is the trunk's own layout: no transposing copies, and on CPU the neck
+            and head convolutions / bilinear upsampling that follow run in the layout they are
+            fastest in (docs/benchmark.md). Defaults to False: contiguous NCHW, which ops that read
+            raw NCHW memory need (mmcv's CPU ``RoIAlign``, i.e. Mask R-CNN with mmdet's
+            ``SingleRoIExtractor``; :class:`~training_extras.roi_heads.GatherRoIExtractor` reads
+            either layout).
         init_cfg (dict, optional): ``dict(type='Pretrained', checkpoint=PATH_OR_URL)`` loads any
             published layout (official / DINO ``{'model': ...}``, timm, mmpretrain, xcit_mm or
             mmengine checkpoints; ``prefix`` selects a sub-module, ``weights_only=False`` opts in

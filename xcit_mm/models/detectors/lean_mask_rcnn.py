@@ -51,6 +51,7 @@ from mmdet.structures.bbox import bbox2roi
 from ..layers.fpn_data_flow import fpn_in_data_flow_order
 from ..utils.ckpt_load import refuse_headless_load
 
+
 @MODELS.register_module()
 class LeanMaskRCNN(MaskRCNN):
     """mmdet's ``MaskRCNN`` whose ``predict`` keeps fewer full-resolution maps alive.
@@ -63,7 +64,6 @@ class LeanMaskRCNN(MaskRCNN):
         super().__init__(*args, **kwargs)
         # a file without weights for a head is an error, never a silently random head
         self.register_load_state_dict_post_hook(refuse_headless_load)
-
 
     def _lean(self) -> bool:
         cfg = self.test_cfg

@@ -94,7 +94,6 @@ class LeanEncoderDecoder(EncoderDecoder):
         # a file without weights for a head is an error, never a silently random head
         self.register_load_state_dict_post_hook(refuse_headless_load)
 
-
     # ------------------------------------------------------------------ settings
     def _test_option(self, key, default):
         cfg = self.test_cfg

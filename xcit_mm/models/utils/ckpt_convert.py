@@ -1,6 +1,7 @@
 """Pure key conversion of the published XCiT layouts to :class:`XCiTBackbone`'s names.
 
-No file is read here (see :mod:`xcit_mm.models.utils.checkpoint_io`): dicts of tensors in, dicts out.
+No file is read here (see :mod:`xcit_mm.models.utils.checkpoint_io`): dicts of tensors in, dicts
+out.
 
 Layouts in the wild (see the README):
 
