@@ -2,7 +2,7 @@
 
 mmengine 0.10 pickles its message hub (``HistoryBuffer`` objects holding numpy arrays) into every
 training checkpoint, and torch >= 2.6 refuses such files by default. The files here are written
-the way users write them, without ``configs/_base_/xcit_runtime.py`` (so without
+the way users write them, without ``configs/_base_/training_extras.py`` (so without
 ``PortableCheckpointHook``, which would store plain data instead):
 
 - the detector: the config README's "Using the backbone" snippet gives (mmdet's Mask R-CNN base,

@@ -21,10 +21,10 @@ tools/train.py; the differences are
   rank stops with a message saying so instead of a gloo traceback;
 - a checkpoint that cannot be written (full disk) and a training image that cannot be read stop
   the run with a message naming the file (``CheckpointSaveError``, ``SampleLoadError``; see
-  docs/reliability.md);
+  docs/training_extras.md);
 - the Runner is mmengine's own, as in mmdet's / mmseg's tools; released XCiT COCO / ADE20k
-  files load as downloaded because ``XCiTBackbone`` converts their keys itself, and the configs'
-  ``configs/_base_/xcit_runtime.py`` switches on the reliability hooks of ``training_extras``.
+  files load as downloaded because ``XCiTBackbone`` converts their keys itself, and
+  ``configs/_base_/training_extras.py`` switches on the hooks of ``training_extras`` in any config.
 
 Examples::
 

@@ -15,7 +15,7 @@ class CompileFeatureExtractorHook(Hook):
     backbone and neck of mmdet's and mmseg's models hold nearly all the FLOPs and compile as one
     graph (tests/test_compile.py).
 
-    With ``follow_config=True`` (how ``configs/_base_/xcit_runtime.py`` adds it) the hook does
+    With ``follow_config=True`` (how ``configs/_base_/training_extras.py`` adds it) the hook does
     nothing unless the config says ``compile=True`` (or ``compile=dict(...)``, the arguments of
     ``torch.compile``); it then compiles the feature extractor with those arguments and takes
     ``compile`` out of the runner's config, so that mmengine does not also compile the whole

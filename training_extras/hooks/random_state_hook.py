@@ -5,7 +5,7 @@ from ``randomness.seed`` when it resumes. :class:`RandomStateHook` saves the Pyt
 torch random states in every checkpoint and restores them on ``--resume`` where the interrupted
 run would have continued, so a resumed run draws the same drop-path masks, RoI samples and data
 augmentations as an uninterrupted one. Registered in mmengine's root ``HOOKS`` registry
-(``custom_hooks = [dict(type='RandomStateHook')]``; configs/_base_/xcit_runtime.py adds it).
+(``custom_hooks = [dict(type='RandomStateHook')]``; configs/_base_/training_extras.py adds it).
 """
 import random
 from typing import List, Optional
