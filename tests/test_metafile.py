@@ -4,7 +4,8 @@ and the paper.
 Plain YAML and file checks (no mmdet / mmseg import): the index lists exactly the 24 paper configs,
 each entry's config, README and code paths exist, its results are the paper's numbers (the
 tables below, copied from paper Tables 5 and 6 independently of the metafile), and its weights
-are the released-weight URL quoted in the config's own header comment.
+are the released-weight URL quoted in the config's own header comment. It also lists the
+Cityscapes recipes (not from the paper), with no results and no weights.
 """
 import glob
 import numbers
@@ -45,6 +46,13 @@ UPERNET = {
     ('s24', 16): 46.9, ('s24', 8): 48.1,
     ('m24', 16): 47.6, ('m24', 8): 48.4,
 }
+
+
+# The Cityscapes recipes (configs/*_80k_cityscapes.py): not from the paper, no released weights.
+RECIPES = {f'configs/{task}_xcit_s12_p{patch}_80k_cityscapes.py':
+           {'Training Data': 'Cityscapes', 'Iterations': 80000, 'Batch Size': 8,
+            'Crop Size': '512x1024'}
+           for task in ('sem_fpn', 'upernet') for patch in PATCHES}
 
 
 def _expected():
@@ -88,7 +96,7 @@ def _paper_configs():
     found = set()
     for task in ('mask_rcnn', 'sem_fpn', 'upernet'):
         for path in glob.glob(osp.join(ROOT, 'configs', f'{task}_xcit_*.py')):
-            if not path.endswith('_ld.py'):
+            if not path.endswith(('_ld.py', '_cityscapes.py')):
                 found.add(osp.relpath(path, ROOT).replace(osp.sep, '/'))
     return found
 
@@ -126,7 +134,7 @@ def test_configs_are_exactly_the_paper_configs(models):
     assert paper == set(EXPECTED)
     configs = [m['Config'] for m in models]
     assert len(configs) == len(set(configs)), 'a config is listed twice'
-    assert set(configs) == paper
+    assert set(configs) == paper | set(RECIPES)
     for config in configs:
         assert osp.isfile(osp.join(ROOT, config)), config
 
@@ -139,8 +147,20 @@ def test_names_unique_and_match_configs(models):
         assert m['In Collection'] == 'XCiT'
 
 
+def test_recipes_claim_no_result_and_no_weights(models):
+    recipes = {m['Config']: m for m in models if m['Config'] in RECIPES}
+    assert set(recipes) == set(RECIPES)
+    for config, m in recipes.items():
+        assert m['Results'] == [] and 'Weights' not in m, config
+        assert m['Metadata']['Weights'].startswith('none released'), config
+        assert {k: m['Metadata'][k] for k in RECIPES[config]} == RECIPES[config], config
+        assert not _header_weights(config), config
+
+
 def test_results_are_numeric(models):
     for m in models:
+        if m['Config'] in RECIPES:
+            continue
         assert m['Results'], m['Name']
         for result in m['Results']:
             assert result['Metrics'], m['Name']
@@ -150,7 +170,7 @@ def test_results_are_numeric(models):
 
 
 def test_results_and_metadata_match_paper(models):
-    for m in models:
+    for m in (m for m in models if m['Config'] not in RECIPES):
         metadata, results = EXPECTED[m['Config']]
         got = [(r['Task'], r['Dataset'], r['Metrics']) for r in m['Results']]
         assert got == results, m['Name']

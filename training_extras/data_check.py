@@ -1,12 +1,14 @@
 """Check, before anything is built, that the data a config points at is really there.
 
-Without this check a missing COCO / ADE20k copy surfaces deep inside dataset construction (for
-example as ``FileNotFoundError: data/coco/annotations/instances_train2017.json`` raised from a
-dataloader worker, or as an empty ADE20k dataset that fails on the first iteration), possibly
-minutes after start-up on every rank of a multi-GPU job. :func:`check_data` walks the dataloader and
-evaluator settings of a config the same way mmengine's ``BaseDataset`` resolves them and raises one
-:class:`DatasetNotFoundError` that lists every missing path and says what to download and where to
-put it, or how to point the config elsewhere with ``--cfg-options``.
+Without this check a missing COCO / ADE20k / Cityscapes copy surfaces deep inside dataset
+construction (for example as ``FileNotFoundError: data/coco/annotations/instances_train2017.json``
+raised from a dataloader worker, or as an empty ADE20k dataset that fails on the first iteration),
+possibly minutes after start-up on every rank of a multi-GPU job. :func:`check_data` walks the
+dataloader and evaluator settings of a config the same way mmengine's ``BaseDataset`` resolves them
+and raises one :class:`DatasetNotFoundError` that lists every missing path and says what to
+download and where to put it, or how to point the config elsewhere with ``--cfg-options``. A
+Cityscapes copy without the ``*_gtFine_labelTrainIds.png`` label maps (made by mmseg's converter,
+not part of the download) counts as missing too.
 
 The built-in shapes dataset is created on use by :func:`shapes_world.ensure_shapes_world`.
 """
@@ -39,6 +41,19 @@ and unzip it into {parent} so that {root} contains
     images/training/*.jpg, images/validation/*.jpg
     annotations/training/*.png, annotations/validation/*.png
 (or link an existing copy there: ln -s /path/to/ADEChallengeData2016 {root})."""
+
+_CITYSCAPES_HELP = """\
+Cityscapes (fine annotations, 19 classes) is needed. Register at
+https://www.cityscapes-dataset.com/, download leftImg8bit_trainvaltest.zip and
+gtFine_trainvaltest.zip (Downloads page) and unzip both into {root} so that it contains
+    leftImg8bit/train/<city>/*_leftImg8bit.png, leftImg8bit/val/<city>/*_leftImg8bit.png
+    gtFine/train/<city>/*_gtFine_labelTrainIds.png, gtFine/val/<city>/*_gtFine_labelTrainIds.png
+The *_gtFine_labelTrainIds.png label maps are not in the download: make them from the
+*_gtFine_polygons.json files with mmseg's tools/dataset_converters/cityscapes.py (needs
+cityscapesscripts):
+    pip install cityscapesscripts
+    python {converter} {root} --nproc 8
+(or link an existing copy there: ln -s /path/to/cityscapes {root})."""
 
 _SHAPES_HELP = """\
 This config uses the built-in shapes dataset (cfg.shapes_world). tools/train.py and tools/test.py
@@ -89,6 +104,23 @@ def _leaf_datasets(dataset_cfg) -> Iterable[dict]:
         yield from _leaf_datasets(dataset_cfg['dataset'])
     else:
         yield dataset_cfg
+
+
+def _type_name(dataset_cfg: dict) -> str:
+    dataset_type = dataset_cfg.get('type')
+    return str(getattr(dataset_type, '__name__', dataset_type))
+
+
+def _label_maps_missing(dataset_cfg: dict, path: str) -> Optional[str]:
+    """For Cityscapes, the annotation directory ``path`` (which exists) must hold label maps of the
+    dataset's ``seg_map_suffix``: the download has only polygons and colour / id images, the
+    ``*_gtFine_labelTrainIds.png`` files come from mmseg's converter. Returns the missing kind."""
+    if _type_name(dataset_cfg) != 'CityscapesDataset':
+        return None
+    suffix = dataset_cfg.get('seg_map_suffix') or '_gtFine_labelTrainIds.png'
+    if any(name.endswith(suffix) for _, _, names in os.walk(path) for name in names):
+        return None
+    return f'no label maps *{suffix} (run the conversion below)'
 
 
 def _dataset_paths(dataset_cfg: dict) -> List[Tuple[str, str]]:
@@ -157,12 +189,18 @@ def find_missing_data(cfg, splits: Sequence[str] = ('train', 'val')) -> List[Tup
         if evaluator_key is not None:
             checks += [(evaluator_key, kind, path)
                        for kind, path in _evaluator_paths(cfg[evaluator_key])]
+        datasets = {path: dataset for dataset in _leaf_datasets(cfg[loader_key].get('dataset'))
+                    for _, path in _dataset_paths(dataset)}
         for where, kind, path in checks:
             if _is_remote(path) or path in seen:
                 continue
             seen.add(path)
             if not osp.exists(path):
                 missing.append((where, kind, path))
+            elif kind == 'annotation directory' and path in datasets:
+                no_labels = _label_maps_missing(datasets[path], path)
+                if no_labels:
+                    missing.append((where, no_labels, path))
     return missing
 
 
@@ -171,10 +209,8 @@ def _dataset_types(cfg, splits: Sequence[str]) -> List[str]:
     for split in splits:
         if _split_enabled(cfg, split):
             for dataset in _leaf_datasets(cfg[_SPLITS[split][0]].get('dataset')):
-                dataset_type = dataset.get('type')
-                dataset_type = getattr(dataset_type, '__name__', dataset_type)
-                if dataset_type not in types:
-                    types.append(str(dataset_type))
+                if _type_name(dataset) not in types:
+                    types.append(_type_name(dataset))
     return types
 
 
@@ -215,12 +251,27 @@ def _override_hint(cfg, splits: Sequence[str], example_root: str) -> str:
             ' \\\n        '.join(options))
 
 
+def _cityscapes_converter() -> str:
+    """mmseg's Cityscapes converter: the copy pip installs with mmseg, else the repository path."""
+    try:
+        import mmseg
+    except ImportError:
+        mmseg = None
+    if mmseg is not None:
+        path = osp.join(osp.dirname(mmseg.__file__), '.mim', 'tools', 'dataset_converters',
+                        'cityscapes.py')
+        if osp.isfile(path):
+            return path
+    return 'mmsegmentation/tools/dataset_converters/cityscapes.py'
+
+
 def check_data(cfg, splits: Sequence[str] = ('train', 'val'), config_name: str = None) -> None:
     """Raise :class:`DatasetNotFoundError` with download instructions if data is missing.
 
     The message names every missing path (absolute, so a wrong working directory is obvious),
     explains how to obtain the dataset the config uses (COCO 2017 for ``CocoDataset``, ADE20k
-    ``ADEChallengeData2016`` for ``ADE20KDataset``, the generator for the built-in shapes data)
+    ``ADEChallengeData2016`` for ``ADE20KDataset``, Cityscapes and its label-map conversion for
+    ``CityscapesDataset``, the generator for the built-in shapes data)
     and gives the ``--cfg-options`` overrides that point the config at another location.
 
     Args:
@@ -254,10 +305,14 @@ def check_data(cfg, splits: Sequence[str] = ('train', 'val'), config_name: str =
     if 'ADE20KDataset' in types:
         ade_root = (root or 'data/ade/ADEChallengeData2016').rstrip('/')
         helps.append(_ADE_HELP.format(root=ade_root, parent=osp.dirname(ade_root) or '.'))
+    if 'CityscapesDataset' in types:
+        helps.append(_CITYSCAPES_HELP.format(root=(root or 'data/cityscapes/').rstrip('/'),
+                                             converter=_cityscapes_converter()))
     if not helps:
         helps.append(f'Prepare the data of {", ".join(types) or "the dataset"} at the paths above.')
     example = {'CocoDataset': '/path/to/coco/',
-               'ADE20KDataset': '/path/to/ADEChallengeData2016'}.get(
+               'ADE20KDataset': '/path/to/ADEChallengeData2016',
+               'CityscapesDataset': '/path/to/cityscapes/'}.get(
                    types[0] if types else '', '/path/to/data')
     hint = _override_hint(cfg, splits, example)
     message = '\n'.join(lines + helps + ([hint] if hint else []))

@@ -2,50 +2,17 @@
 #
 # mmseg's own bases give the ADE20k data (512x512 crops of images resized by 0.5-2.0 x 2048x512,
 # cat_max_ratio 0.75, flip, photometric distortion; whole-image test at 2048x512; IoUMetric mIoU)
-# and the runtime. mmengine refuses a key defined by two bases of the same list, so the pieces that
-# the model and schedule bases also define (backbone, optimizer, warm-up) are kept here under
-# xcit_* names, and configs/_base_/xcit_{sem_fpn_80k,upernet_160k}_ade20k.py put them in place.
+# and the runtime; ./xcit_segmentation.py the pieces it shares with the Cityscapes recipe (the
+# xcit_mm import, backbone, optimizer and warm-up, explained there) under xcit_* names, which
+# configs/_base_/xcit_{sem_fpn_80k,upernet_160k}_ade20k.py put in place.
 _base_ = [
     'mmseg::_base_/datasets/ade20k.py',
     'mmseg::_base_/default_runtime.py',
+    './xcit_segmentation.py',
 ]
-# XCiTBackbone, the layer-decay pieces and the lean models; everything else is stock.
-custom_imports = dict(imports=['xcit_mm'], allow_failed_imports=False)
-
 
 # 2 images per GPU x 8 GPUs = the paper's batch of 16.
 train_dataloader = dict(batch_size=2)
 val_dataloader = dict(batch_size=1)
 test_dataloader = val_dataloader
 auto_scale_lr = dict(enable=False, base_batch_size=16)
-
-# XCiT in place of the ResNet of mmseg's model bases; the leaf configs add arch, patch size, drop
-# path and the ImageNet weights (backbone.init_cfg).
-xcit_backbone = dict(
-    type='XCiTBackbone',
-    norm_cfg=dict(type='SyncBN', requires_grad=True),
-    frozen_stages=-1,
-    norm_eval=False)
-
-# AdamW lr 6e-5, wd 0.01, exactly as released (mmseg 0.11 configs: custom_keys
-# 'absolute_pos_embed' / 'relative_position_bias_table' / 'norm' with decay_mult 0). The first two
-# match no parameter here, so: no weight decay for parameter names containing `norm` (the XCiT
-# LayerNorms norm1/2/3), wd 0.01 for everything else -- XCA temperature, layer-scale gammas,
-# biases, the BatchNorms named `bn` of the backbone and of the mmseg heads' ConvModules. See
-# configs/_base_/xcit_mask_rcnn_3x_coco.py and docs/configs.md ("Weight decay", with the opt-in
-# rule that also exempts BatchNorms, temperatures and gammas).
-xcit_optimizer = dict(type='AdamW', lr=6e-05, betas=(0.9, 0.999), weight_decay=0.01)
-xcit_optim_wrapper = dict(
-    type='OptimWrapper',
-    optimizer=xcit_optimizer,
-    clip_grad=None,
-    paramwise_cfg=dict(custom_keys={'norm': dict(decay_mult=0.0)}))
-
-# The released schedule (mmcv 1.x: `policy='poly', power=1.0, min_lr=0.0, warmup='linear',
-# warmup_iters=1500, warmup_ratio=1e-6`): lr(t) = lr * (1 - t / max_iters) at iteration t, and
-# during the warm-up (t < 1500) that poly-decayed lr times 1e-6 + (1 - 1e-6) * t / 1500. mmengine
-# chains overlapping schedulers by multiplying their factors, so a LinearLR and a PolyLR that both
-# begin at 0 give the same product; `end` is one past mmcv's count because mmengine's schedulers
-# reach their final value at step end - 1 (the warm-up factor is 1 at t = 1500, the poly factor
-# 1 / max_iters at the last iteration, as in mmcv). The task bases add the PolyLR.
-xcit_warmup = dict(type='LinearLR', start_factor=1e-6, by_epoch=False, begin=0, end=1500 + 1)
