@@ -33,6 +33,21 @@ OpenMMLab datasets, transforms and metrics read it unchanged:
   them into 255 (ignored), 0, 1, 2; read with ``reduce_zero_label=False`` and a 'background'
   class first (VOC-style, what ``configs/shapes/sem_fpn_xcit_shapes_ade.py`` does), as written.
 
+* ``task='cityscapes'`` (mmseg ``BaseSegDataset`` with Cityscapes' suffixes + ``IoUMetric``), the
+  high-resolution world (``image_size=(1024, 2048)`` in ``configs/shapes/``)::
+
+      root/leftImg8bit/train/shapes/shapes_train_000001_leftImg8bit.png ...
+      root/gtFine/train/shapes/shapes_train_000001_gtFine_labelTrainIds.png ...
+      root/leftImg8bit/val/shapes/...      root/gtFine/val/shapes/...
+
+  Drawn by :func:`draw_hires_image`, made for context: ``objects_per_image`` big shapes
+  (``size_range`` as above, e.g. 0.24-0.40 of the height: 500-850 px at 1024 px) filled with one
+  flat colour that does not depend on the class, on a striped background; only the outline
+  tells the class: its geometry, and a band along it (3% of the height wide) in the class's
+  colour (:data:`PALETTE`). A window inside a shape sees a flat colour and cannot tell circle from
+  square from triangle; the whole image can. Label maps as ADE's: 0 background, 1..3 circle,
+  square, triangle.
+
 Each image is drawn from its own random stream seeded by ``(seed, split, index)``, so the
 same arguments always give byte-identical files, and a larger ``num_train`` only appends
 images. Training and validation images come from different streams (held out).
@@ -54,11 +69,13 @@ from PIL import Image
 
 CLASSES = ('circle', 'square', 'triangle')
 PALETTE = [(220, 20, 60), (0, 130, 255), (20, 200, 60)]
-TASKS = ('coco', 'ade')
+TASKS = ('coco', 'ade', 'cityscapes')
 META_FILE = 'shapes_world.json'
 _FORMAT_VERSION = 1
 _SPLITS = {'train': 0, 'val': 1}
 _ADE_SPLIT_DIRS = {'train': 'training', 'val': 'validation'}
+CITYSCAPES_IMG_SUFFIX = '_leftImg8bit.png'
+CITYSCAPES_SEG_SUFFIX = '_gtFine_labelTrainIds.png'
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,6 +343,106 @@ def _write_ade_split(root: str, split: str, num: int, size: Tuple[int, int], see
     return dict(images=num, instances=n_obj)
 
 
+def _striped_background(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
+    """A two-colour gradient with faint stripes (random period and angle) over it: locally
+    unlike the flat shapes at any scale, so that shape vs background is a local question."""
+    c0, c1 = _random_colour(rng), _random_colour(rng)
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
+    angle = rng.uniform(0, 2 * np.pi)
+    t = np.cos(angle) * xx / max(width - 1, 1) + np.sin(angle) * yy / max(height - 1, 1)
+    t = (t - t.min()) / max(float(t.max() - t.min()), 1e-6)
+    img = c0[None, None] * (1 - t[..., None]) + c1[None, None] * t[..., None]
+    period = rng.uniform(0.015, 0.05) * min(height, width)
+    theta = rng.uniform(0, np.pi)
+    phase = (np.cos(theta) * xx + np.sin(theta) * yy) * (2 * np.pi / period)
+    return img + (rng.uniform(25, 45) * np.sin(phase))[..., None]
+
+
+def draw_hires_image(rng: np.random.Generator,
+                     image_size: Union[int, Tuple[int, int]],
+                     objects_per_image: Tuple[int, int] = (1, 1),
+                     size_range: Tuple[float, float] = (0.24, 0.40),
+                     min_visible: float = 0.6,
+                     min_contrast: float = 80.0,
+                     band: float = 0.03,
+                     max_tries: int = 30) -> Tuple[np.ndarray, np.ndarray, int]:
+    """Draw one image of the high-resolution ("cityscapes") world: big shapes, filled with one
+    flat colour each (a faint shading, no pixel noise) that does not encode the class, with a
+    band along the outline in the class's colour (:data:`PALETTE`; ``band`` of the shorter side
+    wide), on a striped background. Every shape lies wholly inside the image, so its outline is
+    always visible: the class is in the outline only, never in the interior.
+
+    Args and placement rules as :func:`draw_shapes_image` (``size_range``: radius as a fraction
+    of the shorter side; it is capped so that the shape fits in the image).
+
+    Returns:
+        tuple[np.ndarray, np.ndarray, int]: The (H, W, 3) uint8 RGB image, the (H, W) uint8
+        label map (0 background, 1..3 circle, square, triangle) and the number of shapes.
+    """
+    height, width = _size_hw(image_size)
+    short = min(height, width)
+    img = _striped_background(rng, height, width)
+    background = img.copy()
+    label_map = np.zeros((height, width), dtype=np.uint8)
+    n_obj = int(rng.integers(objects_per_image[0], objects_per_image[1] + 1))
+    placed = []  # (visible mask, area, colour)
+    for _ in range(n_obj):
+        label = int(rng.integers(len(CLASSES)))
+        for _ in range(max_tries):
+            radius = min(rng.uniform(*size_range) * short, 0.49 * short / 1.2)
+            margin = 1.2 * radius  # the square's and the triangle's circumradius
+            cx = rng.uniform(margin, width - margin)
+            cy = rng.uniform(margin, height - margin)
+            angle = rng.uniform(0, 2 * np.pi)
+            full = _shape_mask(label, cx, cy, radius, angle, height, width)
+            # the outline band: the shape minus the same shape inset by `width_px` (the radius
+            # of a circle, the square's / triangle's circumradius shrink by w / cos(pi / k))
+            width_px = band * short
+            inset = (width_px, width_px * np.sqrt(2) / (0.85 * np.sqrt(2)), 2 * width_px / 1.2)
+            inner = _shape_mask(label, cx, cy, max(radius - inset[label], 0.0), angle, height,
+                                width)
+            if any(int((vis & ~full).sum()) < min_visible * area for vis, area, _ in placed):
+                continue
+            under = [background[full].mean(axis=0), np.array(PALETTE[label], dtype=float)]
+            under += [c for vis, _, c in placed if (vis & full).any()]
+            colour = None
+            for _ in range(max_tries):
+                cand = _random_colour(rng)
+                if min(np.linalg.norm(cand - u) for u in under) >= min_contrast:
+                    colour = cand
+                    break
+            if colour is None:
+                continue
+            placed = [(vis & ~full, area, c) for vis, area, c in placed]
+            shade = rng.uniform(-15, 15, size=2)
+            yy, xx = np.nonzero(full)
+            img[full] = colour[None] + ((shade[0] * (xx - cx) + shade[1] * (yy - cy)) /
+                                        max(radius, 1.0))[:, None]
+            img[full & ~inner] = PALETTE[label]
+            label_map[full] = label + 1
+            placed.append((full, int(full.sum()), colour))
+            break
+    return np.clip(np.rint(img), 0, 255).astype(np.uint8), label_map, len(placed)
+
+
+def _write_cityscapes_split(root: str, split: str, num: int, size: Tuple[int, int], seed: int,
+                            gen_kwargs: Dict, progress) -> Dict:
+    img_dir = osp.join(root, 'leftImg8bit', split, 'shapes')
+    ann_dir = osp.join(root, 'gtFine', split, 'shapes')
+    os.makedirs(img_dir, exist_ok=True)
+    os.makedirs(ann_dir, exist_ok=True)
+    n_obj = 0
+    for idx in _iterate(range(num), progress, f'shapes cityscapes {split}'):
+        img, label_map, n = draw_hires_image(_image_rng(seed, split, idx), size, **gen_kwargs)
+        stem = f'shapes_{split}_{idx + 1:06d}'
+        # compress_level 1: several times faster to write than the default, files ~20% larger
+        Image.fromarray(img).save(osp.join(img_dir, stem + CITYSCAPES_IMG_SUFFIX),
+                                  compress_level=1)
+        Image.fromarray(label_map).save(osp.join(ann_dir, stem + CITYSCAPES_SEG_SUFFIX))
+        n_obj += n
+    return dict(images=num, instances=n_obj)
+
+
 def _iterate(items: Iterable, progress, desc: str) -> Iterable:
     if not progress:
         return items
@@ -393,10 +510,11 @@ def generate_shapes(root: str,
     tmp = f'{root}.tmp-{os.getpid()}'
     if osp.exists(tmp):
         shutil.rmtree(tmp)
-    os.makedirs(osp.join(tmp, 'annotations'), exist_ok=True)
+    os.makedirs(osp.join(tmp, 'annotations') if task != 'cityscapes' else tmp, exist_ok=True)
     gen_kwargs = dict(objects_per_image=(lo, hi), size_range=(smin, smax),
                       min_visible=float(min_visible))
-    writer = _write_coco_split if task == 'coco' else _write_ade_split
+    writer = dict(coco=_write_coco_split, ade=_write_ade_split,
+                  cityscapes=_write_cityscapes_split)[task]
     try:
         summary = dict(args)
         for split, num in (('train', int(num_train)), ('val', int(num_val))):
@@ -506,8 +624,8 @@ def load_samples(root: str, split: str = 'val',
                  num: int = 4) -> List[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Read back the first ``num`` images of a generated world with per-pixel labels.
 
-    Works for both layouts: COCO masks are decoded with pycocotools, ADE label maps are read
-    as they are.
+    Works for all layouts: COCO masks are decoded with pycocotools, ADE and Cityscapes label
+    maps are read as they are.
 
     Args:
         root (str): A directory written by :func:`generate_shapes`.
@@ -541,6 +659,15 @@ def load_samples(root: str, split: str = 'val',
                 label[m] = ann['category_id']
                 inst[m] = ann['id']
             out.append((img, label, inst))
+    elif meta['task'] == 'cityscapes':
+        img_dir = osp.join(root, 'leftImg8bit', split, 'shapes')
+        names = sorted(os.listdir(img_dir))[:num]
+        for name in names:
+            stem = name[:-len(CITYSCAPES_IMG_SUFFIX)]
+            img = np.asarray(Image.open(osp.join(img_dir, name)).convert('RGB'))
+            label = np.asarray(Image.open(osp.join(root, 'gtFine', split, 'shapes',
+                                                   stem + CITYSCAPES_SEG_SUFFIX)))
+            out.append((img, label, label.astype(np.int32)))
     else:
         sub = _ADE_SPLIT_DIRS[split]
         names = sorted(os.listdir(osp.join(root, 'images', sub)))[:num]

@@ -1,0 +1,82 @@
+# XCiT + Semantic FPN on the high-resolution shapes world (Cityscapes layout, 1024x2048): trains on
+# 256x256 crops, tests on the whole image (LeanEncoderDecoder, mode='whole'). The quick-start
+# segmentor (./sem_fpn_xcit_shapes_ade.py: small XCiT from scratch, training extras) on another
+# world; results of both evaluations (whole and sliding window, two seeds): docs/shapes.md and
+# docs/results/shapes_hires_sem_fpn.json, written by
+#
+#   python tools/analysis_tools/shapes_hires_job.py --seeds 0 1
+#
+# (train, then tools/test.py whole-image and with --cfg-options model.test_cfg.mode=slide
+# model.test_cfg.crop_size=(256,256) model.test_cfg.stride=(192,192), each in its own process).
+# `python tools/train.py configs/shapes/sem_fpn_xcit_shapes_cityscapes.py` alone generates
+# data/shapes_cityscapes/ if missing, trains and evaluates whole-image at the end.
+#
+# The world (shapes_world.draw_hires_image): one shape per image, 500-850 px across, filled with
+# one flat colour that does not depend on its class, on a striped background; the class is in the
+# outline only (its geometry and a 31 px band in the class colour). A 256x256 window inside a
+# shape sees a flat colour only. Verdict (docs/shapes.md): whole-image inference does not beat
+# the sliding window by more than the seed spread in this world.
+_base_ = ['./sem_fpn_xcit_shapes_ade.py']
+
+data_root = 'data/shapes_cityscapes/'
+image_size = (1024, 2048)
+crop_size = (256, 256)
+shapes_world = dict(
+    root=data_root, task='cityscapes', num_train=60, num_val=10,
+    image_size=image_size, seed=0, objects_per_image=(1, 1), size_range=(0.24, 0.40),
+    progress=True)
+
+data_preprocessor = dict(size=crop_size)
+model = dict(
+    data_preprocessor=data_preprocessor,
+    # whole-image inference; slide: --cfg-options model.test_cfg.mode=slide
+    # model.test_cfg.crop_size=(256,256) model.test_cfg.stride=(192,192)
+    test_cfg=dict(mode='whole'))
+
+# ---- pipelines: random scale 0.25-1x of 1024x2048, 256x256 crops; test at 1x (scale_factor) ----
+train_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='LoadAnnotations', reduce_zero_label=False),
+    dict(type='RandomResize', scale=(image_size[1], image_size[0]), ratio_range=(0.25, 1.0),
+         keep_ratio=True),
+    dict(type='RandomCrop', crop_size=crop_size, cat_max_ratio=0.75),
+    dict(type='RandomFlip', prob=0.5),
+    dict(type='PackSegInputs'),
+]
+test_pipeline = [
+    dict(type='LoadImageFromFile'),
+    # the resolution curve changes this factor (tools/analysis_tools/shapes_hires_job.py)
+    dict(type='Resize', scale=None, scale_factor=1.0, keep_ratio=True),
+    dict(type='LoadAnnotations', reduce_zero_label=False),
+    dict(type='PackSegInputs'),
+]
+dataset = dict(
+    _delete_=True,
+    # mmseg's BaseSegDataset with Cityscapes' suffixes, generating the world if missing
+    type='ShapesCityscapesDataset',
+    shapes_world=shapes_world,
+    data_root=data_root)
+train_dataloader = dict(
+    batch_size=4,
+    dataset=dict(
+        **dataset,
+        data_prefix=dict(img_path='leftImg8bit/train', seg_map_path='gtFine/train'),
+        pipeline=train_pipeline))
+val_dataloader = dict(
+    batch_size=1,
+    dataset=dict(
+        **dataset,
+        data_prefix=dict(img_path='leftImg8bit/val', seg_map_path='gtFine/val'),
+        pipeline=test_pipeline))
+test_dataloader = val_dataloader
+
+# ---- schedule ----------------------------------------------------------------------------------
+max_iters = 800
+train_cfg = dict(max_iters=max_iters, val_interval=max_iters)
+param_scheduler = [
+    dict(type='LinearLR', start_factor=1e-3, by_epoch=False, begin=0, end=50),
+    dict(type='PolyLR', eta_min=0.0, power=1.0, begin=50, end=max_iters, by_epoch=False),
+]
+default_hooks = dict(
+    logger=dict(interval=50),
+    checkpoint=dict(by_epoch=False, interval=max_iters, max_keep_ckpts=2))
