@@ -23,10 +23,12 @@ import json
 import os.path as osp
 import sys
 
-# Use this checkout's xcit_mm even when it is not pip-installed.
+# Use this checkout's shapes_world even when it is not pip-installed.
 _REPO_ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
+
+from shapes_world.shapes import TASKS  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -39,11 +41,12 @@ def parse_args(argv=None):
         argparse.Namespace: The parsed arguments.
     """
     parser = argparse.ArgumentParser(
-        description='Generate the deterministic shapes world (COCO / ADE20k layout).')
+        description='Generate the deterministic shapes world (COCO, ADE20k or Cityscapes '
+        'layout).')
     parser.add_argument('root', nargs='?', help='output directory')
     parser.add_argument('--config', help='a config with a `shapes_world` dict (defaults for '
                         'every other option, including root)')
-    parser.add_argument('--task', choices=['coco', 'ade'], help='layout (default coco)')
+    parser.add_argument('--task', choices=TASKS, help='layout (default coco)')
     parser.add_argument('--num-train', type=int, help='training images (default 800)')
     parser.add_argument('--num-val', type=int, help='validation images (default 100)')
     parser.add_argument('--image-size', type=int, nargs='+',
