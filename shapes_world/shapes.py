@@ -105,6 +105,17 @@ def _random_colour(rng: np.random.Generator) -> np.ndarray:
     return rng.uniform(0, 255, size=3)
 
 
+def _contrasting_colour(rng: np.random.Generator, under: List[np.ndarray], min_contrast: float,
+                        max_tries: int) -> Optional[np.ndarray]:
+    """The first of ``max_tries`` random colours at least ``min_contrast`` from every colour of
+    ``under`` (so that the new object's outline is visible), or None."""
+    for _ in range(max_tries):
+        cand = _random_colour(rng)
+        if min(np.linalg.norm(cand - u) for u in under) >= min_contrast:
+            return cand
+    return None
+
+
 def _background(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
     """A random background: linear two-colour gradient, smooth colour noise or flat colour."""
     kind = rng.choice(3, p=[0.45, 0.4, 0.15])
@@ -234,12 +245,7 @@ def draw_shapes_image(rng: np.random.Generator,
             # it overlaps, so that every visible boundary is visible in the image
             under = [background[full].mean(axis=0)]
             under += [obj['colour'] for obj in objects if (obj['visible'] & full).any()]
-            colour = None
-            for _ in range(max_tries):
-                cand = _random_colour(rng)
-                if min(np.linalg.norm(cand - u) for u in under) >= min_contrast:
-                    colour = cand
-                    break
+            colour = _contrasting_colour(rng, under, min_contrast, max_tries)
             if colour is None:
                 continue
             for obj in objects:
@@ -405,12 +411,7 @@ def draw_hires_image(rng: np.random.Generator,
                 continue
             under = [background[full].mean(axis=0), np.array(PALETTE[label], dtype=float)]
             under += [c for vis, _, c in placed if (vis & full).any()]
-            colour = None
-            for _ in range(max_tries):
-                cand = _random_colour(rng)
-                if min(np.linalg.norm(cand - u) for u in under) >= min_contrast:
-                    colour = cand
-                    break
+            colour = _contrasting_colour(rng, under, min_contrast, max_tries)
             if colour is None:
                 continue
             placed = [(vis & ~full, area, c) for vis, area, c in placed]

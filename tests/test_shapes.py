@@ -13,7 +13,6 @@ shapes configs.
   tests/test_reliability.py); the configs keep 2 checkpoints.
 """
 import glob
-import hashlib
 import os
 import os.path as osp
 import re
@@ -26,22 +25,12 @@ from PIL import Image
 
 from shapes_world import CLASSES, generate_shapes, load_samples, make_mosaic
 
-from work_dir_files import evaluation_metrics
+from work_dir_files import evaluation_metrics, file_digests
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 DET_CONFIG = osp.join(ROOT, 'configs', 'shapes', 'mask_rcnn_xcit_shapes_coco.py')
 SEG_CONFIG = osp.join(ROOT, 'configs', 'shapes', 'sem_fpn_xcit_shapes_ade.py')
 SMALL = dict(num_train=6, num_val=3, image_size=64, seed=3)
-
-
-def _digest(root):
-    """{relative path: sha1} of every file below root."""
-    out = {}
-    for path in sorted(glob.glob(osp.join(root, '**', '*'), recursive=True)):
-        if osp.isfile(path):
-            with open(path, 'rb') as f:
-                out[osp.relpath(path, root)] = hashlib.sha1(f.read()).hexdigest()
-    return out
 
 
 @pytest.fixture(scope='module')
@@ -66,10 +55,10 @@ def test_deterministic(tmp_path, task, coco_world, ade_world):
     again = str(tmp_path / 'again')
     generate_shapes(again, task=task, **SMALL)
     reference = coco_world if task == 'coco' else ade_world
-    assert _digest(again) == _digest(reference)
+    assert file_digests(again) == file_digests(reference)
     other = str(tmp_path / 'other_seed')
     generate_shapes(other, task=task, **dict(SMALL, seed=4))
-    ref, oth = _digest(reference), _digest(other)
+    ref, oth = file_digests(reference), file_digests(other)
     images = [p for p in ref if p.endswith('.jpg')]
     assert images and all(oth[p] != ref[p] for p in images)
 
@@ -78,7 +67,7 @@ def test_more_images_only_append(tmp_path, coco_world):
     """Each image has its own random stream: a bigger world starts with the same images."""
     bigger = str(tmp_path / 'bigger')
     generate_shapes(bigger, task='coco', **dict(SMALL, num_train=8))
-    small, big = _digest(coco_world), _digest(bigger)
+    small, big = file_digests(coco_world), file_digests(bigger)
     for name in small:
         if name.startswith(('train', 'val')):
             assert big[name] == small[name], name
@@ -86,16 +75,16 @@ def test_more_images_only_append(tmp_path, coco_world):
 
 
 def test_train_and_val_differ(coco_world):
-    digest = _digest(coco_world)
+    digest = file_digests(coco_world)
     assert digest['train/000001.jpg'] != digest['val/000001.jpg']
 
 
 def test_existing_root(tmp_path, coco_world):
     # same arguments: nothing is regenerated, the summary is returned
-    before = _digest(coco_world)
+    before = file_digests(coco_world)
     summary = generate_shapes(coco_world, task='coco', **SMALL)
     assert summary['train']['images'] == SMALL['num_train']
-    assert _digest(coco_world) == before
+    assert file_digests(coco_world) == before
     # other arguments or foreign contents: refused unless overwrite=True
     with pytest.raises(FileExistsError, match='already exists'):
         generate_shapes(coco_world, task='coco', **dict(SMALL, seed=9))
@@ -420,4 +409,3 @@ def test_train_then_test_learns(tmp_path, task, test_tool):
     assert metrics[metric_key] >= lower_bound, metrics
     if task == 'coco':
         assert 'coco/segm_mAP' in metrics
-

@@ -8,8 +8,6 @@
   window (both give an mIoU; slide really slides);
 * tools/analysis_tools/shapes_hires_job.py reads the metrics and per-class IoU off test logs.
 """
-import glob
-import hashlib
 import os.path as osp
 import sys
 
@@ -20,21 +18,12 @@ from PIL import Image
 from shapes_world import generate_shapes, load_samples
 from shapes_world.shapes import _image_rng, draw_hires_image
 
-from work_dir_files import evaluation_metrics
+from work_dir_files import evaluation_metrics, file_digests
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 CONFIG = osp.join(ROOT, 'configs', 'shapes', 'sem_fpn_xcit_shapes_cityscapes.py')
 TINY = dict(task='cityscapes', num_train=2, num_val=2, image_size=(128, 256), seed=5,
             objects_per_image=(1, 1), size_range=(0.24, 0.40))
-
-
-def _digest(root):
-    out = {}
-    for path in sorted(glob.glob(osp.join(root, '**', '*'), recursive=True)):
-        if osp.isfile(path):
-            with open(path, 'rb') as f:
-                out[osp.relpath(path, root)] = hashlib.sha1(f.read()).hexdigest()
-    return out
 
 
 @pytest.fixture(scope='module')
@@ -45,7 +34,7 @@ def world(tmp_path_factory):
 
 
 def test_world_is_deterministic_in_cityscapes_layout(world, tmp_path):
-    files = _digest(world)
+    files = file_digests(world)
     for split in ('train', 'val'):
         for i in (1, 2):
             stem = f'shapes_{split}_{i:06d}'
@@ -53,10 +42,10 @@ def test_world_is_deterministic_in_cityscapes_layout(world, tmp_path):
             assert f'gtFine/{split}/shapes/{stem}_gtFine_labelTrainIds.png' in files
     again = str(tmp_path / 'again')
     generate_shapes(again, **TINY)
-    assert _digest(again) == files
+    assert file_digests(again) == files
     other = str(tmp_path / 'other')
     generate_shapes(other, **dict(TINY, seed=6))
-    assert all(_digest(other)[p] != files[p] for p in files if p.endswith('_leftImg8bit.png'))
+    assert all(file_digests(other)[p] != files[p] for p in files if p.endswith('_leftImg8bit.png'))
 
 
 def test_one_big_flat_shape_inside_the_image(world):

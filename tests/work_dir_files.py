@@ -1,5 +1,7 @@
-"""What mmengine writes into a tool's work dir: the metrics of a test run and the run's log."""
+"""Files the tests read back: what mmengine writes into a tool's work dir (the metrics of a test
+run, the run's log) and the digests of a generated tree."""
 import glob
+import hashlib
 import json
 import os.path as osp
 
@@ -17,3 +19,13 @@ def newest_run_log(work_dir) -> str:
     """The text of the newest run's log in ``work_dir`` (mmengine writes <time>/<time>.log)."""
     with open(sorted(glob.glob(osp.join(str(work_dir), '*', '*.log')))[-1]) as f:
         return f.read()
+
+
+def file_digests(root) -> dict:
+    """{relative path: sha1} of every file below root."""
+    out = {}
+    for path in sorted(glob.glob(osp.join(str(root), '**', '*'), recursive=True)):
+        if osp.isfile(path):
+            with open(path, 'rb') as f:
+                out[osp.relpath(path, str(root))] = hashlib.sha1(f.read()).hexdigest()
+    return out

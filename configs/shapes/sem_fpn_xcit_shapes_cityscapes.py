@@ -70,13 +70,8 @@ val_dataloader = dict(
         pipeline=test_pipeline))
 test_dataloader = val_dataloader
 
-# ---- schedule ----------------------------------------------------------------------------------
+# ---- schedule: the ADE job's warm-up and poly decay, over 800 iterations ------------------------
 max_iters = 800
 train_cfg = dict(max_iters=max_iters, val_interval=max_iters)
-param_scheduler = [
-    dict(type='LinearLR', start_factor=1e-3, by_epoch=False, begin=0, end=50),
-    dict(type='PolyLR', eta_min=0.0, power=1.0, begin=50, end=max_iters, by_epoch=False),
-]
-default_hooks = dict(
-    logger=dict(interval=50),
-    checkpoint=dict(by_epoch=False, interval=max_iters, max_keep_ckpts=2))
+param_scheduler = [_base_.param_scheduler[0], dict(_base_.param_scheduler[1], end=max_iters)]
+default_hooks = dict(logger=dict(interval=50), checkpoint=dict(interval=max_iters))
