@@ -34,13 +34,10 @@ def parse_args(argv=None):
 
 def build_inferencer(config, weights=None, device='cpu'):
     """``DetInferencer`` or ``MMSegInferencer``, as the config's model type says."""
-    from mmengine.config import Config
-    from xcit_mm.apis import config_task
+    from xcit_mm.apis import config_task, read_config
     if not config.endswith(('.py', '.json', '.yaml', '.yml')):
         raise ValueError(f'{config!r} is not a config file; give a checkpoint with --weights')
-    if not osp.isfile(config):
-        raise FileNotFoundError(f'config not found: {config!r}')
-    cfg = Config.fromfile(config)
+    cfg = read_config(config)
     if config_task(cfg) == 'det':
         from mmdet.apis import DetInferencer
         return DetInferencer(cfg, weights, device=device)

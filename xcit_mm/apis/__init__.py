@@ -7,9 +7,9 @@ Detectors and segmentors are built and run with upstream's ``mmdet.apis`` (``Det
 makes their checkpoint loading safe and exact. Not imported by ``import xcit_mm``.
 """
 from .backbone import IMAGENET_MEAN, IMAGENET_STD, init_backbone, preprocess_cfg
-from .utils import config_task, error_line
+from .utils import config_task, error_line, read_config
 
 __all__ = [
     'IMAGENET_MEAN', 'IMAGENET_STD', 'config_task', 'error_line', 'init_backbone',
-    'preprocess_cfg'
+    'preprocess_cfg', 'read_config'
 ]

@@ -6,11 +6,11 @@ Whole detectors and segmentors are built and run by upstream (``mmdet.apis.DetIn
 their checkpoint loading safe and exact. What is left here has no upstream counterpart: an
 ``XCiTBackbone`` alone, from a config, a checkpoint or nothing.
 """
-import os.path as osp
 from typing import Optional, Union
 
 from xcit_mm.models.utils.checkpoint_io import (CheckpointError, check_checkpoint,
                                                 resolve_checkpoint_path)
+from .utils import read_config
 
 IMAGENET_MEAN = (123.675, 116.28, 103.53)
 IMAGENET_STD = (58.395, 57.12, 57.375)
@@ -55,10 +55,7 @@ def init_backbone(model: str, arch: Union[str, dict] = 's12', patch_size: int = 
     preprocess = dict(mean=IMAGENET_MEAN, std=IMAGENET_STD, rgb=True)
     what = '--checkpoint' if checkpoint is not None else 'checkpoint'
     if model.endswith('.py'):
-        from mmengine.config import Config
-        if not osp.isfile(model):
-            raise FileNotFoundError(f'config not found: {model!r}')
-        cfg = Config.fromfile(model)
+        cfg = read_config(model)
         bb_cfg = cfg.get('model', {}).get('backbone', None)
         if bb_cfg is None:
             raise ValueError(f'config {model!r} has no model.backbone')

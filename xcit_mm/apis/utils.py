@@ -1,7 +1,11 @@
 # Copyright (c) xcit_mm contributors. All rights reserved.
 """Helpers shared by the command-line tools."""
+import copy
 import importlib
+import os
+import os.path as osp
 import re
+from typing import Optional
 
 _ANSI = re.compile(r'\x1b\[[0-9;?]*[ -/]*[@-~]')
 
@@ -18,6 +22,28 @@ def error_line(error) -> str:
     """
     text = _ANSI.sub('', str(error))
     return 'error: ' + ' '.join(text.split())
+
+
+def read_config(config, cfg_options: Optional[dict] = None):
+    """An mmengine ``Config`` from a path (or a copy of one), ``cfg_options`` merged.
+
+    Raises:
+        FileNotFoundError: ``config not found: PATH``.
+        TypeError: ``config`` is neither a path nor a ``Config``.
+    """
+    from mmengine.config import Config
+    if isinstance(config, Config):
+        cfg = copy.deepcopy(config)
+    elif isinstance(config, (str, os.PathLike)):
+        config = str(config)
+        if not osp.isfile(config):
+            raise FileNotFoundError(f'config not found: {config!r}')
+        cfg = Config.fromfile(config)
+    else:
+        raise TypeError(f'config must be a path or an mmengine Config, got {type(config)}')
+    if cfg_options:
+        cfg.merge_from_dict(cfg_options)
+    return cfg
 
 
 def config_task(cfg) -> str:
@@ -48,4 +74,4 @@ def config_task(cfg) -> str:
                      + (f' ({" and ".join(missing)} not installed)' if missing else ''))
 
 
-__all__ = ['config_task', 'error_line']
+__all__ = ['config_task', 'error_line', 'read_config']

@@ -95,27 +95,6 @@ class DetectorFeatures(nn.Module):
         return tuple(self.model.extract_feat(image))
 
 
-def _read_config(config, cfg_options: Optional[dict] = None):
-    """An mmengine ``Config`` from a path (or a copy of one), ``cfg_options`` merged."""
-    from mmengine.config import Config
-    if isinstance(config, Config):
-        cfg = copy.deepcopy(config)
-    elif isinstance(config, (str, os.PathLike)):
-        config = str(config)
-        if not osp.isfile(config):
-            raise FileNotFoundError(f'config not found: {config!r}')
-        try:
-            cfg = Config.fromfile(config)
-        except Exception as e:  # a file that is not an mmengine config
-            raise ExportError(f'cannot read config {config!r} ({type(e).__name__}: {e}); is it '
-                              'an mmdet / mmseg config file?') from e
-    else:
-        raise TypeError(f'config must be a path or an mmengine Config, got {type(config)}')
-    if cfg_options:
-        cfg.merge_from_dict(cfg_options)
-    return cfg
-
-
 def _class_names(meta: dict, cfg) -> Tuple[str, ...]:
     """The checkpoint's class names, else those the config's test dataset declares."""
     names = (meta.get('dataset_meta') or {}).get('classes') or meta.get('CLASSES')
@@ -151,8 +130,14 @@ def build_export_model(config, checkpoint: Optional[str] = None,
     from mmengine.model import revert_sync_batchnorm
     from mmengine.runner import load_checkpoint
 
-    from xcit_mm.apis import config_task, preprocess_cfg
-    cfg = _read_config(config, cfg_options)
+    from xcit_mm.apis import config_task, preprocess_cfg, read_config
+    try:
+        cfg = read_config(config, cfg_options)
+    except (FileNotFoundError, TypeError):
+        raise
+    except Exception as e:  # a file that is not an mmengine config
+        raise ExportError(f'cannot read config {config!r} ({type(e).__name__}: {e}); is it an '
+                          'mmdet / mmseg config file?') from e
     if not isinstance(cfg.get('model', None), dict):
         raise ExportError(f'config {config!r} has no model dict')
     task = config_task(cfg)

@@ -111,10 +111,13 @@ def refuse_headless_load(model, incompatible_keys) -> None:
     missing = set(incompatible_keys.missing_keys)
     if not missing:
         return
+    heads = {prefix.rstrip('.') for prefixes in TASK_HEADS.values() for prefix in prefixes}
     for name, head in model.named_children():
+        if name not in heads:
+            continue
         own = [f'{name}.{key}' for key in head.state_dict()  # BN counters may be absent
                if not key.endswith('num_batches_tracked')]
-        if name + '.' in sum(TASK_HEADS.values(), ()) and own and missing.issuperset(own):
+        if own and missing.issuperset(own):
             raise CheckpointError(
                 f'The checkpoint has no weights for {name} ({own[0]}, ...): it is not a checkpoint '
                 f'of this model, whose {name} would stay randomly initialised. Load a whole '
