@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from xcit_mm.models.utils.memory_budget import release_free_heap, reset_peak_rss
+
 from .models import build_model, compile_forward, parse_model
 from .timing import make_step, set_threads
 
@@ -67,23 +69,9 @@ def _mallopt_mmap_threshold(nbytes: int) -> bool:
         return False
 
 
-def _release_free_heap():
-    """Return free malloc pages to the OS (glibc ``malloc_trim(0)``; no-op elsewhere).
-
-    Called before the memory baseline, so that the measured call cannot silently reuse pages the
-    64 px warm-up left resident: every page it touches then shows up as resident-set growth.
-    """
-    try:
-        import ctypes
-        ctypes.CDLL('libc.so.6').malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _reset_peak_rss():
-    """Reset VmHWM to the current RSS (Linux >= 4.0); raise if the kernel refuses."""
-    with open('/proc/self/clear_refs', 'w') as f:
-        f.write('5')
+# the kernel's peak counter and glibc's heap, as xcit_mm's memory budget measures them
+_release_free_heap = release_free_heap
+_reset_peak_rss = reset_peak_rss
 
 
 def worker_main(cfg: dict) -> dict:

@@ -1,0 +1,89 @@
+"""The estimate and the choice behind ``mode='auto'`` (``xcit_mm/models/utils/memory_budget.py``).
+
+The models' own plans are tested in ``test_segmentation_memory_budget.py`` and
+``test_detection_memory_budget.py``; here the line, the measurement and the choice."""
+import numpy as np
+import pytest
+import torch
+
+from xcit_mm.models.utils import memory_budget as mb
+from xcit_mm.models.utils.memory_budget import (MemoryBudgetError, MemoryModel, Plan,
+                                                calibrate, choose_plan,
+                                                measure_peak_growth_mb, read_budget_mb,
+                                                read_memory_model)
+
+
+@pytest.fixture
+def logged(monkeypatch):
+    lines = []
+    monkeypatch.setattr(mb, 'print_log', lambda msg, **kw: lines.append(msg))
+    return lines
+
+
+def test_fit_is_least_squares_raised_so_no_measured_point_lies_above():
+    points = [(1e6, 150.0), (2e6, 210.0), (4e6, 300.0)]
+    model = MemoryModel.fit(points)
+    x = np.array([p for p, _ in points]) / 1e6
+    y = np.array([m for _, m in points])
+    slope, _ = np.polyfit(x, y, 1)
+    assert model.mb_per_mpix == pytest.approx(slope)
+    assert model.base_mb == pytest.approx(max(y - slope * x))
+    assert all(model.estimate_mb(p) >= m - 1e-9 for p, m in points)
+    assert model.estimate_mb(8e6) == pytest.approx(model.base_mb + 8 * slope)
+
+
+def test_fit_keeps_slope_and_base_non_negative_and_needs_two_sizes():
+    assert MemoryModel.fit([(1e6, 300.0), (2e6, 100.0)]).mb_per_mpix == 0.0
+    assert MemoryModel.fit([(1e6, 1.0), (2e6, 3.0)]).base_mb == 0.0
+    with pytest.raises(MemoryBudgetError, match='two or more sizes'):
+        MemoryModel.fit([(1e6, 1.0), (1e6, 2.0)])
+
+
+def test_measured_peak_growth_is_the_memory_the_call_held():
+    size_mb = 256
+    growth = measure_peak_growth_mb(
+        lambda: torch.ones(size_mb * 2**20 // 4).add_(1).sum())
+    assert size_mb * 0.95 < growth < size_mb * 1.15
+
+
+def test_calibration_measures_each_size_and_fits_the_slope(logged):
+    calls = []
+
+    def run_at(h, w):
+        calls.append((h, w))
+        return (torch.ones(16, h, w) * 2).sum()  # two maps of 16 x 4 bytes per pixel live
+
+    model = calibrate(run_at, [(512, 512), (1024, 1024), (1536, 1536)], 'toy')
+    assert calls == [(512, 512), (512, 512), (1024, 1024), (1536, 1536)]  # one warm-up
+    assert model.mb_per_mpix == pytest.approx(2 * 16 * 4 * 1e6 / 2**20, rel=0.05)
+    assert 'memory calibrated' in logged[0] and 'memory_model=dict(base_mb=' in logged[0]
+
+
+def test_choice_takes_the_first_plan_that_fits_and_logs_every_estimate(logged):
+    plans = [Plan('whole', 900.0), Plan('slide', 300.0, '512x512 stride 341')]
+    assert choose_plan(plans, 1000, 'img 4096x4096').name == 'whole'
+    assert choose_plan(plans, 500, 'img 4096x4096').name == 'slide'
+    assert 'slide within max_memory=500 MB' in logged[-1]
+    assert 'whole: 900 MB' in logged[-1] and 'slide 512x512 stride 341: 300 MB' in logged[-1]
+
+
+def test_no_plan_within_the_budget_names_the_smallest_budget_that_would_do(logged):
+    plans = [Plan('whole', 900.0), Plan('slide', 300.0)]
+    with pytest.raises(MemoryBudgetError, match=r'max_memory to at least 300'):
+        choose_plan(plans, 200, 'img 4096x4096')
+
+
+@pytest.mark.parametrize('budget', [None, 0, -5, '4G', True])
+def test_a_bad_budget_is_named_with_the_fix(budget):
+    with pytest.raises(MemoryBudgetError, match=r"mode='auto' needs max_memory.*e\.g\."):
+        read_budget_mb(dict(mode='auto', max_memory=budget), 'LeanEncoderDecoder')
+    assert read_budget_mb(dict(max_memory=3000), 'x') == 3000.0
+
+
+@pytest.mark.parametrize('value', [dict(base_mb=1), dict(base_mb=1, mb_per_mpix=-1),
+                                   dict(base_mb='1', mb_per_mpix=2), [1, 2]])
+def test_a_malformed_memory_model_is_named(value):
+    with pytest.raises(MemoryBudgetError, match=r'memory_model must be dict\(base_mb'):
+        read_memory_model(value, 'LeanMaskRCNN')
+    assert read_memory_model(dict(base_mb=10, mb_per_mpix=2), 'x') == MemoryModel(10.0, 2.0)
+    assert read_memory_model(None, 'x') is None

@@ -1,0 +1,185 @@
+"""Whole image or pieces within a memory budget: the estimate and the choice behind ``mode='auto'``.
+
+A lean model's whole-image peak grows linearly with the pixels it runs on: XCiT's attention is
+linear in the tokens, and the FPN, the heads and the chunked post-processing keep a fixed number of
+maps per pixel. So a line through peaks measured at a few small sizes (:func:`calibrate`) predicts
+the peak at any size (:class:`MemoryModel`). ``test_cfg=dict(mode='auto', max_memory=MB)`` of
+``LeanEncoderDecoder`` and ``LeanMaskRCNN`` turns that into a choice: each model lists its plans
+(the whole image; sliding windows or tiles) with their estimates, and :func:`choose_plan` runs the
+first one that fits, logging the choice and every estimate, or stops with an error that names the
+smallest budget that would do.
+
+The measurement is the resident set (Linux ``/proc/self/status``): the kernel's peak counter is
+reset (``/proc/self/clear_refs``), freed heap pages are returned first (glibc ``malloc_trim``), and
+the peak growth over the resident set before the call is read. Where ``/proc`` cannot do that,
+``test_cfg.memory_model=dict(base_mb=..., mb_per_mpix=...)`` gives the line instead.
+"""
+import gc
+import logging
+from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+
+from mmengine.logging import print_log
+
+MB = 2**20
+
+
+class MemoryBudgetError(ValueError):
+    """A budget no plan fits, or a malformed budget setting."""
+
+
+class MemoryModel(NamedTuple):
+    """Peak memory growth of one model's call as ``base_mb + mb_per_mpix * megapixels``."""
+    base_mb: float
+    mb_per_mpix: float
+
+    def estimate_mb(self, num_pixels: float) -> float:
+        """The estimated peak growth (MB) of a call on ``num_pixels`` input pixels."""
+        return self.base_mb + self.mb_per_mpix * num_pixels / 1e6
+
+    @classmethod
+    def fit(cls, points: Sequence[Tuple[float, float]]) -> 'MemoryModel':
+        """Least-squares line through ``(num_pixels, peak_mb)`` points (two or more sizes).
+
+        The slope is kept non-negative and the line is raised until no measured point lies above
+        it, so the estimate never undercuts a peak it was calibrated on.
+        """
+        if len({p for p, _ in points}) < 2:
+            raise MemoryBudgetError('calibrating a memory model needs peaks at two or more sizes')
+        xs = [p / 1e6 for p, _ in points]
+        ys = [float(m) for _, m in points]
+        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys))
+                 / sum((x - mean_x)**2 for x in xs))
+        slope = max(slope, 0.0)
+        base = max(0.0, max(y - slope * x for x, y in zip(xs, ys)))
+        return cls(base_mb=base, mb_per_mpix=slope)
+
+
+def _libc():
+    import ctypes
+    return ctypes.CDLL('libc.so.6')
+
+
+def _status_kb(key: str) -> int:
+    with open('/proc/self/status') as f:
+        for line in f:
+            if line.startswith(key + ':'):
+                return int(line.split()[1])
+    raise OSError(f'{key} is not in /proc/self/status')
+
+
+def release_free_heap() -> None:
+    """Return free malloc pages to the OS (glibc ``malloc_trim(0)``), so that a measured call
+    cannot reuse pages an earlier call left resident; a no-op where there is no glibc."""
+    try:
+        _libc().malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def reset_peak_rss() -> None:
+    """Set the kernel's peak resident set (``VmHWM``) to the current one (Linux >= 4.0)."""
+    with open('/proc/self/clear_refs', 'w') as f:
+        f.write('5')
+
+
+def rss_mb() -> float:
+    """The resident set of this process now, in MB."""
+    return _status_kb('VmRSS') / 1024
+
+
+def peak_rss_mb() -> float:
+    """The peak resident set since the last :func:`reset_peak_rss`, in MB."""
+    return _status_kb('VmHWM') / 1024
+
+
+def measure_peak_growth_mb(call: Callable[[], object]) -> float:
+    """Run ``call()`` once and return by how much it raised the resident set at its peak (MB).
+
+    Raises:
+        MemoryBudgetError: the kernel does not let this process read or reset its peak.
+    """
+    gc.collect()
+    release_free_heap()
+    try:
+        reset_peak_rss()
+        base = rss_mb()
+    except OSError as e:
+        raise MemoryBudgetError(
+            f'cannot measure peak memory here ({e}); give the line instead: '
+            "test_cfg.memory_model=dict(base_mb=..., mb_per_mpix=...)") from e
+    result = call()
+    peak = peak_rss_mb()
+    del result
+    return peak - base
+
+
+def calibrate(run_at: Callable[[int, int], object], sizes: Iterable[Tuple[int, int]],
+              what: str) -> MemoryModel:
+    """Fit a :class:`MemoryModel` to the peak growth of ``run_at(h, w)`` at each of ``sizes``.
+
+    The first size is run once more beforehand, unmeasured: first calls set up thread pools and
+    kernels whose memory stays. The fitted line is logged, with the measured points.
+    """
+    sizes = list(sizes)
+    run_at(*sizes[0])
+    points = [(h * w, measure_peak_growth_mb(lambda: run_at(h, w))) for h, w in sizes]
+    model = MemoryModel.fit(points)
+    measured = ', '.join(f'{int(p**0.5)}^2 px: {m:.0f} MB' for p, m in points)
+    print_log(f'{what}: memory calibrated ({measured}): peak ~ {model.base_mb:.0f} MB + '
+              f'{model.mb_per_mpix:.0f} MB per megapixel; set test_cfg.memory_model='
+              f'dict(base_mb={model.base_mb:.0f}, mb_per_mpix={model.mb_per_mpix:.0f}) to skip '
+              'this calibration', logger='current')
+    return model
+
+
+def read_memory_model(value, owner: str) -> Optional[MemoryModel]:
+    """``test_cfg.memory_model`` (a dict with ``base_mb`` and ``mb_per_mpix``) or None."""
+    if value is None:
+        return None
+    if not (isinstance(value, dict) and set(value) == {'base_mb', 'mb_per_mpix'}
+            and all(isinstance(v, (int, float)) and v >= 0 for v in value.values())):
+        raise MemoryBudgetError(
+            f'{owner}: test_cfg.memory_model must be dict(base_mb=..., mb_per_mpix=...) with '
+            f'non-negative numbers (the line a calibration logs), got {value!r}')
+    return MemoryModel(float(value['base_mb']), float(value['mb_per_mpix']))
+
+
+def read_budget_mb(test_cfg, owner: str) -> float:
+    """``test_cfg.max_memory`` in MB, checked: mode='auto' needs a positive number."""
+    budget = test_cfg.get('max_memory', None) if test_cfg is not None else None
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
+        raise MemoryBudgetError(
+            f"{owner}: test_cfg mode='auto' needs max_memory, the memory (MB) inference may add, "
+            f'as a positive number, e.g. max_memory=8000; got {budget!r}')
+    return float(budget)
+
+
+class Plan(NamedTuple):
+    """One way to run an image: ``name`` ('whole', 'slide', 'tiles'), its peak estimate and a
+    few words on its pieces (window size and stride, tile grid) for the log."""
+    name: str
+    estimate_mb: float
+    detail: str = ''
+
+
+def choose_plan(plans: List[Plan], budget_mb: float, what: str) -> Plan:
+    """The first of ``plans`` whose estimate is within ``budget_mb``; the choice is logged.
+
+    Raises:
+        MemoryBudgetError: no plan fits; the message names the smallest estimate and the fix.
+    """
+    listing = '; '.join(f'{p.name}{" " + p.detail if p.detail else ""}: {p.estimate_mb:.0f} MB'
+                        for p in plans)
+    for plan in plans:
+        if plan.estimate_mb <= budget_mb:
+            print_log(f'{what}: {plan.name} within max_memory={budget_mb:.0f} MB '
+                      f'(estimates: {listing})', logger='current')
+            return plan
+    smallest = min(plans, key=lambda p: p.estimate_mb)
+    print_log(f'{what}: no plan within max_memory={budget_mb:.0f} MB ({listing})',
+              logger='current', level=logging.ERROR)
+    raise MemoryBudgetError(
+        f'{what}: no way to run within max_memory={budget_mb:.0f} MB (estimates: {listing}); '
+        f'raise test_cfg.max_memory to at least {smallest.estimate_mb:.0f} or use smaller '
+        'windows / tiles')
