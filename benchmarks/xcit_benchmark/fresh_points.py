@@ -1,6 +1,7 @@
 """One fresh process per measured point: the runner of the lean-inference memory scripts.
 
-``benchmarks/lean_{segmentation,detection}_memory.py`` measure whole-image inference
+``benchmarks/lean_{segmentation,detection}_memory.py`` and
+``benchmarks/whole_image_inference.py`` measure whole-image inference
 through mmseg's / mmdet's own API, one point (model, image size) per process, so that no point
 inherits another's heap.
 """
@@ -12,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Optional
 
 from .memory import _release_free_heap, _reset_peak_rss, proc_status_kb
 
@@ -79,13 +81,20 @@ def write_artifact(out: str, meta: dict, rows: list, columns: list) -> None:
         writer.writerows(rows)
 
 
-def points_parser(description: str, config: str, points_help: str) -> argparse.ArgumentParser:
-    """The command line both scripts share (``--child`` is the fresh process's own)."""
+def points_parser(description: str, config: Optional[str],
+                  points_help: Optional[str]) -> argparse.ArgumentParser:
+    """The command line the fresh-point scripts share (``--child`` is the fresh process's own).
+
+    ``config`` / ``points_help`` None leave out ``--config`` / ``--points``, for a script that
+    chooses its configs and points its own way (``benchmarks/whole_image_inference.py``).
+    """
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument('--child', help=argparse.SUPPRESS)
-    parser.add_argument('--config', default=config, help='the XCiT config measured')
+    if config is not None:
+        parser.add_argument('--config', default=config, help='the XCiT config measured')
     parser.add_argument('--out', help='artifact path without extension (.json, .csv)')
-    parser.add_argument('--points', nargs='*', help=points_help)
+    if points_help is not None:
+        parser.add_argument('--points', nargs='*', help=points_help)
     parser.add_argument('--limit-gb', type=float, default=20.0)
     parser.add_argument('--timeout', type=float, default=1800.0)
     parser.add_argument('--note', help='what else ran on the machine, written into the artifact')

@@ -1,0 +1,38 @@
+# ViT-S/16 (DeiT-S) + Mask R-CNN (FPN): the ViT baseline of benchmarks/whole_image_inference.py,
+# NOT a paper config (nothing here was trained or evaluated; the benchmark builds it with random
+# weights). Everything is inherited from configs/mask_rcnn_xcit_s12_p16_3x_coco.py (data
+# preprocessor, FPN with 256 output channels and 5 outputs, RPN and RoI heads, train / test
+# settings, test pipeline) except the backbone and the neck chain.
+#
+# Backbone: mmseg's VisionTransformer (mmdet has none) with the DeiT-S settings of the backbone
+# benchmark's `vit_s16` (benchmarks/xcit_benchmark/models.py): embed 384, depth 12, 6 heads,
+# features after layers 3, 6, 9 and 12, all at stride 16; mmseg's MultiLevelNeck (scales 4, 2,
+# 1, 0.5) turns them into strides 4, 8, 16 and 32 for mmdet's FPN. Both are built from mmseg's
+# registry (the `mmseg.` prefix), which needs mmseg.models imported.
+_base_ = ['../mask_rcnn_xcit_s12_p16_3x_coco.py']
+
+custom_imports = dict(imports=['xcit_mm', 'mmseg.models'], allow_failed_imports=False)
+
+model = dict(
+    backbone=dict(
+        _delete_=True,
+        type='mmseg.VisionTransformer',
+        img_size=224,
+        patch_size=16,
+        embed_dims=384,
+        num_layers=12,
+        num_heads=6,
+        mlp_ratio=4,
+        out_indices=(2, 5, 8, 11),
+        qkv_bias=True,
+        with_cls_token=True,
+        final_norm=False,
+        interpolate_mode='bicubic',
+        drop_path_rate=0.0,
+        init_cfg=None),
+    # a list of necks is built as nn.Sequential: MultiLevelNeck, then the base's FPN
+    neck=[
+        dict(type='mmseg.MultiLevelNeck', in_channels=[384] * 4, out_channels=384,
+             scales=[4, 2, 1, 0.5]),
+        dict(type='FPN', in_channels=[384] * 4, out_channels=256, num_outs=5),
+    ])
