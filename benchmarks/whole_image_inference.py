@@ -221,8 +221,11 @@ def run(args, configs: dict, runner=run_point) -> list:
             if estimate is not None:
                 result['extrapolated_mb'] = estimate
         else:
+            load_before = os.getloadavg()[0]
             result = runner(__file__, point, int(args.limit_gb * 2**30), args.timeout)
             result['point_wall_s'] = round(time.time() - start, 1)
+            # the 1-minute load average around the point: near 1 means it ran alone
+            result['load_before'], result['load_after'] = load_before, os.getloadavg()[0]
         row = dict(point, **result)
         rows.append(row)
         last[(task, backbone, path)] = row
