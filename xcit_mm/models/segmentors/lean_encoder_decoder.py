@@ -1,11 +1,13 @@
-"""Whole-image segmentation without full-size logits: :class:`LeanEncoderDecoder`.
+"""Segmentation without full-size logits of all classes: :class:`LeanEncoderDecoder`.
 
 mmseg's ``EncoderDecoder.predict`` (1.2.2) resizes the C-class logits of the decode head to the
 network input, crops the padding, resizes them again to the original image and only then takes the
 argmax, keeping the full-size logits in every result. With ADE20k's 150 classes a 4096 x 4096
 image costs 150 x 4096 x 4096 x 4 bytes = 10 GB for each of those full-size tensors, whatever the
-size the network ran at. At full resolution the Semantic FPN neck and head also keep all four
-levels of three stages alive at once, the stride-4 ones being the largest.
+size the network ran at. Its ``slide_inference`` adds every window's logits into one such C x H x W
+map (and a zero-padded full-size copy of each window on the way). At full resolution the Semantic
+FPN neck and head also keep all four levels of three stages alive at once, the stride-4 ones being
+the largest.
 
 :class:`LeanEncoderDecoder` computes the same labels with less memory, by exact means only:
 
@@ -25,12 +27,28 @@ levels of three stages alive at once, the stride-4 ones being the largest.
   full tensor (no tiling): convolutions on differently sized inputs can take another oneDNN
   algorithm and differ in the last bit, which can flip an argmax at a near-tie, so spatial tiles
   were measured and rejected (they were not bit-identical here).
+* **Sliding windows without the full map** (``mode='slide'``). Each window's logits are kept at
+  the head's own resolution (before the head's resize to the window), which costs num_windows x
+  C x (crop / 4)^2 floats for mmseg's stride-4 heads instead of C x H x W. Then, class chunk by
+  class chunk, the chunk's part of stock's map is rebuilt as stock builds it (the same windows in
+  the same order, each resized to the window by the head's bilinear resize, added into a zero map,
+  divided by the window count map) and goes through the post-processing above. Each window is
+  added into its own region in place, where stock adds a zero-padded full-size copy: the bits are
+  the same, since ``x + 0.0 == x`` for every value the map can hold (it starts at +0.0, and a sum
+  of floats is -0.0 only when both terms are).
+* **Within a memory budget** (``mode='auto'``). The whole image runs where the estimate of its
+  peak fits ``max_memory``, otherwise the sliding windows (:meth:`LeanEncoderDecoder.memory_plans`
+  lists the estimates, :func:`~xcit_mm.models.utils.memory_budget.choose_plan` picks and logs).
+  The network's part of an estimate is a line fitted to its measured peak at a few small sizes
+  (calibrated once per model, on the first auto ``predict``), raised by 5% because it is
+  extrapolated; the rest are the tensors this module allocates, counted from their shapes, the
+  input batch the caller holds, and a fixed slack for kernels' scratch.
 
-Labels are those of stock ``EncoderDecoder.predict`` on the same weights; logits, when kept,
-equal stock's. Configs: ``model = dict(type='LeanEncoderDecoder', ...)`` is the one key
-(``custom_imports`` of ``xcit_mm``, which the backbone needs anyway, registers the name; the
-class is imported on first build, so ``import xcit_mm`` does not import mmseg). Our ADE20k
-segmentation configs use it by default. ``test_cfg`` keys, all optional:
+Labels are those of stock ``EncoderDecoder.predict`` (with the mode actually run) on the same
+weights; logits, when kept, equal stock's. Configs: ``model = dict(type='LeanEncoderDecoder',
+...)`` is the one key (``custom_imports`` of ``xcit_mm``, which the backbone needs anyway,
+registers the name; the class is imported on first build, so ``import xcit_mm`` does not import
+mmseg). Our ADE20k segmentation configs use it by default. ``test_cfg`` keys, all optional:
 
 * ``lean`` (bool, default True): False gives the stock ``EncoderDecoder.predict``.
 * ``keep_seg_logits`` (bool, default False): also store the full-size ``seg_logits`` that stock
@@ -40,8 +58,19 @@ segmentation configs use it by default. ``test_cfg`` keys, all optional:
   than logits of another size.
 * ``lean_chunk_mb`` (int, default 256): memory of one chunk of full-size logits; the chunk is
   rounded to the widths above.
+* ``mode`` ('whole' default, 'slide' or 'auto'): 'slide' needs ``crop_size`` and ``stride``, as
+  stock's does; 'auto' needs ``max_memory``.
+* ``crop_size``, ``stride`` ((h, w)): the windows of 'slide'. 'auto' defaults them to the
+  training crop (``data_preprocessor.size``, else 512 x 512) and two thirds of it (341 for 512).
+* ``max_memory`` (MB, 'auto' only): how much memory inference may add to the process (what
+  ``predict`` allocates, and the input batch it is given).
+* ``memory_model`` (``dict(base_mb=..., mb_per_mpix=...)``, 'auto' only): the network's line
+  (the one a calibration logs), which skips the calibration.
+
+``max_memory`` or ``memory_model`` with another mode is an error, not a silently ignored key.
 """
-from typing import List, Optional
+import math
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from mmengine.structures import PixelData
@@ -58,10 +87,45 @@ from mmseg.utils import OptSampleList, SampleList
 
 from ..layers.fpn_data_flow import fpn_in_data_flow_order
 from ..utils.ckpt_load import refuse_headless_load
+from ..utils.memory_budget import (MB, MemoryBudgetError, MemoryModel, Plan, calibrate,
+                                   choose_plan, read_budget_mb, read_memory_model,
+                                   release_free_heap)
 
 # Chunk widths whose bilinear results equal the full call's, channel by channel (module docstring).
 CHUNK_MULTIPLE = 8
 MIN_CHUNK_CHANNELS_LAST = 24
+
+MODES = ('whole', 'slide', 'auto')
+# The window of mode='auto' when neither test_cfg.crop_size nor data_preprocessor.size gives one:
+# mmseg's usual training crop; the stride is two thirds of the window, as in mmseg's slide
+# configs (ConvNeXt / SETR on ADE20k: 512 and 341, Cityscapes: 769 and 513).
+DEFAULT_CROP = (512, 512)
+# Square sizes at which the network's peak is measured (mode='auto', first predict): small enough
+# to cost seconds, spread enough (a factor 12 in pixels) that a size whose peak sits off the line
+# moves the fitted slope little.
+CALIBRATION_SIZES = ((256, 256), (512, 512), (896, 896))
+# The network's line is extrapolated far beyond those sizes, where a slope a few percent off
+# becomes that many percent of the estimate: its estimates are raised by this factor.
+NETWORK_MARGIN = 1.05
+# Input side of the one small forward that finds the head's output stride (window logits' size).
+STRIDE_PROBE = 128
+# Bytes per output pixel of the running argmax (_RunningArgmax): its best value (float32) and
+# label (int64); a chunk's maxima and their classes; while merging, those plus every temporary
+# of the update (six boolean masks, the new best and labels, the shifted classes), all counted
+# as if the allocator kept each one until the step ends. Labels (int64) are kept until predict
+# returns.
+STATE_BYTES = 4 + 8
+MAX_BYTES = 4 + 8
+MERGE_BYTES = MAX_BYTES + 6 + 4 + 8 + 8
+LABEL_BYTES = 8
+FLOAT_BYTES = 4
+# What the shape-counted terms leave out: kernels' scratch (a resize's index and weight tables, a
+# reduction's buffers) and the allocator's rounding; added to every estimate.
+SLACK_MB = 16
+# Bytes per input element that mmseg's doors (inference_model, the test loop) hold while predict
+# runs: the float batch and the packed uint8 image. They exist before predict, but the memory a
+# caller sees grow includes them, so every estimate counts them.
+INPUT_BYTES = 4 + 1
 
 
 def chunk_width(num_channels: int, plane_numel: int, budget_mb: float,
@@ -74,57 +138,191 @@ def chunk_width(num_channels: int, plane_numel: int, budget_mb: float,
     return min(width, num_channels)
 
 
+def slide_windows(img_hw: Sequence[int], crop_size: Sequence[int],
+                  stride: Sequence[int]) -> List[Tuple[int, int, int, int]]:
+    """The windows ``(y1, y2, x1, x2)`` of stock ``slide_inference``, in its order (row-major);
+    a window is clipped to the image where the image is smaller than the crop."""
+    (h_img, w_img), (h_crop, w_crop), (h_stride, w_stride) = img_hw, crop_size, stride
+    h_grids = max(h_img - h_crop + h_stride - 1, 0) // h_stride + 1
+    w_grids = max(w_img - w_crop + w_stride - 1, 0) // w_stride + 1
+    windows = []
+    for h_idx in range(h_grids):
+        for w_idx in range(w_grids):
+            y2 = min(h_idx * h_stride + h_crop, h_img)
+            x2 = min(w_idx * w_stride + w_crop, w_img)
+            windows.append((max(y2 - h_crop, 0), y2, max(x2 - w_crop, 0), x2))
+    return windows
+
+
 def _is_channels_last(x: Tensor) -> bool:
     """Whether torch's resize takes its channels-last kernel for ``x`` (a whole head output)."""
     return (x.dim() == 4 and not x.is_contiguous()
             and x.is_contiguous(memory_format=torch.channels_last))
 
 
+def _class_slice(x: Tensor, c0: int, c1: int, batch: slice = slice(None)) -> Tensor:
+    """``x[batch, c0:c1]`` in the layout (and so through the resize kernel) of the whole ``x``."""
+    part = x[batch, c0:c1]
+    if _is_channels_last(x):
+        part = part.contiguous(memory_format=torch.channels_last)
+    return part
+
+
+class _RunningArgmax:
+    """``argmax`` over the classes of one image given chunk by chunk in class order, and the
+    full logits when they are kept."""
+
+    def __init__(self, num_classes: int, keep_logits: bool,
+                 step_done: Callable[[], None] = lambda: None):
+        self.num_classes = num_classes
+        self.keep_logits = keep_logits
+        self.step_done = step_done  # called between the steps below (LeanEncoderDecoder)
+        self.best = self.labels = self.logits = None
+
+    def add(self, c0: int, make_chunk: Callable[[], Tensor]) -> None:
+        """Classes [c0, c0 + c): ``make_chunk()`` gives them as (c, H, W). The chunk is made
+        here, so that it is freed before the running maximum is updated."""
+        chunk = make_chunk()
+        self.step_done()
+        if self.keep_logits:
+            if self.logits is None:
+                self.logits = chunk.new_empty((self.num_classes, ) + tuple(chunk.shape[1:]))
+            self.logits[c0:c0 + chunk.shape[0]] = chunk
+        values, index = chunk.max(dim=0, keepdim=True)  # first maximum of the chunk
+        del chunk
+        self.step_done()
+        if self.best is None:
+            self.best, self.labels = values, index
+            return
+        # strictly greater: on a tie the earlier class keeps the pixel, as argmax does;
+        # a NaN beats a number, as argmax's NaN does
+        better = (values > self.best) | (values.isnan() & ~self.best.isnan())
+        self.best = torch.where(better, values, self.best)
+        self.labels = torch.where(better, index + c0, self.labels)
+        del values, index, better
+        self.step_done()
+
+    def finish(self) -> None:
+        """Free the running maxima once every class is in (the labels and logits stay)."""
+        self.best = None
+
+
 @MODELS.register_module()
 class LeanEncoderDecoder(EncoderDecoder):
     """mmseg's ``EncoderDecoder`` whose ``predict`` never holds full-size logits of all classes.
 
-    Same constructor, training, ``_forward`` and slide inference as ``EncoderDecoder``; only
-    ``predict`` changes (see the module docstring for why each step is exact, and for the
-    ``test_cfg`` keys ``lean``, ``keep_seg_logits`` and ``lean_chunk_mb``).
+    Same constructor, training and ``_forward`` as ``EncoderDecoder``; only ``predict`` changes
+    (see the module docstring for why each step is exact, and for the ``test_cfg`` keys).
+
+    Attributes:
+        last_memory_plan (Plan or None): the plan the last ``mode='auto'`` predict ran, with its
+            estimate (MB), for a benchmark to compare with the measured peak.
+        last_memory_plans (list[Plan]): every plan that predict considered, in order.
+        calibrated_memory_model (MemoryModel or None): the network's line, measured once.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # a file without weights for a head is an error, never a silently random head
         self.register_load_state_dict_post_hook(refuse_headless_load)
+        self.last_memory_plan: Optional[Plan] = None
+        self.last_memory_plans: List[Plan] = []
+        self.calibrated_memory_model: Optional[MemoryModel] = None
+        self._release_heap = False  # set by each predict: mode='auto' (_step_done)
+        self._head_geometry: Optional[Tuple[float, float, bool]] = None
 
     # ------------------------------------------------------------------ settings
     def _test_option(self, key, default):
         cfg = self.test_cfg
         return cfg.get(key, default) if cfg is not None else default
 
+    def _checked_mode(self) -> str:
+        """``test_cfg.mode``, after checking that every key given is one the mode reads."""
+        name = type(self).__name__
+        mode = self._test_option('mode', 'whole')
+        if mode not in MODES:
+            raise ValueError(
+                f"{name}: test_cfg.mode must be 'whole', 'slide' or 'auto', got {mode!r}; e.g. "
+                '--cfg-options model.test_cfg.mode=auto model.test_cfg.max_memory=8000')
+        if mode != 'auto':
+            stray = [k for k in ('max_memory', 'memory_model')
+                     if self._test_option(k, None) is not None]
+            if stray:
+                raise ValueError(
+                    f"{name}: test_cfg.{stray[0]} is only read with mode='auto', but mode is "
+                    f"{mode!r}; set test_cfg.mode='auto' or remove test_cfg.{stray[0]}")
+        elif not self._test_option('lean', True):
+            raise ValueError(f"{name}: test_cfg.mode='auto' needs the lean predict; remove "
+                             'test_cfg.lean=False or choose mode whole / slide')
+        elif not self._head_resize_is_stock():
+            raise ValueError(
+                f"{name}: test_cfg.mode='auto' estimates memory only for a decode head whose "
+                f'predict is mmseg\'s (forward + resize); {type(self.decode_head).__name__} '
+                "overrides it: choose mode 'whole' or 'slide'")
+        return mode
+
+    def _slide_settings(self, auto: bool) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+        """(crop_size, stride) of the windows; 'auto' fills in the defaults, 'slide' needs both
+        keys, as stock's ``slide_inference`` does."""
+        crop, stride = self._test_option('crop_size', None), self._test_option('stride', None)
+        if auto and crop is None:
+            crop = getattr(self.data_preprocessor, 'size', None) or DEFAULT_CROP
+        if auto and stride is None:
+            stride = tuple(c * 2 // 3 for c in crop)
+        for key, value in (('crop_size', crop), ('stride', stride)):
+            if not (isinstance(value, (tuple, list)) and len(value) == 2
+                    and all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+                            for v in value)):
+                raise ValueError(
+                    f"{type(self).__name__}: test_cfg mode='slide' needs {key}=(h, w), two "
+                    f'positive ints, e.g. crop_size=(512, 512), stride=(341, 341); got {value!r}')
+        if any(s > c for s, c in zip(stride, crop)):
+            raise ValueError(f'{type(self).__name__}: test_cfg.stride {tuple(stride)} is larger '
+                             f'than crop_size {tuple(crop)}: the windows would leave gaps')
+        return tuple(crop), tuple(stride)
+
     # ------------------------------------------------------------------ predict
     def predict(self, inputs: Tensor, data_samples: OptSampleList = None) -> SampleList:
-        """Labels (and, with ``test_cfg.keep_seg_logits``, logits) equal to stock ``predict``."""
+        """Labels (and, with ``test_cfg.keep_seg_logits``, logits) equal to stock ``predict``
+        with the mode run: 'whole', 'slide', or the one 'auto' chooses within ``max_memory``."""
+        mode = self._checked_mode()
+        self._release_heap = auto = mode == 'auto'
         if not self._test_option('lean', True):
             return super().predict(inputs, data_samples)
-        if data_samples is not None:
-            batch_img_metas = [data_sample.metainfo for data_sample in data_samples]
-        else:
-            batch_img_metas = [
-                dict(ori_shape=inputs.shape[2:], img_shape=inputs.shape[2:],
-                     pad_shape=inputs.shape[2:], padding_size=[0, 0, 0, 0])
-            ] * inputs.shape[0]
-        if self.test_cfg.get('mode', 'whole') == 'slide' or not self._head_resize_is_stock():
+        batch_img_metas = self._batch_img_metas(inputs, data_samples)
+        if not self._head_resize_is_stock():
             # full-size logits come from the inference itself: only the post-processing is lean
             return self._postprocess(self.inference(inputs, batch_img_metas), None, data_samples)
-        # stock: inference() -> encode_decode() -> decode_head.predict() = forward() and a
-        # resize to the input size (predict_by_feat); here that resize joins the chunked ones
-        self.inference_checks(batch_img_metas)
-        low_res = self._network_forward(inputs)
-        head_size = self._head_resize_size(batch_img_metas)
-        return self._postprocess(low_res, head_size, data_samples)
+        run = self._choose_memory_plan(inputs, data_samples).name if auto else mode
+        if run == 'slide':
+            return self._slide_predict(inputs, data_samples, *self._slide_settings(auto))
+        return self._whole_predict(inputs, batch_img_metas, data_samples)
 
-    def inference_checks(self, batch_img_metas: List[dict]) -> None:
-        """What ``EncoderDecoder.inference`` checks before running (mode, one ori_shape)."""
-        assert self.test_cfg.get('mode', 'whole') in ['slide', 'whole'], \
-            f'Only "slide" or "whole" test mode are supported, but got {self.test_cfg["mode"]}.'
+    def _step_done(self) -> None:
+        """Between the steps of a mode='auto' run (the network, each window, each window added
+        into a chunk, each chunk made and merged): return the freed heap to the OS. glibc keeps
+        freed heap pages resident (and, once a large tensor is freed, serves tensors up to 32 MB
+        from the heap), so without this a step's freed memory would add to the next step's,
+        where the estimate counts the larger step."""
+        if self._release_heap:
+            release_free_heap()
+
+    @staticmethod
+    def _batch_img_metas(inputs: Tensor, data_samples: OptSampleList) -> List[dict]:
+        """The metas stock ``predict`` passes on (defaults when there are no data samples)."""
+        if data_samples is not None:
+            return [data_sample.metainfo for data_sample in data_samples]
+        return [dict(ori_shape=inputs.shape[2:], img_shape=inputs.shape[2:],
+                     pad_shape=inputs.shape[2:], padding_size=[0, 0, 0, 0])] * inputs.shape[0]
+
+    def _whole_predict(self, inputs: Tensor, batch_img_metas: List[dict],
+                       data_samples: OptSampleList) -> SampleList:
+        """Stock whole inference: ``inference()`` -> ``encode_decode()`` ->
+        ``decode_head.predict()`` = forward() and a resize to the input size (predict_by_feat);
+        here that resize joins the chunked ones of the post-processing."""
+        low_res = self._network_forward(inputs)
+        self._step_done()
+        return self._postprocess(low_res, self._head_resize_size(batch_img_metas), data_samples)
 
     def _head_resize_is_stock(self) -> bool:
         """Whether the decode head's ``predict`` is mmseg's forward + bilinear resize."""
@@ -181,6 +379,86 @@ class LeanEncoderDecoder(EncoderDecoder):
             del branch
         return head.cls_seg(output)
 
+    # ------------------------------------------------------------------ sliding windows
+    def _slide_predict(self, inputs: Tensor, data_samples: OptSampleList,
+                       crop_size: Tuple[int, int], stride: Tuple[int, int]) -> SampleList:
+        """Stock ``slide_inference`` + ``postprocess_result``, one class chunk at a time.
+
+        The window logits stay at the head's resolution (num_windows x batch x C x the head's
+        window size, e.g. (crop / 4)^2, floats: the one cost that grows with the window count);
+        each class chunk's stock map is rebuilt from them by :meth:`_slide_chunk`, post-processed
+        per image and merged into each image's running argmax.
+        """
+        windows = slide_windows(inputs.shape[2:], crop_size, stride)
+        window_logits = self._window_logits(inputs, windows)
+        count = self._window_count(inputs, windows)
+        C = window_logits[0].shape[1]
+        if C == 1:  # binary head: one channel, nothing to chunk; stock code on the full map
+            return self.postprocess_result(
+                self._slide_chunk(window_logits, windows, count, 0, 1), data_samples)
+        metas = ([None] * inputs.shape[0] if data_samples is None
+                 else [sample.metainfo for sample in data_samples])
+        width = self._slide_chunk_width(C, inputs.shape, metas,
+                                        any(_is_channels_last(x) for x in window_logits))
+        states = [_RunningArgmax(C, self._test_option('keep_seg_logits', False), self._step_done)
+                  for _ in metas]
+        for c0 in range(0, C, width):
+            c1 = min(c0 + width, C)
+            self._merge_chunk(states, metas, c0,
+                              self._slide_chunk(window_logits, windows, count, c0, c1))
+            self._step_done()
+        for state in states:
+            state.finish()
+        return self._set_results(data_samples, states)
+
+    def _window_logits(self, inputs: Tensor, windows: list) -> List[Tensor]:
+        """The network's logits of each window at the head's resolution, in stock's order
+        (stock's ``encode_decode`` without the head's resize to the window)."""
+        window_logits = []
+        for y1, y2, x1, x2 in windows:
+            window_logits.append(self._network_forward(inputs[:, :, y1:y2, x1:x2]))
+            self._step_done()
+        return window_logits
+
+    @staticmethod
+    def _window_count(inputs: Tensor, windows: list) -> Tensor:
+        """Stock's count map: how many windows cover each pixel, (batch, 1, H, W)."""
+        count = inputs.new_zeros((inputs.shape[0], 1) + tuple(inputs.shape[2:]))
+        for y1, y2, x1, x2 in windows:
+            count[:, :, y1:y2, x1:x2] += 1
+        assert (count == 0).sum() == 0
+        return count
+
+    def _merge_chunk(self, states: List[_RunningArgmax], metas: List[Optional[dict]], c0: int,
+                     chunk: Tensor) -> None:
+        """Post-process each image's part of a chunk of the batch's map (classes from c0) and
+        merge it into that image's running argmax."""
+        for i, (state, meta) in enumerate(zip(states, metas)):
+            state.add(c0, lambda: self._image_chunk(chunk, i, 0, chunk.shape[1], None, meta))
+
+    def _slide_chunk(self, window_logits: List[Tensor], windows: list, count: Tensor, c0: int,
+                     c1: int) -> Tensor:
+        """Classes [c0, c1) of stock ``slide_inference``'s result, (batch, c1 - c0, H, W): each
+        window resized to its size as ``decode_head.predict_by_feat`` resizes it, added in
+        stock's order into a zero map, which is divided by the count map."""
+        acc = count.new_zeros((count.shape[0], c1 - c0) + tuple(count.shape[2:]))
+        for (y1, y2, x1, x2), logits in zip(windows, window_logits):
+            part = resize(_class_slice(logits, c0, c1), size=(y2 - y1, x2 - x1),
+                          mode='bilinear', align_corners=self.decode_head.align_corners)
+            acc[:, :, y1:y2, x1:x2].add_(part)
+            del part
+            self._step_done()
+        return acc.div_(count)
+
+    def _slide_chunk_width(self, num_classes: int, input_shape: Sequence[int],
+                           metas: List[Optional[dict]], channels_last: bool) -> int:
+        """Classes per chunk of the sliding path: its two full-size planes per class are the
+        batch's map (``_slide_chunk``) and one image's map at its original size."""
+        B, _, H, W = input_shape
+        out_numel = max(math.prod(self._output_hw(meta, (H, W))) for meta in metas)
+        return chunk_width(num_classes, B * H * W + out_numel,
+                           self._test_option('lean_chunk_mb', 256), channels_last)
+
     # ------------------------------------------------------------------ post-processing
     def _postprocess(self, seg_logits: Tensor, head_size, data_samples: OptSampleList) -> list:
         """Stock ``postprocess_result`` (and, when ``head_size`` is given, the head's resize to
@@ -191,28 +469,37 @@ class LeanEncoderDecoder(EncoderDecoder):
                 seg_logits = resize(seg_logits, size=head_size, mode='bilinear',
                                     align_corners=self.decode_head.align_corners)
             return self.postprocess_result(seg_logits, data_samples)
-        only_prediction = data_samples is None
-        if only_prediction:
-            data_samples = [SegDataSample() for _ in range(batch_size)]
         keep_logits = self._test_option('keep_seg_logits', False)
         budget_mb = self._test_option('lean_chunk_mb', 256)
+        states = []
         for i in range(batch_size):
-            meta = None if only_prediction else data_samples[i].metainfo
-            labels, logits = self._labels_of_image(seg_logits, i, head_size, meta, budget_mb,
-                                                   keep_logits)
-            data = {'pred_sem_seg': PixelData(data=labels)}
-            if keep_logits:
-                data['seg_logits'] = PixelData(data=logits)
-            data_samples[i].set_data(data)
+            meta = None if data_samples is None else data_samples[i].metainfo
+            states.append(self._labels_of_image(seg_logits, i, head_size, meta, budget_mb,
+                                                keep_logits))
+        return self._set_results(data_samples, states)
+
+    def _set_results(self, data_samples: OptSampleList,
+                     states: List[_RunningArgmax]) -> SampleList:
+        """Stock's results: ``pred_sem_seg`` (and ``seg_logits`` when kept) per image."""
+        if data_samples is None:
+            data_samples = [SegDataSample() for _ in states]
+        for sample, state in zip(data_samples, states):
+            data = {'pred_sem_seg': PixelData(data=state.labels)}
+            if state.keep_logits:
+                data['seg_logits'] = PixelData(data=state.logits)
+            sample.set_data(data)
         return data_samples
+
+    @staticmethod
+    def _output_hw(meta: Optional[dict], head_hw: Sequence[int]) -> Tuple[int, int]:
+        """The size of an image's labels: its original shape, or the head's size without metas."""
+        return tuple(meta['ori_shape']) if meta is not None else tuple(head_hw)
 
     def _image_chunk(self, seg_logits: Tensor, i: int, c0: int, c1: int, head_size,
                      meta: Optional[dict]) -> Tensor:
         """Classes [c0, c1) of image i after the stock steps: head resize, padding crop, flip,
         resize to the original shape. Returns (c1 - c0, H, W)."""
-        x = seg_logits[i:i + 1, c0:c1]
-        if _is_channels_last(seg_logits):  # the layout (and so the kernel) stock runs on
-            x = x.contiguous(memory_format=torch.channels_last)
+        x = _class_slice(seg_logits, c0, c1, slice(i, i + 1))
         if head_size is not None:
             x = resize(x, size=head_size, mode='bilinear',
                        align_corners=self.decode_head.align_corners)
@@ -233,33 +520,209 @@ class LeanEncoderDecoder(EncoderDecoder):
                       align_corners=self.align_corners, warning=False)[0]
 
     def _labels_of_image(self, seg_logits: Tensor, i: int, head_size, meta: Optional[dict],
-                         budget_mb: float, keep_logits: bool):
-        """(labels (1, H, W) int64, full logits or None) of image i by running argmax."""
+                         budget_mb: float, keep_logits: bool) -> _RunningArgmax:
+        """Image i's running argmax (labels (1, H, W) int64, full logits or None) over chunks."""
         C = seg_logits.shape[1]
-        if meta is not None:
-            out_hw = tuple(meta['ori_shape'])
-        elif head_size is not None:
-            out_hw = tuple(head_size)
-        else:
-            out_hw = tuple(seg_logits.shape[2:])
+        out_hw = self._output_hw(meta, head_size if head_size is not None
+                                 else seg_logits.shape[2:])
         width = chunk_width(C, out_hw[0] * out_hw[1], budget_mb, _is_channels_last(seg_logits))
-        best = labels = full = None
+        state = _RunningArgmax(C, keep_logits, self._step_done)
         for c0 in range(0, C, width):
             c1 = min(c0 + width, C)
-            chunk = self._image_chunk(seg_logits, i, c0, c1, head_size, meta)
-            if keep_logits:
-                if full is None:
-                    full = chunk.new_empty((C, ) + tuple(chunk.shape[1:]))
-                full[c0:c1] = chunk
-            values, index = chunk.max(dim=0, keepdim=True)  # first maximum of the chunk
-            del chunk
-            if best is None:
-                best, labels = values, index
-                continue
-            # strictly greater: on a tie the earlier class keeps the pixel, as argmax does;
-            # a NaN beats a number, as argmax's NaN does
-            better = (values > best) | (values.isnan() & ~best.isnan())
-            best = torch.where(better, values, best)
-            labels = torch.where(better, index + c0, labels)
-            del values, index, better
-        return labels, full
+            state.add(c0, lambda: self._image_chunk(seg_logits, i, c0, c1, head_size, meta))
+        state.finish()
+        return state
+
+    # ------------------------------------------------------------------ memory budget
+    def _choose_memory_plan(self, inputs: Tensor, data_samples: OptSampleList) -> Plan:
+        """The first of :meth:`memory_plans` within ``test_cfg.max_memory`` (logged), kept in
+        ``last_memory_plan``."""
+        budget_mb = read_budget_mb(self.test_cfg, type(self).__name__)  # before calibrating
+        plans = self.memory_plans(inputs, data_samples)
+        B, _, H, W = inputs.shape
+        self.last_memory_plans = plans
+        self.last_memory_plan = None
+        self.last_memory_plan = choose_plan(
+            plans, budget_mb, f'{type(self).__name__} on {B} x {H}x{W} px')
+        return self.last_memory_plan
+
+    def memory_plans(self, inputs: Tensor, data_samples: OptSampleList = None) -> List[Plan]:
+        """The plans of ``mode='auto'`` for this batch, in the order tried, with the estimated
+        peak (MB) that ``predict`` adds running each.
+
+        A run has two phases, and its estimate is the larger: the network (its line,
+        :meth:`network_memory_model`, raised by ``NETWORK_MARGIN``, at the pixels it runs on)
+        with what is kept from before, then the post-processing beside the network's output.
+        The post-processing terms are the tensors this module allocates, counted from their
+        shapes (:meth:`_whole_bytes`, :meth:`_slide_bytes`); the chunk widths are the ones the
+        run will take, and the head's output size and layout come from one small forward
+        (:meth:`_head_output_geometry`). Both estimates add ``SLACK_MB`` and the input batch
+        (``INPUT_BYTES`` per element).
+        """
+        crop, stride = self._slide_settings(auto=True)
+        line = self.network_memory_model(inputs)
+
+        def network_mb(num_pixels):
+            return NETWORK_MARGIN * line.estimate_mb(num_pixels)
+
+        B, _, H, W = inputs.shape
+        metas = ([None] * B if data_samples is None
+                 else [sample.metainfo for sample in data_samples])
+        head_hw = tuple(self._head_resize_size(self._batch_img_metas(inputs, data_samples)))
+        fixed_mb = SLACK_MB + INPUT_BYTES * inputs.numel() / MB
+        whole_mb = fixed_mb + max(network_mb(B * H * W),
+                                  self._whole_bytes(inputs, metas, head_hw) / MB)
+        windows = slide_windows((H, W), crop, stride)
+        win_hw = (min(crop[0], H), min(crop[1], W))
+        window_logits = self._logits_bytes(inputs, B, win_hw)
+        slide_mb = fixed_mb + max(
+            network_mb(B * win_hw[0] * win_hw[1]) + (len(windows) - 1) * window_logits / MB,
+            (len(windows) * window_logits + self._slide_bytes(inputs, metas, win_hw)) / MB)
+        return [Plan('whole', whole_mb, f'({H}x{W} px)'),
+                Plan('slide', slide_mb, f'({len(windows)} windows {win_hw[0]}x{win_hw[1]}, '
+                     f'stride {stride[0]}x{stride[1]})')]
+
+    def _logits_bytes(self, inputs: Tensor, batch: int, input_hw: Sequence[int]) -> int:
+        """Bytes of the head's output for ``batch`` inputs of ``input_hw`` pixels."""
+        s_h, s_w, _ = self._head_output_geometry(inputs)
+        return (FLOAT_BYTES * batch * self.out_channels * math.ceil(input_hw[0] / s_h)
+                * math.ceil(input_hw[1] / s_w))
+
+    def _image_terms(self, metas: List[Optional[dict]], head_hw: Sequence[int]):
+        """Per image: (output pixels, pixels of its flipped copy or 0, bytes of its results
+        (labels, and logits with ``keep_seg_logits``) kept until predict returns)."""
+        keep = self._test_option('keep_seg_logits', False)
+        terms = []
+        for meta in metas:
+            out = math.prod(self._output_hw(meta, head_hw))
+            flipped = math.prod(head_hw) if meta is not None and meta.get('flip') else 0
+            terms.append((out, flipped, out * (FLOAT_BYTES * self.out_channels if keep else 0)))
+        return terms
+
+    @staticmethod
+    def _merge_bytes(width: int, out: int) -> int:
+        """Peak of merging a chunk of ``width`` classes of ``out`` pixels into the running argmax,
+        beyond the running best and labels: the chunk, or once it is freed the maxima (float) and
+        their classes (int64), the masks, the new best and labels and the shifted classes."""
+        return max(FLOAT_BYTES * width + MAX_BYTES, MERGE_BYTES) * out
+
+    @staticmethod
+    def _first_and_later_width(num_classes: int, width: int) -> Tuple[int, int]:
+        """The widest first chunk and the widest later one (0 if there is none): the running
+        best and labels (and the kept logits) exist only from the second chunk on."""
+        return min(width, num_classes), min(width, max(num_classes - width, 0))
+
+    def _whole_bytes(self, inputs: Tensor, metas: List[Optional[dict]],
+                     head_hw: Sequence[int]) -> int:
+        """Post-processing peak of the whole image: the network's output, the results of the
+        images before, and for each chunk the larger of making it (``_image_chunk``: the head's
+        resize, a flipped copy, the resize to the original size) and merging it, beside the
+        running best and labels from the second chunk on."""
+        B, C = inputs.shape[0], self.out_channels
+        _, _, channels_last = self._head_output_geometry(inputs)
+        head = math.prod(head_hw)
+        network_output = self._logits_bytes(inputs, B, inputs.shape[2:])
+        if C == 1:  # stock post-processing of the batch resized at once (_postprocess)
+            return (network_output + FLOAT_BYTES * B * head
+                    + self._binary_post_bytes(self._image_terms(metas, head_hw)))
+        done, peak = 0, 0
+        for (out, flipped, kept), meta in zip(self._image_terms(metas, head_hw), metas):
+            first, later = self._first_and_later_width(C, chunk_width(
+                C, out, self._test_option('lean_chunk_mb', 256), channels_last))
+
+            def make(width):  # all of _image_chunk's tensors, as if none were freed
+                return FLOAT_BYTES * width * (head + (flipped + out if meta else 0))
+
+            # the kept logits are allocated once the first chunk is made
+            peak = max(peak, done + max(make(first), kept + self._merge_bytes(first, out)),
+                       done + (STATE_BYTES * out + kept + max(
+                           make(later), self._merge_bytes(later, out)) if later else 0))
+            done += LABEL_BYTES * out + kept
+        return network_output + peak
+
+    @staticmethod
+    def _binary_post_bytes(terms) -> int:
+        """Stock ``postprocess_result`` of a one-channel map: per image a flipped copy, the
+        resize to the original size, its sigmoid, the thresholded mask and the float prediction;
+        the sigmoid and the prediction stay in every image's results."""
+        return (sum(2 * FLOAT_BYTES * out for out, _, _ in terms)
+                + max(FLOAT_BYTES * flipped + (FLOAT_BYTES + 1) * out for out, flipped, _ in terms))
+
+    def _slide_bytes(self, inputs: Tensor, metas: List[Optional[dict]],
+                     win_hw: Sequence[int]) -> int:
+        """Post-processing peak of the windows, beyond their stored logits: the count map and,
+        for each chunk, the chunk of the batch's map with the larger of one resized window (and
+        its class slice) and one image's post-processing and merge, beside the images' running
+        best and labels (and kept logits) from the second chunk on."""
+        B, _, H, W = inputs.shape
+        C = self.out_channels
+        _, _, channels_last = self._head_output_geometry(inputs)
+        terms = self._image_terms(metas, (H, W))
+        width = 1 if C == 1 else self._slide_chunk_width(C, inputs.shape, metas, channels_last)
+
+        def add_window(width):  # the chunk of the batch's map and one window resized into it
+            return FLOAT_BYTES * width * B * (H * W + win_hw[0] * win_hw[1]) + (
+                self._logits_bytes(inputs, B, win_hw) * width // C)
+
+        if C == 1:  # stock post-processing of the one-channel map (_slide_predict)
+            return (FLOAT_BYTES * B * H * W
+                    + max(add_window(1), FLOAT_BYTES * B * H * W + self._binary_post_bytes(terms)))
+        first, later = self._first_and_later_width(C, width)
+        peak, before = add_window(first), 0
+        for out, flipped, kept in terms:
+            peak = max(peak, FLOAT_BYTES * first * B * H * W + before + max(
+                FLOAT_BYTES * first * (flipped + out), kept + self._merge_bytes(first, out)))
+            before += STATE_BYTES * out + kept
+        if later:
+            peak = max(peak, before + add_window(later), before + max(
+                FLOAT_BYTES * later * B * H * W + max(FLOAT_BYTES * later * (flipped + out),
+                                                      self._merge_bytes(later, out))
+                for out, flipped, _ in terms))
+        return FLOAT_BYTES * B * H * W + peak
+
+    def network_memory_model(self, inputs: Tensor) -> MemoryModel:
+        """The network's peak line: ``test_cfg.memory_model`` if given, else the one measured
+        by :func:`~xcit_mm.models.utils.memory_budget.calibrate` on this model's first call (the
+        network forward on zeros at ``CALIBRATION_SIZES``; the process's resident set is what it
+        measures, so only inputs on the CPU can be calibrated)."""
+        given = read_memory_model(self._test_option('memory_model', None), type(self).__name__)
+        if given is not None:
+            return given
+        if self.calibrated_memory_model is None:
+            if inputs.device.type != 'cpu':
+                raise MemoryBudgetError(
+                    f'{type(self).__name__}: calibration measures host memory, but the inputs '
+                    f'are on {inputs.device}; give test_cfg.memory_model=dict(base_mb=..., '
+                    'mb_per_mpix=...) for that device')
+            self.calibrated_memory_model = self._calibrate(inputs)
+        return self.calibrated_memory_model
+
+    def _calibrate(self, inputs: Tensor) -> MemoryModel:
+        """Measure ``_network_forward`` on zeros at each of ``CALIBRATION_SIZES`` (in eval mode,
+        so that batch norm statistics stay as they are)."""
+        was_training = self.training
+        self.eval()
+        try:
+            with torch.no_grad():
+                return calibrate(
+                    lambda h, w: self._network_forward(
+                        inputs.new_zeros((1, inputs.shape[1], h, w))),
+                    CALIBRATION_SIZES, f'{type(self).__name__} network')
+        finally:
+            self.train(was_training)
+
+    def _head_output_geometry(self, inputs: Tensor) -> Tuple[float, float, bool]:
+        """Input pixels per head output pixel (h, w) and whether the output is channels-last
+        (which sets the chunk widths), from one small forward on zeros, kept."""
+        if self._head_geometry is None:
+            was_training = self.training
+            self.eval()
+            try:
+                with torch.no_grad():
+                    out = self._network_forward(
+                        inputs.new_zeros((1, inputs.shape[1], STRIDE_PROBE, STRIDE_PROBE)))
+            finally:
+                self.train(was_training)
+            self._head_geometry = (STRIDE_PROBE / out.shape[2], STRIDE_PROBE / out.shape[3],
+                                   _is_channels_last(out))
+        return self._head_geometry

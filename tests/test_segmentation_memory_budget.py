@@ -1,0 +1,272 @@
+"""LeanEncoderDecoder's lean sliding windows and ``test_cfg.mode='auto'`` (a memory budget).
+
+Expected labels and logits come from upstream mmseg: stock ``EncoderDecoder.predict`` with
+``mode='slide'`` (or 'whole') on the same weights, built by ``tests/test_lean_segmentation.py``'s
+``_pair`` (small XCiTs, a tied class pair). The choice of plan is tested with a given
+``memory_model`` (deterministic); the memory bound is measured in fresh processes (malloc
+returning freed memory at once, as the benchmarks measure, and glibc's defaults), each plan at
+the tightest budget that picks it (its own estimate), so the estimate must bound the peak.
+"""
+import copy
+import json
+import logging
+import os
+import os.path as osp
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from test_lean_segmentation import (SEM_FPN, UPERNET, _assert_same, _meta, _pair, _predict,
+                                    _samples)
+
+from xcit_mm.models.utils.memory_budget import MemoryBudgetError
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+NUM_CLASSES = 44  # chunks of 8 (24 channels-last) and a narrower last chunk
+SLIDE = dict(mode='slide', crop_size=(64, 64), stride=(40, 40))  # strides no multiple of 8
+
+
+def _slide_pair(heads, channels_last=False, **test_cfg):
+    stock, lean = _pair(heads, channels_last=channels_last, num_classes=NUM_CLASSES,
+                        lean_chunk_mb=0.01, keep_seg_logits=True)
+    lean.test_cfg = copy.deepcopy(lean.test_cfg)  # the built models share the config's
+    stock.test_cfg.update(SLIDE)
+    lean.test_cfg.update(SLIDE, **test_cfg)
+    return stock, lean
+
+
+# (network input H, W; original H, W per image): odd sizes and both aspect ratios, a test resize
+# (original larger), an image narrower than the window, one smaller than the window both ways,
+# and a padded batch of two, flipped each way
+CASES = {
+    'odd': [((97, 131), [(97, 131)])],
+    'resize_narrow': [((160, 48), [(517, 151)])],
+    'smaller_than_crop': [((50, 40), [(50, 40)])],
+    'batch2_pad_flip': [((112, 144), [(301, 397), (90, 150)])],
+}
+
+
+def _case_metas(img_hw, ori_hws):
+    if len(ori_hws) == 1:
+        return [_meta(img_hw, ori_hws[0])]
+    return [_meta(img_hw, ori_hws[0], pad=(0, 9, 0, 13), flip='horizontal'),
+            _meta(img_hw, ori_hws[1], pad=(0, 0, 0, 5), flip='vertical')]
+
+
+@pytest.mark.parametrize('heads', [SEM_FPN, UPERNET], ids=['sem_fpn', 'upernet'])
+@pytest.mark.parametrize('case', list(CASES))
+def test_slide_labels_and_logits_equal_stock(heads, case):
+    stock, lean = _slide_pair(heads)
+    (img_hw, ori_hws), = CASES[case]
+    torch.manual_seed(1)
+    inputs = torch.randn(len(ori_hws), 3, *img_hw)
+    metas = _case_metas(img_hw, ori_hws)
+    _assert_same(_predict(stock, inputs, metas), _predict(lean, inputs, metas))
+
+
+def test_slide_channels_last_and_without_data_samples():
+    stock, lean = _slide_pair(SEM_FPN, channels_last=True)
+    torch.manual_seed(2)
+    inputs = torch.randn(1, 3, 90, 121)
+    _assert_same(_predict(stock, inputs, [_meta((90, 121), (180, 240))]),
+                 _predict(lean, inputs, [_meta((90, 121), (180, 240))]))
+    _assert_same(_predict(stock, inputs, None), _predict(lean, inputs, None))
+
+
+def test_slide_binary_head():
+    stock, lean = _pair(SEM_FPN, num_classes=1, keep_seg_logits=True)
+    for model in (stock, lean):
+        model.test_cfg.update(SLIDE)
+    torch.manual_seed(3)
+    inputs = torch.randn(1, 3, 77, 101)
+    metas = [_meta((77, 101), (150, 200))]
+    _assert_same(_predict(stock, inputs, metas), _predict(lean, inputs, metas))
+
+
+# ---------------------------------------------------------------- mode='auto'
+@pytest.fixture
+def log_lines():
+    """Messages of mmengine's current logger (where ``choose_plan`` and ``calibrate`` log)."""
+    from mmengine.logging import MMLogger
+    lines = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    logger = MMLogger.get_current_instance()
+    handler = Collect()
+    logger.addHandler(handler)
+    yield lines
+    logger.removeHandler(handler)
+
+
+# a steep line: the network dominates, so the whole image costs far more than one window
+STEEP = dict(base_mb=10.0, mb_per_mpix=20000.0)
+
+
+def test_auto_picks_whole_or_slide_by_budget_and_logs(log_lines):
+    stock, lean = _slide_pair(SEM_FPN)
+    lean.test_cfg.update(mode='auto', memory_model=STEEP)
+    torch.manual_seed(4)
+    inputs = torch.randn(1, 3, 150, 170)
+    metas = [_meta((150, 170), (150, 170))]
+    whole, slide = lean.memory_plans(inputs, _samples(metas))
+    assert (whole.name, slide.name) == ('whole', 'slide')
+    assert slide.estimate_mb < whole.estimate_mb
+    # the tightest budget of each plan picks it
+    for plan, budget in (('whole', whole.estimate_mb), ('slide', slide.estimate_mb)):
+        lean.test_cfg.max_memory = budget
+        stock.test_cfg.mode = plan
+        _assert_same(_predict(stock, inputs, metas), _predict(lean, inputs, metas))
+        assert lean.last_memory_plan.name == plan
+        assert lean.last_memory_plan.estimate_mb == pytest.approx(
+            {'whole': whole, 'slide': slide}[plan].estimate_mb)
+        line = [m for m in log_lines if f'{plan} within max_memory' in m][-1]
+        assert f'whole (150x170 px): {whole.estimate_mb:.0f} MB' in line
+        assert f'slide (16 windows 64x64, stride 40x40): {slide.estimate_mb:.0f} MB' in line
+    assert lean.calibrated_memory_model is None  # the given line, no calibration
+
+
+def test_auto_impossible_budget_names_the_smallest():
+    _, lean = _slide_pair(SEM_FPN, mode='auto', memory_model=STEEP, max_memory=1)
+    inputs = torch.randn(1, 3, 150, 170)
+    smallest = min(p.estimate_mb for p in lean.memory_plans(inputs))
+    with pytest.raises(MemoryBudgetError, match=f'at least {smallest:.0f}'):
+        _predict(lean, inputs, None)
+    assert lean.last_memory_plan is None
+
+
+@pytest.mark.parametrize('settings,error,match', [
+    (dict(mode='fast'), ValueError, "'whole', 'slide' or 'auto'"),
+    (dict(mode='auto'), MemoryBudgetError, 'needs max_memory'),
+    (dict(mode='auto', max_memory=-5), MemoryBudgetError, 'positive number'),
+    (dict(mode='auto', max_memory='3000'), MemoryBudgetError, 'positive number'),
+    (dict(mode='auto', max_memory=3000, memory_model=dict(base_mb=1)), MemoryBudgetError,
+     'memory_model must be'),
+    (dict(mode='auto', max_memory=3000, memory_model=dict(base_mb=1, mb_per_mpix=-2)),
+     MemoryBudgetError, 'non-negative'),
+    (dict(mode='whole', max_memory=3000), ValueError, "max_memory is only read with mode='auto'"),
+    (dict(mode='slide', memory_model=STEEP), ValueError, 'memory_model is only read'),
+    (dict(mode='slide', crop_size=None), ValueError, 'needs crop_size'),
+    (dict(mode='auto', max_memory=3000, memory_model=STEEP, stride=(80, 80)), ValueError,
+     'leave gaps'),
+    (dict(mode='auto', max_memory=3000, lean=False), ValueError, 'needs the lean predict'),
+], ids=['unknown_mode', 'no_budget', 'negative_budget', 'str_budget', 'memory_model_keys',
+        'memory_model_negative', 'budget_without_auto', 'memory_model_without_auto',
+        'slide_without_crop', 'stride_over_crop', 'auto_not_lean'])
+def test_bad_settings_are_clear_errors(settings, error, match):
+    _, lean = _slide_pair(SEM_FPN)
+    lean.test_cfg.update(settings)
+    with pytest.raises(error, match=match):
+        _predict(lean, torch.randn(1, 3, 70, 70), None)
+    assert lean.calibrated_memory_model is None  # checked before any measuring
+
+
+def test_calibrates_once_per_model_with_a_positive_line(monkeypatch, log_lines):
+    from xcit_mm.models.segmentors import lean_encoder_decoder as module
+    calls, calibrate = [], module.calibrate
+    monkeypatch.setattr(module, 'calibrate',
+                        lambda *args, **kwargs: calls.append(args[1]) or calibrate(*args, **kwargs))
+    _, lean = _slide_pair(SEM_FPN, mode='auto', max_memory=100000)
+    bn = next(m for m in lean.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    stats = bn.running_mean.clone()
+    lean.train()  # calibrating a model in training mode leaves its batch-norm statistics alone
+    line = lean.network_memory_model(torch.zeros(1, 3, 8, 8))
+    assert lean.training and torch.equal(bn.running_mean, stats)
+    lean.eval()
+    for _ in range(2):
+        _predict(lean, torch.randn(1, 3, 80, 90), None)
+    assert calls == [module.CALIBRATION_SIZES]
+    assert lean.calibrated_memory_model is line
+    assert line.mb_per_mpix > 0 and line.base_mb >= 0
+    assert any('memory calibrated' in m for m in log_lines)
+
+
+# ---------------------------------------------------------------- the memory bound
+BOUND_IMAGE = 1280  # large enough that the two plans differ by far at 48 classes
+BOUND_CROP = (640, 640)  # four windows: the slide run stays quick
+
+
+def _bound_child() -> dict:
+    """In a fresh process: calibrate (measured), then for each plan set max_memory to the plan's
+    own estimate (the tightest budget that picks it) and measure the peak growth of predict."""
+    from mmseg.structures import SegDataSample
+
+    from xcit_mm.models.utils.memory_budget import measure_peak_growth_mb
+    lean = _pair(SEM_FPN, num_classes=48)[1]
+    lean.test_cfg.update(mode='auto', max_memory=1e9, crop_size=BOUND_CROP, stride=BOUND_CROP)
+    S = BOUND_IMAGE
+    inputs = torch.randn(1, 3, S, S)
+    samples = [SegDataSample(metainfo=_meta((S, S), (S, S)))]
+    runs = []
+    with torch.no_grad():
+        calibration_mb = measure_peak_growth_mb(lambda: lean.memory_plans(inputs, samples))
+        plans = lean.memory_plans(inputs, samples)
+        for plan in plans:
+            lean.test_cfg.max_memory = plan.estimate_mb
+            peak_mb = measure_peak_growth_mb(lambda: lean.predict(inputs, samples))
+            runs.append(dict(plan=plan.name, chosen=lean.last_memory_plan.name,
+                             budget_mb=plan.estimate_mb, peak_mb=peak_mb))
+    return dict(runs=runs, calibration_mb=calibration_mb, line=list(lean.calibrated_memory_model))
+
+
+@pytest.mark.parametrize('malloc_env', [{'MALLOC_MMAP_THRESHOLD_': '65536'}, {}],
+                         ids=['mmap_threshold_64k', 'default_malloc'])
+def test_measured_peak_within_budget_at_two_budgets(malloc_env):
+    """Whole and slide, each at a budget equal to its estimate, in a fresh process: with malloc
+    returning freed memory at once (as the benchmarks measure) and with glibc's defaults."""
+    env = {k: v for k, v in os.environ.items() if k != 'MALLOC_MMAP_THRESHOLD_'}
+    env.update(malloc_env, PYTHONPATH=os.pathsep.join([ROOT, osp.join(ROOT, 'tests')]))
+    proc = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    runs = result['runs']
+    report = '; '.join(f"{r['chosen']}: peak {r['peak_mb']:.0f} MB <= budget {r['budget_mb']:.0f}"
+                       f" MB (estimate error {r['budget_mb'] - r['peak_mb']:+.0f} MB)"
+                       for r in runs) + f"; calibration peak {result['calibration_mb']:.0f} MB"
+    print(report)
+    assert [r['chosen'] for r in runs] == ['whole', 'slide'], report
+    assert runs[1]['budget_mb'] < runs[0]['budget_mb'], report
+    for r in runs:
+        assert r['peak_mb'] <= r['budget_mb'], report
+        assert result['calibration_mb'] <= r['budget_mb'], report
+
+
+# ---------------------------------------------------------------- through mmseg's doors
+def test_inference_model_door_auto():
+    """mmseg.apis.inference_model on the shapes config at full resolution: mode='auto' gives
+    stock's slide labels under a small budget and stock's whole labels under a large one."""
+    from mmengine.config import Config
+    from mmseg.apis import inference_model, init_model
+    cfg = Config.fromfile('configs/shapes/sem_fpn_xcit_shapes_ade.py')
+    cfg.test_pipeline = [t for t in cfg.test_pipeline if t.type != 'Resize']
+    cfg.model.test_cfg = dict(mode='auto', max_memory=1, memory_model=STEEP,
+                              crop_size=(160, 160), stride=(106, 106))
+    lean = init_model(cfg, device='cpu')
+    stock_cfg = copy.deepcopy(cfg)
+    stock_cfg.model.type = 'EncoderDecoder'
+    stock_cfg.model.test_cfg = dict(mode='slide', crop_size=(160, 160), stride=(106, 106))
+    stock = init_model(stock_cfg, device='cpu')
+    torch.manual_seed(5)
+    with torch.no_grad():  # random weights with varied labels: spread the classifier
+        lean.decode_head.conv_seg.weight.normal_(0, 0.01)
+    stock.load_state_dict(lean.state_dict())
+    img = np.random.RandomState(0).randint(0, 255, (333, 517, 3), dtype=np.uint8)
+    with pytest.raises(MemoryBudgetError, match='raise test_cfg.max_memory'):
+        inference_model(lean, img)
+    for plan, budget in (('slide', 2000), ('whole', 10**6)):
+        lean.test_cfg.max_memory = budget
+        stock.test_cfg.mode = plan
+        expected, got = inference_model(stock, img), inference_model(lean, img)
+        assert lean.last_memory_plan.name == plan
+        assert got.pred_sem_seg.shape == (333, 517)
+        assert torch.equal(expected.pred_sem_seg.data, got.pred_sem_seg.data)
+        assert len(torch.unique(got.pred_sem_seg.data)) > 1
+
+
+if __name__ == '__main__':  # the child of test_measured_peak_within_budget_at_two_budgets
+    print(json.dumps(_bound_child()))
