@@ -1,4 +1,4 @@
-"""Whole-image Mask R-CNN with fewer live maps: :class:`LeanMaskRCNN`.
+"""Mask R-CNN with fewer live maps, whole or in tiles within a memory budget: :class:`LeanMaskRCNN`.
 
 mmdet's ``TwoStageDetector.predict`` (3.3) keeps every backbone level until the neck returns,
 every neck level (the stride-4 one is 256 x H/4 x W/4 floats: 1 GB at 4096 x 4096) until the RoI
@@ -6,10 +6,11 @@ head returns, and so through the RPN (whose 3x3 conv output and its ReLU are two
 that size at stride 4) and through the mask pasting, which fills an N x H x W boolean tensor
 (1.6 GB for 100 detections at 4096 x 4096) while all the feature maps are still alive.
 
-:class:`LeanMaskRCNN` computes the same detections with fewer maps alive, by exact means only
-(each operation is the stock one on the same full tensor; no convolution is tiled, because a
-oneDNN convolution of another size picks another algorithm and differs in the last bit -- a
-row-tiled 1x1 lateral conv was measured to differ here):
+**Whole image** (``test_cfg.mode='whole'``, the default). :class:`LeanMaskRCNN` computes the same
+detections with fewer maps alive, by exact means only (each operation is the stock one on the same
+full tensor; no convolution is tiled, because a oneDNN convolution of another size picks another
+algorithm and differs in the last bit -- a row-tiled 1x1 lateral conv was measured to differ
+here):
 
 * **Backbone + FPN in data-flow order** (:meth:`LeanMaskRCNN._lean_extract_feat`, for a backbone
   with ``forward_trunk`` / ``forward_level`` such as XCiT and mmdet's ``FPN``): the levels are
@@ -24,18 +25,50 @@ row-tiled 1x1 lateral conv was measured to differ here):
   (on CPU mmdet already pastes each mask into its box region only).
 
 Boxes, labels, scores and masks equal stock ``MaskRCNN.predict`` on the same weights
-(``tests/test_lean_detection.py``). Configs: ``model = dict(type='LeanMaskRCNN', ...)`` is the
-one key (``custom_imports`` of ``xcit_mm``, which the backbone needs anyway, registers the name;
-the class is imported on first build, so ``import xcit_mm`` does not import mmdet).
-``model.test_cfg.lean=False`` gives the stock ``predict``, and so does a ``predict`` under
-autograd (the in-place sums would break it). Parts that are not the stock ones
-(another neck, RPN head or RoI head class) run stock, only the ordering around them is lean.
+(``tests/test_lean_detection.py``).
+
+**Tiles** (``test_cfg.mode='tiles'``): a whole image's feature maps grow with its pixels; tiles
+bound them by the tile's. The network-scale batch input is cut into overlapping tiles covering
+each image (the last ones aligned to the image border, each padded to the preprocessor's size
+divisor); each tile runs the lean path above (features, RPN, bbox branch in tile coordinates,
+then the mask logits of its detections, of their class only) and its maps are dropped before the
+next tile starts. Boxes are shifted to image coordinates, and detections that touch a tile edge
+inside the image ("cut") rank after the uncut ones: a cut detection lying mostly inside a kept one
+of its class (or overlapping it beyond the NMS threshold) is the same object seen whole in a
+neighbouring tile and is dropped; class-wise NMS with the RoI head's ``nms`` config then removes
+objects seen whole in two tiles, and ``max_per_img`` remain. mmdet's ``FCNMaskHead.predict_by_feat``
+pastes the kept masks at the original size, exactly as in the whole-image path, so the result is
+an ordinary ``pred_instances`` for ``CocoMetric``, ``DetInferencer`` and the visualizer. One tile
+covering the image gives the whole-image result bit for bit. The pieces are in
+:mod:`~xcit_mm.models.detectors.tiled_inference`.
+
+**Auto** (``test_cfg.mode='auto'``, ``max_memory`` in MB): the whole image if a calibrated
+estimate of its peak fits the budget, else tiles (:mod:`xcit_mm.models.utils.memory_budget`).
+The network part's peak (features, RPN, bbox branch, mask logits) is bounded by a line in the
+input pixels, calibrated once per model on the first auto ``predict`` (the peak of features and
+proposals at a few small sizes, plus the RoI branch's growth at its most proposals) or given by
+``test_cfg.memory_model``; the masks and their pasting are counted from their sizes. The choice
+and every estimate are logged; the plan run is ``last_memory_plan`` and the line
+``memory_model``.
+
+Configs: ``model = dict(type='LeanMaskRCNN', ...)`` is the one key (``custom_imports`` of
+``xcit_mm``, which the backbone needs anyway, registers the name; the class is imported on first
+build, so ``import xcit_mm`` does not import mmdet). ``model.test_cfg`` keys next to ``rpn`` and
+``rcnn`` (``docs/lean_detection.md``): ``lean`` (default True; False gives the stock ``predict``,
+and so does a whole-image ``predict`` under autograd, where the in-place sums would break it),
+``mode`` ('whole', 'tiles', 'auto'), ``tile_size`` (default 1024), ``tile_overlap`` (default 256),
+``max_memory`` and ``memory_model``. Tiles and auto run under ``torch.no_grad``. Parts that are not
+the stock ones (another neck, RPN head or RoI head class) run stock in whole mode, only the
+ordering around them is lean; tiles need mmdet's ``StandardRoIHead`` and ``FCNMaskHead``.
 Training, ``_forward`` and ``tensor`` mode are stock.
 """
-from typing import List
+import math
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
+from mmengine.logging import print_log
+from mmengine.structures import InstanceData
 from torch import Tensor
 
 from mmdet.models.dense_heads import RPNHead
@@ -43,27 +76,45 @@ from mmdet.models.detectors import MaskRCNN
 from mmdet.models.necks import FPN
 from mmdet.models.roi_heads import StandardRoIHead
 from mmdet.models.roi_heads.base_roi_head import BaseRoIHead
+from mmdet.models.roi_heads.mask_heads import FCNMaskHead
 from mmdet.models.utils import empty_instances
 from mmdet.registry import MODELS
-from mmdet.structures import SampleList
+from mmdet.structures import DetDataSample, SampleList
 from mmdet.structures.bbox import bbox2roi
 
 from ..layers.fpn_data_flow import fpn_in_data_flow_order
 from ..utils.ckpt_load import refuse_headless_load
+from ..utils.memory_budget import (MB, MemoryModel, Plan, choose_plan, measure_peak_growth_mb,
+                                   release_free_heap)
+from . import tiled_inference as tiling
+from .tiled_inference import TiledTestCfg
 
 
 @MODELS.register_module()
 class LeanMaskRCNN(MaskRCNN):
-    """mmdet's ``MaskRCNN`` whose ``predict`` keeps fewer full-resolution maps alive.
+    """mmdet's ``MaskRCNN`` whose ``predict`` keeps fewer full-resolution maps alive, on the whole
+    image, in tiles, or whichever fits a memory budget.
 
     Same constructor, training and ``_forward`` as ``MaskRCNN``; only ``predict`` changes (see
-    the module docstring for what is freed when and why each step is exact).
+    the module docstring for what is freed when and why each step is exact, and for the tiles and
+    the budget).
+
+    Attributes:
+        memory_model: the line bounding the network part's peak memory over its input pixels
+            (``mode='auto'``): ``test_cfg.memory_model`` or calibrated on the first auto
+            ``predict``; None before.
+        last_memory_plan: the plan the last auto ``predict`` ran (``'whole'`` or ``'tiles'``)
+            with its estimate, so that a benchmark can report the estimate's error.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # a file without weights for a head is an error, never a silently random head
         self.register_load_state_dict_post_hook(refuse_headless_load)
+        tiling.read_tiled_test_cfg(self.test_cfg)  # a malformed test_cfg fails at build
+        self.memory_model: Optional[MemoryModel] = None
+        self.last_memory_plan: Optional[Plan] = None
+        self._last_plans = None  # (plans, budget) of the last logged choice
 
     def _lean(self) -> bool:
         cfg = self.test_cfg
@@ -72,7 +123,23 @@ class LeanMaskRCNN(MaskRCNN):
     # ------------------------------------------------------------------ predict
     def predict(self, batch_inputs: Tensor, batch_data_samples: SampleList,
                 rescale: bool = True) -> SampleList:
-        """Detections equal to ``TwoStageDetector.predict``'s, with maps freed early."""
+        """Detections of the whole image (equal to ``TwoStageDetector.predict``'s, with maps freed
+        early), of tiles, or of whichever fits ``test_cfg.max_memory`` (module docstring)."""
+        settings = tiling.read_tiled_test_cfg(self.test_cfg)
+        if settings.mode == 'whole':
+            return self._predict_whole(batch_inputs, batch_data_samples, rescale)
+        self._check_tiles_supported(batch_data_samples)
+        with torch.no_grad():
+            if settings.mode == 'auto':
+                plan = self._choose_memory_plan(settings, batch_inputs, batch_data_samples,
+                                                rescale)
+                if plan.name == 'whole':
+                    return self._predict_whole(batch_inputs, batch_data_samples, rescale)
+            return self._predict_tiles(batch_inputs, batch_data_samples, rescale, settings)
+
+    def _predict_whole(self, batch_inputs: Tensor, batch_data_samples: SampleList,
+                       rescale: bool) -> SampleList:
+        """The whole batch input at once, lean (stock with ``lean=False`` or under autograd)."""
         if not self._lean() or torch.is_grad_enabled():
             return super().predict(batch_inputs, batch_data_samples, rescale=rescale)
         assert self.with_bbox, 'Bbox head must be implemented.'
@@ -142,3 +209,256 @@ class LeanMaskRCNN(MaskRCNN):
         return head.mask_head.predict_by_feat(mask_preds=mask_preds, results_list=results_list,
                                               batch_img_metas=batch_img_metas,
                                               rcnn_test_cfg=head.test_cfg, rescale=rescale)
+
+    # ------------------------------------------------------------------ tiles
+    def _check_tiles_supported(self, batch_data_samples: SampleList) -> None:
+        """Tiles need the parts whose per-tile steps this class runs: mmdet's ``StandardRoIHead``
+        with its stock bbox and mask ``predict`` and an ``FCNMaskHead``, and no given proposals
+        (proposals are made per tile)."""
+        head = self.roi_head
+        if not (isinstance(head, StandardRoIHead) and head.with_mask
+                and type(head).predict_bbox is StandardRoIHead.predict_bbox
+                and type(head).predict_mask is StandardRoIHead.predict_mask
+                and isinstance(head.mask_head, FCNMaskHead)
+                and type(head.mask_head).predict_by_feat is FCNMaskHead.predict_by_feat):
+            raise ValueError(
+                f"{type(self).__name__}: test_cfg.mode='tiles' / 'auto' need mmdet's "
+                f'StandardRoIHead with an FCNMaskHead (stock predict_bbox / predict_mask), got '
+                f'{type(head).__name__} / {type(getattr(head, "mask_head", None)).__name__}; '
+                "use mode='whole'")
+        if batch_data_samples[0].get('proposals', None) is not None:
+            raise ValueError(
+                f"{type(self).__name__}: test_cfg.mode='tiles' / 'auto' make proposals per tile; "
+                "precomputed proposals (data_samples.proposals) need mode='whole'")
+
+    def _tile_grids(self, batch_inputs: Tensor, batch_img_metas: List[dict],
+                    settings: TiledTestCfg) -> List[List[tiling.Tile]]:
+        """The tiles of each image of the batch (network scale)."""
+        return [tiling.tile_grid(meta['img_shape'], batch_inputs.shape[-2:], settings.tile_size,
+                                 settings.tile_overlap) for meta in batch_img_metas]
+
+    def _predict_tiles(self, batch_inputs: Tensor, batch_data_samples: SampleList,
+                       rescale: bool, settings: TiledTestCfg) -> SampleList:
+        """Each image tile by tile (one tile's maps alive at a time), the tiles' detections merged
+        per image, then the kept masks pasted for the whole batch."""
+        head = self.roi_head
+        batch_img_metas = [data_sample.metainfo for data_sample in batch_data_samples]
+        grids = self._tile_grids(batch_inputs, batch_img_metas, settings)
+        results_list = []
+        for i, tiles in enumerate(grids):
+            per_tile = []
+            for tile in tiles:
+                per_tile.append(self._tile_detections(batch_inputs[i:i + 1], tile))
+                # freed heap pages back to the OS: each tile starts as a calibrated run did, and
+                # the small allocations of many tiles do not pile up in the resident set
+                release_free_heap()
+            dets = InstanceData.cat(per_tile)
+            del per_tile
+            results_list.append(tiling.merge_tile_detections(
+                dets, head.test_cfg.nms, head.test_cfg.max_per_img))
+        results_list = self._paste_masks(results_list, batch_img_metas, rescale)
+        return self.add_pred_to_datasample(batch_data_samples, results_list)
+
+    def _tile_detections(self, inputs: Tensor, tile: tiling.Tile) -> InstanceData:
+        """The detections of one tile of one image's batch input (1, C, H, W): boxes shifted to
+        image coordinates, marked ``cut`` where they touch a tile edge inside the image."""
+        preprocessor = self.data_preprocessor
+        tile_input = tiling.cut_tile(inputs, tile, getattr(preprocessor, 'pad_size_divisor', 1),
+                                     getattr(preprocessor, 'pad_value', 0))
+        dets = self._detect_in_tile(tile_input, tiling.tile_meta(tile, tile_input.shape[-2:]))
+        del tile_input
+        dets.cut = tiling.touches_cut_edge(dets.bboxes, tile)
+        dets.bboxes = dets.bboxes + dets.bboxes.new_tensor([tile.x0, tile.y0, tile.x0, tile.y0])
+        # own copies: the head's scores and labels are views of its NMS output over all the
+        # boxes it scored, which would otherwise stay alive for every tile until the merge
+        dets.scores, dets.labels = dets.scores.clone(), dets.labels.clone()
+        return dets
+
+    def _detect_in_tile(self, tile_input: Tensor, meta: dict) -> InstanceData:
+        """The lean network part on one input (1, C, h, w) seen as an image of its own: features,
+        RPN, bbox branch (``rescale=False``: input coordinates) and the mask logits of each
+        detection's class (``mask_logits``, n x 28 x 28); every feature map is freed on return."""
+        x, rpn_results_list = self._features_and_proposals(tile_input, meta)
+        return self._roi_detections(x, rpn_results_list, meta)
+
+    def _features_and_proposals(self, inputs: Tensor, meta: dict):
+        """(feature maps as a list, RPN proposals) of one input (1, C, h, w): the first stage of
+        :meth:`_detect_in_tile`, whose peak grows with the pixels."""
+        x = self._lean_extract_feat(inputs)
+        samples = [DetDataSample(metainfo=meta)]
+        return x, self._lean_rpn_predict(x, samples, [meta])
+
+    def _roi_detections(self, x: List[Tensor], rpn_results_list, meta: dict) -> InstanceData:
+        """The second stage of :meth:`_detect_in_tile`: bbox branch and mask logits on the maps
+        ``x``, which it empties (the caller's list: their last reference) once the logits exist."""
+        head = self.roi_head
+        feats = tuple(x)
+        dets = head.predict_bbox(feats, [meta], rpn_results_list, rcnn_test_cfg=head.test_cfg,
+                                 rescale=False)[0]
+        side = self._mask_side()
+        if len(dets) == 0:
+            dets.mask_logits = feats[0].new_zeros((0, side, side))
+            return dets
+        mask_preds = head._mask_forward(feats, bbox2roi([dets.bboxes]))['mask_preds']
+        del feats
+        x.clear()
+        if head.mask_head.class_agnostic:
+            dets.mask_logits = mask_preds[:, 0].clone()
+        else:
+            dets.mask_logits = mask_preds[torch.arange(len(dets)), dets.labels]
+        return dets
+
+    def _mask_side(self) -> int:
+        """The side of the mask head's logits (28 for mmdet's Mask R-CNN)."""
+        mask_head = self.roi_head.mask_head
+        upsample = mask_head.scale_factor if mask_head.upsample is not None else 1
+        return int(mask_head.roi_feat_size[0] * (upsample or 1))
+
+    def _paste_masks(self, results_list: List[InstanceData], batch_img_metas: List[dict],
+                     rescale: bool) -> List[InstanceData]:
+        """mmdet's ``FCNMaskHead.predict_by_feat`` on the merged detections (network-scale boxes;
+        it rescales them, and pastes at the original size, when ``rescale``): each detection's
+        class logits go back into an n x classes x 28 x 28 tensor laid out as the head's own
+        output, so the masks are pasted bit for bit as in the whole-image path."""
+        mask_head = self.roi_head.mask_head
+        channels = 1 if mask_head.class_agnostic else mask_head.num_classes
+        mask_preds = []
+        for results in results_list:
+            logits = results.mask_logits
+            full = logits.new_zeros((len(results), channels) + tuple(logits.shape[1:]))
+            full[torch.arange(len(results)), 0 if channels == 1 else results.labels] = logits
+            mask_preds.append(full)
+            del results.mask_logits, results.cut
+        return mask_head.predict_by_feat(mask_preds=tuple(mask_preds), results_list=results_list,
+                                         batch_img_metas=batch_img_metas,
+                                         rcnn_test_cfg=self.roi_head.test_cfg, rescale=rescale)
+
+    # ------------------------------------------------------------------ memory plans
+    def _choose_memory_plan(self, settings: TiledTestCfg, batch_inputs: Tensor,
+                            batch_data_samples: SampleList, rescale: bool) -> Plan:
+        """The whole batch input if its estimate fits ``max_memory``, else tiles (kept in
+        ``last_memory_plan``; logged unless the plans and the budget are those of the previous
+        batch, as for a test set of images of one size); ``MemoryBudgetError`` if neither fits."""
+        if settings.memory_model is not None:  # given: it wins over an earlier calibration
+            self.memory_model = settings.memory_model
+        elif self.memory_model is None:
+            self.memory_model = self._calibrate_memory(batch_inputs)
+        batch_img_metas = [data_sample.metainfo for data_sample in batch_data_samples]
+        plans = self._memory_plans(self.memory_model, settings, batch_inputs, batch_img_metas,
+                                   rescale)
+        if (plans, settings.max_memory) == self._last_plans:
+            return self.last_memory_plan  # the same choice as for the previous batch: not logged
+        B, _, H, W = batch_inputs.shape
+        what = f'{type(self).__name__} ({B} image{"s" if B > 1 else ""} of {H}x{W} px)'
+        self.last_memory_plan = choose_plan(plans, settings.max_memory, what)
+        self._last_plans = (plans, settings.max_memory)
+        return self.last_memory_plan
+
+    def _memory_plans(self, model: MemoryModel, settings: TiledTestCfg, batch_inputs: Tensor,
+                      batch_img_metas: List[dict], rescale: bool) -> List[Plan]:
+        """The estimated peak growth (MB) of the whole-image plan and of the tiles plan.
+
+        Whole: the network part on the batch input (the line, per image), or, after it, the masks
+        of all images and their pasting, whichever is larger (the feature maps are freed before
+        the masks are pasted). Tiles: the network part on the largest tile plus what every tile's
+        detections hold until the merge, or those plus the same masks and pasting.
+        """
+        head = self.roi_head
+        max_per_img = self._max_detections()
+        side = self._mask_side()
+        channels = 1 if head.mask_head.class_agnostic else head.mask_head.num_classes
+        paste_mb = tiling.paste_estimate_mb(
+            [tiling.mask_output_hw(meta, rescale) for meta in batch_img_metas], max_per_img,
+            channels, side)
+        B, _, H, W = batch_inputs.shape
+        # the heap a network run leaves (the line's base) is still resident while masks are pasted
+        paste_mb += model.base_mb
+        whole_mb = max(B * model.estimate_mb(H * W), paste_mb)
+        grids = self._tile_grids(batch_inputs, batch_img_metas, settings)
+        divisor = getattr(self.data_preprocessor, 'pad_size_divisor', 1)
+        tile_px = max(h * w for tiles in grids for t in tiles
+                      for h, w in [tiling.padded_hw(t, batch_inputs.shape, divisor)])
+        held_mb = (sum(map(len, grids)) * max_per_img
+                   * tiling.held_bytes_per_detection(side) / MB)
+        tiles_mb = max(model.estimate_mb(tile_px), paste_mb) + held_mb
+        rows = len({t.y0 for t in grids[0]})
+        cols = len(grids[0]) // rows
+        th, tw = settings.tile_size
+        return [Plan('whole', whole_mb, f'{H}x{W}'),
+                Plan('tiles', tiles_mb, f'{rows}x{cols} tiles of {th}x{tw} px, overlap '
+                     f'{settings.tile_overlap} px')]
+
+    def _max_proposals(self) -> int:
+        """The most proposals the RPN passes to the RoI head per image (``rpn.max_per_img``)."""
+        return int(self.test_cfg.rpn.get('max_per_img', 1000))
+
+    def _max_detections(self) -> int:
+        """The most detections per image (``rcnn.max_per_img``; the proposals when unlimited)."""
+        max_per_img = self.roi_head.test_cfg.max_per_img
+        return max_per_img if max_per_img > 0 else self._max_proposals()
+
+    def _calibrate_memory(self, batch_inputs: Tensor) -> MemoryModel:
+        """The line bounding the network part's peak growth (:meth:`_detect_in_tile`) over its
+        input pixels, measured on fixed random inputs (random rather than zeros, so that the RPN
+        finds as many distinct proposals as on a real image).
+
+        The peak of Mask R-CNN is not one line: the features and proposals (first stage) grow
+        with the pixels, while the RoI branch (second stage) adds about the same on top of the
+        feature maps at any size, and at the small sizes a calibration can afford that fixed part
+        is the peak, so a line through whole runs would have the slope of the feature maps only
+        and undercut large images. So the second stage's growth is measured once, on the maps of
+        a first, unmeasured run at the smallest size (which also sets up the thread pools and
+        kernels whose memory stays), with the most proposals and detections the test config
+        allows (``rpn.max_per_img``, ``rcnn.max_per_img``); the first stage's line is fitted at
+        ``tiling.CALIBRATION_SIDES``; the bounding line is the first stage's with the second
+        stage's growth added to its base. The line and the fix to skip this calibration are
+        logged.
+        """
+        generator = torch.Generator().manual_seed(0)
+        channels = batch_inputs.shape[1]
+
+        def square(side: int):
+            inputs = torch.randn(1, channels, side, side, generator=generator).to(batch_inputs)
+            return inputs, dict(img_shape=(side, side), ori_shape=(side, side),
+                                pad_shape=(side, side), batch_input_shape=(side, side),
+                                scale_factor=(1.0, 1.0))
+
+        def first_stage(side: int):
+            return self._features_and_proposals(*square(side))[1]
+
+        sides = list(tiling.CALIBRATION_SIDES)
+        inputs, meta = square(sides[0])
+        maps = self._features_and_proposals(inputs, meta)[0]  # also the unmeasured first run
+        del inputs
+        roi_mb = measure_peak_growth_mb(lambda: self._worst_case_roi_stage(maps, meta))
+        maps.clear()
+        points = [(s * s, measure_peak_growth_mb(lambda: first_stage(s))) for s in sides]
+        line = MemoryModel.fit(points)
+        model = MemoryModel(line.base_mb + roi_mb, line.mb_per_mpix)
+        measured = ', '.join(f'{int(p**0.5)}^2 px: {m:.0f} MB' for p, m in points)
+        print_log(f'{type(self).__name__}: memory calibrated (features + proposals: {measured}; '
+                  f'RoI branch: {roi_mb:.0f} MB more): peak ~ {model.base_mb:.0f} MB + '
+                  f'{model.mb_per_mpix:.0f} MB per megapixel; set test_cfg.memory_model='
+                  f'dict(base_mb={math.ceil(model.base_mb)}, '
+                  f'mb_per_mpix={math.ceil(model.mb_per_mpix)}) to skip this calibration',
+                  logger='current')
+        return model
+
+    def _worst_case_roi_stage(self, x: List[Tensor], meta: dict) -> Tensor:
+        """The RoI branch of :meth:`_roi_detections` on maps ``x`` with as many proposals and
+        detections as the test config allows: the bbox branch on ``rpn.max_per_img`` random
+        boxes, the mask branch on ``rcnn.max_per_img`` of them (the branch's cost depends on
+        these counts, not on the image; a random image may yield fewer)."""
+        head = self.roi_head
+        num_proposals = self._max_proposals()
+        num_dets = min(self._max_detections(), num_proposals)
+        h, w = meta['img_shape']
+        generator = torch.Generator().manual_seed(0)
+        size = x[0].new_tensor([w, h])
+        corner = torch.rand(num_proposals, 2, generator=generator).to(size) * size
+        extent = (torch.rand(num_proposals, 2, generator=generator).to(size) + 0.1) * size / 2
+        boxes = torch.cat([corner, torch.minimum(corner + extent, size)], dim=1)
+        feats = tuple(x)
+        head.predict_bbox(feats, [meta], [InstanceData(bboxes=boxes)],
+                          rcnn_test_cfg=head.test_cfg, rescale=False)
+        return head._mask_forward(feats, bbox2roi([boxes[:num_dets]]))['mask_preds'][:, :1]

@@ -1,0 +1,312 @@
+"""Tiled Mask R-CNN inference: settings, tile grid, merge across tiles and memory estimates.
+
+The pieces of ``LeanMaskRCNN``'s ``test_cfg.mode='tiles'`` / ``'auto'`` that need no model, kept
+apart so that each can be tested on hand-made inputs:
+
+* :func:`read_tiled_test_cfg` checks the top-level ``test_cfg`` keys (mode, tile size and overlap,
+  memory budget) and names the fix for each malformed one;
+* :func:`tile_grid` cuts an image (network scale) into overlapping tiles that cover it, the last
+  tile of a row or column aligned to the image border, and :func:`cut_tile` copies one out of the
+  padded batch input, padded to the data preprocessor's size divisor;
+* :func:`touches_cut_edge` marks detections that touch a tile edge inside the image (the object
+  may continue in the next tile), and :func:`merge_tile_detections` merges the detections of all
+  tiles into one image's: a detection cut by a tile edge must not survive next to the same object
+  seen whole in a neighbouring tile;
+* :func:`paste_estimate_mb` and :func:`held_bytes_per_detection` are the parts of a plan's memory
+  estimate that are not the network's calibrated line.
+"""
+import math
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from mmcv.ops import batched_nms
+from mmengine.structures import InstanceData
+from torch import Tensor
+
+from mmdet.structures.bbox import bbox_overlaps
+
+from ..utils.memory_budget import MB, MemoryModel, read_budget_mb, read_memory_model
+
+MODES = ('whole', 'tiles', 'auto')
+# Network-scale tiles of about the size a COCO detector is trained and tested at (800 x 1333),
+# so each tile looks like an image the detector knows; the overlap is what an object may measure
+# (network pixels) and still be seen whole in some tile.
+DEFAULT_TILE_SIZE = (1024, 1024)
+DEFAULT_TILE_OVERLAP = 256
+# The smallest tile side: XCiT needs 32 px to reach its stride-32 level.
+MIN_TILE_SIZE = 32
+# A box within this many network pixels (one cell of the stride-4 level) of a tile edge inside the
+# image counts as cut by it: box regression does not always end exactly on the edge.
+EDGE_MARGIN = 4.0
+# A cut detection is a duplicate of a kept detection of its class when this fraction of its box
+# lies inside the kept box (the cut box is the kept box's part inside the tile, up to box noise),
+# or when their IoU exceeds the NMS threshold.
+CONTAINED_THR = 0.7
+# Input sides (square) at which the peak memory of features + proposals is measured for the line
+# of ``mode='auto'``: small, since calibrating runs the backbone at each once, yet far enough
+# apart that the slope (the per-pixel maps) stands out of the measurement noise.
+CALIBRATION_SIDES = (256, 384, 512)
+# Transient bytes per pixel of the region mmdet pastes one mask into (``_do_paste_mask``): the
+# sampling grid (2 floats), the sampled mask (1 float) and its thresholded copy (1 byte).
+PASTE_BYTES_PER_PIXEL = 13
+
+KNOWN_KEYS = ('rpn', 'rcnn', 'lean', 'mode', 'tile_size', 'tile_overlap', 'max_memory',
+              'memory_model')
+TILE_KEYS = ('tile_size', 'tile_overlap')
+BUDGET_KEYS = ('max_memory', 'memory_model')
+
+
+class TiledTestCfg(NamedTuple):
+    """The checked top-level ``test_cfg`` of ``LeanMaskRCNN`` (network-scale pixels, MB)."""
+    mode: str = 'whole'
+    lean: bool = True
+    tile_size: Tuple[int, int] = DEFAULT_TILE_SIZE
+    tile_overlap: int = DEFAULT_TILE_OVERLAP
+    max_memory: Optional[float] = None
+    memory_model: Optional[MemoryModel] = None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _read_tile_size(value, owner: str) -> Tuple[int, int]:
+    pair = (value, value) if _is_int(value) else value
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(map(_is_int, pair))
+            and min(pair) >= MIN_TILE_SIZE):
+        raise ValueError(
+            f'{owner}: test_cfg.tile_size must be an int or an (h, w) pair of ints, each at '
+            f'least {MIN_TILE_SIZE} (network-scale pixels), e.g. tile_size=1024 or '
+            f'tile_size=(1024, 1536); got {value!r}')
+    return int(pair[0]), int(pair[1])
+
+
+def read_tiled_test_cfg(test_cfg, owner: str = 'LeanMaskRCNN') -> TiledTestCfg:
+    """Check the top-level keys of ``test_cfg`` (next to ``rpn`` and ``rcnn``).
+
+    A key the mode does not use is an error rather than silently ignored (``max_memory`` with
+    ``mode='whole'`` would otherwise promise a budget nothing keeps), and so is an unknown key (a
+    misspelt ``tile_overlap`` would otherwise leave the default in force).
+
+    Raises:
+        ValueError: a malformed or misplaced key; ``MemoryBudgetError`` (a ``ValueError``) for
+            ``max_memory`` and ``memory_model``. The message names the key and the fix.
+    """
+    if test_cfg is None:
+        return TiledTestCfg()
+    unknown = sorted(set(test_cfg) - set(KNOWN_KEYS))
+    if unknown:
+        raise ValueError(f'{owner}: unknown test_cfg key(s) {unknown}; the keys are '
+                         f'{list(KNOWN_KEYS)} (docs/lean_detection.md)')
+    mode = test_cfg.get('mode', 'whole')
+    if mode not in MODES:
+        raise ValueError(f"{owner}: test_cfg.mode must be one of {list(MODES)}, got {mode!r}")
+    lean = test_cfg.get('lean', True)
+    if not isinstance(lean, bool):
+        raise ValueError(f'{owner}: test_cfg.lean must be True or False, got {lean!r}')
+    given = [k for k in TILE_KEYS + BUDGET_KEYS if test_cfg.get(k, None) is not None]
+    if mode == 'whole' and given:
+        raise ValueError(
+            f"{owner}: test_cfg {given} only apply to mode='tiles' or mode='auto', but mode is "
+            f"'whole'; set mode='auto' (with max_memory) or mode='tiles', or remove them")
+    if mode == 'tiles' and any(k in given for k in BUDGET_KEYS):
+        raise ValueError(
+            f"{owner}: test_cfg {[k for k in given if k in BUDGET_KEYS]} only apply to "
+            "mode='auto' (whole image if it fits the budget, else tiles); mode='tiles' always "
+            "tiles: set mode='auto' or remove them")
+    if mode != 'whole' and not lean:
+        raise ValueError(f"{owner}: test_cfg.mode={mode!r} runs the lean path on each tile; "
+                         "it does not combine with lean=False (remove one of them)")
+    if mode == 'whole':
+        return TiledTestCfg(lean=lean)
+    tile_size = test_cfg.get('tile_size', None)
+    tile_size = _read_tile_size(DEFAULT_TILE_SIZE if tile_size is None else tile_size, owner)
+    overlap = test_cfg.get('tile_overlap', None)
+    overlap = DEFAULT_TILE_OVERLAP if overlap is None else overlap
+    if not (_is_int(overlap) and 0 <= overlap < min(tile_size)):
+        raise ValueError(
+            f'{owner}: test_cfg.tile_overlap must be an int of network-scale pixels, at least '
+            f'0 and less than the smaller tile side {min(tile_size)} (tile_size={tile_size}); '
+            f'make it larger than the largest object to be seen whole in one tile; got '
+            f'{overlap!r}')
+    if mode == 'tiles':
+        return TiledTestCfg('tiles', True, tile_size, int(overlap))
+    return TiledTestCfg('auto', True, tile_size, int(overlap), read_budget_mb(test_cfg, owner),
+                        read_memory_model(test_cfg.get('memory_model', None), owner))
+
+
+# ---------------------------------------------------------------------- tile grid
+class Tile(NamedTuple):
+    """One tile of an image, in the network-scale coordinates of the batch input.
+
+    ``(y0, x0)`` is its top-left corner and ``(h, w)`` the extent cut from the batch input;
+    ``(valid_h, valid_w)`` the part of it inside the image (the tile's ``img_shape``). ``cut_*``:
+    whether that side of the tile lies inside the image, where an object may continue.
+    """
+    y0: int
+    x0: int
+    h: int
+    w: int
+    valid_h: int
+    valid_w: int
+    cut_top: bool
+    cut_bottom: bool
+    cut_left: bool
+    cut_right: bool
+
+
+def axis_tiles(length: int, input_length: int, tile: int, overlap: int) -> List[Tuple[int, int]]:
+    """(start, extent) of the tiles along one axis of an image of ``length`` pixels.
+
+    An image no longer than a tile gets one tile from 0 (the whole batch input when that is no
+    longer than a tile, so one tile is the whole-image run). Otherwise tiles step by
+    ``tile - overlap`` and the last one ends on the image border (its overlap with the one before
+    may be larger): every tile holds image pixels only.
+    """
+    if length <= tile:
+        return [(0, min(tile, input_length))]
+    starts = list(range(0, length - tile, tile - overlap)) + [length - tile]
+    return [(start, tile) for start in starts]
+
+
+def tile_grid(img_hw: Sequence[int], input_hw: Sequence[int], tile_hw: Sequence[int],
+              overlap: int) -> List[Tile]:
+    """The tiles covering an image of ``img_hw`` inside a batch input of ``input_hw``, row-major."""
+    (img_h, img_w), (in_h, in_w) = img_hw[:2], input_hw[:2]
+    tiles = []
+    for y0, h in axis_tiles(int(img_h), int(in_h), tile_hw[0], overlap):
+        for x0, w in axis_tiles(int(img_w), int(in_w), tile_hw[1], overlap):
+            valid_h, valid_w = min(h, img_h - y0), min(w, img_w - x0)
+            tiles.append(Tile(y0, x0, h, w, valid_h, valid_w, y0 > 0, y0 + valid_h < img_h,
+                              x0 > 0, x0 + valid_w < img_w))
+    return tiles
+
+
+def padded_hw(tile: Tile, input_hw: Sequence[int], size_divisor: int) -> Tuple[int, int]:
+    """The tile's input size: padded to a multiple of ``size_divisor`` along an axis where the tile
+    is a part of the batch input; as the batch input where it spans it (the data preprocessor
+    padded that already), so that one tile over the whole input is the whole-image run."""
+    d = max(1, int(size_divisor))
+    return tuple(extent if extent == int(full) else math.ceil(extent / d) * d
+                 for extent, full in zip((tile.h, tile.w), input_hw[-2:]))
+
+
+def cut_tile(inputs: Tensor, tile: Tile, size_divisor: int, pad_value: float) -> Tensor:
+    """A contiguous copy of ``tile`` of one image's batch input (1, C, H, W), padded at the bottom
+    and right with ``pad_value`` to :func:`padded_hw`, as the data preprocessor pads whole images
+    (its ``pad_value`` is applied to the normalised input)."""
+    out = inputs[:, :, tile.y0:tile.y0 + tile.h, tile.x0:tile.x0 + tile.w]
+    pad_h, pad_w = padded_hw(tile, inputs.shape, size_divisor)
+    if (pad_h, pad_w) != (tile.h, tile.w):
+        return F.pad(out, (0, pad_w - tile.w, 0, pad_h - tile.h), value=float(pad_value))
+    return out.contiguous()
+
+
+def tile_meta(tile: Tile, input_hw: Sequence[int]) -> dict:
+    """The meta of a tile seen as an image of its own (for the RPN and the bbox head, which clamp
+    boxes to ``img_shape``; nothing is rescaled on a tile)."""
+    valid = (tile.valid_h, tile.valid_w)
+    return dict(img_shape=valid, ori_shape=valid, pad_shape=tuple(input_hw),
+                batch_input_shape=tuple(input_hw), scale_factor=(1.0, 1.0))
+
+
+def touches_cut_edge(bboxes: Tensor, tile: Tile, margin: float = EDGE_MARGIN) -> Tensor:
+    """Which boxes (tile coordinates) touch a side of ``tile`` that lies inside the image: their
+    object may be cut there, and a neighbouring tile may see it whole."""
+    cut = torch.zeros(bboxes.shape[0], dtype=torch.bool, device=bboxes.device)
+    if tile.cut_left:
+        cut |= bboxes[:, 0] <= margin
+    if tile.cut_top:
+        cut |= bboxes[:, 1] <= margin
+    if tile.cut_right:
+        cut |= bboxes[:, 2] >= tile.valid_w - margin
+    if tile.cut_bottom:
+        cut |= bboxes[:, 3] >= tile.valid_h - margin
+    return cut
+
+
+# ---------------------------------------------------------------------- merge
+def drop_cut_duplicates(bboxes: Tensor, scores: Tensor, labels: Tensor, cut: Tensor,
+                        iou_thr: Optional[float],
+                        contained_thr: float = CONTAINED_THR) -> Tensor:
+    """Which detections to keep (bool): every uncut one, and each cut one that duplicates none of
+    the detections kept before it.
+
+    Uncut detections rank first, cut ones after them in descending score: an object crossing a
+    tile border is seen whole in the tile that holds it (when the overlap exceeds it) and cut in
+    its neighbour, and the cut view may score higher, yet only the whole box is right. A cut
+    detection is a duplicate of a kept one of the same class when ``contained_thr`` of its box
+    lies inside the kept box (the cut box is the kept box's part inside its tile: plain NMS would
+    keep it, its IoU with the whole box being the visible fraction) or when their IoU exceeds
+    ``iou_thr`` (the NMS threshold, as NMS would suppress it, here in favour of the uncut box).
+    A cut detection without such a match (an object larger than the overlap, seen whole nowhere)
+    is kept.
+    """
+    keep = ~cut
+    order = cut.nonzero(as_tuple=False)[:, 0]
+    if order.numel() == 0:
+        return keep
+    order = order[scores[order].argsort(descending=True, stable=True)]
+    cut_boxes = bboxes[order]
+    duplicate = bbox_overlaps(cut_boxes, bboxes, mode='iof') >= contained_thr
+    if iou_thr is not None:
+        duplicate |= bbox_overlaps(cut_boxes, bboxes, mode='iou') > iou_thr
+    duplicate &= labels[order][:, None] == labels[None, :]
+    for row, index in enumerate(order.tolist()):
+        if not bool((duplicate[row] & keep).any()):
+            keep[index] = True
+    return keep
+
+
+def merge_tile_detections(dets: InstanceData, nms_cfg: dict, max_per_img: int,
+                          contained_thr: float = CONTAINED_THR) -> InstanceData:
+    """One image's detections from the detections of all its tiles.
+
+    ``dets``: the tiles' detections concatenated, with ``bboxes`` in image coordinates, ``scores``,
+    ``labels``, ``cut`` (:func:`touches_cut_edge`) and any per-detection fields (mask logits),
+    which follow their detection. Three steps: cut duplicates of kept detections are dropped
+    (:func:`drop_cut_duplicates`); class-wise NMS with the RoI head's ``nms`` config
+    (``mmcv.ops.batched_nms``, as the head's own ``multiclass_nms``) removes the same object seen
+    whole in two overlapping tiles while keeping distinct neighbours; the ``max_per_img`` best
+    remain, in descending score as the head returns them. On one tile nothing is cut and the
+    tile's detections, already NMS-ed, come out unchanged.
+    """
+    if len(dets) == 0:
+        return dets
+    keep = drop_cut_duplicates(dets.bboxes, dets.scores, dets.labels, dets.cut,
+                               nms_cfg.get('iou_threshold', None), contained_thr)
+    dets = dets[keep]
+    kept, index = batched_nms(dets.bboxes, dets.scores, dets.labels, dict(nms_cfg))
+    dets = dets[index]
+    dets.scores = kept[:, -1]  # NMS variants that rescore (soft-NMS) return the new scores
+    if max_per_img > 0:
+        dets = dets[:max_per_img]
+    return dets
+
+
+# ---------------------------------------------------------------------- memory estimates
+def mask_output_hw(meta: dict, rescale: bool) -> Tuple[int, int]:
+    """The size ``FCNMaskHead.predict_by_feat`` pastes an image's masks at."""
+    h, w = meta['ori_shape'][:2]
+    if rescale:
+        return int(h), int(w)
+    scale_w, scale_h = meta['scale_factor'][:2]
+    return int(round(h * scale_h)), int(round(w * scale_w))
+
+
+def paste_estimate_mb(mask_hws: Sequence[Tuple[int, int]], max_per_img: int,
+                      num_mask_channels: int, mask_side: int) -> float:
+    """Memory (MB) of pasting a batch's masks once the feature maps are gone: the boolean
+    ``max_per_img x H x W`` masks of every image, the transients of pasting one mask over a whole
+    image, and the mask logits of all images with the sigmoid of one."""
+    logits = max_per_img * num_mask_channels * mask_side**2 * 4
+    masks = sum(max_per_img * h * w for h, w in mask_hws)
+    transient = PASTE_BYTES_PER_PIXEL * max(h * w for h, w in mask_hws)
+    return (masks + transient + logits * (len(mask_hws) + 1)) / MB
+
+
+def held_bytes_per_detection(mask_side: int) -> int:
+    """What a tile's detection holds until the merge: box (4 floats), score, label (int64), cut
+    flag and the mask logits of its class (``mask_side ** 2`` floats)."""
+    return 4 * 4 + 4 + 8 + 1 + 4 * mask_side**2
