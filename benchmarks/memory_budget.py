@@ -30,7 +30,7 @@ CONFIGS = dict(seg='configs/sem_fpn_xcit_s12_p16_80k_ade20k.py',
                det='configs/mask_rcnn_xcit_s12_p16_3x_coco.py')
 # (task, image size, max_memory MB): for each task two budgets at 4096^2, one above the whole
 # image's need and one below it, and the segmentor at 8192^2, where the whole image cannot run
-POINTS = [('seg', 4096, 8000), ('seg', 4096, 4000), ('seg', 8192, 12000),
+POINTS = [('seg', 4096, 8000), ('seg', 4096, 4000), ('seg', 8192, 16000),
           ('det', 4096, 8000), ('det', 4096, 3500)]
 
 
