@@ -137,10 +137,12 @@ def test_config_trains_one_step(one_step):
 
 @pytest.mark.parametrize('mode', ['whole', 'slide'])
 def test_whole_and_slide_evaluation(mode, one_step, world, tmp_path, test_tool, monkeypatch):
-    from mmseg.models.segmentors import EncoderDecoder
+    # the lean sliding window: labels bit-identical to mmseg's slide_inference
+    # (tests/test_segmentation_memory_budget.py), without its full-size map
+    from xcit_mm.models.segmentors.lean_encoder_decoder import LeanEncoderDecoder
     calls = []
-    slide = EncoderDecoder.slide_inference
-    monkeypatch.setattr(EncoderDecoder, 'slide_inference',
+    slide = LeanEncoderDecoder._slide_predict
+    monkeypatch.setattr(LeanEncoderDecoder, '_slide_predict',
                         lambda self, *a, **k: calls.append(1) or slide(self, *a, **k))
     opts = _tiny_options(world)
     if mode == 'slide':
