@@ -62,12 +62,10 @@ the stock ones (another neck, RPN head or RoI head class) run stock in whole mod
 ordering around them is lean; tiles need mmdet's ``StandardRoIHead`` and ``FCNMaskHead``.
 Training, ``_forward`` and ``tensor`` mode are stock.
 """
-import math
 from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
-from mmengine.logging import print_log
 from mmengine.structures import InstanceData
 from torch import Tensor
 
@@ -84,8 +82,8 @@ from mmdet.structures.bbox import bbox2roi
 
 from ..layers.fpn_data_flow import fpn_in_data_flow_order
 from ..utils.ckpt_load import refuse_headless_load
-from ..utils.memory_budget import (MB, MemoryModel, Plan, choose_plan, measure_peak_growth_mb,
-                                   release_free_heap)
+from ..utils.memory_budget import (MB, MemoryModel, Plan, calibrate, choose_plan,
+                                   measure_peak_growth_mb, release_free_heap)
 from . import tiled_inference as tiling
 from .tiled_inference import TiledTestCfg
 
@@ -432,17 +430,9 @@ class LeanMaskRCNN(MaskRCNN):
         del inputs
         roi_mb = measure_peak_growth_mb(lambda: self._worst_case_roi_stage(maps, meta))
         maps.clear()
-        points = [(s * s, measure_peak_growth_mb(lambda: first_stage(s))) for s in sides]
-        line = MemoryModel.fit(points)
-        model = MemoryModel(line.base_mb + roi_mb, line.mb_per_mpix)
-        measured = ', '.join(f'{int(p**0.5)}^2 px: {m:.0f} MB' for p, m in points)
-        print_log(f'{type(self).__name__}: memory calibrated (features + proposals: {measured}; '
-                  f'RoI branch: {roi_mb:.0f} MB more): peak ~ {model.base_mb:.0f} MB + '
-                  f'{model.mb_per_mpix:.0f} MB per megapixel; set test_cfg.memory_model='
-                  f'dict(base_mb={math.ceil(model.base_mb)}, '
-                  f'mb_per_mpix={math.ceil(model.mb_per_mpix)}) to skip this calibration',
-                  logger='current')
-        return model
+        return calibrate(lambda h, w: first_stage(h), [(s, s) for s in sides],
+                         f'{type(self).__name__} (features + proposals)', fixed_mb=roi_mb,
+                         fixed_what='RoI branch')
 
     def _worst_case_roi_stage(self, x: List[Tensor], meta: dict) -> Tensor:
         """The RoI branch of :meth:`_roi_detections` on maps ``x`` with as many proposals and

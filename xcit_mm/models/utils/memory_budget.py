@@ -16,6 +16,7 @@ the peak growth over the resident set before the call is read. Where ``/proc`` c
 """
 import gc
 import logging
+import math
 from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from mmengine.logging import print_log
@@ -115,21 +116,27 @@ def measure_peak_growth_mb(call: Callable[[], object]) -> float:
 
 
 def calibrate(run_at: Callable[[int, int], object], sizes: Iterable[Tuple[int, int]],
-              what: str) -> MemoryModel:
+              what: str, fixed_mb: float = 0.0, fixed_what: str = '') -> MemoryModel:
     """Fit a :class:`MemoryModel` to the peak growth of ``run_at(h, w)`` at each of ``sizes``.
 
     The first size is run once more beforehand, unmeasured: first calls set up thread pools and
-    kernels whose memory stays. The fitted line is logged, with the measured points.
+    kernels whose memory stays. ``fixed_mb`` (named ``fixed_what`` in the log) is added to the
+    line's base: a part measured apart that costs the same at any size. The line is logged, with
+    the measured points and the ``memory_model`` setting (rounded up) that skips calibrating.
     """
     sizes = list(sizes)
     run_at(*sizes[0])
     points = [(h * w, measure_peak_growth_mb(lambda: run_at(h, w))) for h, w in sizes]
-    model = MemoryModel.fit(points)
+    line = MemoryModel.fit(points)
+    model = MemoryModel(line.base_mb + fixed_mb, line.mb_per_mpix)
     measured = ', '.join(f'{int(p**0.5)}^2 px: {m:.0f} MB' for p, m in points)
+    if fixed_what:
+        measured += f'; {fixed_what}: {fixed_mb:.0f} MB more'
     print_log(f'{what}: memory calibrated ({measured}): peak ~ {model.base_mb:.0f} MB + '
               f'{model.mb_per_mpix:.0f} MB per megapixel; set test_cfg.memory_model='
-              f'dict(base_mb={model.base_mb:.0f}, mb_per_mpix={model.mb_per_mpix:.0f}) to skip '
-              'this calibration', logger='current')
+              f'dict(base_mb={math.ceil(model.base_mb)}, '
+              f'mb_per_mpix={math.ceil(model.mb_per_mpix)}) to skip this calibration',
+              logger='current')
     return model
 
 
