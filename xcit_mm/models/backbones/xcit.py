@@ -646,6 +646,30 @@ class XCiTBackbone(BaseModule):
             out = out[..., :h, :w].contiguous(memory_format=layout)
         return out
 
+    def forward_level_rows(self, feat: torch.Tensor, level: int, image_hw: Tuple[int, int],
+                           start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of ``forward_level(feat, level, image_hw)`` from the trunk rows
+        that make them only.
+
+        Every adapter branch is row-local: 2x2 stride-2 transposed convs, BN (an affine map in
+        eval), GELU, identity, max pools whose kernel is their stride. So a band of a large
+        level (the stride-4 map) can be made, used and dropped without the whole map ever
+        existing (``xcit_mm.models.layers.fpn_data_flow``). The values equal the whole map's
+        rows up to float rounding (a convolution of another size may sum in another order).
+        """
+        H, W = image_hw
+        patch, stride = self.patch_size, self.strides[level]
+        height = (H + stride - 1) // stride
+        if not 0 <= start < stop <= height:
+            raise ValueError(f'forward_level_rows: rows {start}:{stop} are outside the '
+                             f'{height} rows of level {level} for a {H}x{W} image')
+        # trunk rows [t0, t1) make output rows [t0 * patch / stride, t1 * patch / stride)
+        t0 = start * stride // patch
+        t1 = min(feat.shape[2], -(-stop * stride // patch))
+        out = self.forward_level(feat[:, :, t0:t1], level, (min(H, t1 * patch) - t0 * patch, W))
+        first = t0 * patch // stride
+        return out[:, :, start - first:stop - first]
+
     # ------------------------------------------------------------------ introspection
     @contextmanager
     def capture_xca(self, layers: Optional[Sequence[int]] = None):

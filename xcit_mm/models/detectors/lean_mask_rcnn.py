@@ -80,7 +80,8 @@ from mmdet.registry import MODELS
 from mmdet.structures import DetDataSample, SampleList
 from mmdet.structures.bbox import bbox2roi
 
-from ..layers.fpn_data_flow import fpn_in_data_flow_order
+from ..layers.fpn_data_flow import (band_rows_for, conv_halo, conv_in_bands,
+                                    fpn_in_data_flow_order)
 from ..utils.ckpt_load import refuse_headless_load
 from ..utils.memory_budget import (MB, MemoryModel, Plan, calibrate, choose_plan,
                                    measure_peak_growth_mb, release_free_heap)
@@ -117,6 +118,10 @@ class LeanMaskRCNN(MaskRCNN):
     def _lean(self) -> bool:
         cfg = self.test_cfg
         return bool(cfg.get('lean', True)) if cfg is not None else True
+
+    def _band_mb(self) -> Optional[float]:
+        """``test_cfg.band_mb``: make the stride-4 level and its RPN conv in bands of rows."""
+        return tiling.read_tiled_test_cfg(self.test_cfg).band_mb
 
     # ------------------------------------------------------------------ predict
     def predict(self, batch_inputs: Tensor, batch_data_samples: SampleList,
@@ -160,7 +165,7 @@ class LeanMaskRCNN(MaskRCNN):
                 and neck.backbone_end_level == neck.num_ins
                 and not (neck.num_outs > neck.num_ins and neck.add_extra_convs)):
             return list(self.extract_feat(batch_inputs))  # e.g. RetinaNet-style extra convs
-        outs = fpn_in_data_flow_order(backbone, neck, batch_inputs)
+        outs = fpn_in_data_flow_order(backbone, neck, batch_inputs, self._band_mb())
         for _ in range(neck.num_outs - len(outs)):  # extra levels as FPN makes them
             outs.append(F.max_pool2d(outs[-1], 1, stride=2))
         return outs
@@ -173,7 +178,19 @@ class LeanMaskRCNN(MaskRCNN):
         if type(head) is not RPNHead:
             return head.predict(x, batch_data_samples, rescale=False)
         cls_scores, bbox_preds = [], []
-        for feat in x:
+        band_mb = self._band_mb()
+        halo = conv_halo(head.rpn_conv)
+        for level, feat in enumerate(x):
+            if (level == 0 and band_mb is not None and halo is not None
+                    and conv_halo(head.rpn_cls) == conv_halo(head.rpn_reg) == 0):
+                # the RPN conv's map of the largest level, one band of rows at a time
+                rows = band_rows_for(band_mb, head.feat_channels * feat.shape[3] * 4)
+                parts = [(head.rpn_cls(hidden), head.rpn_reg(hidden)) for hidden in conv_in_bands(
+                    lambda band: F.relu_(head.rpn_conv(band)), feat, rows, halo)]
+                cls_scores.append(torch.cat([cls for cls, _ in parts], dim=2))
+                bbox_preds.append(torch.cat([reg for _, reg in parts], dim=2))
+                del parts
+                continue
             hidden = F.relu_(head.rpn_conv(feat))
             cls_scores.append(head.rpn_cls(hidden))
             bbox_preds.append(head.rpn_reg(hidden))

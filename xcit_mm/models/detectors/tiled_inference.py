@@ -52,7 +52,7 @@ CALIBRATION_SIDES = (256, 384, 512)
 PASTE_BYTES_PER_PIXEL = 13
 
 KNOWN_KEYS = ('rpn', 'rcnn', 'lean', 'mode', 'tile_size', 'tile_overlap', 'max_memory',
-              'memory_model')
+              'memory_model', 'band_mb')
 TILE_KEYS = ('tile_size', 'tile_overlap')
 BUDGET_KEYS = ('max_memory', 'memory_model')
 
@@ -65,6 +65,7 @@ class TiledTestCfg(NamedTuple):
     tile_overlap: int = DEFAULT_TILE_OVERLAP
     max_memory: Optional[float] = None
     memory_model: Optional[MemoryModel] = None
+    band_mb: Optional[float] = None
 
 
 def _is_int(value) -> bool:
@@ -118,8 +119,9 @@ def read_tiled_test_cfg(test_cfg, owner: str = 'LeanMaskRCNN') -> TiledTestCfg:
     if mode != 'whole' and not lean:
         raise ValueError(f"{owner}: test_cfg.mode={mode!r} runs the lean path on each tile; "
                          "it does not combine with lean=False (remove one of them)")
+    band_mb = _read_band_mb(test_cfg.get('band_mb', None), lean, owner)
     if mode == 'whole':
-        return TiledTestCfg(lean=lean)
+        return TiledTestCfg(lean=lean, band_mb=band_mb)
     tile_size = test_cfg.get('tile_size', None)
     tile_size = _read_tile_size(DEFAULT_TILE_SIZE if tile_size is None else tile_size, owner)
     overlap = test_cfg.get('tile_overlap', None)
@@ -131,9 +133,23 @@ def read_tiled_test_cfg(test_cfg, owner: str = 'LeanMaskRCNN') -> TiledTestCfg:
             f'make it larger than the largest object to be seen whole in one tile; got '
             f'{overlap!r}')
     if mode == 'tiles':
-        return TiledTestCfg('tiles', True, tile_size, int(overlap))
+        return TiledTestCfg('tiles', True, tile_size, int(overlap), band_mb=band_mb)
     return TiledTestCfg('auto', True, tile_size, int(overlap), read_budget_mb(test_cfg, owner),
-                        read_memory_model(test_cfg.get('memory_model', None), owner))
+                        read_memory_model(test_cfg.get('memory_model', None), owner), band_mb)
+
+
+def _read_band_mb(value, lean: bool, owner: str) -> Optional[float]:
+    """``test_cfg.band_mb``: None (every map whole: stock's bits), or the MB of a band of rows
+    in which the stride-4 level and its RPN conv are made (``fpn_data_flow``)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f'{owner}: test_cfg.band_mb must be a positive number of MB (e.g. '
+                         f'band_mb=64), or None to make every map whole; got {value!r}')
+    if not lean:
+        raise ValueError(f'{owner}: test_cfg.band_mb makes the lean path run in bands; it does '
+                         'not combine with lean=False (remove one of them)')
+    return float(value)
 
 
 # ---------------------------------------------------------------------- tile grid

@@ -9,9 +9,15 @@ the top-down sum is added in place and in bands of rows (:func:`add_top_down_`).
 convolution runs on the same whole tensor as in stock: a oneDNN convolution of another size can
 take another algorithm and differ in the last bit, so nothing is tiled.
 
+With ``band_mb``, the stride-4 level goes further: it is made in bands of rows from a backbone
+whose adapter is row-local (XCiT's ``forward_level_rows``), each band through the lateral conv,
+the top-down sum and the FPN conv with the rows of context the convs need, and written into the
+output map; so of that level's maps only the FPN output ever exists whole. The values equal the
+whole-tensor path up to float rounding (:func:`conv_halo` gives the context).
+
 Used by ``LeanEncoderDecoder`` (mmseg) and ``LeanMaskRCNN`` (mmdet); torch only, no task package.
 """
-from typing import Callable, List, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -26,23 +32,32 @@ def _upsample(x: Tensor, size, upsample_cfg: dict) -> Tensor:
     return F.interpolate(x, size=size, **upsample_cfg)
 
 
-def add_top_down_(lat: Tensor, top: Tensor, upsample_cfg: dict, band_mb: float = 64) -> Tensor:
+def nearest_source(top_hw, lat_hw, upsample_cfg: dict) -> Tuple[Tensor, Tensor]:
+    """For a nearest resize from ``top_hw`` to ``lat_hw``: the source row of every output row and
+    the source column of every output column, read off the very same resize call applied to a
+    map of coordinates (so they are the FPN's own, whatever its ``upsample_cfg``)."""
+    h, w = top_hw
+    rows = torch.arange(h, dtype=torch.float64).view(1, 1, h, 1).expand(1, 1, h, w)
+    cols = torch.arange(w, dtype=torch.float64).view(1, 1, 1, w).expand(1, 1, h, w)
+    source = _upsample(torch.cat([rows, cols], dim=1), tuple(lat_hw), upsample_cfg)
+    assert tuple(source.shape[2:]) == tuple(lat_hw), (source.shape, lat_hw)
+    return source[0, 0, :, 0].long(), source[0, 1, 0, :].long()
+
+
+def add_top_down_(lat: Tensor, top: Tensor, upsample_cfg: dict, band_mb: float = 64,
+                  source: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
     """``lat + resize(top)`` as the FPN computes it, in place and without a map of ``lat``'s size.
 
-    Nearest resizing copies pixels: the source row and column of every output pixel are read off
-    the very same resize call applied to a map of coordinates, and ``lat`` receives its sum in
-    bands of about ``band_mb`` (the bits of ``a + b``). Other modes resize whole; under autograd
-    the sum is not in place.
+    Nearest resizing copies pixels (:func:`nearest_source`), and ``lat`` receives its sum in bands
+    of about ``band_mb`` (the bits of ``a + b``). ``source``: the rows and columns of ``top`` that
+    ``lat``'s rows and columns read, when ``lat`` is a band of the full lateral map. Other modes
+    resize whole; under autograd the sum is not in place.
     """
     if lat.requires_grad or upsample_cfg.get('mode', 'nearest') != 'nearest':
         top_down = _upsample(top, lat.shape[2:], upsample_cfg)
         return lat + top_down if lat.requires_grad else lat.add_(top_down)
-    h, w = top.shape[2:]
-    rows = torch.arange(h, dtype=torch.float64).view(1, 1, h, 1).expand(1, 1, h, w)
-    cols = torch.arange(w, dtype=torch.float64).view(1, 1, 1, w).expand(1, 1, h, w)
-    source = _upsample(torch.cat([rows, cols], dim=1), lat.shape[2:], upsample_cfg)
-    assert source.shape[2:] == lat.shape[2:], (source.shape, lat.shape)
-    row_of, col_of = source[0, 0, :, 0].long(), source[0, 1, 0, :].long()
+    row_of, col_of = source if source is not None else nearest_source(
+        top.shape[2:], lat.shape[2:], upsample_cfg)
     row_bytes = lat.shape[0] * lat.shape[1] * lat.shape[3] * lat.element_size()
     band = max(1, int(band_mb * 2**20) // max(1, row_bytes))
     for r0 in range(0, lat.shape[2], band):
@@ -51,37 +66,86 @@ def add_top_down_(lat: Tensor, top: Tensor, upsample_cfg: dict, band_mb: float =
     return lat
 
 
-def backbone_levels(backbone, inputs: Tensor) -> Tuple[Callable[[int], Tensor], int]:
-    """A function giving backbone level ``i`` (made on demand where the backbone can: XCiT's
-    trunk once, its adapter per level), and the number of levels."""
-    if hasattr(backbone, 'forward_trunk') and hasattr(backbone, 'forward_level'):
-        feats = list(backbone.forward_trunk(inputs))
-        image_hw = tuple(inputs.shape[-2:])
-
-        def level(i):
-            out = backbone.forward_level(feats[i], i, image_hw)
-            feats[i] = None  # the trunk map of this level is no longer needed
-            return out
-
-        return level, len(feats)
-    outs = list(backbone(inputs))
-
-    def level(i):
-        out, outs[i] = outs[i], None
-        return out
-
-    return level, len(outs)
+def conv_halo(module) -> Optional[int]:
+    """The rows of context on each side that ``module`` (an ``nn.Conv2d`` or an mmcv
+    ``ConvModule`` around one, whose norm and activation are per pixel) needs for a band of its
+    output rows: its padding, for a stride-1 conv padded to keep the size; None for any other
+    module (it cannot run in bands)."""
+    conv = getattr(module, 'conv', module)
+    if (type(conv) is not torch.nn.Conv2d or conv.padding_mode != 'zeros'
+            or isinstance(conv.padding, str)):
+        return None
+    (kh, _), (sh, _), (ph, _), (dh, _) = (conv.kernel_size, conv.stride, conv.padding,
+                                          conv.dilation)
+    if sh != 1 or 2 * ph != dh * (kh - 1):
+        return None
+    return ph
 
 
-def fpn_in_data_flow_order(backbone, neck, inputs: Tensor) -> List[Tensor]:
+def row_bands(height: int, band_rows: int) -> Iterator[Tuple[int, int]]:
+    """``(start, stop)`` of consecutive bands of ``band_rows`` rows covering ``height`` rows."""
+    for start in range(0, height, band_rows):
+        yield start, min(height, start + band_rows)
+
+
+def band_rows_for(band_mb: float, row_bytes: int) -> int:
+    """The rows of a band of about ``band_mb`` MB, ``row_bytes`` bytes a row (at least one)."""
+    return max(1, int(band_mb * 2**20) // max(1, row_bytes))
+
+
+def conv_in_bands(conv, x: Tensor, band_rows: int, halo: int) -> Iterator[Tensor]:
+    """``conv(x)`` band by band of ``band_rows`` output rows: each band computed from its rows of
+    ``x`` and ``halo`` rows of context on each side (where the image has them; zero padding
+    beyond, as the whole conv)."""
+    height = x.shape[2]
+    for start, stop in row_bands(height, band_rows):
+        lo, hi = max(0, start - halo), min(height, stop + halo)
+        yield conv(x[:, :, lo:hi])[:, :, start - lo:stop - lo]
+
+
+class BackboneLevels:
+    """Backbone level ``i`` on demand, where the backbone can make its levels one at a time
+    (XCiT's trunk once, its adapter per level); rows of the bottom level on their own where its
+    adapter is row-local (XCiT's ``forward_level_rows``)."""
+
+    def __init__(self, backbone, inputs: Tensor):
+        self.backbone = backbone
+        self.image_hw = tuple(inputs.shape[-2:])
+        self.per_level = hasattr(backbone, 'forward_trunk') and hasattr(backbone, 'forward_level')
+        self.maps = list(backbone.forward_trunk(inputs) if self.per_level else backbone(inputs))
+
+    def __len__(self) -> int:
+        return len(self.maps)
+
+    def pop(self, i: int) -> Tensor:
+        """Level ``i``, made now; its trunk map (or output) is dropped."""
+        out, self.maps[i] = self.maps[i], None
+        return self.backbone.forward_level(out, i, self.image_hw) if self.per_level else out
+
+    def bottom_hw(self) -> Optional[Tuple[int, int]]:
+        """The size of level 0 if it can be made in bands of rows (:meth:`bottom_rows`)."""
+        if not (self.per_level and hasattr(self.backbone, 'forward_level_rows')):
+            return None
+        stride = self.backbone.strides[0]
+        return tuple((side + stride - 1) // stride for side in self.image_hw)
+
+    def bottom_rows(self, start: int, stop: int) -> Tensor:
+        """Rows ``start:stop`` of level 0 (its trunk map is kept until :meth:`pop`)."""
+        return self.backbone.forward_level_rows(self.maps[0], 0, self.image_hw, start, stop)
+
+
+def fpn_in_data_flow_order(backbone, neck, inputs: Tensor,
+                           band_mb: Optional[float] = None) -> List[Tensor]:
     """``neck(backbone(inputs))`` for the neck's own levels (no extra outputs), each map freed
     when done. ``neck``: mmdet's or mmseg's ``FPN`` with ``start_level=0`` and every backbone
-    level in (the caller checks)."""
-    level, num_levels = backbone_levels(backbone, inputs)
+    level in (the caller checks). ``band_mb``: level 0 in bands of about that many MB where
+    :func:`bottom_level_in_bands` can (else whole, bit for bit as stock)."""
+    levels = BackboneLevels(backbone, inputs)
+    num_levels = len(levels)
     lateral = [None] * num_levels
     outs = [None] * num_levels
-    for i in range(num_levels - 1, -1, -1):
-        lat = neck.lateral_convs[i](level(i))
+    for i in range(num_levels - 1, 0, -1):
+        lat = neck.lateral_convs[i](levels.pop(i))
         if i + 1 < num_levels:
             lat = add_top_down_(lat, lateral[i + 1], neck.upsample_cfg)
             # the level above has given its top-down term: its FPN conv can run, then it goes
@@ -89,5 +153,44 @@ def fpn_in_data_flow_order(backbone, neck, inputs: Tensor) -> List[Tensor]:
             lateral[i + 1] = None
         lateral[i] = lat
         del lat
-    outs[0] = neck.fpn_convs[0](lateral[0])
+    if band_mb is not None and can_band_bottom_level(levels, neck):
+        outs[0] = bottom_level_in_bands(levels, neck, lateral[1], band_mb)
+        levels.maps[0] = None
+        outs[1] = neck.fpn_convs[1](lateral[1])
+        return outs
+    lat = add_top_down_(neck.lateral_convs[0](levels.pop(0)), lateral[1], neck.upsample_cfg)
+    outs[1] = neck.fpn_convs[1](lateral[1])
+    lateral[1] = None
+    outs[0] = neck.fpn_convs[0](lat)
     return outs
+
+
+def can_band_bottom_level(levels: BackboneLevels, neck) -> bool:
+    """Whether :func:`bottom_level_in_bands` applies: a row-local bottom level, a 1x1 lateral
+    conv, a stride-1 size-keeping FPN conv and a nearest top-down resize."""
+    return (levels.bottom_hw() is not None and conv_halo(neck.lateral_convs[0]) == 0
+            and conv_halo(neck.fpn_convs[0]) is not None
+            and neck.upsample_cfg.get('mode', 'nearest') == 'nearest')
+
+
+def bottom_level_in_bands(levels: BackboneLevels, neck, top: Tensor, band_mb: float) -> Tensor:
+    """The FPN output of level 0, made band by band: the backbone rows of a band and of the FPN
+    conv's context, their lateral conv, the top-down rows of ``top`` (level 1's finished lateral
+    sum) added, the FPN conv, the band's rows written into the output. Only the output is ever
+    whole; each band's maps are about ``band_mb``."""
+    height, width = levels.bottom_hw()
+    halo = conv_halo(neck.fpn_convs[0])
+    row_of, col_of = nearest_source(top.shape[2:], (height, width), neck.upsample_cfg)
+    channels = max(levels.maps[0].shape[1], top.shape[1])
+    out = None
+    for start, stop in row_bands(height, band_rows_for(band_mb, channels * width * 4)):
+        lo, hi = max(0, start - halo), min(height, stop + halo)
+        lat = neck.lateral_convs[0](levels.bottom_rows(lo, hi))
+        lat = add_top_down_(lat, top, neck.upsample_cfg, source=(row_of[lo:hi], col_of))
+        band = neck.fpn_convs[0](lat)[:, :, start - lo:stop - lo]
+        del lat
+        if out is None:
+            out = band.new_empty(band.shape[:2] + (height, width))
+        out[:, :, start:stop] = band
+        del band
+    return out
