@@ -8,7 +8,9 @@ A point is (task, backbone, path, size): Semantic FPN (mmseg ``FPN`` + ``FPNHead
 or Mask R-CNN (100 detections kept: ``score_thr=0``), with XCiT-S12/16, Swin-T or ViT-S/16
 (DeiT-S + mmseg's ``MultiLevelNeck``) in the same neck and heads (:data:`CONFIGS`), run by the
 stock (``EncoderDecoder`` / ``MaskRCNN``) or the lean (``LeanEncoderDecoder`` / ``LeanMaskRCNN``)
-model, on a square random image through the upstream doors (``mmseg.apis.inference_model``,
+model, or (path ``bands``: XCiT detector only) ``LeanMaskRCNN`` with ``test_cfg.band_mb`` (the
+stride-4 level and its RPN conv in bands of rows: equal to the others up to float rounding), on
+a square random image through the upstream doors (``mmseg.apis.inference_model``,
 ``mmdet.apis.inference_detector``) at full resolution: the segmentation test ``Resize`` is
 removed; the detection one gets ``scale_factor=1.0`` (mmdet's rescaling reads the scale factor it
 records), so the network runs at the image size either way.
@@ -43,7 +45,10 @@ from xcit_benchmark.fresh_points import (cpu_model, points_parser,  # noqa: E402
 
 TASKS = ('segmentor', 'detector')
 BACKBONES = ('xcit', 'swin', 'vit')
-PATHS = ('stock', 'lean')
+PATHS = ('stock', 'lean', 'bands')
+# the (task, backbone) series that the ``bands`` path applies to, and its band size (MB)
+BANDED = {('detector', 'xcit')}
+BAND_MB = 64
 SIZES = (1024, 2048, 4096, 8192)
 CONFIGS = {
     ('segmentor', 'xcit'): 'configs/sem_fpn_xcit_s12_p16_80k_ade20k.py',
@@ -57,7 +62,8 @@ CONFIGS = {
 DET_TEST_CFG_FROM = CONFIGS[('detector', 'xcit')]
 MODEL_TYPES = {('segmentor', 'stock'): 'EncoderDecoder',
                ('segmentor', 'lean'): 'LeanEncoderDecoder',
-               ('detector', 'stock'): 'MaskRCNN', ('detector', 'lean'): 'LeanMaskRCNN'}
+               ('detector', 'stock'): 'MaskRCNN', ('detector', 'lean'): 'LeanMaskRCNN',
+               ('detector', 'bands'): 'LeanMaskRCNN'}
 DOORS = {'segmentor': 'mmseg.apis.inference_model', 'detector': 'mmdet.apis.inference_detector'}
 LABELS = {'xcit': 'XCiT-S12/16', 'swin': 'Swin-T', 'vit': 'ViT-S/16',
           'segmentor': 'Semantic FPN', 'detector': 'Mask R-CNN'}
@@ -94,6 +100,8 @@ def build_cfg(point: dict):
     shared = load_whole_config(resolve_config(DET_TEST_CFG_FROM))
     cfg.model.test_cfg = ConfigDict(copy.deepcopy(shared.model.test_cfg.to_dict()))
     cfg.model.test_cfg.rcnn.score_thr = 0.0
+    if point['path'] == 'bands':
+        cfg.model.test_cfg.band_mb = BAND_MB
     pipeline = []  # inference_detector reads test_dataloader.dataset.pipeline
     for t in cfg.test_dataloader.dataset.pipeline:
         if t['type'] == 'LoadAnnotations':
@@ -197,7 +205,8 @@ def plan(tasks, backbones, paths, sizes) -> list:
     """The points in the order they run: size by size (smallest first), so that every point's
     series has run its smaller sizes before it; lean before stock (stock may be killed)."""
     return [(task, backbone, path, size) for size in sorted(sizes) for task in tasks
-            for backbone in backbones for path in sorted(paths, key=PATHS[::-1].index)]
+            for backbone in backbones for path in sorted(paths, key=PATHS[::-1].index)
+            if path != 'bands' or (task, backbone) in BANDED]
 
 
 def run(args, configs: dict, runner=run_point) -> list:
@@ -260,6 +269,15 @@ def digest_agreement(rows: list) -> dict:
             for (t, b, p, s) in ran if p == 'lean' and (t, b, 'stock', s) in ran}
 
 
+def band_agreement(rows: list) -> dict:
+    """``{'task:backbone:size': bands digest == lean digest}`` where both ran (bands may differ
+    from lean in the last bits of the stride-4 maps, and so in the outputs)."""
+    ran = {(r['task'], r['backbone'], r['path'], r['size']): r.get('digest')
+           for r in rows if r['status'] == 'ok'}
+    return {f'{t}:{b}:{s}': ran[(t, b, 'bands', s)] == ran[(t, b, 'lean', s)]
+            for (t, b, p, s) in ran if p == 'bands' and (t, b, 'lean', s) in ran}
+
+
 # ---------------------------------------------------------------------------- reports
 def load_artifact(path: str) -> dict:
     """The ``{"meta", "rows"}`` of a JSON written by this script (ValueError otherwise)."""
@@ -309,6 +327,11 @@ def markdown(artifact: dict) -> str:
         text = 'Stock and lean outputs equal (digest): ' + (', '.join(map(_pair, equal)) or 'none')
         if differ:
             text += '; **different**: ' + ', '.join(map(_pair, differ))
+        banded = band_agreement(task_rows)
+        if banded:
+            text += ('. Bands (`band_mb`) and lean: ' + ', '.join(
+                f"{_pair(k)} {'equal' if v else 'differ (float rounding)'}"
+                for k, v in sorted(banded.items(), key=lambda kv: _sort_key(kv[0]))))
         lines += ['', text + '.', '']
     if meta:
         lines.append(f"{meta.get('cpu', '?')}, {meta.get('threads', '?')} threads, torch "
@@ -343,13 +366,14 @@ def plot(artifact: dict, png: str) -> None:
     limit_gb = meta.get('limit_gb', 20.0)
     colours = {'xcit': 'tab:blue', 'swin': 'tab:orange', 'vit': 'tab:green'}
     styles = {'lean': dict(linestyle='-', linewidth=2.4, alpha=0.55),
-              'stock': dict(linestyle='--', linewidth=1.4)}
+              'stock': dict(linestyle='--', linewidth=1.4),
+              'bands': dict(linestyle='-.', linewidth=1.8)}
     tasks = [t for t in TASKS if any(r['task'] == t for r in rows)]
     sizes = sorted({r['size'] for r in rows})
     fig, axes = plt.subplots(len(tasks), 2, figsize=(9, 3.5 * len(tasks) + 0.7), squeeze=False)
     for (ax_mem, ax_time), task in zip(axes, tasks):
         for b, backbone in enumerate(BACKBONES):
-            for p, path in enumerate(('lean', 'stock')):
+            for p, path in enumerate(('lean', 'stock', 'bands')):
                 series = sorted((r for r in rows if (r['task'], r['backbone'], r['path'])
                                  == (task, backbone, path)), key=lambda r: r['size'])
                 ok = [r for r in series if r['status'] == 'ok']
@@ -357,7 +381,7 @@ def plot(artifact: dict, png: str) -> None:
                 ax_mem.plot([r['size'] for r in ok], [r['peak_growth_mb'] / 1024 for r in ok],
                             **style)
                 ax_time.plot([r['size'] for r in ok], [r['time_s'] for r in ok], **style)
-                shift = 2 ** (0.07 * (2 * b + p - 2.5))  # side by side around the size
+                shift = 2 ** (0.05 * (3 * b + p - 4))  # side by side around the size
                 for status, marker in (('killed', 'x'), ('skipped', '^')):
                     over = [r['size'] * shift for r in series if r['status'] == status]
                     ax_mem.plot(over, [limit_gb] * len(over), marker=marker, linestyle='none',

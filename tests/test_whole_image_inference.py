@@ -115,7 +115,7 @@ def test_children_stock_and_lean_give_the_same_output_at_full_resolution(task, t
     detector keeps exactly 100 detections, and the figures are there."""
     config = _small_config(tmp_path, task)
     results = {}
-    for path in wii.PATHS:
+    for path in [p for p in wii.PATHS if p != 'bands' or (task, 'xcit') in wii.BANDED]:
         point = dict(task=task, backbone='xcit', path=path, size=128, config=config)
         results[path] = out = wii.child(point)
         assert out['status'] == 'ok' and out['type'] == wii.MODEL_TYPES[(task, path)]
@@ -127,6 +127,9 @@ def test_children_stock_and_lean_give_the_same_output_at_full_resolution(task, t
     else:
         assert lean['out_shape'] == [100, 128, 128] and lean['num_dets'] == 100
         assert stock['mask_pixels'] == lean['mask_pixels']
+        bands = results['bands']  # equal up to float rounding: the masks' pixels nearly so
+        assert bands['num_dets'] == 100 and bands['out_shape'] == lean['out_shape']
+        assert abs(bands['mask_pixels'] - lean['mask_pixels']) <= 0.01 * lean['mask_pixels']
 
 
 def test_script_runs_a_point_in_a_fresh_process_and_writes_the_artifact(tmp_path, monkeypatch):
@@ -185,7 +188,11 @@ def _artifact(tmp_path) -> str:
             row('segmentor', 'vit', 'lean', 2048, 'skipped', extrapolated_mb=13264),
             row('detector', 'swin', 'stock', 1024, 'ok', 700, 12.0, digest='d'),
             row('detector', 'swin', 'lean', 1024, 'ok', 650, 11.0, digest='e'),
-            row('detector', 'swin', 'lean', 2048, 'error', note='exit 1')]
+            row('detector', 'swin', 'lean', 2048, 'error', note='exit 1'),
+            row('detector', 'xcit', 'lean', 1024, 'ok', 600, 10.0, digest='f'),
+            row('detector', 'xcit', 'bands', 1024, 'ok', 400, 11.0, digest='g'),
+            row('detector', 'xcit', 'lean', 2048, 'ok', 1200, 20.0, digest='h'),
+            row('detector', 'xcit', 'bands', 2048, 'ok', 700, 21.0, digest='h')]
     path = tmp_path / 'art.json'
     path.write_text(json.dumps(dict(meta=dict(cpu='CPU X', threads=2, torch='2.x', limit_gb=20.0,
                                               complete=True), rows=rows)))
@@ -201,9 +208,14 @@ def test_markdown_prints_the_tables_of_an_artifact(tmp_path, capsys):
             '|---|---:|---:|---:|\n'
             '| 1024² | +1232 MB, 6.5 s | +586 MB, 6.3 s | +829 MB, 22 s |\n'
             '| 2048² | killed | +2100 MB, 25 s | skipped (>= +13264 MB) |\n') in text
-    assert '| 2048² |  | error |' in text  # the detector table: Swin-T stock, lean
+    # the detector table: XCiT lean, bands, Swin-T stock, lean
+    assert '| 2048² | +1200 MB, 20 s | +700 MB, 21 s |  | error |' in text
     assert 'Stock and lean outputs equal (digest): XCiT-S12/16 1024².' in text
     assert 'equal (digest): none; **different**: Swin-T 1024².' in text
+    assert ('| image | XCiT-S12/16 lean | XCiT-S12/16 bands | Swin-T stock | Swin-T lean |\n'
+            '|---|---:|---:|---:|---:|\n| 1024² | +600 MB, 10 s | +400 MB, 11 s |') in text
+    assert ('Bands (`band_mb`) and lean: XCiT-S12/16 1024² differ (float rounding), '
+            'XCiT-S12/16 2048² equal.') in text
     assert text.rstrip().endswith('CPU X, 2 threads, torch 2.x, limit 20.0 GiB RSS.')
     with pytest.raises(SystemExit) as exc:  # one report at a time
         wii.main(['--markdown', str(tmp_path / 'art.json'), '--plot', 'x'])

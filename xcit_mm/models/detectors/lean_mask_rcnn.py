@@ -81,7 +81,7 @@ from mmdet.structures import DetDataSample, SampleList
 from mmdet.structures.bbox import bbox2roi
 
 from ..layers.fpn_data_flow import (band_rows_for, conv_halo, conv_in_bands,
-                                    fpn_in_data_flow_order)
+                                    fpn_in_data_flow_order, neck_bands_bottom_level)
 from ..utils.ckpt_load import refuse_headless_load
 from ..utils.memory_budget import (MB, MemoryModel, Plan, calibrate, choose_plan,
                                    measure_peak_growth_mb, release_free_heap)
@@ -111,6 +111,7 @@ class LeanMaskRCNN(MaskRCNN):
         # a file without weights for a head is an error, never a silently random head
         self.register_load_state_dict_post_hook(refuse_headless_load)
         tiling.read_tiled_test_cfg(self.test_cfg)  # a malformed test_cfg fails at build
+        self._check_bands()
         self.memory_model: Optional[MemoryModel] = None
         self.last_memory_plan: Optional[Plan] = None
         self._last_plans = None  # (plans, budget) of the last logged choice
@@ -123,12 +124,34 @@ class LeanMaskRCNN(MaskRCNN):
         """``test_cfg.band_mb``: make the stride-4 level and its RPN conv in bands of rows."""
         return tiling.read_tiled_test_cfg(self.test_cfg).band_mb
 
+    def _check_bands(self) -> None:
+        """``band_mb`` needs parts whose stride-4 work can run in bands of rows: an error naming
+        the part otherwise (never a silent whole-image run)."""
+        if self._band_mb() is None:
+            return
+        neck, rpn = getattr(self, 'neck', None), self.rpn_head
+        why = None
+        if not hasattr(self.backbone, 'forward_level_rows'):
+            why = (f'the backbone {type(self.backbone).__name__} cannot make its stride-4 level '
+                   'in bands of rows (XCiTBackbone can)')
+        elif not (self._lean_fpn() and neck_bands_bottom_level(neck)):
+            why = ("the neck must be mmdet's FPN (start_level=0, every backbone level, no extra "
+                   'convs) with a 1x1 lateral conv, a stride-1 same-size FPN conv and nearest '
+                   'upsampling')
+        elif not (type(rpn) is RPNHead and conv_halo(rpn.rpn_conv) is not None
+                  and conv_halo(rpn.rpn_cls) == conv_halo(rpn.rpn_reg) == 0):
+            why = "the RPN head must be mmdet's RPNHead with one stride-1 same-size conv"
+        if why:
+            raise ValueError(f'{type(self).__name__}: test_cfg.band_mb: {why}; remove band_mb '
+                             '(every map whole) or use mode=\'tiles\'')
+
     # ------------------------------------------------------------------ predict
     def predict(self, batch_inputs: Tensor, batch_data_samples: SampleList,
                 rescale: bool = True) -> SampleList:
         """Detections of the whole image (equal to ``TwoStageDetector.predict``'s, with maps freed
         early), of tiles, or of whichever fits ``test_cfg.max_memory`` (module docstring)."""
         settings = tiling.read_tiled_test_cfg(self.test_cfg)
+        self._check_bands()
         if settings.mode == 'whole':
             return self._predict_whole(batch_inputs, batch_data_samples, rescale)
         self._check_tiles_supported(batch_data_samples)
@@ -159,16 +182,22 @@ class LeanMaskRCNN(MaskRCNN):
     def _lean_extract_feat(self, batch_inputs: Tensor) -> List[Tensor]:
         """``list(self.extract_feat(batch_inputs))``, computed in data-flow order when the
         backbone makes its levels one at a time and the neck is mmdet's ``FPN``."""
-        backbone, neck = self.backbone, getattr(self, 'neck', None)
-        if not (hasattr(backbone, 'forward_trunk') and hasattr(backbone, 'forward_level')
-                and type(neck) is FPN and neck.start_level == 0
-                and neck.backbone_end_level == neck.num_ins
-                and not (neck.num_outs > neck.num_ins and neck.add_extra_convs)):
+        if not self._lean_fpn():
             return list(self.extract_feat(batch_inputs))  # e.g. RetinaNet-style extra convs
-        outs = fpn_in_data_flow_order(backbone, neck, batch_inputs, self._band_mb())
+        neck = self.neck
+        outs = fpn_in_data_flow_order(self.backbone, neck, batch_inputs, self._band_mb())
         for _ in range(neck.num_outs - len(outs)):  # extra levels as FPN makes them
             outs.append(F.max_pool2d(outs[-1], 1, stride=2))
         return outs
+
+    def _lean_fpn(self) -> bool:
+        """Whether the backbone makes its levels one at a time and the neck is mmdet's ``FPN``
+        with all of them in and no extra convs (what ``fpn_in_data_flow_order`` computes)."""
+        backbone, neck = self.backbone, getattr(self, 'neck', None)
+        return (hasattr(backbone, 'forward_trunk') and hasattr(backbone, 'forward_level')
+                and type(neck) is FPN and neck.start_level == 0
+                and neck.backbone_end_level == neck.num_ins
+                and not (neck.num_outs > neck.num_ins and neck.add_extra_convs))
 
     # ------------------------------------------------------------------ RPN
     def _lean_rpn_predict(self, x: List[Tensor], batch_data_samples: SampleList,
@@ -178,15 +207,14 @@ class LeanMaskRCNN(MaskRCNN):
         if type(head) is not RPNHead:
             return head.predict(x, batch_data_samples, rescale=False)
         cls_scores, bbox_preds = [], []
-        band_mb = self._band_mb()
-        halo = conv_halo(head.rpn_conv)
+        band_mb = self._band_mb()  # parts checked by _check_bands
         for level, feat in enumerate(x):
-            if (level == 0 and band_mb is not None and halo is not None
-                    and conv_halo(head.rpn_cls) == conv_halo(head.rpn_reg) == 0):
+            if level == 0 and band_mb is not None:
                 # the RPN conv's map of the largest level, one band of rows at a time
                 rows = band_rows_for(band_mb, head.feat_channels * feat.shape[3] * 4)
                 parts = [(head.rpn_cls(hidden), head.rpn_reg(hidden)) for hidden in conv_in_bands(
-                    lambda band: F.relu_(head.rpn_conv(band)), feat, rows, halo)]
+                    lambda band: F.relu_(head.rpn_conv(band)), feat, rows,
+                    conv_halo(head.rpn_conv))]
                 cls_scores.append(torch.cat([cls for cls, _ in parts], dim=2))
                 bbox_preds.append(torch.cat([reg for _, reg in parts], dim=2))
                 del parts

@@ -17,7 +17,7 @@ whole-tensor path up to float rounding (:func:`conv_halo` gives the context).
 
 Used by ``LeanEncoderDecoder`` (mmseg) and ``LeanMaskRCNN`` (mmdet); torch only, no task package.
 """
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -138,8 +138,8 @@ def fpn_in_data_flow_order(backbone, neck, inputs: Tensor,
                            band_mb: Optional[float] = None) -> List[Tensor]:
     """``neck(backbone(inputs))`` for the neck's own levels (no extra outputs), each map freed
     when done. ``neck``: mmdet's or mmseg's ``FPN`` with ``start_level=0`` and every backbone
-    level in (the caller checks). ``band_mb``: level 0 in bands of about that many MB where
-    :func:`bottom_level_in_bands` can (else whole, bit for bit as stock)."""
+    level in (the caller checks). ``band_mb``: level 0 in bands of about that many MB where the
+    backbone and :func:`neck_bands_bottom_level` allow (else whole, bit for bit as stock)."""
     levels = BackboneLevels(backbone, inputs)
     num_levels = len(levels)
     lateral = [None] * num_levels
@@ -153,7 +153,7 @@ def fpn_in_data_flow_order(backbone, neck, inputs: Tensor,
             lateral[i + 1] = None
         lateral[i] = lat
         del lat
-    if band_mb is not None and can_band_bottom_level(levels, neck):
+    if band_mb is not None and levels.bottom_hw() is not None and neck_bands_bottom_level(neck):
         outs[0] = bottom_level_in_bands(levels, neck, lateral[1], band_mb)
         levels.maps[0] = None
         outs[1] = neck.fpn_convs[1](lateral[1])
@@ -165,11 +165,10 @@ def fpn_in_data_flow_order(backbone, neck, inputs: Tensor,
     return outs
 
 
-def can_band_bottom_level(levels: BackboneLevels, neck) -> bool:
-    """Whether :func:`bottom_level_in_bands` applies: a row-local bottom level, a 1x1 lateral
+def neck_bands_bottom_level(neck) -> bool:
+    """Whether the FPN's level 0 can run in bands (:func:`bottom_level_in_bands`): a 1x1 lateral
     conv, a stride-1 size-keeping FPN conv and a nearest top-down resize."""
-    return (levels.bottom_hw() is not None and conv_halo(neck.lateral_convs[0]) == 0
-            and conv_halo(neck.fpn_convs[0]) is not None
+    return (conv_halo(neck.lateral_convs[0]) == 0 and conv_halo(neck.fpn_convs[0]) is not None
             and neck.upsample_cfg.get('mode', 'nearest') == 'nearest')
 
 

@@ -1,0 +1,205 @@
+"""The stride-4 level made in bands of rows (``LeanMaskRCNN`` ``test_cfg.band_mb``).
+
+Expected values come from the whole-tensor paths: ``XCiTBackbone.forward_level`` for a band's
+rows, mmdet's ``FPN`` on ``XCiTBackbone``'s levels for the banded FPN, and mmdet's stock
+``MaskRCNN.predict`` on the same weights for the detections. A band's convolutions have other
+sizes than the whole map's, so values agree up to float rounding, not bit for bit.
+"""
+import json
+import os
+import os.path as osp
+import subprocess
+import sys
+
+import pytest
+import torch
+from mmcv.cnn import ConvModule
+from mmengine.registry import init_default_scope
+from torch import nn
+
+import xcit_mm  # noqa: F401  (registers XCiTBackbone and LeanMaskRCNN)
+from mmdet.registry import MODELS
+from xcit_mm.models.layers import fpn_data_flow
+from xcit_mm.models.layers.fpn_data_flow import conv_halo, fpn_in_data_flow_order
+
+sys.path.insert(0, osp.dirname(osp.abspath(__file__)))
+from test_lean_detection import _meta, _pair, _predict  # noqa: E402
+
+
+def _backbone(patch_size: int):
+    init_default_scope('mmdet')
+    torch.manual_seed(patch_size)
+    backbone = MODELS.build(dict(type='XCiTBackbone', patch_size=patch_size,
+                                 arch=dict(embed_dims=32, depth=2, num_heads=4),
+                                 out_indices=(0, 0, 1, 1), init_cfg=None))
+    with torch.no_grad():  # BN statistics that are not the identity
+        for m in backbone.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+    return backbone.eval()
+
+
+@pytest.fixture
+def count_bands(monkeypatch):
+    """The row ranges asked of the backbone's bottom level, as they are asked."""
+    calls = []
+    rows = fpn_data_flow.BackboneLevels.bottom_rows
+
+    def counted(self, start, stop):
+        calls.append((start, stop))
+        return rows(self, start, stop)
+
+    monkeypatch.setattr(fpn_data_flow.BackboneLevels, 'bottom_rows', counted)
+    return calls
+
+
+@pytest.mark.parametrize('patch_size', [16, 8])
+def test_a_levels_rows_equal_those_of_the_whole_level(patch_size):
+    """Every level (upsampled, identity, pooled), bands starting and ending anywhere, including
+    the cropped last row of an image whose sides are not multiples of the patch size."""
+    backbone = _backbone(patch_size)
+    image_hw = (99, 145)
+    with torch.no_grad():
+        trunk = backbone.forward_trunk(torch.randn(1, 3, *image_hw))
+        for level, feat in enumerate(trunk):
+            whole = backbone.forward_level(feat, level, image_hw)
+            height = whole.shape[2]
+            for start, stop in [(0, 1), (1, min(6, height)), (height // 2, height),
+                                (height - 1, height), (0, height)]:
+                band = backbone.forward_level_rows(feat, level, image_hw, start, stop)
+                assert band.shape == whole[:, :, start:stop].shape, (level, start, stop)
+                torch.testing.assert_close(band, whole[:, :, start:stop], rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match='outside the 25 rows of level 0'):
+            backbone.forward_level_rows(trunk[0], 0, image_hw, 20, 26)
+
+
+@pytest.mark.parametrize('patch_size', [16, 8])
+def test_fpn_with_a_banded_bottom_level_equals_mmdets_fpn(patch_size, count_bands):
+    """Bands of a few rows (a band edge inside the nearest top-down upsampling and the FPN
+    conv's context): level 0 equals mmdet's FPN up to rounding, levels 1-3 bit for bit."""
+    backbone = _backbone(patch_size)
+    neck = MODELS.build(dict(type='FPN', in_channels=[32] * 4, out_channels=24,
+                             num_outs=4)).eval()
+    inputs = torch.randn(1, 3, 99, 145, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = neck(backbone(inputs))
+        got = fpn_in_data_flow_order(backbone, neck, inputs, band_mb=5 * 32 * 37 * 4 / 2**20)
+    assert count_bands[0][0] == 0 and count_bands[-1][1] == 25
+    assert len(count_bands) == 5  # 25 rows in bands of 5, each with one row of context
+    assert count_bands[1] == (4, 11)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
+    for e, g in zip(expected[1:], got[1:]):
+        assert torch.equal(e, g)
+
+
+def test_conv_halo_is_the_context_of_a_stride_one_same_size_conv():
+    assert conv_halo(nn.Conv2d(4, 4, 1)) == 0
+    assert conv_halo(nn.Conv2d(4, 4, 3, padding=1)) == 1
+    assert conv_halo(nn.Conv2d(4, 4, 5, padding=2)) == 2
+    assert conv_halo(nn.Conv2d(4, 4, 3, padding=2, dilation=2)) == 2
+    assert conv_halo(ConvModule(4, 4, 3, padding=1, norm_cfg=dict(type='BN'))) == 1
+    for module in (nn.Conv2d(4, 4, 3, padding=1, stride=2), nn.Conv2d(4, 4, 3),
+                   nn.Conv2d(4, 4, 3, padding='same'),
+                   nn.Conv2d(4, 4, 3, padding=1, padding_mode='reflect'),
+                   ConvModule(4, 4, 3, padding=1, padding_mode='reflect'), nn.Identity()):
+        assert conv_halo(module) is None, module
+
+
+@pytest.mark.parametrize('mode', ['whole', 'tiles'])
+def test_banded_detections_equal_stocks(mode, count_bands):
+    """Boxes, scores and masks of ``band_mb`` equal stock's up to rounding, labels exactly (a
+    single tile covering the image is the whole image)."""
+    extra = dict(tile_size=256, tile_overlap=32) if mode == 'tiles' else {}
+    stock, banded = _pair(band_mb=0.002, mode=mode, **extra)
+    calls = []
+    banded.rpn_head.rpn_conv.register_forward_pre_hook(lambda m, args: calls.append(1))
+    inputs = torch.randn(1, 3, 160, 224, generator=torch.Generator().manual_seed(1))
+    metas = [_meta((160, 224), (160, 224), (320, 448))]
+    expected = _predict(stock, inputs, metas)[0].pred_instances
+    got = _predict(banded, inputs, metas)[0].pred_instances
+    assert len(count_bands) > 3 and len(calls) > 3 + 4  # bands of level 0, then 4 levels whole
+    assert len(expected) == len(got) > 0
+    assert torch.equal(expected.labels, got.labels)
+    torch.testing.assert_close(got.bboxes, expected.bboxes, rtol=0, atol=1e-3)
+    torch.testing.assert_close(got.scores, expected.scores, rtol=0, atol=1e-5)
+    assert (got.masks != expected.masks).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize('value', [0, -4, '64', True])
+def test_a_bad_band_mb_is_an_error_naming_the_fix(value):
+    from xcit_mm.models.detectors.tiled_inference import read_tiled_test_cfg
+    with pytest.raises(ValueError, match='band_mb must be a positive number of MB'):
+        read_tiled_test_cfg(dict(band_mb=value))
+    with pytest.raises(ValueError, match='does not combine with lean=False'):
+        read_tiled_test_cfg(dict(band_mb=64, lean=False))
+    assert read_tiled_test_cfg(dict(band_mb=64, mode='tiles')).band_mb == 64
+
+
+@pytest.mark.parametrize('part, change, message', [
+    ('neck', dict(upsample_cfg=dict(mode='bilinear')), 'the neck must be'),
+    ('rpn_head', dict(num_convs=2), 'the RPN head must be'),
+    ('backbone', dict(type='ResNet', depth=18, init_cfg=None),
+     'the backbone ResNet cannot make its stride-4 level in bands'),
+])
+def test_parts_that_cannot_run_in_bands_are_an_error(part, change, message, monkeypatch):
+    from test_lean_detection import _model_cfg
+    cfg = _model_cfg()
+    if part == 'backbone':
+        cfg.backbone = dict(change)
+        cfg.neck.in_channels = [64, 128, 256, 512]
+    else:
+        cfg[part].update(change)
+    cfg.test_cfg.band_mb = 64
+    with pytest.raises(ValueError, match=message) as error:
+        MODELS.build(dict(cfg, type='LeanMaskRCNN'))
+    assert 'remove band_mb' in str(error.value)
+
+
+CHILD = r'''
+import json, sys, torch
+sys.path.insert(0, 'tests')
+from test_lean_detection import _meta, _model_cfg
+from mmdet.registry import MODELS
+from xcit_mm.models.utils.memory_budget import measure_peak_growth_mb
+torch.set_num_threads(1)
+size = 1536
+cfg = _model_cfg()
+cfg.neck.out_channels = 128  # the stride-4 maps (not the patch embedding) set the peak
+cfg.rpn_head.update(in_channels=128, feat_channels=128)
+torch.manual_seed(0)
+model = MODELS.build(dict(cfg, type='LeanMaskRCNN')).eval()
+model.rpn_head.predict_by_feat = lambda *args, **kwargs: None  # the maps, not mmdet's top-k
+inputs = torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(1))
+meta = _meta((size, size), (size, size), (size, size))
+small = _meta((256, 256), (256, 256), (256, 256))
+report = {}
+with torch.no_grad():
+    model._features_and_proposals(inputs[..., :256, :256], small)  # warm-up
+    for band_mb in (None, 4):
+        model.test_cfg.band_mb = band_mb
+        report[str(band_mb)] = measure_peak_growth_mb(
+            lambda: model._features_and_proposals(inputs, meta))
+    maps = model._lean_extract_feat(inputs)
+report['maps_mb'] = sum(m.numel() * m.element_size() for m in maps) / 2**20
+report['level0_mb'] = maps[0].numel() * maps[0].element_size() / 2**20
+print(json.dumps(report))
+'''
+
+
+def test_bands_hold_the_fpn_outputs_and_little_more():
+    """A fresh process (malloc returning freed memory at once): the peak growth of features and
+    the RPN's convs at 1536 x 1536 (mmdet's top-k of the proposals left out), whole vs bands of
+    4 MB. Whole holds, besides the FPN's outputs, the stride-4 lateral map or the RPN conv's map
+    (each the size of the FPN's level 0); bands hold the outputs and less than one such map."""
+    root = osp.dirname(osp.dirname(osp.abspath(__file__)))
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_='65536',
+               PYTHONPATH=os.pathsep.join([root, os.environ.get('PYTHONPATH', '')]))
+    proc = subprocess.run([sys.executable, '-c', CHILD], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(report)
+    maps_mb, level0_mb = report['maps_mb'], report['level0_mb']
+    assert report['4'] < maps_mb + level0_mb, report
+    assert report['None'] > maps_mb + 1.5 * level0_mb, report
