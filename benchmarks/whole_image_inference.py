@@ -212,6 +212,8 @@ def plan(tasks, backbones, paths, sizes) -> list:
 def run(args, configs: dict, runner=run_point) -> list:
     """Run (or skip) every point of the plan, writing the artifact after each one."""
     limit_mb = args.limit_gb * 1024
+    points = plan(args.tasks, args.backbones, args.paths, args.sizes)
+    kept, earlier = kept_rows(args, points)
     rows, last = [], {}
     meta = dict(cpu=cpu_model(), threads=int(os.environ.get('OMP_NUM_THREADS') or os.cpu_count()),
                 command='python ' + ' '.join(sys.argv), torch=package_version('torch'),
@@ -222,7 +224,10 @@ def run(args, configs: dict, runner=run_point) -> list:
                                                              MODEL_TYPES.items()},
                 weights='random (Pretrained init dropped), BN',
                 note=args.note or 'one fresh process per point', complete=False)
-    for task, backbone, path, size in plan(args.tasks, args.backbones, args.paths, args.sizes):
+    if earlier:
+        meta['earlier_commands'] = earlier
+        meta['sizes'] = sorted({r['size'] for r in kept} | set(args.sizes))
+    for task, backbone, path, size in points:
         point = dict(task=task, backbone=backbone, path=path, size=size,
                      config=configs[(task, backbone)])
         previous = last.get((task, backbone, path))
@@ -244,12 +249,25 @@ def run(args, configs: dict, runner=run_point) -> list:
         last[(task, backbone, path)] = row
         print(json.dumps(row), flush=True)
         if args.out:
-            write_artifact(args.out, meta, rows, COLUMNS)
+            write_artifact(args.out, meta, kept + rows, COLUMNS)
     meta['complete'] = True
-    meta['stock_equals_lean'] = digest_agreement(rows)
+    meta['stock_equals_lean'] = digest_agreement(kept + rows)
     if args.out:
-        write_artifact(args.out, meta, rows, COLUMNS)
+        write_artifact(args.out, meta, kept + rows, COLUMNS)
     return rows
+
+
+def kept_rows(args, points: list):
+    """With ``--update``: the rows of the artifact at ``--out`` that this run does not measure
+    again, and the commands that measured them; else nothing."""
+    if not args.update:
+        return [], []
+    artifact = load_artifact(args.out + '.json')
+    again = set(points)
+    kept = [r for r in artifact['rows']
+            if (r['task'], r['backbone'], r['path'], r['size']) not in again]
+    meta = artifact.get('meta', {})
+    return kept, meta.get('earlier_commands', []) + [meta.get('command', '?')]
 
 
 def package_version(name: str) -> str:
@@ -445,6 +463,9 @@ def make_parser() -> argparse.ArgumentParser:
                         help='square image sizes (px), multiples of 32, at least 64')
     parser.add_argument('--config', action='append', metavar='TASK:BACKBONE=PATH',
                         help='measure another config for a (task, backbone), e.g. a small model')
+    parser.add_argument('--update', action='store_true',
+                        help='keep the rows of the artifact at --out that this run does not '
+                        'measure (one artifact from several runs)')
     parser.add_argument('--plot', metavar='JSON', help='plot an artifact (no measurement)')
     parser.add_argument('--png', default=osp.join(ROOT, 'docs', 'whole_image_inference.png'),
                         help='where --plot writes')
@@ -482,6 +503,11 @@ def main(argv=None):
     if not args.limit_gb > 0 or not args.timeout > 0:
         parser.error('--limit-gb and --timeout must be positive')
     configs = parse_config_overrides(parser, args.config)
+    if args.update:
+        try:
+            load_artifact(f'{args.out}.json' if args.out else '')
+        except ValueError as e:
+            parser.error(f'--update needs --out naming an artifact of this script: {e}')
     rows = run(args, configs)
     if any(r['status'] == 'error' for r in rows):
         sys.exit(1)

@@ -85,7 +85,7 @@ def test_run_skips_in_size_order_and_writes_the_artifact(tmp_path):
     out = str(tmp_path / 'art')
     args = argparse.Namespace(limit_gb=10.0, timeout=99, out=out, note='test',
                               tasks=['segmentor'], backbones=['xcit'], paths=['stock', 'lean'],
-                              sizes=[8192, 1024, 4096, 2048])
+                              sizes=[8192, 1024, 4096, 2048], update=False)
     rows = wii.run(args, dict(wii.CONFIGS), runner=runner)
     assert calls == [('segmentor', p, s) for s in (1024, 2048, 4096) for p in ('lean', 'stock')]
     status = {(r['path'], r['size']): r['status'] for r in rows}
@@ -106,6 +106,38 @@ def test_run_skips_in_size_order_and_writes_the_artifact(tmp_path):
     assert meta['complete'] and meta['note'] == 'test' and meta['torch'][0].isdigit()
     assert meta['stock_equals_lean'] == {f'segmentor:xcit:{s}': True for s in (1024, 2048)}
     assert artifact['rows'] == json.loads(json.dumps(rows))
+
+
+def test_update_measures_some_points_again_and_keeps_the_others(tmp_path):
+    """``--update``: the rows of the artifact at ``--out`` that the run does not measure stay
+    (with the command that measured them), the others are replaced or added."""
+    out = str(tmp_path / 'art')
+
+    def runner(script, point, limit_bytes, timeout_s):
+        return dict(status='ok', peak_growth_mb=point['size'] // 4, base_mb=700, time_s=1.0,
+                    digest=point['path'][0])
+
+    def args(**kw):
+        return argparse.Namespace(**dict(dict(limit_gb=10.0, timeout=99, out=out, note=None,
+                                              tasks=['detector'], backbones=['xcit'],
+                                              paths=['stock', 'lean'], sizes=[1024, 2048],
+                                              update=False), **kw))
+
+    wii.run(args(), dict(wii.CONFIGS), runner=runner)
+    wii.run(args(paths=['bands', 'lean'], sizes=[2048, 4096], update=True), dict(wii.CONFIGS),
+            runner=runner)
+    with open(out + '.json') as f:
+        artifact = json.load(f)
+    points = sorted((r['path'], r['size']) for r in artifact['rows'])
+    assert points == [('bands', 2048), ('bands', 4096), ('lean', 1024), ('lean', 2048),
+                      ('lean', 4096), ('stock', 1024), ('stock', 2048)]
+    meta = artifact['meta']
+    assert len(meta['earlier_commands']) == 1 and meta['sizes'] == [1024, 2048, 4096]
+    assert meta['stock_equals_lean'] == {'detector:xcit:1024': False,
+                                         'detector:xcit:2048': False}
+    with pytest.raises(SystemExit) as exc:  # nothing to update
+        wii.main(['--update', '--out', str(tmp_path / 'none'), '--sizes', '1024'])
+    assert exc.value.code == 2
 
 
 @pytest.mark.parametrize('task', wii.TASKS)
