@@ -34,8 +34,9 @@ POINTS = [('seg', 4096, 8000), ('seg', 4096, 4000), ('seg', 8192, 16000),
           ('det', 4096, 8000), ('det', 4096, 3500)]
 
 
-def build_cfg(task: str, size: int, budget_mb: float):
-    """The paper config at full resolution, random weights, ``mode='auto'`` within the budget."""
+def build_cfg(task: str, size: int, budget_mb: float, band_mb=None):
+    """The paper config at full resolution, random weights, ``mode='auto'`` within the budget
+    (detector: ``band_mb``, if given, makes the stride-4 level in bands in every plan)."""
     from mmengine.config import Config
     cfg = Config.fromfile(CONFIGS[task])
     cfg.model.backbone.init_cfg = None
@@ -45,6 +46,7 @@ def build_cfg(task: str, size: int, budget_mb: float):
         cfg.test_pipeline = [t for t in cfg.test_pipeline if t['type'] != 'Resize']
     else:
         cfg.model.test_cfg.rcnn.score_thr = 0.0
+        cfg.model.test_cfg.band_mb = band_mb
         pipeline = [t for t in cfg.test_dataloader.dataset.pipeline
                     if t['type'] != 'LoadAnnotations']
         for t in pipeline:
@@ -65,7 +67,8 @@ def child(point: dict) -> dict:
         from mmdet.apis import inference_detector as infer
         from mmdet.apis import init_detector as init
     torch.manual_seed(0)
-    model = init(build_cfg(point['task'], point['size'], point['max_memory']), device='cpu')
+    model = init(build_cfg(point['task'], point['size'], point['max_memory'],
+                           point.get('band_mb')), device='cpu')
     infer(model, np.zeros((64, 64, 3), np.uint8))  # calibrates the memory line
     img = test_image(point['size'])
     predict, at_predict = model.predict, []
@@ -93,16 +96,20 @@ def child(point: dict) -> dict:
 
 
 def main():
-    parser = points_parser(__doc__.split('\n')[0], None, 'task:size:max_memory_mb, e.g. '
-                           'seg:4096:3000 (task seg or det)')
+    parser = points_parser(__doc__.split('\n')[0], None, 'task:size:max_memory_mb[:band_mb], '
+                           'e.g. seg:4096:3000 or det:4096:3500:64 (task seg or det; band_mb: '
+                           'detector only)')
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
     points = [p.split(':') for p in args.points] if args.points else POINTS
     rows = []
-    for task, size, budget in points:
-        point = dict(task=task, config=CONFIGS[task], size=int(size), max_memory=float(budget))
+    for task, size, budget, *band in points:
+        if band and task != 'det':
+            parser.error(f'--points {task}:{size}:{budget}:{band[0]}: band_mb is for det only')
+        point = dict(task=task, config=CONFIGS[task], size=int(size), max_memory=float(budget),
+                     band_mb=float(band[0]) if band else None)
         row = dict(point, **run_point(__file__, point, int(args.limit_gb * 2**30), args.timeout))
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -111,8 +118,8 @@ def main():
                     doors='mmseg.apis.inference_model, mmdet.apis.inference_detector',
                     weights='random (init_cfg=None), BN',
                     note=args.note or 'one fresh process per point')
-        write_artifact(args.out, meta, rows, ['task', 'size', 'max_memory', 'status', 'plan',
-                                              'detail', 'estimate_mb',
+        write_artifact(args.out, meta, rows, ['task', 'size', 'max_memory', 'band_mb', 'status',
+                                              'plan', 'detail', 'estimate_mb',
                                               'predict_peak_growth_mb', 'peak_growth_mb',
                                               'error_pct', 'within_budget', 'time_s', 'note'])
 

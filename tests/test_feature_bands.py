@@ -99,6 +99,7 @@ def test_conv_halo_is_the_context_of_a_stride_one_same_size_conv():
     assert conv_halo(nn.Conv2d(4, 4, 5, padding=2)) == 2
     assert conv_halo(nn.Conv2d(4, 4, 3, padding=2, dilation=2)) == 2
     assert conv_halo(ConvModule(4, 4, 3, padding=1, norm_cfg=dict(type='BN'))) == 1
+    assert conv_halo(ConvModule(4, 4, 1, norm_cfg=dict(type='GN', num_groups=2))) is None
     for module in (nn.Conv2d(4, 4, 3, padding=1, stride=2), nn.Conv2d(4, 4, 3),
                    nn.Conv2d(4, 4, 3, padding='same'),
                    nn.Conv2d(4, 4, 3, padding=1, padding_mode='reflect'),
@@ -124,6 +125,11 @@ def test_banded_detections_equal_stocks(mode, count_bands):
     torch.testing.assert_close(got.bboxes, expected.bboxes, rtol=0, atol=1e-3)
     torch.testing.assert_close(got.scores, expected.scores, rtol=0, atol=1e-5)
     assert (got.masks != expected.masks).float().mean() < 1e-3
+    bands = len(count_bands)
+    banded.train()  # BatchNorm in training mode normalises over the whole map: no bands
+    with torch.no_grad():
+        banded._lean_extract_feat(inputs)
+    assert len(count_bands) == bands
 
 
 @pytest.mark.parametrize('value', [0, -4, '64', True])
@@ -138,6 +144,7 @@ def test_a_bad_band_mb_is_an_error_naming_the_fix(value):
 
 @pytest.mark.parametrize('part, change, message', [
     ('neck', dict(upsample_cfg=dict(mode='bilinear')), 'the neck must be'),
+    ('neck', dict(norm_cfg=dict(type='GN', num_groups=4)), 'GroupNorm normalises over'),
     ('rpn_head', dict(num_convs=2), 'the RPN head must be'),
     ('backbone', dict(type='ResNet', depth=18, init_cfg=None),
      'the backbone ResNet cannot make its stride-4 level in bands'),

@@ -27,6 +27,13 @@ here):
 Boxes, labels, scores and masks equal stock ``MaskRCNN.predict`` on the same weights
 (``tests/test_lean_detection.py``).
 
+**Bands** (``test_cfg.band_mb``, any mode): after the above, the stride-4 maps besides the FPN's
+output (the XCiT adapter's map, the lateral map, the RPN conv's map) still exist whole, one or two
+at a time. With ``band_mb`` they are made in bands of rows of about that many MB, each with the
+rows of context its convs need (``fpn_data_flow.bottom_level_in_bands``, XCiT's
+``forward_level_rows``), so only the FPN output is whole. That tiles convolutions: results equal
+stock's up to float rounding (``tests/test_feature_bands.py``), not bit for bit.
+
 **Tiles** (``test_cfg.mode='tiles'``): a whole image's feature maps grow with its pixels; tiles
 bound them by the tile's. The network-scale batch input is cut into overlapping tiles covering
 each image (the last ones aligned to the image border, each padded to the preprocessor's size
@@ -57,7 +64,7 @@ build, so ``import xcit_mm`` does not import mmdet). ``model.test_cfg`` keys nex
 ``rcnn`` (``docs/lean_detection.md``): ``lean`` (default True; False gives the stock ``predict``,
 and so does a whole-image ``predict`` under autograd, where the in-place sums would break it),
 ``mode`` ('whole', 'tiles', 'auto'), ``tile_size`` (default 1024), ``tile_overlap`` (default 256),
-``max_memory`` and ``memory_model``. Tiles and auto run under ``torch.no_grad``. Parts that are not
+``max_memory``, ``memory_model`` and ``band_mb`` (default None: every map whole). Tiles and auto run under ``torch.no_grad``. Parts that are not
 the stock ones (another neck, RPN head or RoI head class) run stock in whole mode, only the
 ordering around them is lean; tiles need mmdet's ``StandardRoIHead`` and ``FCNMaskHead``.
 Training, ``_forward`` and ``tensor`` mode are stock.
@@ -121,13 +128,14 @@ class LeanMaskRCNN(MaskRCNN):
         return bool(cfg.get('lean', True)) if cfg is not None else True
 
     def _band_mb(self) -> Optional[float]:
-        """``test_cfg.band_mb``: make the stride-4 level and its RPN conv in bands of rows."""
-        return tiling.read_tiled_test_cfg(self.test_cfg).band_mb
+        """``test_cfg.band_mb``: make the stride-4 level and its RPN conv in bands of rows (in
+        eval mode: a BatchNorm in training mode normalises over the whole map)."""
+        return None if self.training else tiling.read_tiled_test_cfg(self.test_cfg).band_mb
 
     def _check_bands(self) -> None:
         """``band_mb`` needs parts whose stride-4 work can run in bands of rows: an error naming
         the part otherwise (never a silent whole-image run)."""
-        if self._band_mb() is None:
+        if tiling.read_tiled_test_cfg(self.test_cfg).band_mb is None:
             return
         neck, rpn = getattr(self, 'neck', None), self.rpn_head
         why = None
@@ -136,7 +144,8 @@ class LeanMaskRCNN(MaskRCNN):
                    'in bands of rows (XCiTBackbone can)')
         elif not (self._lean_fpn() and neck_bands_bottom_level(neck)):
             why = ("the neck must be mmdet's FPN (start_level=0, every backbone level, no extra "
-                   'convs) with a 1x1 lateral conv, a stride-1 same-size FPN conv and nearest '
+                   'convs) with a 1x1 lateral conv, a stride-1 same-size FPN conv, no norm '
+                   'other than BatchNorm (GroupNorm normalises over the whole map) and nearest '
                    'upsampling')
         elif not (type(rpn) is RPNHead and conv_halo(rpn.rpn_conv) is not None
                   and conv_halo(rpn.rpn_cls) == conv_halo(rpn.rpn_reg) == 0):

@@ -67,11 +67,15 @@ def add_top_down_(lat: Tensor, top: Tensor, upsample_cfg: dict, band_mb: float =
 
 
 def conv_halo(module) -> Optional[int]:
-    """The rows of context on each side that ``module`` (an ``nn.Conv2d`` or an mmcv
-    ``ConvModule`` around one, whose norm and activation are per pixel) needs for a band of its
-    output rows: its padding, for a stride-1 conv padded to keep the size; None for any other
-    module (it cannot run in bands)."""
+    """The rows of context on each side that ``module`` (an ``nn.Conv2d``, or an mmcv
+    ``ConvModule`` around one with no norm or a BatchNorm, per pixel in eval mode) needs, in eval
+    mode, for a band of its output rows: its padding, for a stride-1 conv padded to keep the
+    size; None for any other module (it cannot run in bands: e.g. GroupNorm normalises over the
+    whole map)."""
     conv = getattr(module, 'conv', module)
+    if getattr(module, 'with_norm', False) and not isinstance(
+            getattr(module, module.norm_name), torch.nn.modules.batchnorm._BatchNorm):
+        return None
     if (type(conv) is not torch.nn.Conv2d or conv.padding_mode != 'zeros'
             or isinstance(conv.padding, str)):
         return None

@@ -1,0 +1,96 @@
+"""Box and mask AP of one trained Mask R-CNN run whole, in bands and in tiles (``LeanMaskRCNN``).
+
+    python tools/train.py configs/shapes/mask_rcnn_xcit_shapes_coco.py --work-dir work_dirs/shapes_det
+    python benchmarks/tiled_detection_accuracy.py configs/shapes/mask_rcnn_xcit_shapes_coco.py \
+        work_dirs/shapes_det/iter_1200.pth --out docs/results/shapes_mask_rcnn_tiles
+
+Each variant is the config's own test (mmengine's ``Runner.test``: the config's test dataloader
+and evaluator, mmdet's ``CocoMetric``) with ``model.test_cfg`` updated: ``whole`` (the default
+lean path: stock's results bit for bit), ``bands`` (``band_mb``: equal up to float rounding, so
+the AP should not move) and ``tiles`` at each ``--tiles SIZE:OVERLAP`` (network pixels; each tile
+sees less context, and objects larger than the overlap may be cut in every tile). The artifact has
+each variant's metrics and wall time.
+"""
+import argparse
+import json
+import os
+import os.path as osp
+import sys
+import tempfile
+import time
+
+HERE = osp.dirname(osp.abspath(__file__))
+ROOT = osp.dirname(HERE)
+sys.path.insert(0, HERE)
+if ROOT not in sys.path:  # xcit_mm from this checkout, installed or not
+    sys.path.insert(1, ROOT)
+from xcit_benchmark.fresh_points import cpu_model, write_artifact  # noqa: E402
+
+COLUMNS = ['variant', 'test_cfg', 'coco/bbox_mAP', 'coco/bbox_mAP_50', 'coco/segm_mAP',
+           'coco/segm_mAP_50', 'time_s']
+
+
+def variants(band_mb: float, tiles: list) -> list:
+    """(name, ``model.test_cfg`` update) of every variant, whole first."""
+    out = [('whole', {}), ('bands', dict(band_mb=band_mb))]
+    for size, overlap in tiles:
+        out.append((f'tiles {size}/{overlap}',
+                    dict(mode='tiles', tile_size=size, tile_overlap=overlap)))
+    return out
+
+
+def test_variant(config: str, checkpoint: str, update: dict, work_dir: str) -> dict:
+    """``Runner.test`` of the config with ``model.test_cfg`` updated: its metrics."""
+    from mmengine.config import Config
+    from mmengine.runner import Runner
+    cfg = Config.fromfile(config)
+    cfg.model.test_cfg.update(update)
+    cfg.load_from = checkpoint
+    cfg.work_dir = work_dir
+    cfg.resume = False
+    return Runner.from_cfg(cfg).test()
+
+
+def parse_tiles(parser, values) -> list:
+    tiles = []
+    for value in values:
+        size, sep, overlap = value.partition(':')
+        if not (sep and size.isdigit() and overlap.isdigit() and int(overlap) < int(size)):
+            parser.error(f'--tiles {value!r}: expected SIZE:OVERLAP with 0 <= OVERLAP < SIZE')
+        tiles.append((int(size), int(overlap)))
+    return tiles
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('config', help='a Mask R-CNN config whose model is LeanMaskRCNN')
+    parser.add_argument('checkpoint', help='its trained weights')
+    parser.add_argument('--band-mb', type=float, default=0.25,
+                        help='band size for the bands variant (small images: small bands)')
+    parser.add_argument('--tiles', nargs='+', default=['96:32', '112:64'],
+                        help='SIZE:OVERLAP of each tiles variant (network pixels)')
+    parser.add_argument('--out', help='artifact path without extension (.json, .csv)')
+    args = parser.parse_args(argv)
+    tiles = parse_tiles(parser, args.tiles)
+    for path in (args.config, args.checkpoint):
+        if not osp.isfile(path):
+            parser.error(f'no such file: {path}')
+    rows = []
+    with tempfile.TemporaryDirectory() as work_dir:
+        for name, update in variants(args.band_mb, tiles):
+            start = time.perf_counter()
+            metrics = test_variant(args.config, args.checkpoint, update, work_dir)
+            row = dict(variant=name, test_cfg=json.dumps(update),
+                       time_s=round(time.perf_counter() - start, 1),
+                       **{k: round(float(v), 4) for k, v in metrics.items()})
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.out:
+        meta = dict(cpu=cpu_model(), threads=os.cpu_count(),
+                    command='python ' + ' '.join(sys.argv), config=args.config,
+                    checkpoint=args.checkpoint)
+        write_artifact(args.out, meta, rows, COLUMNS)
+
+
+if __name__ == '__main__':
+    main()
