@@ -1,6 +1,7 @@
 """Box and mask AP of one trained Mask R-CNN run whole, in bands and in tiles (``LeanMaskRCNN``).
 
-    python tools/train.py configs/shapes/mask_rcnn_xcit_shapes_coco.py --work-dir work_dirs/shapes_det
+    python tools/train.py configs/shapes/mask_rcnn_xcit_shapes_coco.py \
+        --work-dir work_dirs/shapes_det
     python benchmarks/tiled_detection_accuracy.py configs/shapes/mask_rcnn_xcit_shapes_coco.py \
         work_dirs/shapes_det/iter_1200.pth --out docs/results/shapes_mask_rcnn_tiles
 

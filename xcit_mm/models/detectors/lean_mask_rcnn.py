@@ -64,10 +64,10 @@ build, so ``import xcit_mm`` does not import mmdet). ``model.test_cfg`` keys nex
 ``rcnn`` (``docs/lean_detection.md``): ``lean`` (default True; False gives the stock ``predict``,
 and so does a whole-image ``predict`` under autograd, where the in-place sums would break it),
 ``mode`` ('whole', 'tiles', 'auto'), ``tile_size`` (default 1024), ``tile_overlap`` (default 256),
-``max_memory``, ``memory_model`` and ``band_mb`` (default None: every map whole). Tiles and auto run under ``torch.no_grad``. Parts that are not
-the stock ones (another neck, RPN head or RoI head class) run stock in whole mode, only the
-ordering around them is lean; tiles need mmdet's ``StandardRoIHead`` and ``FCNMaskHead``.
-Training, ``_forward`` and ``tensor`` mode are stock.
+``max_memory``, ``memory_model`` and ``band_mb`` (default None: every map whole). Tiles and auto
+run under ``torch.no_grad``. Parts that are not the stock ones (another neck, RPN head or RoI head
+class) run stock in whole mode, only the ordering around them is lean; tiles need mmdet's
+``StandardRoIHead`` and ``FCNMaskHead``. Training, ``_forward`` and ``tensor`` mode are stock.
 """
 from typing import List, Optional
 
@@ -219,14 +219,9 @@ class LeanMaskRCNN(MaskRCNN):
         band_mb = self._band_mb()  # parts checked by _check_bands
         for level, feat in enumerate(x):
             if level == 0 and band_mb is not None:
-                # the RPN conv's map of the largest level, one band of rows at a time
-                rows = band_rows_for(band_mb, head.feat_channels * feat.shape[3] * 4)
-                parts = [(head.rpn_cls(hidden), head.rpn_reg(hidden)) for hidden in conv_in_bands(
-                    lambda band: F.relu_(head.rpn_conv(band)), feat, rows,
-                    conv_halo(head.rpn_conv))]
-                cls_scores.append(torch.cat([cls for cls, _ in parts], dim=2))
-                bbox_preds.append(torch.cat([reg for _, reg in parts], dim=2))
-                del parts
+                cls_score, bbox_pred = self._rpn_level_in_bands(feat, band_mb)
+                cls_scores.append(cls_score)
+                bbox_preds.append(bbox_pred)
                 continue
             hidden = F.relu_(head.rpn_conv(feat))
             cls_scores.append(head.rpn_cls(hidden))
@@ -234,6 +229,15 @@ class LeanMaskRCNN(MaskRCNN):
             del hidden
         return head.predict_by_feat(cls_scores, bbox_preds, batch_img_metas=batch_img_metas,
                                     rescale=False)
+
+    def _rpn_level_in_bands(self, feat: Tensor, band_mb: float):
+        """The RPN's (scores, deltas) of one level, its conv's map made one band of rows (with
+        the conv's context) at a time: the 1x1 outputs are small, the conv's map is not."""
+        head = self.rpn_head
+        rows = band_rows_for(band_mb, head.feat_channels * feat.shape[3] * feat.element_size())
+        parts = [(head.rpn_cls(hidden), head.rpn_reg(hidden)) for hidden in conv_in_bands(
+            lambda band: F.relu_(head.rpn_conv(band)), feat, rows, conv_halo(head.rpn_conv))]
+        return torch.cat([c for c, _ in parts], dim=2), torch.cat([r for _, r in parts], dim=2)
 
     # ------------------------------------------------------------------ RoI head
     def _lean_roi_predict(self, x: List[Tensor], rpn_results_list,
