@@ -9,10 +9,6 @@ give stock ``MaskRCNN.predict`` bit for bit. The memory bound is measured in a f
 """
 import json
 import math
-import os
-import os.path as osp
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -21,6 +17,7 @@ from mmengine.config import Config
 from mmengine.structures import InstanceData
 
 import xcit_mm  # noqa: F401  (registers XCiTBackbone and LeanMaskRCNN)
+from fresh_process import run_fresh
 from mmdet.registry import MODELS
 from test_lean_detection import (MAX_DETS, SIZES, _assert_same, _meta, _model_cfg, _pair,
                                  _predict)
@@ -445,13 +442,7 @@ def test_measured_peak_stays_within_two_budgets_that_pick_different_plans():
     """A fresh process (malloc returning freed memory at once, so the resident set follows the
     live tensors): auto at the tightest budget of each plan on a 2048 x 2048 input, the peak
     growth of ``predict`` measured; the estimate's error is printed."""
-    root = osp.dirname(osp.dirname(osp.abspath(__file__)))
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_='65536',
-               PYTHONPATH=os.pathsep.join([root, os.environ.get('PYTHONPATH', '')]))
-    proc = subprocess.run([sys.executable, '-c', CHILD], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_fresh(CHILD)
     rows = report['rows']
     print('line (base MB, MB per megapixel):', report['line'])
     for row in rows:

@@ -5,10 +5,7 @@ rows, mmdet's ``FPN`` on ``XCiTBackbone``'s levels for the banded FPN, and mmdet
 ``MaskRCNN.predict`` on the same weights for the detections. A band's convolutions have other
 sizes than the whole map's, so values agree up to float rounding, not bit for bit.
 """
-import json
-import os
 import os.path as osp
-import subprocess
 import sys
 
 import pytest
@@ -23,6 +20,7 @@ from xcit_mm.models.layers import fpn_data_flow
 from xcit_mm.models.layers.fpn_data_flow import conv_halo, fpn_in_data_flow_order
 
 sys.path.insert(0, osp.dirname(osp.abspath(__file__)))
+from fresh_process import run_fresh  # noqa: E402
 from test_lean_detection import _meta, _pair, _predict  # noqa: E402
 
 
@@ -199,13 +197,7 @@ def test_bands_hold_the_fpn_outputs_and_little_more():
     the RPN's convs at 1536 x 1536 (mmdet's top-k of the proposals left out), whole vs bands of
     4 MB. Whole holds, besides the FPN's outputs, the stride-4 lateral map or the RPN conv's map
     (each the size of the FPN's level 0); bands hold the outputs and less than one such map."""
-    root = osp.dirname(osp.dirname(osp.abspath(__file__)))
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_='65536',
-               PYTHONPATH=os.pathsep.join([root, os.environ.get('PYTHONPATH', '')]))
-    proc = subprocess.run([sys.executable, '-c', CHILD], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_fresh(CHILD)
     print(report)
     maps_mb, level0_mb = report['maps_mb'], report['level0_mb']
     assert report['4'] < maps_mb + level0_mb, report
