@@ -7,10 +7,10 @@
 
 Each variant is the config's own test (mmengine's ``Runner.test``: the config's test dataloader
 and evaluator, mmdet's ``CocoMetric``) with ``model.test_cfg`` updated: ``whole`` (the default
-lean path: stock's results bit for bit), ``bands`` (``band_mb``: equal up to float rounding, so
-the AP should not move) and ``tiles`` at each ``--tiles SIZE:OVERLAP`` (network pixels; each tile
-sees less context, and objects larger than the overlap may be cut in every tile). The artifact has
-each variant's metrics and wall time.
+lean path: stock's results bit for bit), with ``--band-mb`` ``bands`` (equal up to float
+rounding, so the AP should not move) and ``tiles`` at each ``--tiles SIZE:OVERLAP`` (network
+pixels; each tile sees less context, and objects larger than the overlap may be cut in every
+tile). The artifact has each variant's metrics and wall time.
 """
 import argparse
 import json
@@ -31,9 +31,9 @@ COLUMNS = ['variant', 'test_cfg', 'coco/bbox_mAP', 'coco/bbox_mAP_50', 'coco/seg
            'coco/segm_mAP_50', 'time_s']
 
 
-def variants(band_mb: float, tiles: list) -> list:
+def variants(band_mb, tiles: list) -> list:
     """(name, ``model.test_cfg`` update) of every variant, whole first."""
-    out = [('whole', {}), ('bands', dict(band_mb=band_mb))]
+    out = [('whole', {})] + ([('bands', dict(band_mb=band_mb))] if band_mb else [])
     for size, overlap in tiles:
         out.append((f'tiles {size}/{overlap}',
                     dict(mode='tiles', tile_size=size, tile_overlap=overlap)))
@@ -66,8 +66,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('config', help='a Mask R-CNN config whose model is LeanMaskRCNN')
     parser.add_argument('checkpoint', help='its trained weights')
-    parser.add_argument('--band-mb', type=float, default=0.25,
-                        help='band size for the bands variant (small images: small bands)')
+    parser.add_argument('--band-mb', type=float,
+                        help='also a bands variant with this band size (needs an FPN without '
+                        'GroupNorm: not the shapes config)')
     parser.add_argument('--tiles', nargs='+', default=['96:32', '112:64'],
                         help='SIZE:OVERLAP of each tiles variant (network pixels)')
     parser.add_argument('--out', help='artifact path without extension (.json, .csv)')

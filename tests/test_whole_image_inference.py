@@ -267,3 +267,17 @@ def test_plot_writes_a_png(tmp_path):
     with pytest.raises(SystemExit) as exc:
         wii.main(['--plot', str(bad), '--png', str(png)])
     assert exc.value.code == 2
+
+
+def test_tiled_accuracy_script_names_its_variants_and_rejects_bad_tiles(capsys):
+    """``benchmarks/tiled_detection_accuracy.py``: whole first, bands only when asked, a tiles
+    variant per SIZE:OVERLAP; a malformed or impossible tile is a usage error."""
+    import tiled_detection_accuracy as tda
+    assert tda.variants(None, [(128, 96)]) == [
+        ('whole', {}), ('tiles 128/96', dict(mode='tiles', tile_size=128, tile_overlap=96))]
+    assert tda.variants(64.0, [])[1] == ('bands', dict(band_mb=64.0))
+    for bad in ('96', '96:96', 'a:1'):
+        with pytest.raises(SystemExit) as exc:
+            tda.main(['configs/shapes/mask_rcnn_xcit_shapes_coco.py', 'x.pth', '--tiles', bad])
+        assert exc.value.code == 2
+        assert 'expected SIZE:OVERLAP' in capsys.readouterr().err
