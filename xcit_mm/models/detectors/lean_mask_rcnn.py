@@ -117,8 +117,8 @@ class LeanMaskRCNN(MaskRCNN):
         super().__init__(*args, **kwargs)
         # a file without weights for a head is an error, never a silently random head
         self.register_load_state_dict_post_hook(refuse_headless_load)
-        tiling.read_tiled_test_cfg(self.test_cfg)  # a malformed test_cfg fails at build
-        self._check_bands()
+        # a malformed test_cfg, or bands the parts cannot run, fail at build
+        self._check_bands(tiling.read_tiled_test_cfg(self.test_cfg).band_mb)
         self.memory_model: Optional[MemoryModel] = None
         self.last_memory_plan: Optional[Plan] = None
         self._last_plans = None  # (plans, budget) of the last logged choice
@@ -132,10 +132,10 @@ class LeanMaskRCNN(MaskRCNN):
         eval mode: a BatchNorm in training mode normalises over the whole map)."""
         return None if self.training else tiling.read_tiled_test_cfg(self.test_cfg).band_mb
 
-    def _check_bands(self) -> None:
+    def _check_bands(self, band_mb: Optional[float]) -> None:
         """``band_mb`` needs parts whose stride-4 work can run in bands of rows: an error naming
         the part otherwise (never a silent whole-image run)."""
-        if tiling.read_tiled_test_cfg(self.test_cfg).band_mb is None:
+        if band_mb is None:
             return
         neck, rpn = getattr(self, 'neck', None), self.rpn_head
         why = None
@@ -160,7 +160,7 @@ class LeanMaskRCNN(MaskRCNN):
         """Detections of the whole image (equal to ``TwoStageDetector.predict``'s, with maps freed
         early), of tiles, or of whichever fits ``test_cfg.max_memory`` (module docstring)."""
         settings = tiling.read_tiled_test_cfg(self.test_cfg)
-        self._check_bands()
+        self._check_bands(settings.band_mb)
         if settings.mode == 'whole':
             return self._predict_whole(batch_inputs, batch_data_samples, rescale)
         self._check_tiles_supported(batch_data_samples)
@@ -486,11 +486,12 @@ class LeanMaskRCNN(MaskRCNN):
         inputs, meta = square(sides[0])
         maps = self._features_and_proposals(inputs, meta)[0]  # also the unmeasured first run
         del inputs
-        roi_mb = measure_peak_growth_mb(lambda: self._worst_case_roi_stage(maps, meta))
+        device = batch_inputs.device  # measured where it runs: host or GPU memory
+        roi_mb = measure_peak_growth_mb(lambda: self._worst_case_roi_stage(maps, meta), device)
         maps.clear()
         return calibrate(lambda h, w: first_stage(h), [(s, s) for s in sides],
                          f'{type(self).__name__} (features + proposals)', fixed_mb=roi_mb,
-                         fixed_what='RoI branch')
+                         fixed_what='RoI branch', device=device)
 
     def _worst_case_roi_stage(self, x: List[Tensor], meta: dict) -> Tensor:
         """The RoI branch of :meth:`_roi_detections` on maps ``x`` with as many proposals and

@@ -58,8 +58,9 @@ def add_top_down_(lat: Tensor, top: Tensor, upsample_cfg: dict, band_mb: float =
         return lat + top_down if lat.requires_grad else lat.add_(top_down)
     row_of, col_of = source if source is not None else nearest_source(
         top.shape[2:], lat.shape[2:], upsample_cfg)
+    row_of, col_of = row_of.to(top.device), col_of.to(top.device)  # built on the CPU
     row_bytes = lat.shape[0] * lat.shape[1] * lat.shape[3] * lat.element_size()
-    band = max(1, int(band_mb * 2**20) // max(1, row_bytes))
+    band = band_rows_for(band_mb, row_bytes)
     for r0 in range(0, lat.shape[2], band):
         rows_of_band = top.index_select(2, row_of[r0:r0 + band])
         lat[:, :, r0:r0 + band].add_(rows_of_band.index_select(3, col_of))
@@ -86,10 +87,13 @@ def conv_halo(module) -> Optional[int]:
     return ph
 
 
-def row_bands(height: int, band_rows: int) -> Iterator[Tuple[int, int]]:
-    """``(start, stop)`` of consecutive bands of ``band_rows`` rows covering ``height`` rows."""
+def row_bands(height: int, band_rows: int, halo: int) -> Iterator[Tuple[int, int, int, int]]:
+    """``(start, stop, lo, hi)`` of consecutive bands of ``band_rows`` rows covering ``height``
+    rows: the band's rows, and those it is computed from with ``halo`` rows of context on each
+    side where the map has them."""
     for start in range(0, height, band_rows):
-        yield start, min(height, start + band_rows)
+        stop = min(height, start + band_rows)
+        yield start, stop, max(0, start - halo), min(height, stop + halo)
 
 
 def band_rows_for(band_mb: float, row_bytes: int) -> int:
@@ -101,9 +105,7 @@ def conv_in_bands(conv, x: Tensor, band_rows: int, halo: int) -> Iterator[Tensor
     """``conv(x)`` band by band of ``band_rows`` output rows: each band computed from its rows of
     ``x`` and ``halo`` rows of context on each side (where the image has them; zero padding
     beyond, as the whole conv)."""
-    height = x.shape[2]
-    for start, stop in row_bands(height, band_rows):
-        lo, hi = max(0, start - halo), min(height, stop + halo)
+    for start, stop, lo, hi in row_bands(x.shape[2], band_rows, halo):
         yield conv(x[:, :, lo:hi])[:, :, start - lo:stop - lo]
 
 
@@ -184,10 +186,9 @@ def bottom_level_in_bands(levels: BackboneLevels, neck, top: Tensor, band_mb: fl
     height, width = levels.bottom_hw()
     halo = conv_halo(neck.fpn_convs[0])
     row_of, col_of = nearest_source(top.shape[2:], (height, width), neck.upsample_cfg)
-    channels = max(levels.maps[0].shape[1], top.shape[1])
+    row_bytes = max(levels.maps[0].shape[1], top.shape[1]) * width * top.element_size()
     out = None
-    for start, stop in row_bands(height, band_rows_for(band_mb, channels * width * 4)):
-        lo, hi = max(0, start - halo), min(height, stop + halo)
+    for start, stop, lo, hi in row_bands(height, band_rows_for(band_mb, row_bytes), halo):
         lat = neck.lateral_convs[0](levels.bottom_rows(lo, hi))
         lat = add_top_down_(lat, top, neck.upsample_cfg, source=(row_of[lo:hi], col_of))
         band = neck.fpn_convs[0](lat)[:, :, start - lo:stop - lo]
