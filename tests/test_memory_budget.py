@@ -46,6 +46,54 @@ def test_measured_peak_growth_is_the_memory_the_call_held():
     assert size_mb * 0.95 < growth < size_mb * 1.15
 
 
+class _FakeCudaAllocator:
+    """torch.cuda's counters for a test without a GPU: bytes held by tensors and their peak since
+    the last reset, which a previous call left high."""
+
+    def __init__(self, held: int, stale_peak: int):
+        self.held, self.peak, self.events = held, stale_peak, []
+
+    def hold(self, nbytes: int):
+        self.held += nbytes
+        self.peak = max(self.peak, self.held)
+
+    def install(self, monkeypatch):
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, 'synchronize', lambda device=None: self.events.append('sync'))
+        monkeypatch.setattr(cuda, 'reset_peak_memory_stats',
+                            lambda device=None: setattr(self, 'peak', self.held))
+        monkeypatch.setattr(cuda, 'memory_allocated', lambda device=None: self.held)
+        monkeypatch.setattr(cuda, 'max_memory_allocated', lambda device=None: self.peak)
+
+
+def test_on_a_cuda_device_the_growth_is_the_memory_tensors_held_there(monkeypatch):
+    allocator = _FakeCudaAllocator(held=500 * 2**20, stale_peak=9000 * 2**20)
+    allocator.install(monkeypatch)
+
+    def call():  # 300 MB at its peak, 100 MB kept by its result
+        allocator.hold(300 * 2**20)
+        allocator.hold(-200 * 2**20)
+        allocator.events.append('call')
+
+    assert measure_peak_growth_mb(call, 'cuda:0') == pytest.approx(300)
+    # the kernels queued before and by the call are finished before each reading
+    assert allocator.events == ['sync', 'call', 'sync']
+
+
+def test_calibration_on_cuda_measures_the_device_and_says_so(monkeypatch, logged):
+    allocator = _FakeCudaAllocator(held=0, stale_peak=0)
+    allocator.install(monkeypatch)
+    model = calibrate(lambda h, w: allocator.hold(8 * h * w), [(1000, 1000), (2000, 2000)],
+                      'toy', device=torch.device('cuda', 0))
+    assert model.mb_per_mpix == pytest.approx(8e6 / 2**20)
+    assert 'memory calibrated on cuda:0' in logged[0]
+
+
+def test_a_device_whose_peak_cannot_be_read_names_the_fix():
+    with pytest.raises(MemoryBudgetError, match=r'on meta .*memory_model=dict\(base_mb='):
+        measure_peak_growth_mb(lambda: None, 'meta')
+
+
 def test_calibration_measures_each_size_and_fits_the_slope(logged):
     calls = []
 

@@ -87,9 +87,8 @@ from mmseg.utils import OptSampleList, SampleList
 
 from ..layers.fpn_data_flow import fpn_in_data_flow_order
 from ..utils.ckpt_load import refuse_headless_load
-from ..utils.memory_budget import (MB, MemoryBudgetError, MemoryModel, Plan, calibrate,
-                                   choose_plan, read_budget_mb, read_memory_model,
-                                   release_free_heap)
+from ..utils.memory_budget import (MB, MemoryModel, Plan, calibrate, choose_plan,
+                                   read_budget_mb, read_memory_model, release_free_heap)
 
 # Chunk widths whose bilinear results equal the full call's, channel by channel (module docstring).
 CHUNK_MULTIPLE = 8
@@ -683,17 +682,12 @@ class LeanEncoderDecoder(EncoderDecoder):
     def network_memory_model(self, inputs: Tensor) -> MemoryModel:
         """The network's peak line: ``test_cfg.memory_model`` if given, else the one measured
         by :func:`~xcit_mm.models.utils.memory_budget.calibrate` on this model's first call (the
-        network forward on zeros at ``CALIBRATION_SIZES``; the process's resident set is what it
-        measures, so only inputs on the CPU can be calibrated)."""
+        network forward on zeros at ``CALIBRATION_SIZES``, measured on the inputs' device: the
+        resident set on the CPU, the memory held by tensors on a GPU)."""
         given = read_memory_model(self._test_option('memory_model', None), type(self).__name__)
         if given is not None:
             return given
         if self.calibrated_memory_model is None:
-            if inputs.device.type != 'cpu':
-                raise MemoryBudgetError(
-                    f'{type(self).__name__}: calibration measures host memory, but the inputs '
-                    f'are on {inputs.device}; give test_cfg.memory_model=dict(base_mb=..., '
-                    'mb_per_mpix=...) for that device')
             self.calibrated_memory_model = self._calibrate(inputs)
         return self.calibrated_memory_model
 
@@ -707,7 +701,7 @@ class LeanEncoderDecoder(EncoderDecoder):
                 return calibrate(
                     lambda h, w: self._network_forward(
                         inputs.new_zeros((1, inputs.shape[1], h, w))),
-                    CALIBRATION_SIZES, f'{type(self).__name__} network')
+                    CALIBRATION_SIZES, f'{type(self).__name__} network', device=inputs.device)
         finally:
             self.train(was_training)
 

@@ -9,9 +9,13 @@ the peak at any size (:class:`MemoryModel`). ``test_cfg=dict(mode='auto', max_me
 first one that fits, logging the choice and every estimate, or stops with an error that names the
 smallest budget that would do.
 
-The measurement is the resident set (Linux ``/proc/self/status``): the kernel's peak counter is
-reset (``/proc/self/clear_refs``), freed heap pages are returned first (glibc ``malloc_trim``), and
-the peak growth over the resident set before the call is read. Where ``/proc`` cannot do that,
+The measurement follows the device the inputs are on, so a budget means the memory that runs
+out there. On the CPU it is the resident set (Linux ``/proc/self/status``): the kernel's peak
+counter is reset (``/proc/self/clear_refs``), freed heap pages are returned first (glibc
+``malloc_trim``), and the peak growth over the resident set before the call is read. On a CUDA
+device it is what torch's caching allocator hands out to tensors (``max_memory_allocated`` after
+``reset_peak_memory_stats``, over ``memory_allocated`` before); the allocator's cache may reserve
+more than that, so leave it some room. Where neither can be read (another device, no ``/proc``),
 ``test_cfg.memory_model=dict(base_mb=..., mb_per_mpix=...)`` gives the line instead.
 """
 import gc
@@ -19,6 +23,7 @@ import logging
 import math
 from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
+import torch
 from mmengine.logging import print_log
 
 MB = 2**20
@@ -94,13 +99,22 @@ def peak_rss_mb() -> float:
     return _status_kb('VmHWM') / 1024
 
 
-def measure_peak_growth_mb(call: Callable[[], object]) -> float:
-    """Run ``call()`` once and return by how much it raised the resident set at its peak (MB).
+def measure_peak_growth_mb(call: Callable[[], object], device=None) -> float:
+    """Run ``call()`` once and return by how much it raised the memory in use at its peak (MB):
+    the resident set for the CPU (``device`` None or ``'cpu'``), the memory held by tensors for a
+    CUDA device (module docstring).
 
     Raises:
-        MemoryBudgetError: the kernel does not let this process read or reset its peak.
+        MemoryBudgetError: the peak cannot be read for this device or process.
     """
+    device = torch.device('cpu' if device is None else device)
     gc.collect()
+    if device.type == 'cuda':
+        return _cuda_peak_growth_mb(call, device)
+    if device.type != 'cpu':
+        raise MemoryBudgetError(
+            f'cannot measure peak memory on {device} (only the CPU and CUDA devices); give the '
+            'line instead: test_cfg.memory_model=dict(base_mb=..., mb_per_mpix=...)')
     release_free_heap()
     try:
         reset_peak_rss()
@@ -115,9 +129,23 @@ def measure_peak_growth_mb(call: Callable[[], object]) -> float:
     return peak - base
 
 
+def _cuda_peak_growth_mb(call: Callable[[], object], device: torch.device) -> float:
+    """Peak growth of the memory held by tensors on ``device`` during ``call()`` (MB)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    result = call()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del result
+    return (peak - base) / MB
+
+
 def calibrate(run_at: Callable[[int, int], object], sizes: Iterable[Tuple[int, int]],
-              what: str, fixed_mb: float = 0.0, fixed_what: str = '') -> MemoryModel:
-    """Fit a :class:`MemoryModel` to the peak growth of ``run_at(h, w)`` at each of ``sizes``.
+              what: str, fixed_mb: float = 0.0, fixed_what: str = '',
+              device=None) -> MemoryModel:
+    """Fit a :class:`MemoryModel` to the peak growth of ``run_at(h, w)`` at each of ``sizes``,
+    measured on ``device`` (:func:`measure_peak_growth_mb`).
 
     The first size is run once more beforehand, unmeasured: first calls set up thread pools and
     kernels whose memory stays. ``fixed_mb`` (named ``fixed_what`` in the log) is added to the
@@ -126,13 +154,14 @@ def calibrate(run_at: Callable[[int, int], object], sizes: Iterable[Tuple[int, i
     """
     sizes = list(sizes)
     run_at(*sizes[0])
-    points = [(h * w, measure_peak_growth_mb(lambda: run_at(h, w))) for h, w in sizes]
+    points = [(h * w, measure_peak_growth_mb(lambda: run_at(h, w), device)) for h, w in sizes]
     line = MemoryModel.fit(points)
     model = MemoryModel(line.base_mb + fixed_mb, line.mb_per_mpix)
     measured = ', '.join(f'{int(p**0.5)}^2 px: {m:.0f} MB' for p, m in points)
     if fixed_what:
         measured += f'; {fixed_what}: {fixed_mb:.0f} MB more'
-    print_log(f'{what}: memory calibrated ({measured}): peak ~ {model.base_mb:.0f} MB + '
+    where = '' if device is None or torch.device(device).type == 'cpu' else f' on {device}'
+    print_log(f'{what}: memory calibrated{where} ({measured}): peak ~ {model.base_mb:.0f} MB + '
               f'{model.mb_per_mpix:.0f} MB per megapixel; set test_cfg.memory_model='
               f'dict(base_mb={math.ceil(model.base_mb)}, '
               f'mb_per_mpix={math.ceil(model.mb_per_mpix)}) to skip this calibration',
