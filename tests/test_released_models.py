@@ -65,8 +65,8 @@ def test_released_model_equals_the_official_structure(mmpretrain_xcit, tmp_path,
             feats = neck.eval()(expected)
         else:  # UperNet: the head reads the backbone levels
             feats = expected
-        for g, e in zip(model.extract_feat(x), feats):
-            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+        for g, e in zip(model.extract_feat(x), feats):  # the levels' ulps through the neck
+            _close(g, e)
         if family == 'mask_rcnn':
             rpn = build(cfg.model.rpn_head, 'mmdet')
             rpn.load_state_dict({k[9:]: v for k, v in heads.items()
