@@ -2,6 +2,7 @@
 
     python benchmarks/gpu/whole_image_cuda.py --out "$OUT/whole_image_cuda"        # on the GPU
     python benchmarks/gpu/whole_image_cuda.py --device cpu --sizes 128 256 --out /tmp/w  # a check
+    python benchmarks/gpu/whole_image_cuda.py --report docs/results/whole_image_cuda_h200.json
 
 The CUDA counterpart of ``benchmarks/whole_image_inference.py`` (segmentor task): Semantic FPN
 with XCiT-S12/16, Swin-T or ViT-S/16 (its :data:`CONFIGS` and :func:`build_cfg`: random weights,
@@ -382,9 +383,94 @@ def progress(row: dict) -> str:
     return what + ' ' + str(row.get('note', ''))
 
 
+def markdown(artifact: dict) -> str:
+    """The artifact's tables: peak growth (reserved) and time per size and series; the budget
+    points with their plan, estimate and peak; which stock and lean labels are equal."""
+    rows, meta = artifact['rows'], artifact['meta']
+
+    def cell(row):
+        if row is None:
+            return ''
+        if row['status'] != 'ok':
+            return row['status']
+        return (f"+{row['peak_growth_mb']} MB ({row['max_reserved_mb']}), "
+                f"{row['time_s']:.2f} s")
+
+    grid = [r for r in rows if r['path'] != 'auto']
+    series = [(b, p) for b in BACKBONES for p in PATHS
+              if any((r['backbone'], r['path']) == (b, p) for r in grid)]
+    lines = ['| image | ' + ' | '.join(f'{SERIES_LABELS[b]} {p}' for b, p in series) + ' |',
+             '|---|' + '---:|' * len(series)]
+    for size in sorted({r['size'] for r in grid}):
+        at = {(r['backbone'], r['path']): r for r in grid if r['size'] == size}
+        lines.append(f'| {size}² | ' + ' | '.join(cell(at.get(s)) for s in series) + ' |')
+    same = meta.get('stock_equals_lean', {})
+    lines += ['', 'Stock and lean labels equal (digest) at ' + (
+        f'all {len(same)} points where both ran' if same and all(same.values()) else
+        'only ' + ', '.join(k for k, v in same.items() if v)) + '.', '']
+    budget = [r for r in rows if r['path'] == 'auto']
+    if budget:
+        lines += ['| image | `max_memory` | plan | estimate | peak growth | reserved | time |',
+                  '|---|---:|---|---:|---:|---:|---:|']
+        for r in budget:
+            lines.append(f"| {r['size']}² | {r['max_memory']} | {r.get('plan', r['status'])} | "
+                         f"{r.get('estimate_mb', '')} | {r.get('peak_growth_mb', '')} | "
+                         f"{r.get('max_reserved_mb', '')} | {r.get('time_s', '')} |")
+        lines.append('')
+    info = meta['device_info']
+    lines.append(f"{info['device_name']}, torch {info['torch']}, CUDA {info['cuda']}, cuDNN "
+                 f"{info['cudnn']}; cells: peak growth of allocated memory (max reserved, "
+                 'weights included), time of the call.')
+    return '\n'.join(lines) + '\n'
+
+
+def plot(artifact: dict, png: str) -> None:
+    """Peak growth of allocated memory against the image size (log-log): a colour per series,
+    solid lean over dashed stock; the budget points as their budget (bar) and peak (dot)."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    rows, info = artifact['rows'], artifact['meta']['device_info']
+    colours = dict(xcit='tab:blue', swin='tab:orange', vit='tab:green', uper='tab:purple')
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for backbone, colour in colours.items():
+        for path, style in (('lean', dict(linestyle='-', linewidth=2.4, alpha=0.6)),
+                            ('stock', dict(linestyle='--', linewidth=1.3))):
+            ok = sorted((r for r in rows if (r['backbone'], r['path'], r['status'])
+                         == (backbone, path, 'ok')), key=lambda r: r['size'])
+            if ok:
+                ax.plot([r['size'] for r in ok], [r['peak_growth_mb'] / 1024 for r in ok],
+                        marker='o', markersize=4, color=colour,
+                        label=f'{SERIES_LABELS[backbone]} {path}', **style)
+    for r in rows:
+        if r['path'] == 'auto' and r['status'] == 'ok':
+            x = r['size'] * (1.06 if r['plan'] == 'slide' else 0.94)
+            ax.plot([x], [r['max_memory'] / 1024], marker='_', markersize=14, color='black')
+            ax.plot([x], [r['peak_growth_mb'] / 1024], marker='v', color='black',
+                    linestyle='none')
+    ax.plot([], [], marker='v', color='black', linestyle='none',
+            label="mode='auto': peak (v) under max_memory (-)")
+    sizes = sorted({r['size'] for r in rows})
+    ax.set_xscale('log', base=2)
+    ax.set_yscale('log')
+    ax.set_xticks(sizes, [f'{s}²' for s in sizes])
+    ax.set_xlabel('image size (px)')
+    ax.set_ylabel('peak allocated growth (GiB)')
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, ncol=2, frameon=False)
+    ax.set_title(f"Whole-image segmentation through inference_model, {info['device_name']}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--child', help=argparse.SUPPRESS)
+    parser.add_argument('--report', metavar='JSON',
+                        help='print the Markdown tables of an artifact and draw its plot '
+                             '(the .json path with .png)')
     parser.add_argument('--out', default=osp.join(os.environ.get('OUT', '.'), 'whole_image_cuda'),
                         help='artifact path without extension (.json, .csv); default '
                              '$OUT/whole_image_cuda')
@@ -412,6 +498,12 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.report:
+        with open(args.report) as f:
+            artifact = json.load(f)
+        plot(artifact, args.report[:-len('.json')] + '.png')
+        print(markdown(artifact), end='')
+        return
     if args.child:
         child(json.loads(args.child))
         return
