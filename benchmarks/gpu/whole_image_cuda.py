@@ -492,7 +492,12 @@ def parse_args(argv=None):
     if args.out and args.out.endswith('.json'):
         args.out = args.out[:-len('.json')]
     args.sizes = sorted(set(args.sizes))
-    args.budgets = [[int(v) for v in b.split(':')] for b in args.budgets]
+    try:
+        args.budgets = [[int(v) for v in b.split(':')] for b in args.budgets]
+    except ValueError:
+        args.budgets = None
+    if args.budgets is None or any(len(b) != 2 for b in args.budgets):
+        parser.error('--budgets takes SIZE:MB points of whole numbers, e.g. 8192:16000')
     return args
 
 
