@@ -23,8 +23,11 @@ the largest.
 * **Semantic FPN in the order the data flows** (:meth:`LeanEncoderDecoder._semantic_fpn_forward`):
   the XCiT levels are made one at a time (stride 32 first, the stride-4 map last), each FPN level
   as soon as its inputs exist, and every map is freed when the next step no longer needs it; the
-  head sums its four branches into one accumulator. Each operation is the stock one on the same
-  full tensor (no tiling): convolutions on differently sized inputs can take another oneDNN
+  head sums its four branches into one accumulator. UperNet likewise
+  (:meth:`LeanEncoderDecoder._upernet_forward`, ``xcit_mm/models/layers/uper_data_flow.py``): its
+  FPN outputs are upsampled one at a time into a preallocated buffer of ``torch.cat``'s layout
+  instead of a list and a concatenated copy. Each operation is the stock one on the same full
+  tensor (no tiling): convolutions on differently sized inputs can take another oneDNN
   algorithm and differ in the last bit, which can flip an argmax at a near-tie, so spatial tiles
   were measured and rejected (they were not bit-identical here).
 * **Sliding windows without the full map** (``mode='slide'``). Each window's logits are kept at
@@ -76,7 +79,7 @@ import torch
 from mmengine.structures import PixelData
 from torch import Tensor
 
-from mmseg.models.decode_heads import FPNHead
+from mmseg.models.decode_heads import FPNHead, UPerHead
 from mmseg.models.decode_heads.decode_head import BaseDecodeHead
 from mmseg.models.necks import FPN
 from mmseg.models.segmentors import EncoderDecoder
@@ -86,6 +89,7 @@ from mmseg.structures import SegDataSample
 from mmseg.utils import OptSampleList, SampleList
 
 from ..layers.fpn_data_flow import fpn_in_data_flow_order
+from ..layers.uper_data_flow import uper_head_in_data_flow_order
 from ..utils.ckpt_load import refuse_headless_load
 from ..utils.memory_budget import (MB, MemoryModel, Plan, calibrate, choose_plan,
                                    read_budget_mb, read_memory_model, release_free_heap)
@@ -344,6 +348,8 @@ class LeanEncoderDecoder(EncoderDecoder):
         """``decode_head.forward(extract_feat(inputs))``: the logits at the head's resolution."""
         if self._is_semantic_fpn():
             return self._semantic_fpn_forward(inputs)
+        if self._is_upernet():
+            return self._upernet_forward(inputs)
         return self.decode_head.forward(self.extract_feat(inputs))
 
     def _is_semantic_fpn(self) -> bool:
@@ -377,6 +383,22 @@ class LeanEncoderDecoder(EncoderDecoder):
             output = output + branch if output.requires_grad else output.add_(branch)
             del branch
         return head.cls_seg(output)
+
+    def _is_upernet(self) -> bool:
+        """mmseg's UPerHead (not a subclass) on the backbone's levels 0..n-1 in order, no neck:
+        what :meth:`_upernet_forward` computes as stock does."""
+        head = self.decode_head
+        return (not self.with_neck and type(head) is UPerHead
+                and head.input_transform == 'multiple_select'
+                and list(head.in_index) == list(range(len(head.in_index)))
+                and len(head.lateral_convs) == len(head.fpn_convs) == len(head.in_index) - 1)
+
+    def _upernet_forward(self, inputs: Tensor) -> Tensor:
+        """``UPerHead.forward(backbone(inputs))`` with each map freed when done and the FPN
+        outputs upsampled one at a time into the concatenation buffer
+        (:func:`~xcit_mm.models.layers.uper_data_flow.uper_head_in_data_flow_order`): the same
+        operations on the same tensors as stock, bit for bit."""
+        return uper_head_in_data_flow_order(self.backbone, self.decode_head, inputs)
 
     # ------------------------------------------------------------------ sliding windows
     def _slide_predict(self, inputs: Tensor, data_samples: OptSampleList,
