@@ -21,6 +21,7 @@ from fresh_process import run_fresh
 from mmseg.models.decode_heads import UPerHead
 from mmseg.registry import MODELS
 from mmseg.structures import SegDataSample
+from test_lean_segmentation import _meta  # the padded / flipped / resized image metas
 
 ADE = 'configs/upernet_xcit_s12_p16_160k_ade20k.py'
 CITYSCAPES = 'configs/upernet_xcit_s12_p16_80k_cityscapes.py'
@@ -153,15 +154,6 @@ def test_other_heads_and_subclasses_run_stock(ade_models):
     head.in_index = [0, 1, 2, 3]
     lean.neck = torch.nn.Identity()  # a neck between backbone and head: stock's path
     assert lean.with_neck and not lean._is_upernet()
-
-
-def _meta(img_hw, ori_hw, pad=(0, 0, 0, 0), flip=None):
-    H, W = img_hw
-    meta = dict(ori_shape=tuple(ori_hw), img_shape=(H - pad[2] - pad[3], W - pad[0] - pad[1]),
-                pad_shape=(H, W), padding_size=list(pad))
-    if flip:
-        meta.update(flip=True, flip_direction=flip)
-    return meta
 
 
 def test_predict_labels_and_logits_equal_stock(ade_models):
