@@ -98,26 +98,27 @@ def timed_call(infer, model, img, device: str):
     """``infer(model, img)`` once: (result, seconds, peak growth MB, max reserved MB or None,
     base MB). The caller frees the result."""
     import torch
-    gc.collect()
-    if device.startswith('cuda'):
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        start = time.perf_counter()
-        result = infer(model, img)
-        torch.cuda.synchronize(device)
-        seconds = time.perf_counter() - start
-        peak = torch.cuda.max_memory_allocated(device)
-        reserved = torch.cuda.max_memory_reserved(device) / MIB
-    else:
+    if not device.startswith('cuda'):
         base = settle_heap()
         start = time.perf_counter()
         result = infer(model, img)
         seconds = time.perf_counter() - start
         peak = proc_status_kb('VmHWM') * 1024
-        reserved = None
-    return result, seconds, (peak - base) / MIB, reserved, base / MIB
+        return result, seconds, (peak - base) / MIB, None, base / MIB
+    from xcit_mm.models.utils.memory_budget import measure_peak_growth_mb
+    free_device(device)
+    held = {}
+
+    def call():  # timed from the synchronisation before it to the one after its kernels
+        start = time.perf_counter()
+        held['result'] = infer(model, img)
+        torch.cuda.synchronize(device)
+        held['seconds'] = time.perf_counter() - start
+
+    base = torch.cuda.memory_allocated(device)
+    growth = measure_peak_growth_mb(call, device)  # the peak that mode='auto' measures
+    reserved = torch.cuda.max_memory_reserved(device) / MIB
+    return held['result'], held['seconds'], growth, reserved, base / MIB
 
 
 def free_device(device: str) -> None:
