@@ -41,6 +41,17 @@ UPERNET = dict(
                         norm_cfg=NORM, align_corners=False, loss_decode=LOSS))
 
 
+def spread_statistics_and_logits(model):
+    """Non-trivial BN statistics and classifier logits of order 1, drawn from torch's stream."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+        model.decode_head.conv_seg.weight.normal_(0, 0.3)
+        model.decode_head.conv_seg.bias.normal_(0, 0.3)
+
+
 def _pair(heads, channels_last=False, num_classes=NUM_CLASSES, **test_cfg):
     """(stock EncoderDecoder, LeanEncoderDecoder) with the same random weights, in eval."""
     init_default_scope('mmseg')
@@ -53,14 +64,9 @@ def _pair(heads, channels_last=False, num_classes=NUM_CLASSES, **test_cfg):
     torch.manual_seed(0)
     stock = MODELS.build(cfg)
     stock.init_weights()
-    with torch.no_grad():  # non-trivial BN statistics and logits of order 1
-        for m in stock.modules():
-            if isinstance(m, torch.nn.BatchNorm2d):
-                m.running_mean.uniform_(-0.5, 0.5)
-                m.running_var.uniform_(0.5, 2.0)
+    spread_statistics_and_logits(stock)
+    with torch.no_grad():
         conv_seg = stock.decode_head.conv_seg
-        conv_seg.weight.normal_(0, 0.3)
-        conv_seg.bias.normal_(0, 0.3)
         if num_classes > 1:  # copy the most frequent winner of a probe image to a far class
             stock.eval()
             gen = torch.Generator().manual_seed(9)

@@ -21,7 +21,7 @@ from fresh_process import run_fresh
 from mmseg.models.decode_heads import UPerHead
 from mmseg.registry import MODELS
 from mmseg.structures import SegDataSample
-from test_lean_segmentation import _meta  # the padded / flipped / resized image metas
+from test_lean_segmentation import _meta, spread_statistics_and_logits
 
 ADE = 'configs/upernet_xcit_s12_p16_160k_ade20k.py'
 CITYSCAPES = 'configs/upernet_xcit_s12_p16_80k_cityscapes.py'
@@ -51,13 +51,7 @@ def _pair(path, channels_last=False, channels=None, **test_cfg):
     torch.manual_seed(0)
     stock = MODELS.build(dict(cfg, type='EncoderDecoder'))
     stock.init_weights()
-    with torch.no_grad():  # non-trivial BN statistics and logits of order 1
-        for m in stock.modules():
-            if isinstance(m, torch.nn.BatchNorm2d):
-                m.running_mean.uniform_(-0.5, 0.5)
-                m.running_var.uniform_(0.5, 2.0)
-        stock.decode_head.conv_seg.weight.normal_(0, 0.3)
-        stock.decode_head.conv_seg.bias.normal_(0, 0.3)
+    spread_statistics_and_logits(stock)
     lean = MODELS.build(dict(cfg, type='LeanEncoderDecoder'))
     lean.load_state_dict(stock.state_dict())
     return stock.eval(), lean.eval()
