@@ -113,10 +113,38 @@ class ConvPatchEmbed(nn.Module):
             for i in range(num_convs)
         ])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.patch_size = 2**num_convs
+
+    def forward(self, x: torch.Tensor, band_rows: Optional[int] = None) -> torch.Tensor:
+        """The token grid of ``x`` (height and width multiples of the patch size).
+
+        ``band_rows`` (eval only): make it ``band_rows`` token rows at a time, each band from its
+        own input rows and ``patch_size`` rows above them; the stem's large stride-2 maps then
+        never exist whole. Output row ``r`` of the chain of 3x3 stride-2 convs reads input rows
+        ``p*r - (p-1)`` to ``p*r + (p-1)``, and BN in eval and GELU act per pixel, so the rows
+        equal the whole map's up to float rounding (a conv of another size may sum in another
+        order).
+        """
         # 3x3 convs run faster channels-last on CPU, and the (B, N, D) token view of a
         # channels-last output is free.
-        return self.proj(x.contiguous(memory_format=torch.channels_last))
+        if band_rows is None:
+            return self.proj(x.contiguous(memory_format=torch.channels_last))
+        if self.training:
+            raise RuntimeError('ConvPatchEmbed: band_rows is for eval only (BN in training '
+                               'normalises over the whole batch); call .eval() first')
+        p = self.patch_size
+        height = x.shape[2] // p
+        out = None
+        for start in range(0, height, band_rows):
+            stop = min(height, start + band_rows)
+            lo = max(0, start - 1) * p  # a patch row of context above, on the stride grid
+            band = self.proj(x[:, :, lo:stop * p].contiguous(memory_format=torch.channels_last))
+            if out is None:
+                out = band.new_empty(band.shape[:2] + (height, band.shape[3])).contiguous(
+                    memory_format=torch.channels_last)
+            out[:, :, start:stop] = band[:, :, start - lo // p:]
+            del band
+        return out
 
 
 class XCAProbe(nn.Module):
@@ -586,10 +614,13 @@ class XCiTBackbone(BaseModule):
                              f'stride-{STRIDES[-1]} level; resize or pad the input '
                              '(e.g. Pad size_divisor=32)')
 
-    def forward_trunk(self, x: torch.Tensor) -> List[torch.Tensor]:
+    def forward_trunk(self, x: torch.Tensor,
+                      stem_band_mb: Optional[float] = None) -> List[torch.Tensor]:
         """Trunk features at ``out_indices``, each (B, D, ceil(H/p), ceil(W/p)), before the adapter.
 
         Images whose sides are not multiples of the patch size are zero-padded at the bottom/right.
+        ``stem_band_mb`` (eval only): run the conv stem in bands of rows whose largest map is
+        about that many MB (:meth:`ConvPatchEmbed.forward`; equal up to float rounding).
         """
         self._check_input(x)
         H, W = x.shape[-2:]
@@ -599,7 +630,13 @@ class XCiTBackbone(BaseModule):
         pad_h, pad_w = (H + p - 1) // p * p - H, (W + p - 1) // p * p - W
         if _tracing() or pad_h or pad_w:  # traced: always (a zero pad is a no-op), no branch
             x = F.pad(x, (0, pad_w, 0, pad_h))
-        x = self.patch_embed(x)
+        band_rows = None
+        if stem_band_mb is not None:
+            # the largest stem map: embed_dims / (p / 2) channels at stride 2, p / 2 rows of it
+            # per token row
+            row_bytes = (self.embed_dims * 2 // p) * (x.shape[3] // 2) * (p // 2) * x.element_size()
+            band_rows = max(1, int(stem_band_mb * 2**20) // max(1, row_bytes * x.shape[0]))
+        x = self.patch_embed(x, band_rows)
         B, D, Hp, Wp = x.shape
         grid_hw = (Hp, Wp)
         x = x.permute(0, 2, 3, 1).reshape(B, Hp * Wp, D) + self.pos_embed(grid_hw)  # (B, N, D)

@@ -114,11 +114,16 @@ class BackboneLevels:
     (XCiT's trunk once, its adapter per level); rows of the bottom level on their own where its
     adapter is row-local (XCiT's ``forward_level_rows``)."""
 
-    def __init__(self, backbone, inputs: Tensor):
+    def __init__(self, backbone, inputs: Tensor, stem_band_mb: Optional[float] = None):
         self.backbone = backbone
         self.image_hw = tuple(inputs.shape[-2:])
         self.per_level = hasattr(backbone, 'forward_trunk') and hasattr(backbone, 'forward_level')
-        self.maps = list(backbone.forward_trunk(inputs) if self.per_level else backbone(inputs))
+        if not self.per_level:
+            self.maps = list(backbone(inputs))
+        elif stem_band_mb is not None:  # XCiT: the conv stem in bands of rows
+            self.maps = list(backbone.forward_trunk(inputs, stem_band_mb=stem_band_mb))
+        else:
+            self.maps = list(backbone.forward_trunk(inputs))
 
     def __len__(self) -> int:
         return len(self.maps)
@@ -144,9 +149,28 @@ def fpn_in_data_flow_order(backbone, neck, inputs: Tensor,
                            band_mb: Optional[float] = None) -> List[Tensor]:
     """``neck(backbone(inputs))`` for the neck's own levels (no extra outputs), each map freed
     when done. ``neck``: mmdet's or mmseg's ``FPN`` with ``start_level=0`` and every backbone
-    level in (the caller checks). ``band_mb``: level 0 in bands of about that many MB where the
-    backbone and :func:`neck_bands_bottom_level` allow (else whole, bit for bit as stock)."""
-    levels = BackboneLevels(backbone, inputs)
+    level in (the caller checks). ``band_mb``: level 0 (and XCiT's conv stem) in bands of about
+    that many MB where the backbone and :func:`neck_bands_bottom_level` allow (else whole, bit
+    for bit as stock)."""
+    levels = BackboneLevels(backbone, inputs, band_mb)
+    outs, top = fpn_upper_levels(levels, neck)
+    if band_mb is not None and levels.bottom_hw() is not None and neck_bands_bottom_level(neck):
+        outs[0] = bottom_level_in_bands(levels, neck, top, band_mb)
+        levels.maps[0] = None
+        outs[1] = neck.fpn_convs[1](top)
+        return outs
+    lat = add_top_down_(neck.lateral_convs[0](levels.pop(0)), top, neck.upsample_cfg)
+    outs[1] = neck.fpn_convs[1](top)
+    del top  # freed before the largest conv, as stock's list would not be
+    outs[0] = neck.fpn_convs[0](lat)
+    return outs
+
+
+def fpn_upper_levels(levels: BackboneLevels, neck) -> Tuple[List[Optional[Tensor]], Tensor]:
+    """The FPN outputs of levels 2..n-1 (indices 0 and 1 left None) in data-flow order, and
+    level 1's finished lateral sum: the top-down term of level 0, then the input of level 1's
+    FPN conv, both the caller's. Each other lateral map is freed by its FPN conv once the level
+    below has its term."""
     num_levels = len(levels)
     lateral = [None] * num_levels
     outs = [None] * num_levels
@@ -159,16 +183,7 @@ def fpn_in_data_flow_order(backbone, neck, inputs: Tensor,
             lateral[i + 1] = None
         lateral[i] = lat
         del lat
-    if band_mb is not None and levels.bottom_hw() is not None and neck_bands_bottom_level(neck):
-        outs[0] = bottom_level_in_bands(levels, neck, lateral[1], band_mb)
-        levels.maps[0] = None
-        outs[1] = neck.fpn_convs[1](lateral[1])
-        return outs
-    lat = add_top_down_(neck.lateral_convs[0](levels.pop(0)), lateral[1], neck.upsample_cfg)
-    outs[1] = neck.fpn_convs[1](lateral[1])
-    lateral[1] = None
-    outs[0] = neck.fpn_convs[0](lat)
-    return outs
+    return outs, lateral[1]
 
 
 def neck_bands_bottom_level(neck) -> bool:
@@ -179,22 +194,38 @@ def neck_bands_bottom_level(neck) -> bool:
 
 
 def bottom_level_in_bands(levels: BackboneLevels, neck, top: Tensor, band_mb: float) -> Tensor:
-    """The FPN output of level 0, made band by band: the backbone rows of a band and of the FPN
-    conv's context, their lateral conv, the top-down rows of ``top`` (level 1's finished lateral
-    sum) added, the FPN conv, the band's rows written into the output. Only the output is ever
-    whole; each band's maps are about ``band_mb``."""
-    height, width = levels.bottom_hw()
-    halo = conv_halo(neck.fpn_convs[0])
-    row_of, col_of = nearest_source(top.shape[2:], (height, width), neck.upsample_cfg)
+    """The FPN output of level 0, made band by band (:class:`BottomLevelRows`) and written into
+    the output map: only the output is ever whole; each band's maps are about ``band_mb``."""
+    rows = BottomLevelRows(levels, neck, top)
+    height, width = rows.hw
     row_bytes = max(levels.maps[0].shape[1], top.shape[1]) * width * top.element_size()
     out = None
-    for start, stop, lo, hi in row_bands(height, band_rows_for(band_mb, row_bytes), halo):
-        lat = neck.lateral_convs[0](levels.bottom_rows(lo, hi))
-        lat = add_top_down_(lat, top, neck.upsample_cfg, source=(row_of[lo:hi], col_of))
-        band = neck.fpn_convs[0](lat)[:, :, start - lo:stop - lo]
-        del lat
+    for start, stop, _, _ in row_bands(height, band_rows_for(band_mb, row_bytes), 0):
+        band = rows(start, stop)
         if out is None:
             out = band.new_empty(band.shape[:2] + (height, width))
         out[:, :, start:stop] = band
         del band
     return out
+
+
+class BottomLevelRows:
+    """Rows of the FPN output of level 0 on demand, from the backbone rows that make them: the
+    rows and the FPN conv's context rows through the lateral conv, the top-down rows of ``top``
+    (level 1's finished lateral sum) added, the FPN conv, the context cut off. The parts must run
+    in bands (:func:`neck_bands_bottom_level`, :meth:`BackboneLevels.bottom_hw`)."""
+
+    def __init__(self, levels: BackboneLevels, neck, top: Tensor):
+        self.levels, self.neck, self.top = levels, neck, top
+        self.hw = levels.bottom_hw()
+        self.halo = conv_halo(neck.fpn_convs[0])
+        row_of, col_of = nearest_source(top.shape[2:], self.hw, neck.upsample_cfg)
+        self.row_of, self.col_of = row_of.to(top.device), col_of.to(top.device)
+
+    def __call__(self, start: int, stop: int) -> Tensor:
+        """Output rows ``start:stop``."""
+        lo, hi = max(0, start - self.halo), min(self.hw[0], stop + self.halo)
+        lat = self.neck.lateral_convs[0](self.levels.bottom_rows(lo, hi))
+        lat = add_top_down_(lat, self.top, self.neck.upsample_cfg,
+                            source=(self.row_of[lo:hi], self.col_of))
+        return self.neck.fpn_convs[0](lat)[:, :, start - lo:stop - lo]

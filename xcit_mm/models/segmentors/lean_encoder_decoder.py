@@ -69,8 +69,13 @@ mmseg). Our ADE20k segmentation configs use it by default. ``test_cfg`` keys, al
   ``predict`` allocates, and the input batch it is given).
 * ``memory_model`` (``dict(base_mb=..., mb_per_mpix=...)``, 'auto' only): the network's line
   (the one a calibration logs), which skips the calibration.
+* ``band_mb`` (MB, 'whole' only, Semantic FPN on XCiT): the network sees the whole image, but
+  its stem and every stride-4 map are made in bands of rows of about this size
+  (``xcit_mm/models/layers/sem_fpn_bands.py``); logits equal the whole-map ones up to float
+  rounding, not bit for bit, so it is off by default.
 
-``max_memory`` or ``memory_model`` with another mode is an error, not a silently ignored key.
+``max_memory`` or ``memory_model`` with another mode is an error, not a silently ignored key;
+so is ``band_mb`` with a mode or a model it does not apply to.
 """
 import math
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -89,6 +94,8 @@ from mmseg.structures import SegDataSample
 from mmseg.utils import OptSampleList, SampleList
 
 from ..layers.fpn_data_flow import fpn_in_data_flow_order
+from ..layers.sem_fpn_bands import (labels_in_row_bands, semantic_fpn_in_bands,
+                                    why_not_in_bands)
 from ..layers.uper_data_flow import uper_head_in_data_flow_order
 from ..utils.ckpt_load import refuse_headless_load
 from ..utils.memory_budget import (MB, MemoryModel, Plan, calibrate, choose_plan,
@@ -209,6 +216,13 @@ class _RunningArgmax:
         """Free the running maxima once every class is in (the labels and logits stay)."""
         self.best = None
 
+    @classmethod
+    def of_labels(cls, labels: Tensor) -> '_RunningArgmax':
+        """The finished state of labels made otherwise (no logits kept)."""
+        state = cls(0, keep_logits=False)
+        state.labels = labels
+        return state
+
 
 @MODELS.register_module()
 class LeanEncoderDecoder(EncoderDecoder):
@@ -247,6 +261,8 @@ class LeanEncoderDecoder(EncoderDecoder):
             raise ValueError(
                 f"{name}: test_cfg.mode must be 'whole', 'slide' or 'auto', got {mode!r}; e.g. "
                 '--cfg-options model.test_cfg.mode=auto model.test_cfg.max_memory=8000')
+        if self._test_option('band_mb', None) is not None:
+            self._check_band_mb(mode)
         if mode != 'auto':
             stray = [k for k in ('max_memory', 'memory_model')
                      if self._test_option(k, None) is not None]
@@ -263,6 +279,28 @@ class LeanEncoderDecoder(EncoderDecoder):
                 f'predict is mmseg\'s (forward + resize); {type(self.decode_head).__name__} '
                 "overrides it: choose mode 'whole' or 'slide'")
         return mode
+
+    def _check_band_mb(self, mode: str) -> None:
+        """``test_cfg.band_mb``: a positive size, with the mode, the path and the parts that run
+        in bands; otherwise an error that names what to change."""
+        name, band_mb = type(self).__name__, self._test_option('band_mb', None)
+        if isinstance(band_mb, bool) or not isinstance(band_mb, (int, float)) or not (
+                0 < band_mb < math.inf):
+            raise ValueError(f'{name}: test_cfg.band_mb must be a positive number of MB, e.g. '
+                             f'band_mb=8; got {band_mb!r}')
+        why = None
+        if mode != 'whole':
+            why = f"it applies to mode='whole' (the windows of mode {mode!r} are small already)"
+        elif not self._test_option('lean', True):
+            why = 'it needs the lean predict (test_cfg.lean=False is set)'
+        elif not self._is_semantic_fpn():
+            why = (f'it runs Semantic FPN (mmseg FPN + FPNHead) only, not '
+                   f'{type(getattr(self, "neck", None)).__name__} + '
+                   f'{type(self.decode_head).__name__}')
+        else:
+            why = why_not_in_bands(self.backbone, self.neck, self.decode_head)
+        if why is not None:
+            raise ValueError(f'{name}: test_cfg.band_mb: {why}; remove test_cfg.band_mb')
 
     def _slide_settings(self, auto: bool) -> Tuple[Tuple[int, int], Tuple[int, int]]:
         """(crop_size, stride) of the windows; 'auto' fills in the defaults, 'slide' needs both
@@ -346,6 +384,10 @@ class LeanEncoderDecoder(EncoderDecoder):
     # ------------------------------------------------------------------ network
     def _network_forward(self, inputs: Tensor) -> Tensor:
         """``decode_head.forward(extract_feat(inputs))``: the logits at the head's resolution."""
+        band_mb = self._test_option('band_mb', None)  # checked by _checked_mode
+        if band_mb is not None and not self.training:
+            return semantic_fpn_in_bands(self.backbone, self.neck, self.decode_head, inputs,
+                                         band_mb)
         if self._is_semantic_fpn():
             return self._semantic_fpn_forward(inputs)
         if self._is_upernet():
@@ -495,9 +537,33 @@ class LeanEncoderDecoder(EncoderDecoder):
         states = []
         for i in range(batch_size):
             meta = None if data_samples is None else data_samples[i].metainfo
+            crop = self._row_band_crop(seg_logits, head_size, meta, keep_logits)
+            if crop is not None:  # band_mb: labels a band of rows at a time, bit for bit
+                labels = labels_in_row_bands(seg_logits[i:i + 1], head_size, crop,
+                                             self._test_option('band_mb', None))
+                states.append(_RunningArgmax.of_labels(labels))
+                continue
             states.append(self._labels_of_image(seg_logits, i, head_size, meta, budget_mb,
                                                 keep_logits))
         return self._set_results(data_samples, states)
+
+    def _row_band_crop(self, seg_logits: Tensor, head_size, meta: Optional[dict],
+                       keep_logits: bool):
+        """With ``band_mb``, the padding crop (top, bottom, left, right) if an image's labels can
+        be made in bands of rows by :func:`labels_in_row_bands` (no kept logits, no flip, no
+        final resize, an integer row factor to the head's size), else None (class chunks)."""
+        if (self._test_option('band_mb', None) is None or keep_logits or head_size is None
+                or self.decode_head.align_corners or tuple(head_size)[0] % seg_logits.shape[2]):
+            return None
+        if meta is None:
+            return (0, 0, 0, 0)
+        H, W = head_size
+        left, right, top, bottom = meta.get('img_padding_size',
+                                            meta.get('padding_size', [0] * 4))
+        if meta.get('flip', None) or tuple(meta['ori_shape']) != (H - top - bottom,
+                                                                  W - left - right):
+            return None
+        return (top, bottom, left, right)
 
     def _set_results(self, data_samples: OptSampleList,
                      states: List[_RunningArgmax]) -> SampleList:
