@@ -136,6 +136,9 @@ for band_mb in (None, 1):
     with torch.no_grad():
         model.predict(torch.randn(1, 3, 64, 64))  # warm-up: oneDNN's primitives
         report[str(band_mb)] = measure_peak_growth_mb(lambda: model.predict(x))
+        stem = model.backbone.patch_embed
+        report[f'stem {band_mb}'] = measure_peak_growth_mb(
+            lambda: stem(x, None if band_mb is None else 2))
 print(json.dumps(report))
 '''
 
@@ -145,9 +148,12 @@ def test_banded_whole_image_peak_is_a_fraction_of_the_whole_maps():
     maps hold several stride-4 maps of 64 channels (one unit, 8 MB) at once (measured: 4.2
     units); in bands of 1 MB only the labels (int64, 0.5 unit), the stride-8 maps (FPN output,
     lateral sum, three head branches: 0.25 unit each) and the stride-4 logits are whole
-    (measured: 1.9 units)."""
+    (measured: 1.9 units). The conv stem alone: whole, its input's channels-last copy and
+    two stride-2 maps of 8 channels (0.75 unit, 0.5 each); in bands of 2 token rows, a few
+    rows of them (measured: 1.7 and 0.3 units)."""
     report = run_fresh(CHILD)
     print(json.dumps(report))
     unit = report['unit_mb']
     assert report['1'] < 2.5 * unit, report
     assert report['1'] < 0.6 * report['None'], report
+    assert report['stem 1'] < min(0.5 * unit, report['stem None'] / 4), report
