@@ -40,13 +40,12 @@ OpenMMLab datasets, transforms and metrics read it unchanged:
       root/gtFine/train/shapes/shapes_train_000001_gtFine_labelTrainIds.png ...
       root/leftImg8bit/val/shapes/...      root/gtFine/val/shapes/...
 
-  Drawn by :func:`draw_hires_image`, made for context: ``objects_per_image`` big shapes
-  (``size_range`` as above, e.g. 0.24-0.40 of the height: 500-850 px at 1024 px) filled with one
-  flat colour that does not depend on the class, on a striped background; only the outline
-  tells the class: its geometry, and a band along it (3% of the height wide) in the class's
-  colour (:data:`PALETTE`). A window inside a shape sees a flat colour and cannot tell circle from
-  square from triangle; the whole image can. Label maps as ADE's: 0 background, 1..3 circle,
-  square, triangle.
+  Drawn by :func:`draw_hires_image`, made for context: ``objects_per_image`` big shapes of one
+  class (``size_range`` e.g. 0.28-0.41 of the height: 500-850 px at 1024 px), each filled with a
+  flat grey, on a striped scene whose hues tell the class (:data:`SCENE_HUES`: red circle, green
+  square, blue triangle). A window inside a shape sees grey and cannot tell circle from square
+  from triangle; a window that sees the scene, or the whole image, can. Label maps as ADE's:
+  0 background, 1..3 circle, square, triangle.
 
 Each image is drawn from its own random stream seeded by ``(seed, split, index)``, so the
 same arguments always give byte-identical files, and a larger ``num_train`` only appends
@@ -57,6 +56,7 @@ Example:
     >>> generate_shapes('data/shapes_coco', task='coco', num_train=800, num_val=100,
     ...                 image_size=160, seed=0)
 """
+import colorsys
 import json
 import logging
 import os
@@ -69,6 +69,8 @@ from PIL import Image
 
 CLASSES = ('circle', 'square', 'triangle')
 PALETTE = [(220, 20, 60), (0, 130, 255), (20, 200, 60)]
+# the hue (0-1) of each class's scene in the high-resolution world: red, green, blue
+SCENE_HUES = (0.0, 0.33, 0.62)
 TASKS = ('coco', 'ade', 'cityscapes')
 META_FILE = 'shapes_world.json'
 _FORMAT_VERSION = 1
@@ -349,10 +351,12 @@ def _write_ade_split(root: str, split: str, num: int, size: Tuple[int, int], see
     return dict(images=num, instances=n_obj)
 
 
-def _striped_background(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
-    """A two-colour gradient with faint stripes (random period and angle) over it: locally
-    unlike the flat shapes at any scale, so that shape vs background is a local question."""
-    c0, c1 = _random_colour(rng), _random_colour(rng)
+def _striped_background(rng: np.random.Generator, height: int, width: int,
+                        colours: Optional[Sequence[np.ndarray]] = None) -> np.ndarray:
+    """A two-colour gradient (``colours``, random if None) with faint stripes (random period and
+    angle) over it: locally unlike the flat shapes at any scale, so that shape vs background is
+    a local question."""
+    c0, c1 = colours if colours is not None else (_random_colour(rng), _random_colour(rng))
     yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
     angle = rng.uniform(0, 2 * np.pi)
     t = np.cos(angle) * xx / max(width - 1, 1) + np.sin(angle) * yy / max(height - 1, 1)
@@ -364,19 +368,27 @@ def _striped_background(rng: np.random.Generator, height: int, width: int) -> np
     return img + (rng.uniform(25, 45) * np.sin(phase))[..., None]
 
 
+def _scene_background(rng: np.random.Generator, label: int, height: int,
+                      width: int) -> np.ndarray:
+    """The scene of class ``label``: :func:`_striped_background`'s gradient and stripes, with both
+    colours drawn from the class's hue family (:data:`SCENE_HUES`, saturated), so any window
+    that sees some background knows the class of the objects in the image."""
+    hue = SCENE_HUES[label] + rng.uniform(-0.05, 0.05, size=2)
+    colours = [np.array(colorsys.hsv_to_rgb(h % 1.0, rng.uniform(0.65, 1.0),
+                                            rng.uniform(0.55, 0.95))) * 255 for h in hue]
+    return _striped_background(rng, height, width, colours)
+
+
 def draw_hires_image(rng: np.random.Generator,
                      image_size: Union[int, Tuple[int, int]],
                      objects_per_image: Tuple[int, int] = (1, 1),
-                     size_range: Tuple[float, float] = (0.24, 0.40),
+                     size_range: Tuple[float, float] = (0.28, 0.41),
                      min_visible: float = 0.6,
-                     min_contrast: float = 80.0,
-                     band: float = 0.03,
                      max_tries: int = 30) -> Tuple[np.ndarray, np.ndarray, int]:
-    """Draw one image of the high-resolution ("cityscapes") world: big shapes, filled with one
-    flat colour each (a faint shading, no pixel noise) that does not encode the class, with a
-    band along the outline in the class's colour (:data:`PALETTE`; ``band`` of the shorter side
-    wide), on a striped background. Every shape lies wholly inside the image, so its outline is
-    always visible: the class is in the outline only, never in the interior.
+    """Draw one image of the high-resolution ("cityscapes") world, where the class is context:
+    big shapes of one class, filled with a flat grey each (a faint shading, no pixel noise), on
+    the scene of their class (:func:`_scene_background`). Inside a shape nothing tells the class;
+    the scene around it and the outline's geometry do.
 
     Args and placement rules as :func:`draw_shapes_image` (``size_range``: radius as a fraction
     of the shorter side; it is capped so that the shape fits in the image).
@@ -387,41 +399,27 @@ def draw_hires_image(rng: np.random.Generator,
     """
     height, width = _size_hw(image_size)
     short = min(height, width)
-    img = _striped_background(rng, height, width)
-    background = img.copy()
+    label = int(rng.integers(len(CLASSES)))
+    img = _scene_background(rng, label, height, width)
     label_map = np.zeros((height, width), dtype=np.uint8)
     n_obj = int(rng.integers(objects_per_image[0], objects_per_image[1] + 1))
-    placed = []  # (visible mask, area, colour)
+    placed = []  # (visible mask, area)
     for _ in range(n_obj):
-        label = int(rng.integers(len(CLASSES)))
         for _ in range(max_tries):
             radius = min(rng.uniform(*size_range) * short, 0.49 * short / 1.2)
             margin = 1.2 * radius  # the square's and the triangle's circumradius
             cx = rng.uniform(margin, width - margin)
             cy = rng.uniform(margin, height - margin)
-            angle = rng.uniform(0, 2 * np.pi)
-            full = _shape_mask(label, cx, cy, radius, angle, height, width)
-            # the outline band: the shape minus the same shape inset by `width_px` (the radius
-            # of a circle, the square's / triangle's circumradius shrink by w / cos(pi / k))
-            width_px = band * short
-            inset = (width_px, width_px * np.sqrt(2) / (0.85 * np.sqrt(2)), 2 * width_px / 1.2)
-            inner = _shape_mask(label, cx, cy, max(radius - inset[label], 0.0), angle, height,
-                                width)
-            if any(int((vis & ~full).sum()) < min_visible * area for vis, area, _ in placed):
+            full = _shape_mask(label, cx, cy, radius, rng.uniform(0, 2 * np.pi), height, width)
+            if any(int((vis & ~full).sum()) < min_visible * area for vis, area in placed):
                 continue
-            under = [background[full].mean(axis=0), np.array(PALETTE[label], dtype=float)]
-            under += [c for vis, _, c in placed if (vis & full).any()]
-            colour = _contrasting_colour(rng, under, min_contrast, max_tries)
-            if colour is None:
-                continue
-            placed = [(vis & ~full, area, c) for vis, area, c in placed]
-            shade = rng.uniform(-15, 15, size=2)
+            placed = [(vis & ~full, area) for vis, area in placed]
+            grey, shade = rng.uniform(40, 215), rng.uniform(-15, 15, size=2)
             yy, xx = np.nonzero(full)
-            img[full] = colour[None] + ((shade[0] * (xx - cx) + shade[1] * (yy - cy)) /
-                                        max(radius, 1.0))[:, None]
-            img[full & ~inner] = PALETTE[label]
+            img[full] = (grey + (shade[0] * (xx - cx) + shade[1] * (yy - cy)) /
+                         max(radius, 1.0))[:, None]
             label_map[full] = label + 1
-            placed.append((full, int(full.sum()), colour))
+            placed.append((full, int(full.sum())))
             break
     return np.clip(np.rint(img), 0, 255).astype(np.uint8), label_map, len(placed)
 

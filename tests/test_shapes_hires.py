@@ -1,11 +1,11 @@
 """The high-resolution shapes world (task='cityscapes'), its config and its job's plumbing.
 
 * the world is deterministic, in the Cityscapes layout, one shape per image wholly inside it,
-  its fill flat and independent of its class, the class colour only in a band along its outline;
+  its fill a flat grey independent of its class, the class in the scene's hues only;
 * ShapesCityscapesDataset generates it on first use and reads it with mmseg's LoadAnnotations;
 * configs/shapes/sem_fpn_xcit_shapes_cityscapes.py trains (tools/train.py, one step on a tiny
-  world and crop) and tools/test.py evaluates its checkpoint whole-image and with the sliding
-  window (both give an mIoU; slide really slides);
+  world and crop) and tools/test.py evaluates its checkpoint whole-image (in bands of rows) and
+  with the sliding window (both give an mIoU; each really runs its path);
 * tools/analysis_tools/shapes_hires_job.py reads the metrics and per-class IoU off test logs.
 """
 import os.path as osp
@@ -23,7 +23,7 @@ from work_dir_files import evaluation_metrics, file_digests
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 CONFIG = osp.join(ROOT, 'configs', 'shapes', 'sem_fpn_xcit_shapes_cityscapes.py')
 TINY = dict(task='cityscapes', num_train=2, num_val=2, image_size=(128, 256), seed=5,
-            objects_per_image=(1, 1), size_range=(0.24, 0.40))
+            objects_per_image=(1, 1), size_range=(0.28, 0.41))
 
 
 @pytest.fixture(scope='module')
@@ -48,37 +48,48 @@ def test_world_is_deterministic_in_cityscapes_layout(world, tmp_path):
     assert all(file_digests(other)[p] != files[p] for p in files if p.endswith('_leftImg8bit.png'))
 
 
-def test_one_big_flat_shape_inside_the_image(world):
+def _hue(rgb) -> float:
+    import colorsys
+    return colorsys.rgb_to_hsv(*(np.asarray(rgb, dtype=float) / 255))[0]
+
+
+def _hue_distance(a: float, b: float) -> float:
+    return min(abs(a - b), 1 - abs(a - b))
+
+
+def test_one_big_grey_shape_inside_the_scene_of_its_class(world):
+    from scipy.ndimage import binary_erosion
+    from shapes_world.shapes import SCENE_HUES
     for img, label, _ in load_samples(world, 'train', 2) + load_samples(world, 'val', 2):
         assert img.shape == (128, 256, 3) and label.dtype == np.uint8
         classes = set(np.unique(label)) - {0}
         assert len(classes) == 1 and classes <= {1, 2, 3}
         inside = label > 0
-        assert inside.sum() > 0.15 * 128 * 128  # big: radius >= 0.24 of the height
+        assert inside.sum() > 0.15 * 128 * 128  # big: radius >= 0.28 of the height
         ys, xs = np.nonzero(inside)  # wholly inside: no shape pixel on the border
         assert ys.min() > 0 and xs.min() > 0 and ys.max() < 127 and xs.max() < 255
-        # the outline band (3% of the height: ~4 px here) in the class colour, the interior
-        # flat (faint shading only), the background striped
-        from scipy.ndimage import binary_erosion
-        from shapes_world import PALETTE
-        interior = binary_erosion(inside, iterations=6)
-        band = inside & ~binary_erosion(inside, iterations=2)
+        # the fill a flat grey (faint shading only), the scene striped in its class's hue
+        interior = img[binary_erosion(inside, iterations=2)].astype(int)
+        assert np.ptp(interior, axis=1).max() <= 1 and interior.std(axis=0).max() < 12
         cls = int(label.max())
-        assert interior.sum() > 0 and img[interior].std(axis=0).max() < 12
-        assert (np.abs(img[band].astype(int) - PALETTE[cls - 1]).max(axis=1) == 0).mean() > 0.9
         assert img[~inside].astype(float).std(axis=0).max() > 12
+        assert _hue_distance(_hue(img[~inside].mean(axis=0)), SCENE_HUES[cls - 1]) < 0.1
 
 
-def test_colour_does_not_encode_the_class():
-    """Over many draws, the mean shape colour of each class is about the same."""
-    means = {1: [], 2: [], 3: []}
+def test_the_scene_tells_the_class_and_the_fill_does_not():
+    """Over many draws: each class's scenes keep its hue, the three hues far apart; the fill
+    greys of the three classes have about the same mean."""
+    from shapes_world.shapes import SCENE_HUES
+    fills = {1: [], 2: [], 3: []}
     for i in range(45):
         img, label, n = draw_hires_image(_image_rng(0, 'train', i), (64, 128))
         assert n == 1
         cls = int(label.max())
-        means[cls].append(img[label == cls].mean(axis=0))
-    centres = np.array([np.mean(v, axis=0) for v in means.values() if v])
-    assert len(centres) == 3 and np.ptp(centres, axis=0).max() < 90  # uniform colours: +-74
+        fills[cls].append(img[label == cls].mean())
+        hues = [_hue_distance(_hue(img[label == 0].mean(axis=0)), h) for h in SCENE_HUES]
+        assert int(np.argmin(hues)) == cls - 1 and min(hues) < 0.1
+    means = [np.mean(v) for v in fills.values() if v]
+    assert len(means) == 3 and np.ptp(means) < 60  # uniform greys 40-215: +-51 for one draw
 
 
 def test_dataset_generates_and_reads_it(tmp_path):
@@ -139,19 +150,24 @@ def test_config_trains_one_step(one_step):
 def test_whole_and_slide_evaluation(mode, one_step, world, tmp_path, test_tool, monkeypatch):
     # the lean sliding window: labels bit-identical to mmseg's slide_inference
     # (tests/test_segmentation_memory_budget.py), without its full-size map
-    from xcit_mm.models.segmentors.lean_encoder_decoder import LeanEncoderDecoder
-    calls = []
-    slide = LeanEncoderDecoder._slide_predict
-    monkeypatch.setattr(LeanEncoderDecoder, '_slide_predict',
-                        lambda self, *a, **k: calls.append(1) or slide(self, *a, **k))
+    # whole: the network in bands of rows (tests/test_sem_fpn_bands.py)
+    import xcit_mm.models.segmentors.lean_encoder_decoder as lean_module
+    calls = dict(slide=[], whole=[])
+    slide = lean_module.LeanEncoderDecoder._slide_predict
+    monkeypatch.setattr(lean_module.LeanEncoderDecoder, '_slide_predict',
+                        lambda self, *a, **k: calls['slide'].append(1) or slide(self, *a, **k))
+    bands = lean_module.semantic_fpn_in_bands
+    monkeypatch.setattr(lean_module, 'semantic_fpn_in_bands',
+                        lambda *a: calls['whole'].append(a[-1]) or bands(*a))
     opts = _tiny_options(world)
     if mode == 'slide':
-        opts += ['model.test_cfg.mode=slide', 'model.test_cfg.crop_size=(64,64)',
-                 'model.test_cfg.stride=(48,48)']
+        opts += ['model.test_cfg.mode=slide', 'model.test_cfg.band_mb=None',
+                 'model.test_cfg.crop_size=(64,64)', 'model.test_cfg.stride=(48,48)']
     test_tool.main([CONFIG, one_step, '--work-dir', str(tmp_path), '--cfg-options'] + opts)
     metrics = evaluation_metrics(tmp_path)
     assert 0 <= metrics['mIoU'] <= 100
-    assert len(calls) == (2 if mode == 'slide' else 0)  # one call per val image
+    assert calls == (dict(slide=[1, 1], whole=[]) if mode == 'slide'  # one call per val image
+                     else dict(slide=[], whole=[4, 4]))
 
 
 def test_job_reads_test_logs(monkeypatch, tmp_path):
@@ -169,8 +185,9 @@ def test_job_reads_test_logs(monkeypatch, tmp_path):
     r = job.evaluate('cfg.py', 'ck.pth', str(tmp_path / 'e'), job.SLIDE)
     assert r == dict(aAcc=90.1, mIoU=44.4, mAcc=55.5, wall_seconds=12.5, peak_rss_mib=900.0,
                      class_IoU=dict(background=91.5, circle=40.25))
-    assert seen[0][-3:] == ['model.test_cfg.mode=slide', 'model.test_cfg.crop_size=(256,256)',
-                            'model.test_cfg.stride=(192,192)']
+    assert seen[0][-4:] == ['model.test_cfg.mode=slide', 'model.test_cfg.band_mb=None',
+                            'model.test_cfg.crop_size=(256,256)', 'model.test_cfg.stride=(192,192)']
+    assert job.STOCK_SLIDE == ['model.type=EncoderDecoder'] + job.SLIDE
 
 
 def test_docs_quote_the_committed_artifacts():

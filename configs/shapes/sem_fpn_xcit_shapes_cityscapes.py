@@ -1,37 +1,37 @@
 # XCiT + Semantic FPN on the high-resolution shapes world (Cityscapes layout, 1024x2048): trains on
-# 256x256 crops, tests on the whole image (LeanEncoderDecoder, mode='whole'). The quick-start
-# segmentor (./sem_fpn_xcit_shapes_ade.py: small XCiT from scratch, training extras) on another
-# world; results of both evaluations (whole and sliding window, two seeds): docs/shapes.md and
-# docs/results/shapes_hires_sem_fpn.json, written by
+# 256x256 crops, tests on the whole image (LeanEncoderDecoder, mode='whole', its stem and stride-4
+# maps in bands of rows: test_cfg.band_mb). The quick-start segmentor (./sem_fpn_xcit_shapes_ade.py:
+# small XCiT from scratch, training extras) on another world; results of the whole image against
+# sliding windows (two seeds): docs/shapes.md and docs/results/shapes_hires_sem_fpn.json, from
 #
 #   python tools/analysis_tools/shapes_hires_job.py --seeds 0 1
 #
 # (train, then tools/test.py whole-image and with --cfg-options model.test_cfg.mode=slide
-# model.test_cfg.crop_size=(256,256) model.test_cfg.stride=(192,192), each in its own process).
-# `python tools/train.py configs/shapes/sem_fpn_xcit_shapes_cityscapes.py` alone generates
-# data/shapes_cityscapes/ if missing, trains and evaluates whole-image at the end.
+# model.test_cfg.band_mb=None model.test_cfg.crop_size=(256,256) model.test_cfg.stride=(192,192),
+# each in its own process). `python tools/train.py configs/shapes/sem_fpn_xcit_shapes_cityscapes.py`
+# alone generates data/shapes_cityscapes/ if missing, trains and evaluates whole-image at the end.
 #
-# The world (shapes_world.draw_hires_image): one shape per image, 500-850 px across, filled with
-# one flat colour that does not depend on its class, on a striped background; the class is in the
-# outline only (its geometry and a 31 px band in the class colour). A 256x256 window inside a
-# shape sees a flat colour only. Verdict (docs/shapes.md): whole-image inference does not beat
-# the sliding window by more than the seed spread in this world.
+# The world (shapes_world.draw_hires_image): the class is context. One shape per image, 500-850 px
+# across, filled with a flat grey, on a striped scene whose hues tell the class (red circle, green
+# square, blue triangle). A 256x256 window inside the shape sees grey only; the whole image sees
+# the scene.
 _base_ = ['./sem_fpn_xcit_shapes_ade.py']
 
 data_root = 'data/shapes_cityscapes/'
 image_size = (1024, 2048)
 crop_size = (256, 256)
 shapes_world = dict(
-    root=data_root, task='cityscapes', num_train=60, num_val=10,
-    image_size=image_size, seed=0, objects_per_image=(1, 1), size_range=(0.24, 0.40),
+    root=data_root, task='cityscapes', num_train=60, num_val=20,
+    image_size=image_size, seed=0, objects_per_image=(1, 1), size_range=(0.28, 0.41),
     progress=True)
 
 data_preprocessor = dict(size=crop_size)
 model = dict(
     data_preprocessor=data_preprocessor,
-    # whole-image inference; slide: --cfg-options model.test_cfg.mode=slide
-    # model.test_cfg.crop_size=(256,256) model.test_cfg.stride=(192,192)
-    test_cfg=dict(mode='whole'))
+    # the whole image, its stem and stride-4 maps in bands of about 4 MB (equal to the whole maps
+    # up to float rounding); slide: --cfg-options model.test_cfg.mode=slide
+    # model.test_cfg.band_mb=None model.test_cfg.crop_size=(256,256) model.test_cfg.stride=(192,192)
+    test_cfg=dict(mode='whole', band_mb=4))
 
 # ---- pipelines: random scale 0.25-1x of 1024x2048, 256x256 crops; test at 1x (scale_factor) ----
 train_pipeline = [

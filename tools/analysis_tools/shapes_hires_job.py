@@ -5,9 +5,10 @@
     python tools/analysis_tools/shapes_hires_job.py --curve-only
 
 For each seed: tools/train.py on configs/shapes/sem_fpn_xcit_shapes_cityscapes.py (the world is
-generated first, timed on its own), then tools/test.py on the held-out 1024x2048 images twice,
-each in its own process (wall time, peak RSS of that process from os.wait4): whole-image (the
-config's LeanEncoderDecoder, mode='whole') and mmseg's sliding window at the training crop size.
+generated first, timed on its own), then tools/test.py on the held-out 1024x2048 images, each
+evaluation in its own process (wall time, peak RSS of that process from os.wait4): whole-image (the
+config's LeanEncoderDecoder, mode='whole', its large maps in bands of rows) and the sliding window
+at the training crop size, through LeanEncoderDecoder and through mmseg's own EncoderDecoder.
 Writes docs/results/shapes_hires_sem_fpn.json. The resolution curve evaluates the first seed's
 checkpoint whole-image at several test scales (the test pipeline's Resize scale_factor; labels are
 scored at 1024x2048) and writes docs/results/shapes_hires_resolution_curve.{json,png}.
@@ -28,16 +29,24 @@ from training_extras.run_results import cpu_description  # noqa: E402
 
 CONFIG = 'configs/shapes/sem_fpn_xcit_shapes_cityscapes.py'
 CROP, STRIDE = (256, 256), (192, 192)
-SLIDE = ['model.test_cfg.mode=slide', f'model.test_cfg.crop_size={CROP}'.replace(' ', ''),
+# the config tests whole images in bands of rows (test_cfg.band_mb), which slide does not take
+SLIDE = ['model.test_cfg.mode=slide', 'model.test_cfg.band_mb=None',
+         f'model.test_cfg.crop_size={CROP}'.replace(' ', ''),
          f'model.test_cfg.stride={STRIDE}'.replace(' ', '')]
+# the same windows through mmseg's own EncoderDecoder (same labels; its memory and time)
+STOCK_SLIDE = ['model.type=EncoderDecoder'] + SLIDE
 _ROW = re.compile(r'^\|\s*(\w+)\s*\|\s*([\d.]+|nan)\s*\|\s*([\d.]+|nan)\s*\|\s*$')
 
 
 def run(args, log):
-    """Run ``python args`` in ROOT; (wall seconds, peak RSS MiB of that process, output)."""
+    """Run ``python args`` in ROOT; (wall seconds, peak RSS MiB of that process, output).
+
+    ``MALLOC_MMAP_THRESHOLD_=65536``: malloc returns a freed tensor's memory at once, so the
+    peak RSS follows the live tensors rather than what the heap kept from earlier ones."""
     start = time.time()
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_='65536')
     with open(log, 'w') as f:
-        proc = subprocess.Popen([sys.executable] + args, cwd=ROOT, stdout=f,
+        proc = subprocess.Popen([sys.executable] + args, cwd=ROOT, stdout=f, env=env,
                                 stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
     wall = time.time() - start
@@ -76,16 +85,17 @@ def train_and_evaluate(config, seed, work_root, max_iters):
         times = [r['time'] for r in records if 'time' in r]
     whole = evaluate(config, ckpt, osp.join(work, 'test_whole'))
     slide = evaluate(config, ckpt, osp.join(work, 'test_slide'), SLIDE)
+    stock_slide = evaluate(config, ckpt, osp.join(work, 'test_stock_slide'), STOCK_SLIDE)
     return dict(seed=seed, train_seconds=wall, train_peak_rss_mib=rss, final_loss=loss,
                 # s/iter at each log line: a CPU shared with another job shows as outliers
                 train_seconds_per_iter_median=round(sorted(times)[len(times) // 2], 3)
                 if times else None,
                 train_seconds_per_iter_max=round(max(times), 3) if times else None,
-                checkpoint=ckpt, whole=whole, slide=slide,
+                checkpoint=ckpt, whole=whole, slide=slide, stock_slide=stock_slide,
                 whole_minus_slide_mIoU=round(whole['mIoU'] - slide['mIoU'], 2))
 
 
-def curve(config, ckpt, work_root, scales, out_json, out_png, command):
+def curve(config, ckpt, work_root, scales, out_json, out_png, command, num_images):
     points = []
     for s in scales:
         r = evaluate(config, ckpt, osp.join(work_root, f'curve_{s}'),
@@ -104,7 +114,7 @@ def curve(config, ckpt, work_root, scales, out_json, out_png, command):
     ax.set_xscale('log', base=2)
     ax.set_xticks(scales, [str(s) for s in scales])
     ax.set_xlabel('test scale (x 1024x2048)')
-    ax.set_ylabel('mIoU (held-out, 10 images)')
+    ax.set_ylabel(f'mIoU (held-out, {num_images} images)')
     ax.set_title('shapes hi-res: mIoU vs test scale', fontsize=10)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -161,10 +171,16 @@ def main(argv=None):
             seed_spread_slide=round(max(s) - min(s), 2),
             whole_beats_slide_by_more_than_seed_spread=bool(
                 min(d) > max(max(w) - min(w), max(s) - min(s))),
+            stock_slide_mIoU_equals_slide=all(
+                r['stock_slide']['mIoU'] == r['slide']['mIoU'] for r in runs),
             whole_peak_rss_below_slide=all(
-                r['whole']['peak_rss_mib'] < r['slide']['peak_rss_mib'] for r in runs),
+                r['whole']['peak_rss_mib'] < min(r['slide']['peak_rss_mib'],
+                                                 r['stock_slide']['peak_rss_mib'])
+                for r in runs),
             whole_faster_than_slide=all(
-                r['whole']['wall_seconds'] < r['slide']['wall_seconds'] for r in runs))
+                r['whole']['wall_seconds'] < min(r['slide']['wall_seconds'],
+                                                 r['stock_slide']['wall_seconds'])
+                for r in runs))
         _dump(dict(command=command, machine=cpu_description(), config=args.config,
                    world=dict(cfg.shapes_world), world_generation_seconds=gen_seconds,
                    max_iters=max_iters, slide=dict(crop_size=CROP, stride=STRIDE),
@@ -172,7 +188,7 @@ def main(argv=None):
         print(json.dumps(summary, indent=2))
     if not args.no_curve:
         curve(args.config, ckpt0, args.work_root, args.scales, args.curve_out, args.curve_png,
-              command)
+              command, cfg.shapes_world['num_val'])
 
 
 if __name__ == '__main__':
