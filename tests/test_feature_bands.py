@@ -75,8 +75,7 @@ def test_a_levels_rows_equal_those_of_the_whole_level(patch_size):
 @pytest.mark.parametrize('patch_size', [16, 8])
 def test_fpn_with_a_banded_bottom_level_equals_mmdets_fpn(patch_size, count_bands):
     """Bands of a few rows (a band edge inside the nearest top-down upsampling and the FPN
-    conv's context), XCiT's conv stem in bands too: every level equals mmdet's FPN up to
-    rounding."""
+    conv's context): level 0 equals mmdet's FPN up to rounding, levels 1-3 bit for bit."""
     backbone = _backbone(patch_size)
     neck = MODELS.build(dict(type='FPN', in_channels=[32] * 4, out_channels=24,
                              num_outs=4)).eval()
@@ -87,8 +86,9 @@ def test_fpn_with_a_banded_bottom_level_equals_mmdets_fpn(patch_size, count_band
     assert count_bands[0][0] == 0 and count_bands[-1][1] == 25
     assert len(count_bands) == 5  # 25 rows in bands of 5, each with one row of context
     assert count_bands[1] == (4, 11)
-    for e, g in zip(expected, got):
-        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
+    for e, g in zip(expected[1:], got[1:]):
+        assert torch.equal(e, g)
 
 
 def test_conv_halo_is_the_context_of_a_stride_one_same_size_conv():

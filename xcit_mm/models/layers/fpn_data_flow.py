@@ -112,7 +112,8 @@ def conv_in_bands(conv, x: Tensor, band_rows: int, halo: int) -> Iterator[Tensor
 class BackboneLevels:
     """Backbone level ``i`` on demand, where the backbone can make its levels one at a time
     (XCiT's trunk once, its adapter per level); rows of the bottom level on their own where its
-    adapter is row-local (XCiT's ``forward_level_rows``)."""
+    adapter is row-local (XCiT's ``forward_level_rows``). ``stem_band_mb``: XCiT's conv stem in
+    bands of rows (``forward_trunk``; equal up to float rounding)."""
 
     def __init__(self, backbone, inputs: Tensor, stem_band_mb: Optional[float] = None):
         self.backbone = backbone
@@ -149,10 +150,9 @@ def fpn_in_data_flow_order(backbone, neck, inputs: Tensor,
                            band_mb: Optional[float] = None) -> List[Tensor]:
     """``neck(backbone(inputs))`` for the neck's own levels (no extra outputs), each map freed
     when done. ``neck``: mmdet's or mmseg's ``FPN`` with ``start_level=0`` and every backbone
-    level in (the caller checks). ``band_mb``: level 0 (and XCiT's conv stem) in bands of about
-    that many MB where the backbone and :func:`neck_bands_bottom_level` allow (else whole, bit
-    for bit as stock)."""
-    levels = BackboneLevels(backbone, inputs, band_mb)
+    level in (the caller checks). ``band_mb``: level 0 in bands of about that many MB where the
+    backbone and :func:`neck_bands_bottom_level` allow (else whole, bit for bit as stock)."""
+    levels = BackboneLevels(backbone, inputs)
     outs, top = fpn_upper_levels(levels, neck)
     if band_mb is not None and levels.bottom_hw() is not None and neck_bands_bottom_level(neck):
         outs[0] = bottom_level_in_bands(levels, neck, top, band_mb)
