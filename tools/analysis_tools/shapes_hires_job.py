@@ -3,6 +3,7 @@
 
     python tools/analysis_tools/shapes_hires_job.py --seeds 0 1
     python tools/analysis_tools/shapes_hires_job.py --curve-only
+    python tools/analysis_tools/shapes_hires_job.py --example-only
 
 For each seed: tools/train.py on configs/shapes/sem_fpn_xcit_shapes_cityscapes.py (the world is
 generated first, timed on its own), then tools/test.py on the held-out 1024x2048 images, each
@@ -11,7 +12,9 @@ config's LeanEncoderDecoder, mode='whole', its large maps in bands of rows) and 
 at the training crop size, through LeanEncoderDecoder and through mmseg's own EncoderDecoder.
 Writes docs/results/shapes_hires_sem_fpn.json. The resolution curve evaluates the first seed's
 checkpoint whole-image at several test scales (the test pipeline's Resize scale_factor; labels are
-scored at 1024x2048) and writes docs/results/shapes_hires_resolution_curve.{json,png}.
+scored at 1024x2048) and writes docs/results/shapes_hires_resolution_curve.{json,png}; an example
+figure (a held-out image, its labels, both predictions) goes to
+docs/results/shapes_hires_example.png.
 """
 import argparse
 import glob
@@ -38,13 +41,9 @@ STOCK_SLIDE = ['model.type=EncoderDecoder'] + SLIDE
 _ROW = re.compile(r'^\|\s*(\w+)\s*\|\s*([\d.]+|nan)\s*\|\s*([\d.]+|nan)\s*\|\s*$')
 
 
-def run(args, log):
-    """Run ``python args`` in ROOT; (wall seconds, peak RSS MiB of that process, output).
-
-    ``MALLOC_MMAP_THRESHOLD_=65536``: malloc returns a freed tensor's memory at once, so the
-    peak RSS follows the live tensors rather than what the heap kept from earlier ones."""
+def run(args, log, env=None):
+    """Run ``python args`` in ROOT; (wall seconds, peak RSS MiB of that process, output)."""
     start = time.time()
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_='65536')
     with open(log, 'w') as f:
         proc = subprocess.Popen([sys.executable] + args, cwd=ROOT, stdout=f, env=env,
                                 stderr=subprocess.STDOUT)
@@ -64,7 +63,10 @@ def evaluate(config, ckpt, work_dir, options=()):
     if options:
         args += ['--cfg-options'] + list(options)
     os.makedirs(work_dir, exist_ok=True)
-    wall, rss, out = run(args, osp.join(work_dir, 'test_stdout.log'))
+    # malloc returns a freed tensor's memory at once (not for training: it slows it down), so
+    # the peak RSS follows the live tensors rather than what the heap kept from earlier ones
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_='65536')
+    wall, rss, out = run(args, osp.join(work_dir, 'test_stdout.log'), env)
     metrics = {k: float(v) for k, v in re.findall(r'\b(aAcc|mIoU|mAcc): ([\d.]+)', out)[-3:]}
     per_class = {m.group(1): float(m.group(2)) for m in map(_ROW.match, out.splitlines())
                  if m and m.group(2) != 'nan'}
@@ -122,6 +124,45 @@ def curve(config, ckpt, work_root, scales, out_json, out_png, command, num_image
     return result
 
 
+def example_figure(config, ckpt, png):
+    """The held-out image with the largest shape (the most interior no window can classify), its
+    labels and seed 0's predictions whole-image and with the sliding window
+    (``mmseg.apis.inference_model``), side by side."""
+    import numpy as np
+    from mmengine import Config
+    from mmseg.apis import inference_model, init_model
+    from PIL import Image
+    from shapes_world.shapes_seg import ShapesCityscapesDataset
+    cfg = Config.fromfile(config)
+    root = osp.join(ROOT, cfg.data_root)
+    truths = sorted(glob.glob(osp.join(root, 'gtFine', 'val', '*', '*_labelTrainIds.png')))
+    truth = max(truths, key=lambda path: int((np.asarray(Image.open(path)) > 0).sum()))
+    image = glob.glob(osp.join(root, 'leftImg8bit', 'val', '*', osp.basename(truth).replace(
+        'gtFine_labelTrainIds', 'leftImg8bit')))[0]
+    palette = np.array(ShapesCityscapesDataset.METAINFO['palette'], dtype=np.uint8)
+    panels = [('image', np.asarray(Image.open(image).convert('RGB'))),
+              ('labels', palette[np.asarray(Image.open(truth))])]
+    for title, test_cfg in (('whole image', dict(cfg.model.test_cfg)),
+                            ('sliding window 256', dict(mode='slide', crop_size=CROP,
+                                                        stride=STRIDE))):
+        cfg.model.test_cfg = test_cfg
+        model = init_model(cfg, ckpt, device='cpu')
+        labels = inference_model(model, image).pred_sem_seg.data[0].numpy()
+        panels.append((title, palette[labels]))
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 4, figsize=(12, 2.2), dpi=100)
+    for ax, (title, panel) in zip(axes, panels):
+        ax.imshow(panel[::4, ::4])
+        ax.set_title(title, fontsize=9)
+        ax.axis('off')
+    fig.text(0.5, 0.02, 'labels: black background, red circle, blue square, green triangle',
+             ha='center', fontsize=8)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(png)
+
+
 def _dump(obj, path):
     os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
     with open(path, 'w') as f:
@@ -138,12 +179,15 @@ def main(argv=None):
     p.add_argument('--scales', type=float, nargs='+', default=[0.5, 0.75, 1.0, 1.5, 2.0])
     p.add_argument('--curve-out', default='docs/results/shapes_hires_resolution_curve.json')
     p.add_argument('--curve-png', default='docs/results/shapes_hires_resolution_curve.png')
+    p.add_argument('--example-png', default='docs/results/shapes_hires_example.png')
+    p.add_argument('--example-only', action='store_true',
+                   help="only the example figure, from the first seed's existing checkpoint")
     p.add_argument('--note', help='conditions of the run, e.g. other jobs on the machine')
     p.add_argument('--no-curve', action='store_true', help='skip the resolution curve')
     p.add_argument('--curve-only', action='store_true',
                    help='only the curve, from the first seed\'s existing checkpoint')
     args = p.parse_args(argv)
-    for key in ('work_root', 'out', 'curve_out', 'curve_png'):
+    for key in ('work_root', 'out', 'curve_out', 'curve_png', 'example_png'):
         setattr(args, key, osp.abspath(getattr(args, key)))
     os.makedirs(args.work_root, exist_ok=True)
     os.chdir(ROOT)  # the config's data_root and the tools are relative to the repository
@@ -153,6 +197,9 @@ def main(argv=None):
     cfg = Config.fromfile(osp.join(ROOT, args.config))
     max_iters = cfg.train_cfg.max_iters
     ckpt0 = osp.join(args.work_root, f'seed{args.seeds[0]}', f'iter_{max_iters}.pth')
+    if args.example_only:
+        example_figure(osp.join(ROOT, args.config), ckpt0, args.example_png)
+        return
     if not args.curve_only:
         from shapes_world import ensure_shapes_world
         start = time.time()
@@ -187,6 +234,7 @@ def main(argv=None):
                    summary=summary, runs=runs, note=args.note), args.out)
         print(json.dumps(summary, indent=2))
     if not args.no_curve:
+        example_figure(osp.join(ROOT, args.config), ckpt0, args.example_png)
         curve(args.config, ckpt0, args.work_root, args.scales, args.curve_out, args.curve_png,
               command, cfg.shapes_world['num_val'])
 
