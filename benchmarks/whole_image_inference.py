@@ -8,8 +8,9 @@ A point is (task, backbone, path, size): Semantic FPN (mmseg ``FPN`` + ``FPNHead
 or Mask R-CNN (100 detections kept: ``score_thr=0``), with XCiT-S12/16, Swin-T or ViT-S/16
 (DeiT-S + mmseg's ``MultiLevelNeck``) in the same neck and heads (:data:`CONFIGS`), run by the
 stock (``EncoderDecoder`` / ``MaskRCNN``) or the lean (``LeanEncoderDecoder`` / ``LeanMaskRCNN``)
-model, or (path ``bands``: XCiT detector only) ``LeanMaskRCNN`` with ``test_cfg.band_mb`` (the
-stride-4 level and its RPN conv in bands of rows: equal to the others up to float rounding), on
+model, or (path ``bands``: XCiT only) ``LeanMaskRCNN`` / ``LeanEncoderDecoder`` with
+``test_cfg.band_mb`` (the stride-4 maps in bands of rows, and the segmentor's stem and labels:
+equal to the others up to float rounding), on
 a square random image through the upstream doors (``mmseg.apis.inference_model``,
 ``mmdet.apis.inference_detector``) at full resolution: the segmentation test ``Resize`` is
 removed; the detection one gets ``scale_factor=1.0`` (mmdet's rescaling reads the scale factor it
@@ -47,7 +48,7 @@ TASKS = ('segmentor', 'detector')
 BACKBONES = ('xcit', 'swin', 'vit')
 PATHS = ('stock', 'lean', 'bands')
 # the (task, backbone) series that the ``bands`` path applies to, and its band size (MB)
-BANDED = {('detector', 'xcit')}
+BANDED = {('detector', 'xcit'), ('segmentor', 'xcit')}
 BAND_MB = 64
 SIZES = (1024, 2048, 4096, 8192)
 CONFIGS = {
@@ -62,6 +63,7 @@ CONFIGS = {
 DET_TEST_CFG_FROM = CONFIGS[('detector', 'xcit')]
 MODEL_TYPES = {('segmentor', 'stock'): 'EncoderDecoder',
                ('segmentor', 'lean'): 'LeanEncoderDecoder',
+               ('segmentor', 'bands'): 'LeanEncoderDecoder',
                ('detector', 'stock'): 'MaskRCNN', ('detector', 'lean'): 'LeanMaskRCNN',
                ('detector', 'bands'): 'LeanMaskRCNN'}
 DOORS = {'segmentor': 'mmseg.apis.inference_model', 'detector': 'mmdet.apis.inference_detector'}
@@ -96,6 +98,8 @@ def build_cfg(point: dict):
     if point['task'] == 'segmentor':
         # inference_model reads cfg.test_pipeline
         cfg.test_pipeline = [t for t in cfg.test_pipeline if t['type'] != 'Resize']
+        if point['path'] == 'bands':
+            cfg.model.test_cfg.band_mb = BAND_MB
         return cfg
     shared = load_whole_config(resolve_config(DET_TEST_CFG_FROM))
     cfg.model.test_cfg = ConfigDict(copy.deepcopy(shared.model.test_cfg.to_dict()))
