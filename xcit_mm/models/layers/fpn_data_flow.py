@@ -161,7 +161,7 @@ def fpn_in_data_flow_order(backbone, neck, inputs: Tensor,
         return outs
     lat = add_top_down_(neck.lateral_convs[0](levels.pop(0)), top, neck.upsample_cfg)
     outs[1] = neck.fpn_convs[1](top)
-    del top  # freed before the largest conv, as stock's list would not be
+    del top  # level 1's lateral sum goes before the largest conv
     outs[0] = neck.fpn_convs[0](lat)
     return outs
 
