@@ -49,21 +49,28 @@ def why_not_in_bands(backbone, neck, head) -> Optional[str]:
     return None
 
 
+def resized_rows(x: Tensor, start: int, stop: int, factor: int, width: int) -> Tensor:
+    """Rows ``start:stop`` of ``F.interpolate(x, size=(factor * h, width), mode='bilinear',
+    align_corners=False)`` (``x`` of ``h`` rows), from the rows of ``x`` they read and one more
+    on each side.
+
+    An output row ``y`` reads source position ``(y + 0.5) / factor - 0.5``; a slice of ``x``
+    starting at an input row ``a`` and resized to ``factor`` times its rows maps its own output
+    row ``y - factor * a`` to the same position relative to ``a``, with the same ratio (``k / kf``
+    rounds as ``1 / f``), so inside the slice every row is the whole resize's, bit for bit. Only
+    the slice's outermost output rows differ (clamped at its edges), and they lie outside
+    ``start:stop``.
+    """
+    lo, hi = max(0, start // factor - 1), min(x.shape[2], -(-stop // factor) + 1)
+    band = F.interpolate(x[:, :, lo:hi], size=(factor * (hi - lo), width), mode='bilinear',
+                         align_corners=False)
+    return band[:, :, start - factor * lo:stop - factor * lo]
+
+
 def up2_rows(x: Tensor, start: int, stop: int) -> Tensor:
     """Rows ``start:stop`` of mmseg's ``Upsample(scale_factor=2, mode='bilinear')`` of ``x``
-    (align_corners=False), from the rows of ``x`` they read and one more on each side.
-
-    An output row ``y`` reads source position ``(y + 0.5) / 2 - 0.5``; a slice of ``x`` starting
-    at an input row ``a`` maps its own output row ``y - 2a`` to the same position relative to
-    ``a``, with the same ratio (``n / 2n`` is exactly 0.5), so inside the slice every row is the
-    whole upsampling's. Only the slice's outermost output rows differ (clamped at its edges), and
-    they lie outside ``start:stop``.
-    """
-    height = x.shape[2]
-    lo, hi = max(0, start // 2 - 1), min(height, (stop + 1) // 2 + 1)
-    band = F.interpolate(x[:, :, lo:hi], size=(2 * (hi - lo), 2 * x.shape[3]),
-                         mode='bilinear', align_corners=False)
-    return band[:, :, start - 2 * lo:stop - 2 * lo]
+    (align_corners=False), which resizes to twice the size (:func:`resized_rows`)."""
+    return resized_rows(x, start, stop, 2, 2 * x.shape[3])
 
 
 def semantic_fpn_in_bands(backbone, neck, head, inputs: Tensor, band_mb: float) -> Tensor:
@@ -111,10 +118,8 @@ def labels_in_row_bands(logits: Tensor, size, crop, band_mb: float) -> Tensor:
     only full-size tensor. ``crop`` = (top, bottom, left, right); ``size`` = (H, W) with ``H`` a
     multiple of ``h``.
 
-    With an integer row factor ``f = H / h`` a slice of ``k`` logit rows resized to ``k * f``
-    rows has the whole resize's ratio (``k / kf`` rounds as ``1 / f``), so as in
-    :func:`up2_rows` every output row inside the slice is the whole resize's, bit for bit, and
-    so is its argmax; the slice's clamped edge rows are cut off.
+    With an integer row factor every output row of a band is the whole resize's, bit for bit
+    (:func:`resized_rows`), and so is its argmax.
     """
     (height, width), h = size, logits.shape[2]
     factor = height // h
@@ -126,10 +131,7 @@ def labels_in_row_bands(logits: Tensor, size, crop, band_mb: float) -> Tensor:
                          device=logits.device)
     for start in range(top, height - bottom, rows):
         stop = min(height - bottom, start + rows)
-        lo, hi = max(0, start // factor - 1), min(h, -(-stop // factor) + 1)
-        band = F.interpolate(logits[:, :, lo:hi], size=((hi - lo) * factor, width),
-                             mode='bilinear', align_corners=False)
-        band = band[:, :, start - lo * factor:stop - lo * factor, left:width - right]
+        band = resized_rows(logits, start, stop, factor, width)[..., left:width - right]
         labels[:, start - top:stop - top] = band.argmax(dim=1)
         del band
     return labels
