@@ -129,7 +129,7 @@ def example_figure(config, ckpt, png):
     labels and seed 0's predictions whole-image and with the sliding window
     (``mmseg.apis.inference_model``), side by side."""
     import numpy as np
-    from mmengine import Config
+    from mmengine import Config, ConfigDict
     from mmseg.apis import inference_model, init_model
     from PIL import Image
     from shapes_world.shapes_seg import ShapesCityscapesDataset
@@ -142,11 +142,11 @@ def example_figure(config, ckpt, png):
     palette = np.array(ShapesCityscapesDataset.METAINFO['palette'], dtype=np.uint8)
     panels = [('image', np.asarray(Image.open(image).convert('RGB'))),
               ('labels', palette[np.asarray(Image.open(truth))])]
+    model = init_model(cfg, ckpt, device='cpu')
     for title, test_cfg in (('whole image', dict(cfg.model.test_cfg)),
                             ('sliding window 256', dict(mode='slide', crop_size=CROP,
                                                         stride=STRIDE))):
-        cfg.model.test_cfg = test_cfg
-        model = init_model(cfg, ckpt, device='cpu')
+        model.test_cfg = ConfigDict(test_cfg)  # LeanEncoderDecoder reads it at each predict
         labels = inference_model(model, image).pred_sem_seg.data[0].numpy()
         panels.append((title, palette[labels]))
     import matplotlib
