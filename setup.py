@@ -24,7 +24,10 @@ setup(
     # numpy 1.x, as tools/install.sh pins it: mmcv 2.1 / mmdet 3.3 / mmseg 1.2 were built and
     # tested against it. Checkpoints written under numpy 2 still load (both pickled names are
     # allow-listed, see xcit_mm/utils/checkpoint_io.py).
-    install_requires=['mmengine>=0.10,<0.11', 'numpy>=1.23,<2'],
+    # safetensors files and hf-hub: names (xcit_mm/models/utils/safetensors_io.py): the calls and
+    # error classes used exist from these releases on; tools/install.sh pins the ones tested.
+    install_requires=['mmengine>=0.10,<0.11', 'numpy>=1.23,<2', 'safetensors>=0.4.3',
+                      'huggingface_hub>=0.23'],
     # ONNX export and its ONNX Runtime check (tools/deployment/export_onnx.py): releases that
     # install with numpy 1.x (see tools/install.sh).
     extras_require={'onnx': ['onnx==1.17.0', 'onnxruntime==1.20.1']},

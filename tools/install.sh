@@ -21,6 +21,10 @@
 #   onnxruntime==1.20.1  releases that install with numpy 1.26 (checked; onnx 1.23 needs
 #                        ml_dtypes>=0.5.4, which needs numpy 2). Resolved in the same pip call as
 #                        numpy<2, so the pin holds; xcit_mm imports without them.
+#   safetensors==0.8.0  safetensors files and `hf-hub:OWNER/NAME` weights (timm's XCiT on the
+#   huggingface_hub==2.4.0  Hugging Face Hub; xcit_mm/models/utils/safetensors_io.py). Neither needs
+#                        numpy (checked with numpy 1.26, Python 3.11; huggingface_hub 2.x needs
+#                        Python >= 3.10); imported only when such a file or name is read.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -41,7 +45,8 @@ step "3/6 runtime dependencies of mmengine/mmcv/mmdet/mmseg/mmpretrain"
 pipi "numpy<2" "opencv-python-headless>=4.8,<4.11" mmengine==0.10.7 \
     pycocotools shapely scipy terminaltables tqdm six prettytable ftfy regex \
     einops importlib-metadata mat4py matplotlib model-index rich \
-    scikit-image pytest pytest-xdist onnx==1.17.0 onnxruntime==1.20.1 psutil seaborn
+    scikit-image pytest pytest-xdist onnx==1.17.0 onnxruntime==1.20.1 psutil seaborn \
+    safetensors==0.8.0 huggingface_hub==2.4.0
 
 step "4/6 mmcv 2.1.0 with ops (skipped when mmcv.ops already imports)"
 if "$PY" -c "import mmcv, mmcv.ops; assert mmcv.__version__ == '2.1.0'" 2>/dev/null; then
@@ -58,10 +63,11 @@ step "6/6 xcit_mm (editable)"
 pipi --no-deps --no-build-isolation -e .
 
 "$PY" - <<'PY'
-import numpy, onnx, onnxruntime, psutil, seaborn
+import numpy, onnx, onnxruntime, psutil, seaborn, safetensors, huggingface_hub
 import torch, mmcv, mmcv.ops, mmengine, mmdet, mmseg, mmpretrain, xcit_mm
 print('installed: numpy', numpy.__version__, '| onnx', onnx.__version__, '| onnxruntime',
-      onnxruntime.__version__)
+      onnxruntime.__version__, '| safetensors', safetensors.__version__, '| huggingface_hub',
+      huggingface_hub.__version__)
 print('installed: torch', torch.__version__, '| mmengine', mmengine.__version__,
       '| mmcv', mmcv.__version__, '| mmdet', mmdet.__version__, '| mmseg', mmseg.__version__,
       '| mmpretrain', mmpretrain.__version__, '| xcit_mm', xcit_mm.__version__)

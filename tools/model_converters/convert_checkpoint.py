@@ -15,6 +15,15 @@ segmentor (backbone renamed, neck and heads kept) for ``tools/test.py CONFIG DST
         mask_rcnn_s12_p8.pth --full-model
 
 (``tools/test.py`` also reads the released files as downloaded; converting is optional.)
+
+SRC may also be a safetensors file or a Hugging Face Hub name (``hf-hub:OWNER/NAME[@REVISION]``,
+e.g. ``hf-hub:timm/xcit_small_12_p16_384.fb_dist_in1k``). ``--format safetensors`` (the default
+for a DST ending in ``.safetensors``) writes the same layout as safetensors, a format that cannot
+carry code; ``meta`` goes into its string metadata, one JSON string per entry (``dataset_meta``,
+``layout``, ``source``; tuples come back as lists):
+
+    python tools/model_converters/convert_checkpoint.py hf-hub:timm/xcit_nano_12_p16_224.fb_in1k \
+        xcit_n12_p16.safetensors
 """
 import argparse
 import os
@@ -28,12 +37,14 @@ from xcit_mm.models import arch_zoo  # noqa: E402
 from xcit_mm.models.utils import (CheckpointError, LayoutError,  # noqa: E402
                                   convert_backbone_state_dict, convert_model_state_dict,
                                   extract_state_dict, load_checkpoint_file)
+from xcit_mm.models.utils.safetensors_io import (SUFFIX, is_hub_name,  # noqa: E402
+                                                 save_safetensors)
 from training_extras.hooks.portable_checkpoint_hook import to_plain_data  # noqa: E402
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('src', help='checkpoint to convert (path or URL)')
+    parser.add_argument('src', help='checkpoint to convert (path, URL or hf-hub:OWNER/NAME)')
     parser.add_argument('dst', help='where to write the xcit_mm checkpoint')
     parser.add_argument('--prefix', default=None,
                         help="sub-module to take, e.g. 'backbone.' (default: auto)")
@@ -44,6 +55,9 @@ def parse_args(argv=None):
     parser.add_argument('--arch', default=None, choices=sorted(arch_zoo),
                         help='check the result loads into this arch')
     parser.add_argument('--patch-size', type=int, default=16, choices=(8, 16))
+    parser.add_argument('--format', default=None, choices=('pth', 'safetensors'),
+                        help='file format of DST (default: safetensors for a DST ending in '
+                             '.safetensors, else pth)')
     return parser.parse_args(argv)
 
 
@@ -70,8 +84,14 @@ def main(argv=None):
     # is kept, as plain data, so that the file opens with torch's weights_only loading.
     meta = checkpoint.get('meta') if isinstance(checkpoint, dict) else None
     meta = to_plain_data(dict(meta)) if isinstance(meta, dict) else {}
-    meta.update(source=os.path.basename(str(args.src)), layout=info['layout'])
-    torch.save({'state_dict': converted, 'meta': meta}, args.dst)
+    source = str(args.src) if is_hub_name(args.src) else os.path.basename(str(args.src))
+    meta.update(source=source, layout=info['layout'])
+    fmt = args.format or ('safetensors' if args.dst.lower().endswith(SUFFIX) else 'pth')
+    left_out = []
+    if fmt == 'safetensors':
+        left_out = save_safetensors(converted, args.dst, meta)
+    else:
+        torch.save({'state_dict': converted, 'meta': meta}, args.dst)
     n_params = sum(v.numel() for k, v in backbone.items() if 'num_batches' not in k)
     print(f'{args.src}: {info["layout"]} layout, {len(raw)} tensors')
     print(f'  kept      {len(backbone)} backbone tensors ({n_params / 1e6:.2f}M values)')
@@ -84,7 +104,9 @@ def main(argv=None):
     if args.arch:
         print(f'  verified  loads into XCiTBackbone(arch={args.arch!r}, '
               f'patch_size={args.patch_size})')
-    print(f'wrote {args.dst}')
+    if left_out:
+        print(f'  dropped   meta entries that are not JSON data: {left_out}')
+    print(f'wrote {args.dst} ({fmt})')
 
 
 if __name__ == '__main__':

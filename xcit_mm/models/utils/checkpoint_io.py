@@ -5,15 +5,18 @@ One reader, one error class (:class:`CheckpointError`), one message per kind of 
 - a missing file, an unsupported ``scheme://``, a failed download;
 - a file that is not a PyTorch checkpoint at all (an HTML error page saved as ``.pth``, a text
   file): named as such, with its first bytes;
+- safetensors files (by their header, or a ``.safetensors`` name) and Hugging Face Hub names
+  (``hf-hub:OWNER/NAME[@REVISION]``) are read by :mod:`.safetensors_io`, which unpickles nothing,
+  into the same ``{'state_dict': ..., 'meta': ...}`` a ``.pth`` checkpoint holds;
 - a truncated or corrupt checkpoint (a killed job, a full disk);
 - a checkpoint that holds pickled Python objects beyond tensors and mmengine's own training
   state: refused, nothing is executed, and the way out is named.
 
 Files are read with ``torch.load(weights_only=True)``, with the pure-data types of mmengine's
 training state allow-listed (:mod:`.safe_unpickling`). :func:`load_from_weights_only` serves
-mmengine's ``CheckpointLoader`` for local paths and URLs, so every door (``load_from``,
-``--resume``, ``init_detector``, the inferencers, the upstream ``tools/test.py``) reads through
-here and reports the same clear errors.
+mmengine's ``CheckpointLoader`` for local paths, URLs and ``hf-hub:`` names, so every door
+(``load_from``, ``--resume``, ``init_detector``, the inferencers, the upstream ``tools/test.py``)
+reads through here and reports the same clear errors.
 
 URLs are downloaded once into torch's hub cache (the file mmengine would have downloaded) and
 then read like local files: nothing downloaded is ever unpickled unsafely.
@@ -31,6 +34,8 @@ from urllib.parse import urlparse
 import torch
 
 from .safe_unpickling import allow_training_state
+from .safetensors_io import (HUB_PREFIXES, check_hub_model_is_xcit, download_from_hub,
+                             hub_copy_advice, is_hub_name, is_safetensors, read_safetensors)
 
 _URL = re.compile(r'^https?://')
 _ZIP_MAGIC = b'PK\x03\x04'
@@ -42,8 +47,11 @@ class CheckpointError(RuntimeError):
 
 
 def is_url(path: str) -> bool:
-    """True for http(s) URLs."""
-    return bool(_URL.match(str(path)))
+    """True for a name fetched over the network: an http(s) URL or an ``hf-hub:`` name.
+
+    Callers check such names after the cheaper local checks, and do not look for a local file.
+    """
+    return bool(_URL.match(str(path))) or is_hub_name(path)
 
 
 def _scheme(path: str) -> Optional[str]:
@@ -97,17 +105,23 @@ def _downloaded(path: str, url: Optional[str]) -> Tuple[str, str]:
     """How a message names a file, and for a download the way to get a fresh copy."""
     if url is None:
         return path, ''
+    if is_hub_name(url):
+        return f'{url}, cached at {path}', hub_copy_advice(url)
     return (f'{url}, downloaded to {path}',
             f' The download is cached and the next run would read the same copy: delete {path} '
             f'and run again, or download the file yourself and pass the local path.')
 
 
+def _is_torch_file(head: bytes) -> bool:
+    """A PyTorch checkpoint by its first bytes (zip or legacy pickle), even one cut short."""
+    return bool(head.startswith(_ZIP_MAGIC) or (head and head[0] == _PICKLE_PROTO)
+                or (head and _ZIP_MAGIC.startswith(head)))
+
+
 def _not_a_checkpoint(path: str, what: str, head: bytes,
                       url: Optional[str] = None) -> Optional[str]:
     """A message if ``path`` is not a PyTorch checkpoint by its first bytes, else None."""
-    if head.startswith(_ZIP_MAGIC) or (head and head[0] == _PICKLE_PROTO):
-        return None
-    if head and _ZIP_MAGIC.startswith(head):  # a zip checkpoint cut within its first 4 bytes
+    if _is_torch_file(head):
         return None
     size = osp.getsize(path)
     shown = head.decode('utf-8', 'replace').replace('\n', ' ').strip()
@@ -115,7 +129,7 @@ def _not_a_checkpoint(path: str, what: str, head: bytes,
     name, fresh = _downloaded(path, url)
     return (f'{what} {name} ({size} bytes) is not a PyTorch checkpoint (it {start}). A failed '
             f'download often saves an HTML error page or a text message under the .pth name: '
-            f'download the file again, or check the path.{fresh}')
+            f'download the file again, or check the path. (Nor is it a safetensors file.){fresh}')
 
 
 def _importable(dotted: str) -> bool:
@@ -154,7 +168,7 @@ def _unsafe_message(path: str, what: str, error: Exception) -> str:
 
 # ---------------------------------------------------------------------------- every door
 def load_from_weights_only(filename: str, map_location=None):
-    """mmengine's ``CheckpointLoader`` backend for local paths and http(s) URLs.
+    """mmengine's ``CheckpointLoader`` backend for local paths, http(s) URLs and ``hf-hub:`` names.
 
     The same reader as ours, hence the same refusals and messages, wherever mmengine loads:
     ``load_from``, ``--resume``, ``init_detector`` / ``init_model``, the inferencers, the upstream
@@ -180,15 +194,15 @@ def install_checkpoint_reader() -> None:
 
     - torch's ``weights_only`` allow-list gains mmengine's pure-data training state
       (:mod:`.safe_unpickling`), for every ``torch.load`` of the process;
-    - mmengine's ``CheckpointLoader`` reads local paths and http(s) URLs with
-      :func:`load_from_weights_only`;
+    - mmengine's ``CheckpointLoader`` reads local paths, http(s) URLs and ``hf-hub:`` names with
+      :func:`load_from_weights_only` (safetensors files too, by their header);
     - a script (mmdet's / mmseg's ``tools/test.py``, ours) that stops on a
       :class:`CheckpointError` prints its message as one line, ``error: ...``, not a traceback;
       every other exception is reported by the previous ``sys.excepthook`` as before.
     """
     from mmengine.runner import CheckpointLoader
     allow_training_state()
-    CheckpointLoader.register_scheme(prefixes=('', 'http://', 'https://'),
+    CheckpointLoader.register_scheme(prefixes=('', 'http://', 'https://') + HUB_PREFIXES,
                                      loader=load_from_weights_only, force=True)
     if not getattr(sys.excepthook, 'reports_checkpoint_errors', False):
         sys.excepthook = _report_in_one_line(sys.excepthook)
@@ -208,12 +222,15 @@ def _corrupt_message(path: str, what: str, error: Exception, url: Optional[str] 
 
 
 def resolve_checkpoint_path(path: str, what: str = 'checkpoint') -> str:
-    """The local file for ``path``: itself, or the hub-cache copy of a downloaded URL.
+    """The local file for ``path``: itself, the hub-cache copy of a downloaded URL, or the
+    Hugging Face cache's copy of an ``hf-hub:`` name's ``model.safetensors``.
 
     Raises:
         CheckpointError: for a missing file, a failed download, or another ``scheme://``.
     """
     scheme = _scheme(path)
+    if is_hub_name(path):
+        return download_from_hub(path, what)
     if is_url(path):
         return download_checkpoint(path)
     if scheme is not None:
@@ -233,7 +250,7 @@ def load_checkpoint_file(path: str, what: str = 'checkpoint', weights_only: bool
     """Read a checkpoint file or URL, never running pickled code unless opted in.
 
     Args:
-        path (str): Local path or http(s) URL.
+        path (str): Local path, http(s) URL or ``hf-hub:OWNER/NAME[@REVISION]``.
         what (str): How messages name the file, e.g. ``'load_from checkpoint'``.
         weights_only (bool): Keep ``True`` for downloaded or shared files. ``False`` unpickles
             arbitrary objects and so can run code: only for files you trust.
@@ -241,20 +258,26 @@ def load_checkpoint_file(path: str, what: str = 'checkpoint', weights_only: bool
         mmap (bool): Memory-map a zip checkpoint (cheap checks that do not read the tensors).
 
     Returns:
-        The unpickled object (normally a dict).
+        The unpickled object (normally a dict); for safetensors ``{'state_dict', 'meta'}``.
 
     Raises:
         CheckpointError: naming the file, the problem and the fix.
     """
     local = resolve_checkpoint_path(path, what)
-    return _read_local(local, what, weights_only, map_location, mmap,
-                       url=path if is_url(path) else None)
+    checkpoint = _read_local(local, what, weights_only, map_location, mmap,
+                             url=path if is_url(path) else None)
+    if is_hub_name(path):
+        check_hub_model_is_xcit(path, checkpoint)
+    return checkpoint
 
 
 def _read_local(local: str, what: str, weights_only: bool = True, map_location='cpu',
                 mmap: bool = False, url: Optional[str] = None):
     """:func:`load_checkpoint_file` of a local file; ``url``: where it was downloaded from."""
     head = _first_bytes(local)
+    if not _is_torch_file(head) and is_safetensors(local, head):
+        name, fresh = _downloaded(local, url)
+        return read_safetensors(local, f'{what} {name}', map_location, fresh)
     problem = _not_a_checkpoint(local, what, head, url)
     if problem:
         raise CheckpointError(problem)
@@ -291,20 +314,23 @@ def check_checkpoint(path: str, what: str = 'checkpoint', kind: str = 'weights')
     """Check that ``path`` is a readable, safe checkpoint of the expected kind, before any work.
 
     Args:
-        path (str): Local path or http(s) URL.
+        path (str): Local path, http(s) URL or ``hf-hub:`` name.
         what (str): How the message names the file (e.g. ``'--resume checkpoint'``).
         kind (str): ``'weights'``: a dict holding a ``state_dict`` (or tensors directly), what
             ``load_from`` and testing need; ``'resume'``: a training checkpoint written by the
             Runner (``meta`` with the iteration/epoch, ``state_dict``, ``optimizer``).
 
     Returns:
-        str: The local file to give the Runner: ``path`` itself, or the downloaded copy of a URL.
+        str: The local file to give the Runner: ``path`` itself, or the downloaded copy of a URL
+        or Hub name.
 
     Raises:
         CheckpointError: see :func:`load_checkpoint_file`, or a file not of ``kind``.
     """
     local = resolve_checkpoint_path(path, what)
     checkpoint = _read_local(local, what, mmap=True, url=path if is_url(path) else None)
+    if is_hub_name(path):
+        check_hub_model_is_xcit(path, checkpoint)
     if kind == 'resume':
         meta = checkpoint.get('meta') if isinstance(checkpoint, dict) else None
         if not (isinstance(meta, dict) and 'iter' in meta and 'epoch' in meta

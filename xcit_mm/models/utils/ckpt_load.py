@@ -31,7 +31,7 @@ TASK_HEADS = {
 _FOREIGN_BACKBONES = [
     (re.compile(r'(^|\.)stages\.\d+\.blocks\.\d+\.attn\.w_msa\.'), 'a Swin Transformer'),
     (re.compile(r'(^|\.)layer[1-4]\.\d+\.conv1\.'), 'a ResNet'),
-    (re.compile(r'(^|\.)(layers|blocks)\.\d+\.attn\.qkv\.') , 'a ViT / DeiT'),
+    (re.compile(r'(^|\.)(layers|blocks)\.\d+\.attn\.qkv\.'), 'a ViT / DeiT'),
 ]
 _CLASSIFIER_ROOT = re.compile(r'^(blocks\.|cls_token|cls_attn_blocks\.|pos_embeder\.|head\.)')
 

@@ -1,0 +1,299 @@
+"""safetensors files and Hugging Face Hub names, for the one checkpoint reader.
+
+safetensors holds tensors and string metadata only, so reading one runs no code: nothing on this
+path is unpickled. :mod:`.checkpoint_io` hands a file here when its first bytes are a safetensors
+header (or its name ends in ``.safetensors``), and a name ``hf-hub:OWNER/NAME[@REVISION]`` (timm's
+spelling) to :func:`download_from_hub`, which fetches the repository's ``model.safetensors``
+through ``huggingface_hub`` (its cache, ``HF_HUB_CACHE`` / ``HF_HOME``, and ``HF_HUB_OFFLINE``).
+Both come back as a checkpoint dict, ``{'state_dict': tensors, 'meta': meta}``, so every door that
+reads ``.pth`` files reads these the same way.
+
+Metadata: xcit_mm writes each top-level ``meta`` entry (``dataset_meta``, ``layout``, ...) as a
+JSON string under its own key, next to the ``'format': 'pt'`` entry other tools expect; reading
+decodes every entry that is JSON (JSON has no tuples: they come back as lists).
+
+``huggingface_hub`` and ``safetensors`` are imported only when such a file or name is read.
+"""
+import json
+import os.path as osp
+import re
+import struct
+from collections import OrderedDict
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+SUFFIX = '.safetensors'
+HUB_PREFIXES = ('hf-hub:', 'hf_hub:')
+HUB_FILENAME = 'model.safetensors'
+HUB_EXAMPLE = 'hf-hub:timm/xcit_small_12_p16_384.fb_dist_in1k'
+_FORMAT_KEY = 'format'
+_HEADER_LIMIT = 100_000_000  # safetensors refuses larger headers
+_REPO_ID = re.compile(r'^[\w.-]+/[\w.-]+$')
+
+
+def is_hub_name(path) -> bool:
+    """True for ``hf-hub:OWNER/NAME[@REVISION]`` (``hf_hub:`` too, as timm accepts)."""
+    return str(path).startswith(HUB_PREFIXES)
+
+
+def looks_like_safetensors(head: bytes) -> bool:
+    """A safetensors header by its first bytes: an 8-byte little-endian length, then JSON."""
+    if len(head) < 9 or head[8:9] != b'{':
+        return False
+    return 2 <= struct.unpack('<Q', head[:8])[0] <= _HEADER_LIMIT
+
+
+def is_safetensors(path: str, head: bytes) -> bool:
+    """Read as safetensors: by content, or by name when the content is no known format."""
+    return looks_like_safetensors(head) or str(path).lower().endswith(SUFFIX)
+
+
+# ---------------------------------------------------------------------------- reading
+def _decode(value: str):
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _device(map_location) -> str:
+    """safetensors takes a device name; a callable or dict map_location reads to the CPU."""
+    if isinstance(map_location, (str, torch.device)):
+        return str(torch.device(map_location))
+    return 'cpu'
+
+
+def read_safetensors(path: str, name: str, map_location='cpu',
+                     fresh: str = '') -> Dict[str, object]:
+    """``{'state_dict': tensors, 'meta': decoded metadata}`` of a safetensors file.
+
+    Args:
+        path (str): The local file.
+        name (str): How messages name it (``'checkpoint X'``, or the Hub name and its cache).
+        fresh (str): How to get a fresh copy of a downloaded file, appended to the messages.
+
+    Raises:
+        CheckpointError: for a file that is not safetensors, or is truncated or corrupt.
+    """
+    from .checkpoint_io import CheckpointError
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise CheckpointError(f'{name} is a safetensors file: reading it needs the safetensors '
+                              f'package: pip install safetensors (tools/install.sh installs '
+                              f'it).') from None
+    try:
+        with safe_open(path, framework='pt', device=_device(map_location)) as f:
+            metadata = f.metadata() or {}
+            tensors = OrderedDict((key, f.get_tensor(key)) for key in f.keys())
+    except Exception as e:  # SafetensorError (a Rust error, no finer class), OSError
+        size = osp.getsize(path)
+        with open(path, 'rb') as f:
+            head = f.read(16)
+        if size > 8 and not looks_like_safetensors(head):
+            shown = head.decode('utf-8', 'replace').replace('\n', ' ').strip()
+            raise CheckpointError(
+                f'{name} ({size} bytes) is not a safetensors file (it starts with '
+                f'{shown[:12]!r}...). A failed download often saves an HTML error page or a text '
+                f'message under the file\'s name: download the file again, or check the '
+                f'path.{fresh}') from None
+        detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else ''
+        raise CheckpointError(
+            f'Cannot read {name} ({size} bytes): the safetensors file is truncated or corrupt '
+            f'({type(e).__name__}: {detail}). A file cut short while being downloaded or written '
+            f'looks like this: download or copy it again.{fresh}') from None
+    meta = {key: _decode(value) for key, value in metadata.items() if key != _FORMAT_KEY}
+    return {'state_dict': tensors, 'meta': meta}
+
+
+# ---------------------------------------------------------------------------- writing
+def _jsonable(value):
+    """``value`` as JSON data (tuples as lists, numpy and tensor values as numbers or lists)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, torch.Tensor) or hasattr(value, 'tolist'):  # numpy arrays and scalars
+        return value.tolist()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(type(value).__name__)
+
+
+def save_safetensors(state_dict: Dict[str, torch.Tensor], path: str,
+                     meta: Optional[dict] = None) -> List[str]:
+    """Write ``state_dict`` as safetensors, each ``meta`` entry as a JSON string.
+
+    Tensors that share memory (tied weights) are written as copies, as safetensors asks.
+
+    Returns:
+        list[str]: The ``meta`` entries that are not JSON data and were left out.
+    """
+    from safetensors.torch import save_file
+    metadata, left_out = {_FORMAT_KEY: 'pt'}, []
+    for key, value in (meta or {}).items():
+        try:
+            metadata[str(key)] = json.dumps(_jsonable(value))
+        except (TypeError, ValueError):
+            left_out.append(str(key))
+    tensors, seen = OrderedDict(), set()
+    for key, value in state_dict.items():
+        value = value.detach().contiguous()
+        storage = (value.untyped_storage().data_ptr(), value.device.type)
+        if storage in seen and value.numel():
+            value = value.clone()
+        seen.add(storage)
+        tensors[key] = value
+    save_file(tensors, path, metadata=metadata)
+    return left_out
+
+
+# ---------------------------------------------------------------------------- the Hub
+def parse_hub_name(name: str) -> Tuple[str, Optional[str]]:
+    """``'hf-hub:OWNER/NAME@REVISION'`` -> ``('OWNER/NAME', 'REVISION')`` (revision optional).
+
+    Raises:
+        CheckpointError: for a name that is not of that form.
+    """
+    from .checkpoint_io import CheckpointError
+    body = str(name).split(':', 1)[1]
+    repo_id, at, revision = body.partition('@')
+    if not _REPO_ID.match(repo_id) or (at and not revision):
+        raise CheckpointError(
+            f'{name} is not a Hugging Face Hub name: write hf-hub:OWNER/NAME or '
+            f'hf-hub:OWNER/NAME@REVISION (a branch, tag or commit), e.g. {HUB_EXAMPLE}.')
+    return repo_id, revision or None
+
+
+def _hub():
+    """huggingface_hub's download function, cache constants and error classes."""
+    from .checkpoint_io import CheckpointError
+    try:
+        import huggingface_hub
+        from huggingface_hub import constants, utils
+    except ImportError:
+        raise CheckpointError(
+            'Reading hf-hub: names needs the huggingface_hub package: pip install '
+            'huggingface_hub (tools/install.sh installs it).') from None
+    return huggingface_hub, constants, utils
+
+
+def _offline(constants) -> bool:
+    check = getattr(constants, 'is_offline_mode', None)
+    return bool(check() if callable(check) else constants.HF_HUB_OFFLINE)
+
+
+def hub_cache_folder(repo_id: str) -> str:
+    """Where huggingface_hub keeps ``repo_id``'s files (``HF_HUB_CACHE``, else ``HF_HOME/hub``)."""
+    _, constants, _ = _hub()
+    return osp.join(constants.HF_HUB_CACHE, 'models--' + repo_id.replace('/', '--'))
+
+
+def download_from_hub(name: str, what: str = 'checkpoint') -> str:
+    """The local copy of a Hub name's ``model.safetensors``, from huggingface_hub's cache or the
+    Hub (into that cache).
+
+    Raises:
+        CheckpointError: in one line naming the fix, when the file is neither cached nor
+            reachable, or the repository, revision or file does not exist.
+    """
+    from .checkpoint_io import CheckpointError
+    repo_id, revision = parse_hub_name(name)
+    hub, constants, errors = _hub()
+    at = f' at revision {revision!r}' if revision else ''
+    page = f'https://huggingface.co/{repo_id}'
+    try:
+        return hub.hf_hub_download(repo_id, HUB_FILENAME, revision=revision)
+    except errors.LocalEntryNotFoundError as e:  # neither cached nor reachable
+        why = ('HF_HUB_OFFLINE is set' if _offline(constants) else
+               f'the Hub could not be reached ({type(e.__cause__ or e).__name__})')
+        raise CheckpointError(
+            f'{what} {name}: {HUB_FILENAME} of {repo_id}{at} is not in the Hugging Face cache '
+            f'({constants.HF_HUB_CACHE}) and {why}. Download it once with network access '
+            f'(HF_HUB_OFFLINE unset), point HF_HUB_CACHE or HF_HOME at a cache that holds it, or '
+            f'download {HUB_FILENAME} yourself and pass its local path.') from None
+    except errors.RevisionNotFoundError:
+        raise CheckpointError(
+            f'{what} {name}: the repository {repo_id} has no revision {revision!r} (a branch, '
+            f'tag or commit). Check the part after "@" against {page}, or drop it for the '
+            f'default branch.') from None
+    except errors.GatedRepoError:
+        raise CheckpointError(
+            f'{what} {name}: {repo_id} is a gated repository. Accept its terms at {page}, then '
+            f'log in (hf auth login) or set HF_TOKEN.') from None
+    except errors.RepositoryNotFoundError:
+        raise CheckpointError(
+            f'{what} {name}: no repository {repo_id} on the Hugging Face Hub (or it is private). '
+            f'Check the name (OWNER/NAME as in {page}, e.g. {HUB_EXAMPLE}); for a private one, '
+            f'log in (hf auth login) or set HF_TOKEN.') from None
+    except errors.EntryNotFoundError:
+        raise CheckpointError(
+            f'{what} {name}: {repo_id}{at} has no {HUB_FILENAME}. xcit_mm reads only safetensors '
+            f'weights from the Hub (they carry no code); use a repository that has '
+            f'{HUB_FILENAME}, or download its weights and pass the local file.') from None
+    except errors.OfflineModeIsEnabled:
+        raise CheckpointError(
+            f'{what} {name}: HF_HUB_OFFLINE is set and {repo_id}{at} is not in the Hugging Face '
+            f'cache ({constants.HF_HUB_CACHE}). Unset HF_HUB_OFFLINE to download it, or point '
+            f'HF_HUB_CACHE or HF_HOME at a cache that holds it.') from None
+    except Exception as e:  # network, proxy, server errors: huggingface_hub's own message
+        detail = (str(e).strip().splitlines() or [''])[0][:300]
+        raise CheckpointError(
+            f'{what} {name}: cannot download {HUB_FILENAME} of {repo_id}{at} from the Hugging '
+            f'Face Hub ({type(e).__name__}: {detail}). Check the network, or download the file '
+            f'yourself and pass its local path.') from None
+
+
+def hub_copy_advice(name: str) -> str:
+    """How to replace a cached Hub file that turned out truncated or corrupt."""
+    repo_id, _ = parse_hub_name(name)
+    return (f' The Hub file is cached: delete {hub_cache_folder(repo_id)} and run again to '
+            f'download it afresh.')
+
+
+def _architecture(repo_id: str, revision: Optional[str]) -> Optional[str]:
+    """The architecture the repository's config.json names (timm's ``architecture``,
+    transformers' ``architectures`` / ``model_type``), or None if it has none at hand."""
+    hub, constants, _ = _hub()
+    try:
+        path = hub.try_to_load_from_cache(repo_id, 'config.json', revision=revision)
+        if not isinstance(path, str) and not _offline(constants):
+            path = hub.hf_hub_download(repo_id, 'config.json', revision=revision)
+        if not isinstance(path, str):
+            return None
+        with open(path) as f:
+            config = json.load(f)
+    except Exception:  # no config.json, no network, not JSON: the keys still tell
+        return None
+    if not isinstance(config, dict):
+        return None
+    found = config.get('architecture') or config.get('architectures') or config.get('model_type')
+    if isinstance(found, list):
+        found = found[0] if found else None
+    return str(found) if found else None
+
+
+def check_hub_model_is_xcit(name: str, checkpoint: dict) -> None:
+    """Raise unless a Hub checkpoint holds XCiT weights (any published layout, alone or as the
+    backbone of a whole model), naming what the repository holds instead."""
+    from .checkpoint_io import CheckpointError, extract_state_dict
+    from .ckpt_convert import LayoutError, convert_backbone_state_dict
+    from .ckpt_load import _kind_of_backbone
+    state_dict = extract_state_dict(checkpoint, name)
+    try:
+        convert_backbone_state_dict(state_dict)
+        return
+    except LayoutError:
+        pass
+    repo_id, revision = parse_hub_name(name)
+    architecture = _architecture(repo_id, revision)
+    kind = _kind_of_backbone(state_dict)
+    what = []
+    if architecture:
+        what.append(f'its config.json names the architecture {architecture!r}')
+    what.append(f'its weights look like {kind}' if kind else
+                f'its keys match no XCiT layout (first keys {list(state_dict)[:4]})')
+    raise CheckpointError(
+        f'{name} is not an XCiT model: {", ".join(what)}. Use the Hub name of an XCiT model '
+        f'(timm\'s are timm/xcit_*, e.g. {HUB_EXAMPLE}).')
