@@ -129,7 +129,7 @@ def _not_a_checkpoint(path: str, what: str, head: bytes,
     name, fresh = _downloaded(path, url)
     return (f'{what} {name} ({size} bytes) is not a PyTorch checkpoint (it {start}). A failed '
             f'download often saves an HTML error page or a text message under the .pth name: '
-            f'download the file again, or check the path. (Nor is it a safetensors file.){fresh}')
+            f'download the file again, or check the path.{fresh}')
 
 
 def _importable(dotted: str) -> bool:
