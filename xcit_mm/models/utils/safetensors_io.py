@@ -58,7 +58,7 @@ def _decode(value: str):
 
 
 def _device(map_location) -> str:
-    """safetensors takes a device name; a callable or dict map_location reads to the CPU."""
+    """The device ``map_location`` names; a callable or dict map_location keeps the CPU."""
     if isinstance(map_location, (str, torch.device)):
         return str(torch.device(map_location))
     return 'cpu'
@@ -84,7 +84,7 @@ def read_safetensors(path: str, name: str, map_location='cpu',
                               f'package: pip install safetensors (tools/install.sh installs '
                               f'it).') from None
     try:
-        with safe_open(path, framework='pt', device=_device(map_location)) as f:
+        with safe_open(path, framework='pt', device='cpu') as f:
             metadata = f.metadata() or {}
             tensors = OrderedDict((key, f.get_tensor(key)) for key in f.keys())
     except Exception as e:  # SafetensorError (a Rust error, no finer class), OSError
@@ -103,6 +103,9 @@ def read_safetensors(path: str, name: str, map_location='cpu',
             f'Cannot read {name} ({size} bytes): the safetensors file is truncated or corrupt '
             f'({type(e).__name__}: {detail}). A file cut short while being downloaded or written '
             f'looks like this: download or copy it again.{fresh}') from None
+    device = _device(map_location)
+    if device != 'cpu':  # outside the try: a device error is not a corrupt file
+        tensors = OrderedDict((key, value.to(device)) for key, value in tensors.items())
     meta = {key: _decode(value) for key, value in metadata.items() if key != _FORMAT_KEY}
     return {'state_dict': tensors, 'meta': meta}
 
