@@ -1,46 +1,26 @@
 #!/usr/bin/env python
 """CPU speed of GatherRoIAlign against mmcv's RoIAlign, forward and forward + backward.
 
-Cases (``--cases``, default all) are named RoI-pooling calls of Mask R-CNN on its stride-4 level
-(the finest FPN level, where mmdet's RoI extractor sends boxes under 112 px):
-
-* ``shapes_bbox`` / ``shapes_mask``: the shapes quick-start's box / mask branch, a (4, 64, 40, 40)
-  map (batch 4 of 160 px images), 128 / 32 RoIs, 7x7 / 14x14 output, ``sampling_ratio=2``.
-* ``coco_bbox`` / ``coco_mask``: COCO's box / mask branch, a (2, 256, 200, 304) map (batch 2 of
-  800x1216 images), 1024 / 128 RoIs, 7x7 / 14x14 output, ``sampling_ratio=0`` (adaptive, mmdet's
-  default).
-
-Inputs are deterministic (seeded ``torch.Generator``): a normal feature map, boxes with
-log-uniform sides of 8 to 112 px (the sizes mmdet maps to stride 4) placed uniformly inside the
-image, batch indices cycling over the batch, and a fixed normal weighting ``w`` of the output.
-Both implementations (``mmcv`` = ``mmcv.ops.RoIAlign``, ``gather`` =
-``xcit_mm.models.layers.GatherRoIAlign``; ``aligned=True``) first run once on the same inputs and
-the maximum absolute differences of their outputs and input gradients are recorded. Then, after
-``--warmup`` untimed calls, each of ``--repeats`` rounds times with ``time.perf_counter``
-
-* fwd: the forward under ``torch.no_grad()``;
-* fwd+bwd: the forward with a grad-requiring map plus ``(out * w).sum().backward()``;
-
-for both implementations, in an order alternating per round so that drifts of a shared machine
-hit both alike. Reported: medians in ms and speedup = mmcv median / gather median.
+Each case is a RoI-pooling call of Mask R-CNN on its stride-4 level (where mmdet's RoI extractor
+sends boxes under 112 px): the shapes quick-start's box / mask branch and COCO's, on seeded
+inputs. Both implementations first run on the same inputs (their largest output and gradient
+difference is recorded), then are timed in rounds whose order alternates, so that drifts of a
+shared machine hit both alike: medians, and speedup = mmcv / gather. docs/benchmark_shapes.md.
 
 Examples::
 
     python benchmarks/benchmark_roi_align.py      # all cases -> docs/benchmark/
-    python benchmarks/benchmark_roi_align.py --cases shapes_bbox --repeats 3 \\
-        --out-dir /tmp/rb
-    python benchmarks/benchmark_roi_align.py --markdown \\
-        docs/benchmark/roi_align_cpu.json                    # the table docs quote
+    python benchmarks/benchmark_roi_align.py --cases shapes_bbox --repeats 3 --out-dir /tmp/rb
+    python benchmarks/benchmark_roi_align.py --markdown docs/benchmark/roi_align_cpu.json
 """
 import argparse
-import csv
 import json
 import math
 import os
 import statistics
 import sys
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -108,9 +88,8 @@ def _timed(fn) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def measure(case: dict, repeats: int = 10, warmup: int = 2,
-            step: Optional[Callable[[], None]] = None) -> dict:
-    """Check agreement and time both implementations on one case; ``step`` runs per round."""
+def measure(case: dict, repeats: int = 10, warmup: int = 2) -> dict:
+    """Check agreement and time both implementations on one case."""
     feat, rois, weight = make_inputs(case)
     ops = build_ops(case)
     ref_out, ref_grad = _run(ops['mmcv'], feat, rois, weight, True)
@@ -127,8 +106,6 @@ def measure(case: dict, repeats: int = 10, warmup: int = 2,
         for impl in (IMPLS if r % 2 == 0 else IMPLS[::-1]):
             for kind in ('fwd', 'fwd_bwd'):
                 times[f'{impl}_{kind}_ms'].append(_timed(calls[impl, kind]))
-        if step:
-            step()
     med = {key: statistics.median(values) for key, values in times.items()}
     return dict(
         case=case['name'], map=list(case['map']), stride=case['stride'], rois=case['rois'],
@@ -151,21 +128,17 @@ def _cells(rec: dict) -> List[str]:
 
 
 def format_table(records: Sequence[dict]) -> str:
-    """Plain-text table of the records."""
     rows = [list(COLUMNS)] + [_cells(r) for r in records]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     return '\n'.join('  '.join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
 
 
 def markdown_table(records: Sequence[dict]) -> str:
-    """Markdown table of the records (what docs quote)."""
     lines = ['| ' + ' | '.join(COLUMNS) + ' |', '|' + '---|' * len(COLUMNS)]
     return '\n'.join(lines + ['| ' + ' | '.join(_cells(r)) + ' |' for r in records])
 
 
 def metadata(argv: Sequence[str]) -> dict:
-    """The benchmark library's run metadata (date, CPU, load average, torch...) plus mmcv's
-    version, this command line and the thread count."""
     import mmcv
 
     from xcit_benchmark.runner import run_metadata
@@ -177,16 +150,10 @@ def metadata(argv: Sequence[str]) -> dict:
 
 def write_outputs(records: Sequence[dict], meta: dict, out_dir: str, name: str) -> List[str]:
     """``<out_dir>/<name>.json`` (meta + records) and ``.csv`` (the scalar fields)."""
-    os.makedirs(out_dir, exist_ok=True)
-    json_path, csv_path = (os.path.join(out_dir, f'{name}.{ext}') for ext in ('json', 'csv'))
-    with open(json_path, 'w') as f:
-        json.dump(dict(meta=meta, records=list(records)), f, indent=1)
+    from xcit_benchmark.fresh_points import write_artifact
     fields = [k for k in records[0] if k != 'times'] if records else []
-    with open(csv_path, 'w', newline='') as f:
-        writer = csv.DictWriter(f, fields, extrasaction='ignore')
-        writer.writeheader()
-        writer.writerows({**r, 'map': 'x'.join(map(str, r['map']))} for r in records)
-    return [json_path, csv_path]
+    return write_artifact(os.path.join(out_dir, name), meta, records, fields, 'records',
+                          [{**r, 'map': 'x'.join(map(str, r['map']))} for r in records])
 
 
 def parse_args(argv: Optional[Sequence[str]], cases: Sequence[dict]) -> argparse.Namespace:
@@ -194,17 +161,15 @@ def parse_args(argv: Optional[Sequence[str]], cases: Sequence[dict]) -> argparse
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                 epilog=__doc__.split('\n\n', 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--cases', nargs='+', choices=names, default=names, metavar='NAME',
-                   help=f'cases to measure, from {", ".join(names)} (default: all)')
-    p.add_argument('--repeats', type=int, default=10, help='timed rounds (default: 10)')
-    p.add_argument('--warmup', type=int, default=2, help='untimed calls (default: 2)')
-    p.add_argument('--threads', type=int, default=None,
-                   help="torch.set_num_threads (default: torch's default)")
-    p.add_argument('--out-dir', default='docs/benchmark', help='(default: %(default)s)')
-    p.add_argument('--name', default='roi_align_cpu', help='file stem (default: %(default)s)')
-    p.add_argument('--quiet', action='store_true', help='no progress bar')
+    p.add_argument('--cases', nargs='+', choices=names, default=names, metavar='NAME')
+    p.add_argument('--repeats', type=int, default=10, help='timed rounds')
+    p.add_argument('--warmup', type=int, default=2, help='untimed calls')
+    p.add_argument('--threads', type=int, default=None, help='torch.set_num_threads')
+    p.add_argument('--out-dir', default='docs/benchmark')
+    p.add_argument('--name', default='roi_align_cpu', help='file stem')
+    p.add_argument('--quiet', action='store_true', help='no progress lines')
     p.add_argument('--markdown', metavar='JSON', default=None,
-                   help='only print the Markdown table of a saved JSON (no measuring)')
+                   help='print the Markdown table of a saved JSON (what the docs quote)')
     args = p.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0 or (args.threads is not None and args.threads < 1):
         p.error('need --repeats >= 1, --warmup >= 0 and --threads >= 1')
@@ -222,21 +187,11 @@ def main(argv: Optional[Sequence[str]] = None, cases: Sequence[dict] = CASES) ->
     if args.threads:
         torch.set_num_threads(args.threads)
     chosen = [c for name in dict.fromkeys(args.cases) for c in cases if c['name'] == name]
-    bar = None
-    if not args.quiet:
-        try:
-            from tqdm import tqdm
-            bar = tqdm(total=len(chosen) * args.repeats, file=sys.stderr, dynamic_ncols=True)
-        except ImportError:
-            pass
     records = []
     for case in chosen:
-        if bar is not None:
-            bar.set_description(case['name'])
-        records.append(measure(case, args.repeats, args.warmup,
-                               bar.update if bar is not None else None))
-    if bar is not None:
-        bar.close()
+        if not args.quiet:
+            print(f"measuring {case['name']}", file=sys.stderr)
+        records.append(measure(case, args.repeats, args.warmup))
     print(format_table(records))
     paths = write_outputs(records, metadata(argv), args.out_dir, args.name)
     print('wrote ' + ', '.join(paths))

@@ -1,5 +1,4 @@
-"""Tests of the benchmark library (xcit_benchmark) and its CLIs
-(benchmarks/benchmark.py, get_flops.py).
+"""Tests of the benchmark library (xcit_benchmark) and its CLI (benchmarks/benchmark.py).
 
 The measurements are checked against workloads whose cost is known without the code under test:
 
@@ -15,10 +14,11 @@ The committed results under docs/benchmark/ are made by this code, so they are n
 values here: they are only checked for being well-formed (their fields agree with each other,
 docs/benchmark.md quotes them, the N12 FLOPs rows are what the current code counts).
 
-One end-to-end command-line run (a fresh process, with its fresh memory-worker process), started
-with the module so that it runs on the second core meanwhile (``end_to_end_run``); the rest runs in
-this process, on one thread (plus two memory workers the guard test kills at once).  Real timings
-are only bounded from below: the machine is shared.
+Two fresh processes start with the module and run on the second core meanwhile: one end-to-end
+command-line run (with its own memory process) and one that measures known allocations with the
+memory method (``fresh_run``); the rest runs in this process, on one thread (plus two memory
+processes the guard test kills at once).  Real timings are only bounded from below: the machine
+is shared.
 
 mmpretrain's port is never loaded through the tools' loader in this process (its placeholder
 packages for ``mmpretrain.models`` would stay in ``sys.modules``): in-process tests get the port
@@ -33,7 +33,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -43,16 +42,26 @@ import torch.nn as nn
 
 from background import background_process
 
-import xcit_benchmark as lib
+from types import SimpleNamespace
+
+from xcit_benchmark import compare as lib_compare
 from xcit_benchmark import flops as lib_flops
 from xcit_benchmark import goals as lib_goals
 from xcit_benchmark import memory as lib_memory
 from xcit_benchmark import models as lib_models
+from xcit_benchmark import report as lib_report
 from xcit_benchmark import runner as lib_runner
+from xcit_benchmark import spec as lib_spec
 from xcit_benchmark import timing as lib_timing
 from xcit_benchmark import whole_model as lib_whole
 from xcit_benchmark.spec import SpecError, validate_spec
 from xcit_benchmark.timing import time_interleaved
+
+# the library's public names in one namespace
+lib = SimpleNamespace(**{name: getattr(module, name)
+                         for module in (lib_compare, lib_flops, lib_goals, lib_memory, lib_models,
+                                        lib_report, lib_runner, lib_spec, lib_timing)
+                         for name in dir(module) if not name.startswith('_')})
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, 'benchmarks', 'benchmark.py')
@@ -289,22 +298,20 @@ def test_committed_flops_report_is_well_formed(n12_flops_rows):
                                 else value), (new['setting'], key)
 
 
-def test_get_flops_counts_models(flops_tool, tmp_path, capsys):
-    out_dir = tmp_path / 'flops'
-    assert flops_tool.main(['--models', 'xcit_n12_p16_trunk', 'resnet50', '--resolutions', '224',
-                            '--out-dir', str(out_dir)]) == 0
-    text = capsys.readouterr().out
-    assert 'xcit_n12_p16_trunk' in text and 'wrote ' in text
-    with open(out_dir / 'model_flops.csv') as f:
+def test_flops_of_models_alone(bench, tmp_path, capsys, monkeypatch):
+    """``--no-time --no-mem``: FLOPs and parameters of any models at any sizes, nothing run."""
+    monkeypatch.setattr(lib_timing, 'MATMUL_SIZE', 64)  # the reference rate: not checked here
+    assert bench.main(['--models', 'xcit_n12_p16_trunk', 'resnet50', '--resolutions', '224',
+                       '--no-time', '--no-mem', '--quiet', '--out-dir', str(tmp_path),
+                       '--name', 'flops', '--no-plot']) == 0
+    assert 'wrote ' in capsys.readouterr().out
+    with open(tmp_path / 'flops.csv') as f:
         rows = {r['model']: r for r in csv.DictReader(f)}
     assert float(rows['xcit_n12_p16_trunk']['gmacs']) * 1e9 == pytest.approx(
         lib.analytic_trunk_macs('n12', 16, 224, 224), rel=0.05)
     # ResNet-50: 4.09 GMACs at 224 px with its classifier (published); this is the backbone
     assert float(rows['resnet50']['gmacs']) == pytest.approx(4.09, rel=0.02)
     assert float(rows['resnet50']['params_m']) == pytest.approx(23.5, rel=0.01)
-    with pytest.raises(SystemExit) as exc:
-        flops_tool.main(['--models', 'xcit_s13_p16'])
-    assert exc.value.code == 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,7 +347,7 @@ def test_unknown_model_is_an_argparse_error(bench, capsys):
 def test_with_cp_variants_and_compare_pairs():
     specs = [lib.parse_model(n) for n in ('xcit_s12_p16', 'mmpretrain_xcit_s12_p8')]
     pairs = []
-    out = lib.with_cp_variants(specs, 'both', pairs)
+    out = lib.variants(specs, 'both', pairs, '+cp')
     assert [s.name for s in out] == ['xcit_s12_p16', 'xcit_s12_p16+cp', 'mmpretrain_xcit_s12_p8']
     assert pairs == [('xcit_s12_p16+cp', 'xcit_s12_p16')]
     specs, pairs = lib.compare_pairs([lib.parse_model('xcit_s12_p8'), lib.parse_model('swin_t')])
@@ -510,24 +517,11 @@ def _check_csv_matches_records(rows, records, committed=False):
 # ---------------------------------------------------------------------------------------------
 # memory
 # ---------------------------------------------------------------------------------------------
-def _json_of_a_fresh_worker_process(script):
-    """What ``script`` prints last (JSON), run in a fresh single-threaded process with the memory
-    worker's malloc setting (as ``run_memory_worker`` starts it), ``benchmarks`` as its
-    first argument."""
-    import subprocess
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_='65536', OMP_NUM_THREADS='1')
-    proc = subprocess.run([sys.executable, '-c', script,
-                           os.path.join(ROOT, 'benchmarks')],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-KNOWN_ALLOCATION = """
+FRESH_SCRIPT = """
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from xcit_benchmark import memory
+from xcit_benchmark import memory, whole_model
 
 
 class KnownAllocation(torch.nn.Module):
@@ -544,21 +538,48 @@ def build(spec, device='cpu'):
 
 
 memory.build_model = build
-print(json.dumps([memory.worker_main(dict(
+worker = [memory.worker_main(dict(
     model='resnet50', resolution=res, batch=1, mode='inference', precision='fp32',
-    device='cpu', threads=1, mem_iters=2)) for res in (128, 256)]))
+    device='cpu', threads=1, mem_iters=2)) for res in (128, 256)]
+clock = whole_model.PartClock()
+clock.start()
+clock.mark('trunk')
+x = torch.ones(48 * 2 ** 20 // 4)
+clock.mark('neck')
+del x
+clock.mark('heads')
+parts = clock.parts(('trunk', 'adapter', 'neck', 'heads'))
+print(json.dumps(dict(worker=worker, part_clock={k: p for k, (_, p) in parts.items()})))
 """
 
 
-def test_memory_worker_measures_a_known_allocation():
-    """The memory method (a fresh process as the worker is, with its malloc setting: peak RSS
-    growth over the RSS after the build, warm-up, input and malloc_trim) sees a tensor allocated
-    by the call: 16 MiB at 128 px, 64 MiB at 256 px; not the 96 MiB the build allocated and
-    freed before. (In a long-lived pytest process the RSS also depends on what earlier tests
-    freed.)"""
-    results = _json_of_a_fresh_worker_process(KNOWN_ALLOCATION)
+@pytest.fixture(scope='module')
+def fresh_run(tmp_path_factory):
+    """What ``FRESH_SCRIPT`` prints, run in a fresh single-threaded process with the memory
+    process's malloc setting (as ``run_memory_worker`` starts it); started with the module, read
+    by the first test that needs it. (In a long-lived pytest process the RSS also depends on
+    what earlier tests freed: peaks of 0 were seen.)"""
+    out_dir = tmp_path_factory.mktemp('fresh')
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_='65536', OMP_NUM_THREADS='1')
+    with background_process([sys.executable, '-c', FRESH_SCRIPT, os.path.join(ROOT, 'benchmarks')],
+                            out_dir, env=env) as proc:
+        def result():
+            assert proc.wait(timeout=300) == 0, (out_dir / 'stderr.txt').read_text()[-2000:]
+            return json.loads((out_dir / 'stdout.txt').read_text().strip().splitlines()[-1])
+        yield result
+
+
+@pytest.fixture(scope='module', autouse=True)
+def _start_fresh_run(fresh_run):
+    """Starts ``fresh_run`` when the module starts."""
+
+
+def test_memory_worker_measures_a_known_allocation(fresh_run):
+    """The memory method (a fresh process, its malloc setting: peak RSS growth over the RSS
+    after the build, warm-up, input and malloc_trim) sees a tensor allocated by the call:
+    16 MiB at 128 px, 64 MiB at 256 px; not the 96 MiB the build allocated and freed before."""
     peaks = {}
-    for res, out in zip((128, 256), results):
+    for res, out in zip((128, 256), fresh_run()['worker']):
         assert out['status'] == 'ok' and out['mem_base_mb'] > 0
         assert 'MALLOC_MMAP_THRESHOLD_=65536' in out['mem_method']
         want = 256 * res * res * 4 / MIB
@@ -653,7 +674,7 @@ def test_run_goals_measures_the_spec_runs(monkeypatch):
     def figures(name, res, mode):  # a known, distinct figure per point
         return (len(name) + res / 64 + (mode == 'train')), (res / 100 + len(name) / 10)
 
-    def fake_run_points(points, opts, progress_factory=None, log=None):
+    def fake_run_points(points, opts, log=None):
         calls.append(([(s.name, r) for s, r in points], opts))
         records = []
         for s, r in points:
@@ -945,30 +966,12 @@ def mmap_every_tensor():
     """The whole-model worker's memory-pass malloc setting (every block of 64 KiB or more mapped
     and unmapped) in this pytest process for one test: with glibc's dynamic threshold a tensor
     can reuse resident pages that earlier tests freed, and the RSS does not grow."""
-    assert lib_memory._mallopt_mmap_threshold(65536)
+    assert lib_memory.mallopt_mmap_threshold(65536)
     yield
-    lib_memory._mallopt_mmap_threshold(32 * MIB)  # the ceiling of glibc's dynamic threshold
+    lib_memory.mallopt_mmap_threshold(32 * MIB)  # the ceiling of glibc's dynamic threshold
 
 
-PART_CLOCK_MEMORY = """
-import json, sys
-import torch
-sys.path.insert(0, sys.argv[1])
-from xcit_benchmark import whole_model
-
-clock = whole_model.PartClock()
-clock.start()
-clock.mark('trunk')
-x = torch.ones(48 * 2 ** 20 // 4)
-clock.mark('neck')
-del x
-clock.mark('heads')
-parts = clock.parts(('trunk', 'adapter', 'neck', 'heads'))
-print(json.dumps({k: p for k, (_, p) in parts.items()}))
-"""
-
-
-def test_part_clock_times_and_peaks_of_known_parts(monkeypatch):
+def test_part_clock_times_and_peaks_of_known_parts(monkeypatch, fresh_run):
     """Virtual clock, then (in a fresh process, as the worker is, with its malloc setting) a
     48 MiB tensor allocated in the neck: each part gets its own time, the trunk no memory, the
     neck the tensor (and the heads too: it was alive when they started); a part without a mark
@@ -987,7 +990,7 @@ def test_part_clock_times_and_peaks_of_known_parts(monkeypatch):
     assert {k: t for k, (t, _) in parts.items()} == pytest.approx(
         dict(trunk=0.002, adapter=0., neck=0.005, heads=0.001), rel=1e-9, abs=1e-12)
 
-    peaks = {k: p / MIB for k, p in _json_of_a_fresh_worker_process(PART_CLOCK_MEMORY).items()}
+    peaks = fresh_run()['part_clock']
     assert peaks['trunk'] < 4 and peaks['adapter'] == 0, peaks
     assert 47 <= peaks['neck'] <= 52 and 47 <= peaks['heads'] <= 52, peaks
 
@@ -1009,12 +1012,11 @@ def test_whole_model_worker_parts(tmp_path, capsys):
     the worker entry point (here in this process, its memory pass under the worker's 'live'
     malloc setting, which the fixture undoes afterwards): every part has a positive time, the
     parts add up to the step, the step's peak is the highest part peak."""
-    from xcit_benchmark import worker
     cfg = tmp_path / 'tiny_sem_fpn.py'
     cfg.write_text(TINY_WHOLE_CFG.format(
         base=os.path.join(ROOT, 'configs', 'sem_fpn_xcit_t12_p16_80k_ade20k.py')))
     capsys.readouterr()
-    assert worker.main([json.dumps(dict(kind='whole_model', config=str(cfg), mode='train',
+    assert lib_memory.main([json.dumps(dict(kind='whole_model', config=str(cfg), mode='train',
                                         height=64, width=64, batch=1, repeats=1, threads=None,
                                         mem_pass='live', work=None))]) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines()
@@ -1133,8 +1135,6 @@ def test_whole_model_ratios_are_medians_of_per_round_ratios(monkeypatch):
         pytest.approx((0.5, 0.4, 3.0))
     assert row['rounds'] == 3 and (row['subject_time_ms'], row['baseline_time_ms']) == (400., 300.)
     assert row['part_time_ratios'] == pytest.approx({'trunk': 4 / 3, 'neck': 4 / 3})
-    assert lib_whole.format_whole_ratios(rows).splitlines()[0] == \
-        'subj / base: time 0.50x (0.50-1.33), peak memory 0.50x (0.40-3.00), 3 rounds'
     assert lib_whole.whole_model_ratios(records[:1]) == []
 
 
@@ -1149,7 +1149,10 @@ def test_whole_model_failed_round_is_reported_and_left_out(monkeypatch):
     assert base['rounds_ok'] == 1 and base['time_ms'] == 200.
     (row,) = lib_whole.whole_model_ratios(records)
     assert row['rounds'] == 1 and row['time_ratios'] == [0.5]
-    assert 'round 2: oom' in lib_whole.format_whole_table(records)
+    text = lib.markdown_whole_model(dict(
+        meta=dict(whole_model=dict(mode='train', shape=[64, 64], batch=1), ratios=[row]),
+        records=records))
+    assert '| `base` | oom |' in text and '| `subj` / `base` | 0.50x (0.50-0.50)' in text
 
 
 def test_whole_model_cli_rounds_and_ratios(bench, monkeypatch, tmp_path, capsys):
@@ -1166,7 +1169,7 @@ def test_whole_model_cli_rounds_and_ratios(bench, monkeypatch, tmp_path, capsys)
                        '--out-dir', str(out), '--name', 'wm', '--quiet']) == 0
     assert len(calls) == 6
     text = capsys.readouterr().out
-    assert 'subj / base: time 0.50x (0.50-1.33), peak memory 0.50x (0.40-3.00), 3 rounds' in text
+    assert '| `subj` / `base` | 0.50x (0.50-1.33) | 0.50x (0.40-3.00) | 3 |' in text
     with open(out / 'wm.json') as f:
         data = json.load(f)
     assert data['meta']['whole_model']['rounds'] == 3
@@ -1184,16 +1187,20 @@ def test_whole_model_cli_rounds_and_ratios(bench, monkeypatch, tmp_path, capsys)
         assert exc.value.code == 2
 
 
-def test_the_user_entry_in_tools_runs_the_harness():
+def test_the_user_entry_in_tools_runs_the_harness(bench, capsys, monkeypatch):
     """tools/analysis_tools/benchmark.py is the harness (benchmarks/benchmark.py) with the same
-    command line: same output, same exit status."""
-    def run(script, *args):
-        return subprocess.run([sys.executable, os.path.join(ROOT, script), *args],
-                              capture_output=True, text=True, cwd=ROOT, timeout=120)
+    command line: same output, same exit status (run here as ``python`` would run it)."""
+    import runpy
+    tool = os.path.join(ROOT, 'tools', 'analysis_tools', 'benchmark.py')
 
-    entry = run('tools/analysis_tools/benchmark.py', '--list-models')
-    harness = run('benchmarks/benchmark.py', '--list-models')
-    assert entry.returncode == harness.returncode == 0, entry.stderr[-2000:]
-    assert entry.stdout == harness.stdout and 'xcit_' in entry.stdout
-    bad = run('tools/analysis_tools/benchmark.py', '--models', 'no_such_model')
-    assert bad.returncode != 0 and 'no_such_model' in bad.stdout + bad.stderr
+    def run(*argv):
+        monkeypatch.setattr(sys, 'argv', [tool, *argv])
+        monkeypatch.setattr(sys, 'path', list(sys.path))
+        with pytest.raises(SystemExit) as exc:
+            runpy.run_path(tool, run_name='__main__')
+        return exc.value.code, capsys.readouterr()
+
+    code, out = run('--list-models')
+    assert code == 0 and out.out == lib.list_models() + '\n' and 'xcit_' in out.out
+    code, out = run('--models', 'no_such_model')
+    assert code == 2 and 'no_such_model' in out.err

@@ -1,31 +1,20 @@
-"""``benchmarks/gpu/whole_image_cuda.py``: the order of its series, its budget points, and the
-GPU page quoting the committed artifact through ``--report`` (the run itself needs a GPU)."""
+"""``benchmarks/peak_memory.py`` on CUDA, where a GPU is not needed: the GPU page quotes the
+report of its committed artifact, whose budget points held (the run itself needs a GPU; its
+series, one process per (backbone, path), are run on the CPU in test_whole_image_inference.py)."""
 import json
 import os.path as osp
-import shutil
+import shlex
 import sys
 
-import pytest
-
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-sys.path.insert(0, osp.join(ROOT, 'benchmarks', 'gpu'))
-import whole_image_cuda as wic  # noqa: E402
+sys.path.insert(0, osp.join(ROOT, 'benchmarks'))
+import peak_memory as pm  # noqa: E402
 
 ARTIFACT = osp.join(ROOT, 'docs', 'results', 'whole_image_cuda_h200.json')
 
 
-def test_xcit_pair_then_its_budget_points_then_the_other_series():
-    args = wic.parse_args(['--backbones', 'xcit', 'uper', '--budgets', '8192:16000', '4096:4000'])
-    assert wic.series(args) == [('xcit', 'lean'), ('xcit', 'stock'), ('xcit', 'auto'),
-                                ('uper', 'lean'), ('uper', 'stock')]
-    assert args.budgets == [[8192, 16000], [4096, 4000]]
-    assert ('xcit', 'auto') not in wic.series(wic.parse_args(['--budgets']))
-
-
 def test_the_gpu_page_quotes_the_artifact_and_every_budget_held(tmp_path, capsys):
-    copy = tmp_path / 'art.json'
-    shutil.copy(ARTIFACT, copy)
-    wic.main(['--report', str(copy)])
+    pm.main(['--report', ARTIFACT, '--png', str(tmp_path / 'art.png')])
     tables = capsys.readouterr().out
     assert osp.getsize(tmp_path / 'art.png') > 10_000
     with open(osp.join(ROOT, 'docs', 'benchmark_gpu.md')) as f:
@@ -41,7 +30,18 @@ def test_the_gpu_page_quotes_the_artifact_and_every_budget_held(tmp_path, capsys
             or f"estimate {row['estimate_mb']}, peak {row['peak_growth_mb']}" in page
 
 
-@pytest.mark.parametrize('argv', [['--budgets', '8192'], ['--budgets', 'a:b']])
-def test_a_malformed_budget_point_is_a_usage_error(argv):
-    with pytest.raises(SystemExit):
-        wic.parse_args(argv)
+def test_run_points_sh_runs_this_script_on_cuda_with_the_page_s_points():
+    """benchmarks/gpu/run_points.sh passes the GPU page's points on to this script."""
+    with open(osp.join(ROOT, 'benchmarks', 'gpu', 'run_points.sh')) as f:
+        script = f.read()
+    command = script[script.index('"$PY" benchmarks/peak_memory.py') + 5:].split('"$@"')[0]
+    argv = []
+    for word in shlex.split(command.replace('\\\n', ' '))[1:]:
+        if '$' in word:  # an option whose value is the shell's: left out
+            argv.pop()
+        else:
+            argv.append(word)
+    args = pm.parse_args(pm.make_parser(), argv)
+    assert args.device == 'cuda' and args.paths == ['lean', 'stock', 'auto']
+    with open(ARTIFACT) as f:
+        assert args.budgets == json.load(f)['meta']['budgets']

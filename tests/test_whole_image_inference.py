@@ -1,199 +1,169 @@
-"""benchmarks/whole_image_inference.py: its skipping rule, its run loop and artifact, its
-children (stock and lean give the same output through the upstream doors), its command line,
-and the reports made from an artifact (``--markdown``, ``--plot``).
+"""benchmarks/peak_memory.py on the CPU: its skipping rule, its run loop, ``--update`` and its
+artifact, its children (stock, lean and bands outputs through the upstream doors, the budget and
+network paths, the parts), its command line and its reports of the committed artifacts.
 
-The children run small XCiTs (2 layers, 32 channels) through ``--config``-style overrides of the
-paper configs at 128 px, in this process; one end-to-end run of the script starts one fresh
-child. The run loop is driven by a stand-in runner, so the skipping after a large or a killed
-point is checked without measuring anything.
+The children run small XCiTs (2 layers, 32 channels) in the paper configs' necks, heads and
+pipelines, in this process; the run loop is driven by a stand-in runner. One run of the script
+(a fresh child process) starts with the module, in the background.
 """
 import argparse
 import csv
+import glob
+import io
 import json
 import os.path as osp
 import sys
 
 import pytest
 
+from background import background_process
+
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path.insert(0, osp.join(ROOT, 'benchmarks'))
-import whole_image_inference as wii  # noqa: E402
+import peak_memory as pm  # noqa: E402
 
-SMALL_XCIT = 'dict(_delete_=True, embed_dims=32, depth=2, num_heads=4)'  # base: a name
-SMALL_CONFIGS = {
-    'segmentor': """_base_ = [{base!r}]
+SMALL = """_base_ = [{base!r}]
 model = dict(
-    backbone=dict(arch={arch}, out_indices=(0, 0, 1, 1)),
+    backbone=dict(arch=dict(_delete_=True, embed_dims=32, depth=2, num_heads=4),
+                  out_indices=(0, 0, 1, 1)),
     neck=dict(in_channels=[32] * 4, out_channels=32),
-    decode_head=dict(in_channels=[32] * 4, channels=16))
-""",
-    'detector': """_base_ = [{base!r}]
-model = dict(
-    backbone=dict(arch={arch}, out_indices=(0, 0, 1, 1)),
-    neck=dict(in_channels=[32] * 4, out_channels=32),
-    rpn_head=dict(in_channels=32, feat_channels=32),
-    roi_head=dict(
-        bbox_roi_extractor=dict(out_channels=32),
-        bbox_head=dict(in_channels=32, fc_out_channels=64),
-        mask_roi_extractor=dict(out_channels=32),
-        mask_head=dict(in_channels=32, conv_out_channels=32)))
+"""
+SMALL_HEADS = {
+    'segmentor': 'decode_head=dict(in_channels=[32] * 4, channels=16))\n',
+    # fewer proposals: NMS over 1000 x 80 boxes would be most of the time
+    'detector': """rpn_head=dict(in_channels=32, feat_channels=32),
+    roi_head=dict(bbox_roi_extractor=dict(out_channels=32),
+                  bbox_head=dict(in_channels=32, fc_out_channels=64),
+                  mask_roi_extractor=dict(out_channels=32),
+                  mask_head=dict(in_channels=32, conv_out_channels=32)),
+    test_cfg=dict(rpn=dict(nms_pre=100, max_per_img=50), rcnn=dict(max_per_img=20)))
 """}
+RESULTS = osp.join(ROOT, 'docs', 'results')
+# one torch thread (the script's run has the other core) and a frozen heap (the measurement's
+# gc.collect() calls over a pytest process's heap would be most of the time): conftest.py
+pytestmark = pytest.mark.usefixtures('one_torch_thread', 'frozen_heap')
 
 
-def _small_config(tmp_path, task: str) -> str:
-    """A small XCiT in the paper config of ``task`` (same neck, heads, pipeline and doors)."""
-    path = tmp_path / f'small_{task}.py'
-    base = osp.join(ROOT, wii.CONFIGS[(task, 'xcit')])
-    path.write_text(SMALL_CONFIGS[task].format(base=base, arch=SMALL_XCIT))
-    return str(path)
+def _write_small(directory, task) -> str:
+    path = osp.join(directory, f'small_{task}.py')
+    with open(path, 'w') as f:
+        f.write(SMALL.format(base=osp.join(ROOT, pm.CONFIGS[(task, 'xcit')]))
+                + '    ' + SMALL_HEADS[task])
+    return path
+
+
+@pytest.fixture(scope='module')
+def small(tmp_path_factory):
+    """The small configs; the detector's also gives every detector its test settings."""
+    directory = tmp_path_factory.mktemp('small')
+    configs = {task: _write_small(str(directory), task) for task in pm.TASKS}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(pm.CONFIGS, ('detector', 'xcit'), configs['detector'])
+        yield configs
+
+
+@pytest.fixture(scope='module', autouse=True)
+def script_run(tmp_path_factory):
+    """``peak_memory.py`` end to end from another directory: one point of the small Semantic
+    FPN in a fresh child process, on the other core while the other tests run."""
+    out_dir = tmp_path_factory.mktemp('script')
+    config = _write_small(str(out_dir), 'segmentor')
+    cmd = [sys.executable, osp.join(ROOT, 'benchmarks', 'peak_memory.py'), '--tasks',
+           'segmentor', '--backbones', 'xcit', '--paths', 'lean', '--sizes', '64', '--config',
+           f'segmentor:xcit={config}', '--out', str(out_dir / 'run'), '--limit-gb', '8']
+    with background_process(cmd, out_dir, cwd=str(out_dir)) as proc:
+        yield proc, out_dir, config
 
 
 def test_skip_reason_extrapolates_by_the_pixels_and_stops_after_a_failure():
-    """A point is skipped when the previous size's RSS before the call plus its growth times the
-    pixel ratio passes the limit, and after any point that did not finish."""
-    assert wii.skip_reason(None, 1024, 20480) is None
+    """Skipped when the previous size's RSS before the call plus its growth times the pixel
+    ratio passes the limit, and after any point that did not finish."""
+    assert pm.skip_reason(None, 1024, 20480) == {}
     prev = dict(status='ok', size=2048, peak_growth_mb=4000, base_mb=700)
-    assert wii.skip_reason(prev, 4096, 20480) is None  # 700 + 4 x 4000 = 16700 MB
-    why = wii.skip_reason(prev, 4096, 16000)
-    assert why.startswith('not run: extrapolated peak RSS 16.3 GiB') and '4 x growth 4000' in why
-    assert wii.extrapolated_mb(prev, 4096) == 16000
-    # two sizes up: x16 the pixels
-    assert wii.skip_reason(dict(prev, size=1024), 4096, 65000) is None  # 700 + 64000
-    assert '16 x growth' in wii.skip_reason(dict(prev, size=1024), 4096, 64000)
-    for status in ('killed', 'error', 'skipped'):
-        assert wii.skip_reason(dict(status=status, size=4096), 8192, 10**9) == \
-            f'not run: {status} at 4096'
-        assert wii.extrapolated_mb(dict(status=status, size=4096), 8192) is None
+    assert pm.skip_reason(prev, 4096, 20480) == {}  # 700 + 4 x 4000 = 16700 MB
+    why = pm.skip_reason(prev, 4096, 16000)
+    assert why['note'].startswith('not run: extrapolated peak RSS 16.3 GiB')
+    assert '4 x growth 4000' in why['note'] and why['extrapolated_mb'] == 16000
+    assert '16 x growth' in pm.skip_reason(dict(prev, size=1024), 4096, 64000)['note']
+    assert pm.skip_reason(prev, 8192, None) == {}  # no limit: only failures stop
+    for status in ('killed', 'error', 'skipped', 'oom'):
+        assert pm.skip_reason(dict(status=status, size=4096), 8192, None) == \
+            dict(note=f'not run: {status} at 4096')
+
+
+def _args(**kw):
+    base = dict(limit_gb=10.0, timeout=99.0, out=None, note=None, tasks=['segmentor'],
+                backbones=['xcit'], paths=['stock', 'lean'], sizes=[1024], update=False,
+                pipeline='full', device='cpu', budgets=[], warmup=64, repeat_below_s=0.0,
+                parts=False, budget_s=float('inf'), grace_s=1.0, log=None)
+    return argparse.Namespace(**dict(base, **kw))
 
 
 def test_run_skips_in_size_order_and_writes_the_artifact(tmp_path):
-    """The run loop, with a stand-in for the fresh process: sizes in increasing order (lean
-    first), no process for a skipped point, the artifact (CSV columns, JSON rows and meta)
-    rewritten after each point and complete at the end."""
+    """The run loop with a stand-in child: sizes in increasing order (bands, lean, then stock),
+    no child for a skipped point, the artifact rewritten after each point and complete at the
+    end; budget points last, never skipped."""
     growth = {('lean', 1024): 300, ('lean', 2048): 1200, ('lean', 4096): 4800,
-              ('stock', 1024): 600, ('stock', 2048): 2000}
+              ('stock', 1024): 600, ('stock', 2048): 2000, ('auto', 4096): 900}
     calls = []
 
-    def runner(script, point, limit_bytes, timeout_s):
-        assert script == wii.__file__ and limit_bytes == 10 * 2**30 and timeout_s == 99
-        calls.append((point['task'], point['path'], point['size']))
+    def runner(group, spec, args, on_row):
+        (point,) = group
+        calls.append((point['path'], point['size']))
+        assert args.limit_gb == 10.0 and spec['device'] == 'cpu'
+        on_row(None, dict(device='cpu'))
         if (point['path'], point['size']) not in growth:
-            return dict(status='killed', note='rss: RSS 10.0 GiB after 1 s (limit 10.0 GiB)')
-        return dict(status='ok', peak_growth_mb=growth[(point['path'], point['size'])],
-                    base_mb=700, time_s=1.5, digest=f"d{point['size']}")
+            return on_row(dict(point, status='killed', note='rss'), None)
+        on_row(dict(point, status='ok', peak_growth_mb=growth[(point['path'], point['size'])],
+                    base_mb=700, time_s=1.5, digest=f"d{point['size']}"), None)
 
     out = str(tmp_path / 'art')
-    args = argparse.Namespace(limit_gb=10.0, timeout=99, out=out, note='test',
-                              tasks=['segmentor'], backbones=['xcit'], paths=['stock', 'lean'],
-                              sizes=[8192, 1024, 4096, 2048], update=False)
-    rows = wii.run(args, dict(wii.CONFIGS), runner=runner)
-    assert calls == [('segmentor', p, s) for s in (1024, 2048, 4096) for p in ('lean', 'stock')]
-    status = {(r['path'], r['size']): r['status'] for r in rows}
-    assert status == {('lean', 1024): 'ok', ('stock', 1024): 'ok', ('lean', 2048): 'ok',
-                      ('stock', 2048): 'ok', ('lean', 4096): 'ok', ('stock', 4096): 'killed',
-                      ('lean', 8192): 'skipped', ('stock', 8192): 'skipped'}
-    lean_8192, stock_8192 = rows[-2:]
-    assert lean_8192['extrapolated_mb'] == 4 * 4800 and '19.4 GiB' in lean_8192['note']
-    assert stock_8192['note'] == 'not run: killed at 4096' and 'extrapolated_mb' not in stock_8192
+    args = _args(out=out, sizes=[8192, 1024, 4096, 2048], paths=['stock', 'lean', 'auto'],
+                 budgets=[[4096, 2000]])
+    rows = pm.run(args, dict(pm.CONFIGS), runner=runner)
+    assert calls == [(p, s) for s in (1024, 2048, 4096) for p in ('lean', 'stock')] + \
+        [('auto', 4096)]
+    assert [(r['path'], r['size'], r['status']) for r in rows[-3:]] == \
+        [('lean', 8192, 'skipped'), ('stock', 8192, 'skipped'), ('auto', 4096, 'ok')]
+    assert rows[5]['status'] == 'killed' and rows[-2]['note'] == 'not run: killed at 4096'
+    assert rows[-3]['extrapolated_mb'] == 4 * 4800 and '19.4 GiB' in rows[-3]['note']
+    assert rows[-1]['max_memory'] == 2000 and all(r['point_wall_s'] >= 0 for r in rows)
     with open(out + '.csv') as f:
         table = list(csv.reader(f))
-    assert table[0] == wii.COLUMNS and len(table) == 9
-    assert table[1] == ['segmentor', 'xcit', 'lean', '1024', 'ok', '300', '1.5', 'd1024', '']
+    assert table[0] == ['task', 'backbone', 'path', 'size', 'max_memory', 'status',
+                        'peak_growth_mb', 'time_s', 'digest', 'note']
+    assert table[1] == ['segmentor', 'xcit', 'lean', '1024', '', 'ok', '300', '1.5', 'd1024', '']
     with open(out + '.json') as f:
         artifact = json.load(f)
     meta = artifact['meta']
+    assert meta['complete'] and meta['device_info'] == dict(device='cpu')
     assert {'cpu', 'threads', 'command', 'torch', 'limit_gb', 'configs'} <= set(meta)
-    assert meta['complete'] and meta['note'] == 'test' and meta['torch'][0].isdigit()
     assert meta['stock_equals_lean'] == {f'segmentor:xcit:{s}': True for s in (1024, 2048)}
     assert artifact['rows'] == json.loads(json.dumps(rows))
 
 
 def test_update_measures_some_points_again_and_keeps_the_others(tmp_path):
-    """``--update``: the rows of the artifact at ``--out`` that the run does not measure stay
-    (with the command that measured them), the others are replaced or added."""
+    """``--update``: the rows at ``--out`` that the run does not measure stay (with the command
+    that measured them), the others are replaced or added."""
     out = str(tmp_path / 'art')
 
-    def runner(script, point, limit_bytes, timeout_s):
-        return dict(status='ok', peak_growth_mb=point['size'] // 4, base_mb=700, time_s=1.0,
-                    digest=point['path'][0])
+    def runner(group, spec, args, on_row):
+        for p in group:
+            on_row(dict(p, status='ok', peak_growth_mb=p['size'] // 4, base_mb=7, time_s=1.0,
+                        digest=p['path'][0]), None)
 
-    def args(**kw):
-        return argparse.Namespace(**dict(dict(limit_gb=10.0, timeout=99, out=out, note=None,
-                                              tasks=['detector'], backbones=['xcit'],
-                                              paths=['stock', 'lean'], sizes=[1024, 2048],
-                                              update=False), **kw))
-
-    wii.run(args(), dict(wii.CONFIGS), runner=runner)
-    wii.run(args(paths=['bands', 'lean'], sizes=[2048, 4096], update=True), dict(wii.CONFIGS),
-            runner=runner)
+    pm.run(_args(out=out, tasks=['detector'], sizes=[1024, 2048]), pm.CONFIGS, runner)
+    pm.run(_args(out=out, tasks=['detector'], paths=['bands', 'lean'], sizes=[2048, 4096],
+                 update=True), pm.CONFIGS, runner)
     with open(out + '.json') as f:
         artifact = json.load(f)
-    points = sorted((r['path'], r['size']) for r in artifact['rows'])
-    assert points == [('bands', 2048), ('bands', 4096), ('lean', 1024), ('lean', 2048),
-                      ('lean', 4096), ('stock', 1024), ('stock', 2048)]
+    assert sorted((r['path'], r['size']) for r in artifact['rows']) == [
+        ('bands', 2048), ('bands', 4096), ('lean', 1024), ('lean', 2048), ('lean', 4096),
+        ('stock', 1024), ('stock', 2048)]
     meta = artifact['meta']
     assert len(meta['earlier_commands']) == 1 and meta['sizes'] == [1024, 2048, 4096]
     assert meta['stock_equals_lean'] == {'detector:xcit:1024': False,
                                          'detector:xcit:2048': False}
-    with pytest.raises(SystemExit) as exc:  # nothing to update
-        wii.main(['--update', '--out', str(tmp_path / 'none'), '--sizes', '1024'])
-    assert exc.value.code == 2
-
-
-@pytest.mark.parametrize('task', wii.TASKS)
-def test_children_stock_and_lean_give_the_same_output_at_full_resolution(task, tmp_path,
-                                                                         monkeypatch):
-    """The child of each path on a small XCiT in the paper config of ``task``, at 128 px through
-    the upstream door: it runs at the image size, stock and lean outputs have equal digests, the
-    detector keeps exactly 100 detections, and the figures are there."""
-    import xcit_mm.models.segmentors.lean_encoder_decoder as lean_segmentor
-    banded = []  # the segmentor's network in bands of rows: counted
-    real = lean_segmentor.semantic_fpn_in_bands
-    monkeypatch.setattr(lean_segmentor, 'semantic_fpn_in_bands',
-                        lambda *a: banded.append(a[-1]) or real(*a))
-    config = _small_config(tmp_path, task)
-    results = {}
-    for path in [p for p in wii.PATHS if p != 'bands' or (task, 'xcit') in wii.BANDED]:
-        point = dict(task=task, backbone='xcit', path=path, size=128, config=config)
-        results[path] = out = wii.child(point)
-        assert out['status'] == 'ok' and out['type'] == wii.MODEL_TYPES[(task, path)]
-        assert out['peak_growth_mb'] >= 0 and out['time_s'] >= 0 and out['base_mb'] > 0
-    stock, lean = results['stock'], results['lean']
-    assert stock['digest'] == lean['digest'] and len(lean['digest']) == 16
-    if task == 'segmentor':
-        assert lean['out_shape'] == [1, 128, 128] and stock['labels_sum'] == lean['labels_sum']
-        bands = results['bands']  # equal up to float rounding: the labels nearly so
-        assert banded[-1] == wii.BAND_MB and bands['out_shape'] == lean['out_shape']
-        assert abs(bands['labels_sum'] - lean['labels_sum']) <= 0.01 * lean['labels_sum']
-    else:
-        assert lean['out_shape'] == [100, 128, 128] and lean['num_dets'] == 100
-        assert stock['mask_pixels'] == lean['mask_pixels']
-        bands = results['bands']  # equal up to float rounding: the masks' pixels nearly so
-        assert bands['num_dets'] == 100 and bands['out_shape'] == lean['out_shape']
-        assert abs(bands['mask_pixels'] - lean['mask_pixels']) <= 0.01 * lean['mask_pixels']
-
-
-def test_script_runs_a_point_in_a_fresh_process_and_writes_the_artifact(tmp_path, monkeypatch):
-    """The command line end to end (``main``, here): one point of a small Semantic FPN
-    (``--config`` override) in a fresh process started from another directory, the CSV columns
-    and the JSON's row and meta."""
-    out = str(tmp_path / 'run')
-    config = _small_config(tmp_path, 'segmentor')
-    monkeypatch.chdir(tmp_path)
-    wii.main(['--tasks', 'segmentor', '--backbones', 'xcit', '--paths', 'lean', '--sizes', '64',
-              '--config', f'segmentor:xcit={config}', '--out', out, '--limit-gb', '8'])
-    with open(out + '.csv') as f:
-        table = list(csv.DictReader(f))
-    assert list(table[0]) == wii.COLUMNS and len(table) == 1
-    row = table[0]
-    assert (row['task'], row['backbone'], row['path'], row['size'], row['status']) == \
-        ('segmentor', 'xcit', 'lean', '64', 'ok')
-    assert int(row['peak_growth_mb']) > 0 and float(row['time_s']) >= 0 and len(row['digest']) == 16
-    with open(out + '.json') as f:
-        artifact = json.load(f)
-    assert artifact['rows'][0]['config'] == config and artifact['rows'][0]['out_shape'] == \
-        [1, 64, 64]
-    assert artifact['meta']['complete'] and artifact['meta']['limit_gb'] == 8.0
 
 
 @pytest.mark.parametrize('argv, message', [
@@ -202,22 +172,126 @@ def test_script_runs_a_point_in_a_fresh_process_and_writes_the_artifact(tmp_path
     (['--sizes', '1024', '1024'], 'each size once'),
     (['--limit-gb', '0'], 'must be positive'),
     (['--tasks', 'classifier'], 'invalid choice'),
+    (['--paths', 'auto'], 'needs --budgets'),
+    (['--paths', 'auto', '--budgets', '8192'], 'SIZE:MB'),
+    (['--paths', 'auto', '--budgets', 'a:b'], 'SIZE:MB'),
+    (['--pipeline', 'network'], 'segmentor only'),
     (['--config', 'segmentor:resnet=x.py'], 'TASK:BACKBONE=PATH'),
-    (['--config', 'segmentor:xcit=/no/such/config.py'], 'no such config file'),
-    (['--config', 'detector:swin=mmpose::x.py'], 'no such config file'),
-    (['--markdown', '/no/such.json'], 'cannot read'),
+    (['--config', 'segmentor:xcit=/no/such/config.py'], 'config not found'),
+    (['--config', 'detector:swin=mmpose::x.py'], 'the prefix must be mmdet:: or mmseg::'),
+    (['--update', '--out', '/no/such/artifact'], '--update needs --out'),
+    (['--report', '/no/such.json'], 'cannot read'),
 ])
 def test_bad_arguments_are_usage_errors(argv, message, capsys, monkeypatch):
     """Every bad argument stops before any point runs, with exit status 2 and a message."""
-    monkeypatch.setattr(wii, 'run', lambda *args, **kwargs: pytest.fail('points would run'))
+    monkeypatch.setattr(pm, 'run', lambda *args, **kwargs: pytest.fail('points would run'))
     with pytest.raises(SystemExit) as exc:
-        wii.main(argv)
+        pm.main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
 
 
+def _child(points, **spec):
+    """The rows a child reports for ``points`` (one series), run in this process."""
+    out = io.StringIO()
+    pm.child(dict(dict(device='cpu', warmup=64, deadline=float('inf')), points=points, **spec),
+             out=out)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith(pm.INFO)
+    return [json.loads(line[len(pm.ROW):]) for line in lines[1:]]
+
+
+@pytest.mark.parametrize('task', pm.TASKS)
+def test_stock_lean_and_bands_give_the_same_output_through_the_doors(task, small):
+    """Each path's child on the small model at 96 px through the upstream door: the network ran
+    at the image size, stock and lean outputs have equal digests, bands nearly equal ones; the
+    detector keeps exactly its ``max_per_img`` detections."""
+    rows = {}
+    for path in ('stock', 'lean', 'bands'):
+        (rows[path],) = _child([dict(task=task, backbone='xcit', path=path, size=96,
+                                     config=small[task])])
+        assert rows[path]['status'] == 'ok', rows[path]
+        assert rows[path]['peak_growth_mb'] >= 0 and rows[path]['base_mb'] > 0
+    stock, lean, bands = rows['stock'], rows['lean'], rows['bands']
+    assert (stock['type'], lean['type']) == (
+        ('EncoderDecoder', 'LeanEncoderDecoder') if task == 'segmentor'
+        else ('MaskRCNN', 'LeanMaskRCNN'))
+    assert stock['digest'] == lean['digest'] and bands['out_shape'] == lean['out_shape']
+    if task == 'segmentor':
+        assert lean['out_shape'] == [1, 96, 96] and stock['labels_sum'] == lean['labels_sum']
+        assert abs(bands['labels_sum'] - lean['labels_sum']) <= 0.01 * lean['labels_sum']
+    else:
+        assert lean['out_shape'] == [20, 96, 96] and lean['num_dets'] == 20
+        assert abs(bands['mask_pixels'] - lean['mask_pixels']) <= 0.01 * lean['mask_pixels']
+
+
+def test_a_series_stops_after_a_failure_but_budget_points_do_not(small, monkeypatch):
+    """One child, one model, its points in order (CUDA's series): after a failed size the larger
+    ones are not run; budget points run whatever the one before did; past the deadline nothing
+    starts."""
+    monkeypatch.setattr(pm, 'measure_point', lambda model, infer, point, spec: dict(
+        status='error' if point['size'] == 128 else 'ok', peak_growth_mb=1, base_mb=1))
+    point = dict(task='segmentor', backbone='xcit', path='lean', config=small['segmentor'])
+    rows = _child([dict(point, size=s) for s in (64, 128, 256)])
+    assert [(r['status'], r.get('note')) for r in rows] == [
+        ('ok', None), ('error', None), ('skipped', 'not run: error at 128')]
+    auto = dict(point, path='auto', size=128)
+    rows = _child([dict(auto, max_memory=1), dict(auto, max_memory=2)])
+    assert [r['status'] for r in rows] == ['error', 'error']
+    rows = _child([dict(point, size=64)], deadline=0)
+    assert rows[0]['note'] == 'not run: the budget was spent'
+    args = pm.make_parser().parse_args(['--device', 'cuda', '--backbones', 'xcit', 'uper'])
+    args.budgets = [[4096, 100]]
+    args.paths = ['stock', 'lean', 'auto']
+    groups = pm.groups(pm.plan(args, pm.CONFIGS), 'cuda')
+    assert [(g[0]['task'], g[0]['backbone'], g[0]['path'], len(g)) for g in groups] == [
+        ('segmentor', 'xcit', 'lean', 4), ('segmentor', 'xcit', 'stock', 4),
+        ('segmentor', 'xcit', 'auto', 1), ('segmentor', 'uper', 'lean', 4),
+        ('segmentor', 'uper', 'stock', 4), ('detector', 'xcit', 'lean', 4),
+        ('detector', 'xcit', 'stock', 4), ('detector', 'xcit', 'auto', 1)]
+    assert all(p['device'] == 'cuda' for g in groups for p in g)
+
+
+def test_budget_points_report_the_plan_and_its_estimate(small, tmp_path):
+    """``auto``: each point runs the plan its budget allows (the whole image within a large
+    one, windows within a small one) and reports it with its estimate, the peak of ``predict``
+    (the input exists before it), the estimate's error and the line (given here: no
+    calibration)."""
+    config = tmp_path / 'line.py'
+    config.write_text(f"_base_ = [{small['segmentor']!r}]\n"
+                      'model = dict(test_cfg=dict(memory_model=dict(base_mb=10, mb_per_mpix=100)))')
+    point = dict(task='segmentor', backbone='xcit', path='auto', size=768, config=str(config))
+    whole, slide = _child([dict(point, max_memory=1000), dict(point, max_memory=400)])
+    assert (whole['plan'], slide['plan']) == ('whole', 'slide'), (whole, slide)
+    assert whole['estimates'] == slide['estimates'] and whole['estimates']['whole'] > 400
+    for row in (whole, slide):
+        assert row['status'] == 'ok' and row['memory_model'] == [10, 100]
+        assert 0 < row['predict_peak_growth_mb'] <= row['peak_growth_mb']
+        assert row['error_pct'] == pytest.approx(
+            100 * (row['predict_peak_growth_mb'] / row['estimate_mb'] - 1), abs=2)
+        assert row['within_budget'] is (row['predict_peak_growth_mb'] <= row['max_memory'])
+
+
+def test_network_path_and_parts(small):
+    """``--pipeline network``: the segmentor's network alone, lean and stock logits equal;
+    ``--parts``: the detector's peak of each part, none above the call's; ``paper`` keeps the
+    config's test Resize."""
+    point = dict(task='segmentor', backbone='xcit', size=64, config=small['segmentor'],
+                 pipeline='network')
+    (lean,) = _child([dict(point, path='lean')])
+    (stock,) = _child([dict(point, path='stock')])
+    assert lean['digest'] == stock['digest'] and lean['out_shape'] == [1, 150, 16, 16]
+    (row,) = _child([dict(task='detector', backbone='xcit', path='lean', size=64,
+                          config=small['detector'])], parts=True)
+    parts = {p['part']: p for p in row['parts']}
+    assert {'lean_features', 'lean_rpn', 'lean_roi', 'mask_paste'} <= set(parts)
+    assert max(p['peak_mb'] for p in parts.values()) <= row['peak_growth_mb']
+    cfg = pm.build_cfg(dict(point, pipeline='paper', path='lean'))
+    assert any(t['type'] == 'Resize' for t in cfg.test_pipeline)
+
+
 def _artifact(tmp_path) -> str:
-    """A small artifact with every status, written as the script writes it."""
+    """A small artifact with every status, as the script writes it."""
     def row(task, backbone, path, size, status, growth=None, seconds=None, **extra):
         return dict(task=task, backbone=backbone, path=path, size=size, status=status,
                     peak_growth_mb=growth, time_s=seconds, **extra)
@@ -233,40 +307,32 @@ def _artifact(tmp_path) -> str:
             row('detector', 'xcit', 'lean', 1024, 'ok', 600, 10.0, digest='f'),
             row('detector', 'xcit', 'bands', 1024, 'ok', 400, 11.0, digest='g'),
             row('detector', 'xcit', 'lean', 2048, 'ok', 1200, 20.0, digest='h'),
-            row('detector', 'xcit', 'bands', 2048, 'ok', 700, 21.0, digest='h')]
+            row('detector', 'xcit', 'bands', 2048, 'ok', 700, 21.0, digest='h'),
+            row('detector', 'xcit', 'auto', 2048, 'ok', 800, 9.5, max_memory=1000, plan='tiles',
+                estimate_mb=900)]
     path = tmp_path / 'art.json'
     path.write_text(json.dumps(dict(meta=dict(cpu='CPU X', threads=2, torch='2.x', limit_gb=20.0,
                                               complete=True), rows=rows)))
     return str(path)
 
 
-def test_markdown_prints_the_tables_of_an_artifact(tmp_path, capsys):
-    """``--markdown JSON``: a table per task, a row per size, a column per (backbone, path)
-    that ran, each status readable, and which stock / lean outputs agree."""
-    wii.main(['--markdown', _artifact(tmp_path)])
+def test_report_prints_the_tables_and_draws_the_plot(tmp_path, capsys):
+    """``--report JSON``: a table per task, a row per size, a column per (backbone, path) that
+    ran, each status readable, which outputs agree, the budget points; and a PNG."""
+    png = tmp_path / 'plot.png'
+    pm.main(['--report', _artifact(tmp_path), '--png', str(png)])
     text = capsys.readouterr().out
     assert ('| image | XCiT-S12/16 stock | XCiT-S12/16 lean | ViT-S/16 lean |\n'
             '|---|---:|---:|---:|\n'
             '| 1024² | +1232 MB, 6.5 s | +586 MB, 6.3 s | +829 MB, 22 s |\n'
             '| 2048² | killed | +2100 MB, 25 s | skipped (>= +13264 MB) |\n') in text
-    # the detector table: XCiT lean, bands, Swin-T stock, lean
     assert '| 2048² | +1200 MB, 20 s | +700 MB, 21 s |  | error |' in text
     assert 'Stock and lean outputs equal (digest): XCiT-S12/16 1024².' in text
     assert 'equal (digest): none; **different**: Swin-T 1024².' in text
-    assert ('| image | XCiT-S12/16 lean | XCiT-S12/16 bands | Swin-T stock | Swin-T lean |\n'
-            '|---|---:|---:|---:|---:|\n| 1024² | +600 MB, 10 s | +400 MB, 11 s |') in text
     assert ('Bands (`band_mb`) and lean: XCiT-S12/16 1024² differ (float rounding), '
             'XCiT-S12/16 2048² equal.') in text
+    assert '| 2048² | 1000 | tiles | 900 | 800 |  | 9.5 |' in text
     assert text.rstrip().endswith('CPU X, 2 threads, torch 2.x, limit 20.0 GiB RSS.')
-    with pytest.raises(SystemExit) as exc:  # one report at a time
-        wii.main(['--markdown', str(tmp_path / 'art.json'), '--plot', 'x'])
-    assert exc.value.code == 2
-
-
-def test_plot_writes_a_png(tmp_path):
-    """``--plot JSON --png PATH`` writes a PNG image of a readable size."""
-    png = tmp_path / 'plot.png'
-    wii.main(['--plot', _artifact(tmp_path), '--png', str(png)])
     data = png.read_bytes()
     assert data[:8] == b'\x89PNG\r\n\x1a\n'
     width, height = int.from_bytes(data[16:20], 'big'), int.from_bytes(data[20:24], 'big')
@@ -274,8 +340,33 @@ def test_plot_writes_a_png(tmp_path):
     bad = tmp_path / 'bad.json'
     bad.write_text(json.dumps(dict(meta={}, rows=[dict(task='segmentor')])))
     with pytest.raises(SystemExit) as exc:
-        wii.main(['--plot', str(bad), '--png', str(png)])
+        pm.main(['--report', str(bad)])
     assert exc.value.code == 2
+
+
+def test_committed_artifacts_are_the_scripts_and_the_cpu_page_quotes_its_tables(tmp_path,
+                                                                                capsys):
+    """Every peak-memory artifact under docs/results is one of this script (its rows, the
+    CSV's columns, a command of it); the high-resolution page quotes the report of its
+    artifact."""
+    names = sorted(osp.basename(p)[:-5] for p in glob.glob(osp.join(RESULTS, '*.json'))
+                   if osp.basename(p).startswith(('whole_image', 'lean_', 'memory_budget')))
+    assert len(names) == 9
+    for name in names:
+        artifact = pm.load_artifact(osp.join(RESULTS, name + '.json'))
+        meta = artifact['meta']
+        for command in meta.get('earlier_commands', []) + [meta['command']]:
+            assert command.startswith('python benchmarks/peak_memory.py '), name
+        with open(osp.join(RESULTS, name + '.csv')) as f:
+            table = list(csv.DictReader(f))
+        assert list(table[0]) == [c for c in pm.COLUMNS if c == 'note' or any(
+            c in r for r in artifact['rows'])], name
+        assert [r['peak_growth_mb'] for r in table] == [
+            str(r.get('peak_growth_mb', '')) for r in artifact['rows']], name
+    pm.main(['--report', osp.join(RESULTS, 'whole_image_inference.json'),
+             '--png', str(tmp_path / 'p.png')])
+    with open(osp.join(ROOT, 'docs', 'benchmark_high_resolution.md')) as f:
+        assert capsys.readouterr().out in f.read()
 
 
 def test_tiled_accuracy_script_names_its_variants_and_rejects_bad_tiles(capsys):
@@ -290,3 +381,21 @@ def test_tiled_accuracy_script_names_its_variants_and_rejects_bad_tiles(capsys):
             tda.main(['configs/shapes/mask_rcnn_xcit_shapes_coco.py', 'x.pth', '--tiles', bad])
         assert exc.value.code == 2
         assert 'expected SIZE:OVERLAP' in capsys.readouterr().err
+
+
+def test_script_runs_a_point_in_a_fresh_process_and_writes_the_artifact(script_run):
+    proc, out_dir, config = script_run
+    assert proc.wait(timeout=300) == 0, (out_dir / 'stderr.txt').read_text()[-3000:]
+    with open(out_dir / 'run.csv') as f:
+        (row,) = list(csv.DictReader(f))
+    assert list(row) == ['task', 'backbone', 'path', 'size', 'status', 'peak_growth_mb',
+                         'time_s', 'digest', 'note']
+    assert (row['task'], row['backbone'], row['path'], row['size'], row['status']) == \
+        ('segmentor', 'xcit', 'lean', '64', 'ok')
+    assert int(row['peak_growth_mb']) > 0 and len(row['digest']) == 16
+    with open(out_dir / 'run.json') as f:
+        artifact = json.load(f)
+    (row,) = artifact['rows']
+    assert row['config'] == config and row['out_shape'] == [1, 64, 64] and row['base_mb'] > 0
+    meta = artifact['meta']
+    assert meta['complete'] and meta['limit_gb'] == 8.0 and meta['device_info']['device'] == 'cpu'

@@ -1,37 +1,17 @@
 #!/usr/bin/env bash
 # Build .whl/ (ignored by git): the wheels that bring mmengine / mmcv (lite) / mmseg to a GPU
-# machine that has torch, numpy, opencv-python-headless, matplotlib, scipy, ... but no OpenMMLab
-# package and no network. benchmarks/gpu/run_points.sh installs them there with
-#
-#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-#       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+# machine with torch, numpy, opencv, matplotlib, scipy, ... but no OpenMMLab package and no
+# network; benchmarks/gpu/run_points.sh installs them there and runs benchmarks/peak_memory.py.
 #
 #   PYTHON=/path/to/python bash benchmarks/gpu/make_wheels.sh   # any Python >= 3.8 with pip
 #
-# What goes in, and why (every wheel is pure Python or abi3, so it installs on cp312 too):
-#   mmengine 0.10.7, mmsegmentation 1.2.2      the packages themselves (--no-deps)
-#   mmcv_lite 2.1.0                            mmcv 2.1.0 built with MMCV_WITH_OPS=0 (no CUDA /
-#                                              C++ ops; built here with setuptools<82, whose
-#                                              pkg_resources mmcv's setup.py imports)
-#   mmcv_ext_stub 0.1.0                        mmcv/_ext.py: a stand-in for the compiled ops.
-#                                              mmseg 1.2.2 imports mmcv.ops at import time
-#                                              (mmseg/utils/mask_classification.py,
-#                                              models/utils/point_sample.py, models/losses/
-#                                              focal_loss.py, models/decode_heads/san_head.py),
-#                                              and mmcv.ops needs mmcv._ext to import; the
-#                                              stand-in has every name, each raising
-#                                              NotImplementedError when called. Semantic FPN and
-#                                              UPerNet inference call none of them
-#                                              (point_sample is pure torch).
-#   addict, yapf, termcolor                    mmengine's / mmcv's requirements
-#   platformdirs                               yapf's requirement (tomli only below 3.11)
-#   prettytable, wcwidth                       mmseg's requirement and prettytable's
-#   ftfy                                       imported by mmseg.utils.tokenizer at import time
-#   setuptools<82                              pkg_resources, which mmengine's Config imports to
-#                                              resolve the configs' `mmseg::` bases
-#                                              (mmengine.utils.package_utils.is_installed);
-#                                              setuptools 82 removed it, and torch pulls in the
-#                                              newest setuptools on Python >= 3.12
+# All pure Python or abi3 (they install on cp312 too): mmengine 0.10.7 and mmsegmentation 1.2.2
+# (--no-deps); mmcv 2.1.0 built without ops (mmcv_lite; its setup.py needs setuptools<82 for
+# pkg_resources); mmcv_ext_stub, an mmcv._ext whose ops raise NotImplementedError (mmseg imports
+# mmcv.ops at import time, which needs mmcv._ext; Semantic FPN and UperNet inference call no op);
+# the requirements addict, yapf, termcolor, platformdirs, prettytable, wcwidth, ftfy (imported by
+# mmseg.utils.tokenizer); setuptools<82 (mmengine's Config resolves mmseg:: bases with
+# pkg_resources, which setuptools 82, pulled in by torch on Python >= 3.12, removed).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python}

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine without network or OpenMMLab packages, from the repository root: install the
 # wheels of .whl/ (benchmarks/gpu/make_wheels.sh) into /tmp/site, print the device and versions,
-# then run benchmarks/gpu/whole_image_cuda.py (arguments passed on) into $OUT.
+# then run benchmarks/peak_memory.py on CUDA (the Semantic FPN / UperNet grid and the budget
+# points of docs/benchmark_gpu.md; arguments passed on override them) into $OUT.
 #
 #   OUT=/some/dir bash benchmarks/gpu/run_points.sh [--budget-s 300] [--sizes ...] ...
 #
@@ -9,7 +10,7 @@
 # pyyaml, packaging, pillow, rich, regex (what the wheels' requirements name and .whl lacks).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/whole_image_cuda}
+OUT=${OUT:-/tmp/peak_memory}
 PY=${PYTHON:-python3}
 SITE=${SITE:-/tmp/site}
 mkdir -p "$OUT"
@@ -28,28 +29,16 @@ echo "wheels installed in $(( $(date +%s) - start )) s"
 
 nvidia-smi --query-gpu=name,memory.total --format=csv || echo "nvidia-smi failed"
 "$PY" - <<'PYEOF' 2>&1 | tee "$OUT/env.txt"
-import sys
-import warnings
-
-warnings.simplefilter('ignore')
-import cv2
-import numpy
-import torch
-
-import mmcv
-import mmengine
-import mmseg
+import sys, warnings; warnings.simplefilter('ignore')
+import cv2, mmcv, mmengine, mmseg, numpy, torch, xcit_mm
 import mmseg.apis  # noqa: F401 (imports mmcv.ops: the mmcv._ext stand-in)
-import xcit_mm
-
-print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda,
-      '| cudnn', torch.backends.cudnn.version(), '| numpy', numpy.__version__, '| cv2',
-      cv2.__version__)
-print('mmengine', mmengine.__version__, '| mmcv', mmcv.__version__, '| mmseg', mmseg.__version__,
-      '| xcit_mm', xcit_mm.__version__, 'from', xcit_mm.__file__)
-print('cuda available', torch.cuda.is_available(), '| devices', torch.cuda.device_count(),
-      '|', torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-')
+print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda,
+      'cudnn', torch.backends.cudnn.version(), 'numpy', numpy.__version__, 'cv2', cv2.__version__,
+      'mmengine', mmengine.__version__, 'mmcv', mmcv.__version__, 'mmseg', mmseg.__version__,
+      'xcit_mm', xcit_mm.__file__, torch.cuda.is_available() and torch.cuda.get_device_name(0))
 PYEOF
 
-"$PY" benchmarks/gpu/whole_image_cuda.py --out "$OUT/whole_image_cuda" "$@"
+"$PY" benchmarks/peak_memory.py --device cuda --tasks segmentor --paths lean stock auto \
+    --budgets 8192:40000 8192:16000 4096:4000 --warmup 256 --repeat-below-s 5 \
+    --log "$OUT/peak_memory.log" --out "$OUT/whole_image_cuda" "$@"
 echo "run_points.sh done in $(( $(date +%s) - start )) s"

@@ -41,11 +41,7 @@ def ratio_rows(records: Sequence[dict], pairs: Sequence[Tuple[str, str]]) -> Lis
 
 
 def compare_pairs(specs: Sequence[ModelSpec]) -> Tuple[List[ModelSpec], List[Tuple[str, str]]]:
-    """``--compare``: for every XCiT model, XCiTBackbone.forward_trunk vs mmpretrain's trunk.
-
-    Raises:
-        ValueError: If ``specs`` holds no xcit_* model.
-    """
+    """``--compare``: for every XCiT model, XCiTBackbone.forward_trunk vs mmpretrain's trunk."""
     out, pairs = [], []
     for spec in specs:
         if spec.family not in ('xcit', 'xcit_trunk'):
@@ -61,67 +57,34 @@ def compare_pairs(specs: Sequence[ModelSpec]) -> Tuple[List[ModelSpec], List[Tup
     return out, pairs
 
 
-def with_cp_variants(specs: Sequence[ModelSpec], with_cp: str,
-                     pairs: List[Tuple[str, str]]) -> List[ModelSpec]:
-    """``--with-cp on|both``: the ``+cp`` variant of every model that has one.
-
-    Args:
-        specs: The models.
-        with_cp: ``'off'``, ``'on'`` (replace) or ``'both'`` (add; the pair (cp, plain) is
-            appended to ``pairs``).
-        pairs: Ratio pairs, extended in place.
-
-    Returns:
-        list: The models to measure, each once.
-    """
-    if with_cp != 'off':
-        expanded = []
-        for s in specs:
-            cp_spec = s if s.with_cp or s.family == 'mmpretrain_xcit' else parse_model(
-                s.name + '+cp')
-            if with_cp == 'both' and s != cp_spec:
-                expanded.append(s)
-                pairs.append((cp_spec.name, s.name))
-            expanded.append(cp_spec)
-        specs = list(dict.fromkeys(expanded))
-    return list(dict.fromkeys(specs))
-
-
-def compile_variants(specs: Sequence[ModelSpec], compile_mode: str,
-                     pairs: List[Tuple[str, str]]) -> List[ModelSpec]:
-    """``--compile on|both``: the ``+compile`` variant of every model.
-
-    Args:
-        specs: The models.
-        compile_mode: ``'off'``, ``'on'`` (replace) or ``'both'`` (add; the pair (compiled,
-            eager) is appended to ``pairs``, so the ratio table shows compiled / eager).
-        pairs: Ratio pairs, extended in place.
-
-    Returns:
-        list: The models to measure, each once.
-    """
-    if compile_mode == 'off':
+def variants(specs: Sequence[ModelSpec], mode: str, pairs: List[Tuple[str, str]],
+             suffix: str = '+cp') -> List[ModelSpec]:
+    """``--with-cp`` (suffix ``+cp``) / ``--compile`` (``+compile``) ``on``: every model's
+    variant where it has one; ``both``: the variant next to the model, the pair (variant, model)
+    added to ``pairs`` for the ratios. Each model once."""
+    if mode == 'off':
         return list(dict.fromkeys(specs))
-    expanded = []
+    out = []
     for s in specs:
-        compiled = s if s.compiled else parse_model(s.name + '+compile')
-        if compile_mode == 'both' and s != compiled:
-            expanded.append(s)
-            pairs.append((compiled.name, s.name))
-        expanded.append(compiled)
-    return list(dict.fromkeys(expanded))
+        done = s.with_cp if suffix == '+cp' else s.compiled
+        try:
+            variant = s if done else parse_model(s.name + suffix)
+        except ValueError:  # mmpretrain's port has no with_cp
+            variant = s
+        if mode == 'both' and s != variant:
+            out.append(s)
+            pairs.append((variant.name, s.name))
+        out.append(variant)
+    return list(dict.fromkeys(out))
+
+
+def compile_variants(specs, mode: str, pairs) -> List[ModelSpec]:
+    return variants(specs, mode, pairs, '+compile')
 
 
 def check_same_trunk(arch: str, patch: int, resolution: int = 64) -> str:
-    """Load the port's weights into XCiTBackbone and compare the trunk outputs (eval mode).
-
-    Uses XCiTBackbone's ``init_cfg=dict(type='Pretrained')`` loader on an mmpretrain-layout file
-    (``{'state_dict': {'backbone.' + key: tensor}}``).  Shows that ``--compare`` times the same
-    computation.
-
-    Returns:
-        str: A one-line verdict (max abs difference, or why it could not be checked).
-    """
+    """``--compare`` times the same computation: the port's weights, loaded into XCiTBackbone
+    through its ``Pretrained`` loader, give the same trunk maps; a one-line verdict."""
     try:
         torch.manual_seed(0)
         port, _ = build_model(parse_model(f'mmpretrain_xcit_{arch}_p{patch}'))

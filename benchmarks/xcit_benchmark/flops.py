@@ -1,19 +1,11 @@
-"""FLOP counting: the exact counter, the XCiT trunk formula, per-point FLOPs and the paper
-Table 1 report.
+"""FLOPs: the exact counter, the XCiT trunk formula, per-point FLOPs and the paper Table 1 report.
 
-Counted with ``torch.utils.flop_counter.FlopCounterMode`` (aten-level: mm/addmm/bmm/baddbmm,
-convolutions incl. depthwise and transposed, SDPA; matmul/einsum decompose into bmm, so XCA's
-``q^T k`` and its projection fused with ``attn @ v`` are counted; norms, softmax and element-wise
-ops are not).  ``gmacs`` = forward multiply-accumulates per image, the unit the XCiT/Swin/DeiT
-papers call "GFLOPs"; ``gflop_exec`` = 2 FLOPs per MAC of everything executed (forward, plus
-backward and checkpoint recomputation in train mode).
-
-mmengine's ``FlopAnalyzer`` (what mmdet's and mmseg's ``get_flops.py`` run) counts the same
-multiply-adds once ``import xcit_mm`` has given it XCA's ``aten::baddbmm``
-(:mod:`xcit_mm.models.utils.flop_count`), plus norms (5 FLOPs per LayerNorm, 2 per eval
-BatchNorm element), upsampling and pooling; tests/test_flops.py checks both against a hand
-count.  This counter stays here for what mmengine's jit tracing cannot do: count on fake tensors
-(nothing computed, any size) and count the backward of a train step.
+``torch.utils.flop_counter.FlopCounterMode`` counts mm/bmm/baddbmm, convolutions and SDPA
+(XCA's products included; not norms, softmax or element-wise ops); ``gmacs`` are forward
+multiply-accumulates per image (the papers' "GFLOPs"), ``gflop_exec`` 2 FLOPs per MAC of all
+that runs (train: backward and checkpoint recomputation too). mmengine's ``FlopAnalyzer`` (what
+mmdet's ``get_flops.py`` runs) counts the same once ``import xcit_mm`` gave it XCA; this counter
+stays for what jit tracing cannot do: fake tensors (any size for free) and the backward.
 """
 import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -28,33 +20,15 @@ from .models import (XCIT_ARCHS, ModelSpec, build_model, count_params, load_mmpr
 def _conv_backward_flop(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation,
                         transposed, _output_padding, _groups, output_mask, out_shape=None,
                         **kwargs) -> int:
-    """FLOPs of ``aten.convolution_backward``, correct for grouped (depthwise) convolutions.
-
-    torch 2.13's built-in formula ignores ``groups`` for the weight gradient and counts a depthwise
-    3x3 conv's backward as if it were dense (x C too much).  Each gradient (input, weight) of a
-    convolution costs exactly the MACs of its forward, whatever the groups, so this returns the
-    forward count times the number of gradients requested in ``output_mask``; for groups=1 it
-    equals torch's formula.
-    """
+    """FLOPs of ``aten.convolution_backward``: torch 2.13's formula ignores ``groups`` for the
+    weight gradient (a depthwise conv's counted as dense); each gradient costs its forward."""
     from torch.utils.flop_counter import conv_flop_count
     forward = conv_flop_count(list(x_shape), list(w_shape), list(grad_out_shape), transposed)
     return forward * (int(bool(output_mask[0])) + int(bool(output_mask[1])))
 
 
 def count_flops(fn: Callable[[], object]) -> int:
-    """FLOPs executed by ``fn()`` according to ``torch.utils.flop_counter.FlopCounterMode``.
-
-    2 FLOPs per multiply-accumulate (a ``Linear(16, 8)`` on 4 rows is ``2 * 4 * 16 * 8``); biases,
-    norms, softmax and element-wise ops are not counted.  Backward ops are counted when ``fn``
-    runs a backward pass (with :func:`_conv_backward_flop` replacing torch's formula that
-    overcounts grouped convolutions).
-
-    Args:
-        fn: Zero-argument callable to run under the counter.
-
-    Returns:
-        int: Total FLOPs.
-    """
+    """FLOPs executed by ``fn()``, 2 per multiply-accumulate, its backward included."""
     from torch.utils.flop_counter import FlopCounterMode
     mapping = {torch.ops.aten.convolution_backward: _conv_backward_flop}
     with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
@@ -67,17 +41,7 @@ def analytic_trunk_macs(arch: str, patch: int, height: int, width: int) -> int:
 
     Counts the conv patch embedding, the 1x1 position projection and per layer
     ``N * (12 D^2 + 2 D d_h + 18 D)``: qkv 3D^2, XCA ``q k^T`` and ``A v`` 2 D d_h, proj D^2,
-    LPI 2 depthwise 3x3 = 18 D, FFN 8 D^2.  No biases, norms or softmax (as the counter).
-
-    Args:
-        arch: XCiT arch key.
-        patch: 8 or 16.
-        height: Image height.
-        width: Image width.
-
-    Returns:
-        int: MACs for one image.
-    """
+    LPI 2 depthwise 3x3 = 18 D, FFN 8 D^2.  No biases, norms or softmax (as the counter)."""
     dims, depth, heads = XCIT_ARCHS[arch]
     chans = [3, dims // 8, dims // 4, dims // 2, dims] if patch == 16 else \
         [3, dims // 4, dims // 2, dims]
@@ -113,24 +77,8 @@ def _count_model_flops(model: nn.Module, forward: Callable, resolution: int,
 
 def point_flops(spec: ModelSpec, resolution: int, mode: str,
                 cache: Optional[Dict[str, Tuple[nn.Module, Callable]]] = None) -> dict:
-    """Forward MACs and executed FLOPs for one image of one point.
-
-    Counted without computing: real weights, but the input is a ``FakeTensor``
-    (``FakeTensorMode(allow_non_fake_inputs=True)``), so every op only propagates shapes -- any
-    size is cheap, and models that query their device (autocast) or call ``.item()`` on real
-    buffers still run.  If a model cannot run on fake tensors it is counted with one real image.
-
-    Args:
-        spec: The model.
-        resolution: Square input side.
-        mode: ``'inference'`` or ``'train'``.
-        cache: Optional name -> (model, forward) dict of CPU models reused for counting (a model
-            found there is not built).
-
-    Returns:
-        dict: ``gmacs`` (forward, paper "GFLOPs"), ``gflop_exec`` (2 per MAC, incl. backward and
-        checkpoint recomputation in train mode), ``params_m``, ``flops_counter``.
-    """
+    """Forward MACs and executed FLOPs of one image, counted on a fake input (shapes only: any
+    size is cheap; real weights, so ``.item()`` on buffers works), else on a real one."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     cache = {} if cache is None else cache
     if spec.name not in cache:
@@ -150,29 +98,9 @@ def point_flops(spec: ModelSpec, resolution: int, mode: str,
 
 def flops_report(paper_table: Dict[str, Dict[str, float]], tolerance: float = 0.05,
                  archs: Optional[Sequence[str]] = None, xcit_module=None) -> List[dict]:
-    """FLOPs of every XCiT arch vs paper Table 1 (224/p16 and 384/p8).
-
-    What is counted (``FlopCounterMode``, MACs = FLOPs / 2, the paper's "GFLOPs"):
-
-    * ``trunk``: ``XCiTBackbone.forward_trunk`` (conv patch embed, position projection, all XCiT
-      layers incl. the XCA products; no adapter).
-    * ``cls_part``: what the ImageNet classifier adds on top of the trunk, built from mmpretrain's
-      modules: 2 ``ClassAttentionBlock`` on the N+1 tokens, LayerNorm, ``Linear(D, 1000)``.
-    * ``classifier = trunk + cls_part`` is compared with the paper (``ok``: within
-      ``tolerance``).
-    * ``port_classifier``: mmpretrain's full ``XCiT`` classifier (cls_attn_layers=2, final norm) +
-      head, counted in one go, as an independent check; ``analytic``: formula of the trunk.
-
-    Args:
-        paper_table: arch -> ``params_m``, ``gmacs_224_p16``, ``gmacs_384_p8`` (the spec's
-            ``flops_report.paper_table1``).
-        tolerance: Allowed relative difference of the classifier from the paper.
-        archs: The archs to report (default: all of ``paper_table``, in its order).
-        xcit_module: mmpretrain's ``xcit`` module (default: :func:`load_mmpretrain_xcit`).
-
-    Returns:
-        list: One row per (arch, setting).
-    """
+    """GMACs of every XCiT arch at 224/p16 and 384/p8 against paper Table 1: the trunk plus
+    what the ImageNet classifier adds (mmpretrain's class-attention blocks, norm and head),
+    with mmpretrain's whole classifier and the formula as independent checks (docs/flops.md)."""
     xcit_mod = xcit_module if xcit_module is not None else load_mmpretrain_xcit()
     rows = []
     for arch in (archs if archs is not None else list(paper_table)):

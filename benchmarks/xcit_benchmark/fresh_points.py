@@ -1,64 +1,98 @@
-"""One fresh process per measured point: the runner of the lean-inference memory scripts.
+"""What every fresh-process measurement shares: the child process under an RSS and time limit,
+the peak measurement of one call, the test image and the artifact files.
 
-``benchmarks/lean_{segmentation,detection}_memory.py`` and
-``benchmarks/whole_image_inference.py`` measure whole-image inference
-through mmseg's / mmdet's own API, one point (model, image size) per process, so that no point
-inherits another's heap.
+The peak is xcit_mm's own (``memory_budget.measure_peak_growth_mb``, what ``mode='auto'``
+calibrates with), so a benchmark and a memory budget mean the same megabytes.
 """
-import argparse
 import csv
 import gc
 import json
 import os
 import subprocess
-import sys
+import tempfile
+import threading
 import time
-from typing import Optional
 
-from .memory import _release_free_heap, _reset_peak_rss, proc_status_kb
+from xcit_mm.models.utils.memory_budget import measure_peak_growth_mb, rss_mb
+
+MIB = 2**20
+# glibc: every block of 64 KiB or more (every tensor that matters) gets its own mapping,
+# unmapped when freed, so that the RSS follows the live tensors (default malloc keeps freed
+# blocks: peaks +-15% run to run and up to 2x the need)
+LIVE_MALLOC = dict(MALLOC_MMAP_THRESHOLD_='65536')
 
 
 def test_image(size: int):
-    """The measured image: random uint8, ``size`` x ``size`` x 3, the same for every point."""
+    """The measured image: random uint8, the same for every point."""
     import numpy as np
     return np.random.RandomState(0).randint(0, 255, (size, size, 3), np.uint8)
 
 
-def settle_heap() -> int:
-    """Free what Python and malloc hold, reset the peak RSS and return the RSS now (bytes): the
-    baseline of a peak-growth measurement (peak growth = VmHWM after the call - this)."""
+def measure(call, device='cpu'):
+    """(result, peak growth MB, memory in use before the call MB, seconds) of ``call()``."""
+    import torch
+    cuda = str(device).startswith('cuda')
+    held = {}
+
+    def timed():
+        held['base'] = torch.cuda.memory_allocated(device) / MIB if cuda else rss_mb()
+        start = time.perf_counter()
+        held['result'] = call()
+        if cuda:
+            torch.cuda.synchronize(device)
+        held['seconds'] = time.perf_counter() - start
+
     gc.collect()
-    _release_free_heap()
-    _reset_peak_rss()
-    return proc_status_kb('VmRSS') * 1024
+    if cuda:  # what the caching allocator holds unused is not the call's
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    growth = measure_peak_growth_mb(timed, device)
+    return held['result'], growth, held['base'], held['seconds']
 
 
-def run_point(script: str, point: dict, limit_bytes: int, timeout_s: float) -> dict:
-    """Run ``script --child POINT`` in a fresh process (malloc returning freed memory at once, so
-    the RSS follows live tensors) and return the JSON dict of its last output line; the child is
-    killed above ``limit_bytes`` of RSS or after ``timeout_s`` (status 'killed')."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_='65536')
-    proc = subprocess.Popen([sys.executable, script, '--child', json.dumps(point)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    start, rss = time.time(), 0
-    while proc.poll() is None:
-        try:
-            with open(f'/proc/{proc.pid}/status') as f:
-                rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith('VmRSS'))
-        except (OSError, StopIteration):
-            rss = 0
-        if rss > limit_bytes or time.time() - start > timeout_s:
-            proc.kill()
-            proc.wait()
-            why = 'rss' if rss > limit_bytes else 'timeout'
-            return dict(status='killed', note=f'{why}: RSS {rss / 2**30:.1f} GiB after '
-                        f'{time.time() - start:.0f} s (limit {limit_bytes / 2**30:.1f} GiB)')
-        time.sleep(0.05)
-    out = proc.stdout.read().strip().splitlines()
-    if proc.returncode == 0 and out:
-        return json.loads(out[-1])
-    err = proc.stderr.read().strip().splitlines()[-3:]
-    return dict(status='error', note=f'exit {proc.returncode}: ' + ' | '.join(err))
+def child_rss(pid: int) -> int:
+    """Resident bytes of process ``pid`` (0 once it is gone)."""
+    try:
+        with open(f'/proc/{pid}/statm') as f:
+            return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def run_process(cmd, limit_bytes: float, seconds: float, env=None, cwd=None, on_line=None):
+    """Run ``cmd``, killing it above ``limit_bytes`` of RSS or after ``seconds``, so that a point
+    that does not fit never reaches the kernel's OOM killer on a shared machine. ``on_line`` gets
+    each stdout line as it comes. Returns returncode, lines, stderr, killed ('rss', 'timeout' or
+    None), rss (the highest seen) and note (why it was killed)."""
+    with tempfile.TemporaryFile('w+') as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
+                                cwd=cwd)
+        lines = []
+
+        def read():
+            for line in proc.stdout:
+                lines.append(line)
+                if on_line:
+                    on_line(line)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        start, rss, killed = time.time(), 0, None
+        while proc.poll() is None:
+            rss = max(rss, child_rss(proc.pid))
+            killed = 'rss' if rss > limit_bytes else (
+                'timeout' if time.time() - start > seconds else None)
+            if killed:
+                proc.kill()
+                proc.wait()
+                break
+            time.sleep(0.05)
+        reader.join()
+        err.seek(0)
+        note = killed and (f'{killed}: RSS {rss / 2**30:.1f} GiB after {time.time() - start:.0f}'
+                           f' s (limit {limit_bytes / 2**30:.1f} GiB)')
+        return dict(returncode=proc.returncode, lines=lines, stderr=err.read(), killed=killed,
+                    rss=rss, note=note)
 
 
 def cpu_model() -> str:
@@ -71,31 +105,27 @@ def cpu_model() -> str:
         return 'unknown'
 
 
-def write_artifact(out: str, meta: dict, rows: list, columns: list) -> None:
-    """``out.json`` (meta and rows) and ``out.csv`` (``columns`` of each row)."""
+def package_version(name: str) -> str:
+    """The installed version of ``name``, without importing it."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return 'not installed'
+
+
+def write_artifact(out: str, meta: dict, rows: list, columns=None, key='rows',
+                   csv_rows=None) -> list:
+    """``out.json`` (``{"meta", key: rows}``) and ``out.csv`` (``columns``, default every key,
+    of ``csv_rows``, default ``rows``); returns their paths."""
+    if os.path.dirname(out):
+        os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out + '.json', 'w') as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        json.dump({'meta': meta, key: list(rows)}, f, indent=1, default=str)
+    csv_rows = rows if csv_rows is None else csv_rows
     with open(out + '.csv', 'w', newline='') as f:
-        writer = csv.DictWriter(f, fieldnames=columns, extrasaction='ignore')
+        writer = csv.DictWriter(f, extrasaction='ignore', fieldnames=columns or list(
+            dict.fromkeys(k for r in csv_rows for k in r)))
         writer.writeheader()
-        writer.writerows(rows)
-
-
-def points_parser(description: str, config: Optional[str],
-                  points_help: Optional[str]) -> argparse.ArgumentParser:
-    """The command line the fresh-point scripts share (``--child`` is the fresh process's own).
-
-    ``config`` / ``points_help`` None leave out ``--config`` / ``--points``, for a script that
-    chooses its configs and points its own way (``benchmarks/whole_image_inference.py``).
-    """
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument('--child', help=argparse.SUPPRESS)
-    if config is not None:
-        parser.add_argument('--config', default=config, help='the XCiT config measured')
-    parser.add_argument('--out', help='artifact path without extension (.json, .csv)')
-    if points_help is not None:
-        parser.add_argument('--points', nargs='*', help=points_help)
-    parser.add_argument('--limit-gb', type=float, default=20.0)
-    parser.add_argument('--timeout', type=float, default=1800.0)
-    parser.add_argument('--note', help='what else ran on the machine, written into the artifact')
-    return parser
+        writer.writerows(csv_rows)
+    return [out + '.csv', out + '.json']

@@ -8,7 +8,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 from .compare import median_paired_ratio
 from .models import parse_model
 from .report import fmt
-from .runner import ProgressFactory, RunOptions, log_stderr, run_points
+from .runner import RunOptions, log_stderr, run_points
 
 DEFAULT_DETAILS = {
     'peak_mem_mb': '{a} MB / {b} MB',
@@ -24,17 +24,7 @@ def _find(records: Sequence[dict], point: Sequence, mode: str) -> Optional[dict]
 
 
 def evaluate_goals(records: Sequence[dict], checks: Sequence[dict], repeats: int) -> List[dict]:
-    """Evaluate the spec's goal checks on measured records.
-
-    Args:
-        records: Point records (of :func:`run_goals` or a stored goals JSON).
-        checks: ``goals.checks`` of the spec.
-        repeats: Interleaved repeats of the timed run (quoted in the time goal's detail).
-
-    Returns:
-        list: One dict per check: ``goal``, ``target``, ``value`` (None if not measured),
-        ``detail`` and ``ok`` (True / False / None).
-    """
+    """Evaluate the spec's goal checks on measured records."""
     goals = []
     for check in checks:
         a_rec = _find(records, check['a'], check['mode']) or {}
@@ -57,24 +47,9 @@ def evaluate_goals(records: Sequence[dict], checks: Sequence[dict], repeats: int
 
 
 def run_goals(opts: RunOptions, goals_spec: dict,
-              progress_factory: Optional[ProgressFactory] = None,
               log: Callable[[str], None] = log_stderr) -> Tuple[List[dict], List[dict], dict]:
-    """Measure the project's goals side by side (``opts.device``; batch and precision of the spec).
-
-    Every run of ``goals_spec['runs']`` is one :func:`run_points` call (fresh process per memory
-    point; a run with ``"time": false`` is not timed), in the spec's order; then the checks are
-    evaluated (:func:`evaluate_goals`).
-
-    Args:
-        opts: Run options (warm-up, repeats, threads, ...); batch, precision and mode are set
-            from the spec.
-        goals_spec: The ``goals`` section of the spec.
-        progress_factory: See :func:`run_points`.
-        log: Receives each run's label (and the load warning).
-
-    Returns:
-        tuple: (goal rows, all point records, meta of the first run).
-    """
+    """(goals, records, meta): every run of the spec, one :func:`run_points` call each (with the
+    spec's batch and precision; not timed where ``"time": false``), then its checks."""
     records: List[dict] = []
     meta = None
     for run in goals_spec['runs']:
@@ -84,8 +59,7 @@ def run_goals(opts: RunOptions, goals_spec: dict,
             overrides['do_time'] = False
         log(run['label'])
         recs, run_meta = run_points([(parse_model(n), r) for n, r in run['points']],
-                                    RunOptions(**{**vars(opts), **overrides}),
-                                    progress_factory, log)
+                                    RunOptions(**{**vars(opts), **overrides}), log)
         records += recs
         meta = run_meta if meta is None else meta
     goals = evaluate_goals(records, goals_spec['checks'], opts.repeats)

@@ -1,27 +1,8 @@
-"""The benchmark's model zoo: names, parsing and the factory.
-
-Names (``--models``; :func:`list_models` prints them):
-
-* ``xcit_<arch>_p<8|16>``            ``XCiTBackbone.forward``: trunk + dense adapter (4 maps).
-* ``xcit_<arch>_p<8|16>_trunk``      ``XCiTBackbone.forward_trunk``: trunk only (paper layers).
-* ``mmpretrain_xcit_<arch>_p<8|16>`` mmpretrain's port of the same trunk
-  (``mmpretrain.models.backbones.xcit.XCiT`` with ``cls_attn_layers=0``, ``out_type='featmap'``,
-  ``final_norm=False``, ``out_indices`` = the paper layers), i.e. the same work as ``*_trunk``.
-* ``resnet50``  mmdet ``ResNet`` depth 50; ``swin_t`` mmdet ``SwinTransformer`` (embed 96, depths
-  2,2,6,2, window 7); ``vit_s16`` mmseg ``VisionTransformer`` (DeiT-S: embed 384, depth 12, 6 heads,
-  img_size 224, position embedding interpolated to the input size on the fly).
-* Suffix ``+cp`` builds the model with ``with_cp=True`` (gradient checkpointing; only changes the
-  train-step numbers).
-* Suffix ``+compile`` times the model through ``torch.compile(forward, dynamic=False)`` (inductor;
-  one static graph per resolution, compiled by an extra untimed first call whose wall time is
-  stored as ``compile_s``). :func:`build_model` still returns the eager module: FLOPs are those
-  of the same computation; the runner and the memory worker compile it (:func:`compile_forward`).
-  Both suffixes may be combined (``xcit_s12_p16+cp+compile``).
+"""The benchmark's model names (``--list-models``) and factory.
 
 Every model is built untrained, all parameters trainable, drop-path 0, BatchNorm (no SyncBN).
-
-Nothing here imports torchvision: mmpretrain's XCiT module is loaded without executing the
-``mmpretrain.models`` package ``__init__`` (see :func:`load_mmpretrain_xcit`).
+``+compile`` models are built eager (FLOPs of the same computation); the runner and the memory
+process compile them. Nothing here imports torchvision (:func:`load_mmpretrain_xcit`).
 """
 import dataclasses
 import importlib
@@ -53,17 +34,7 @@ _XCIT_RE = re.compile(r'(?P<port>mmpretrain_)?xcit_(?P<arch>[a-z]\d\d)_p(?P<patc
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A parsed ``--models`` entry.
-
-    Attributes:
-        name: Canonical name, including the ``+cp`` suffix.
-        family: One of ``xcit``, ``xcit_trunk``, ``mmpretrain_xcit``, ``resnet50``, ``swin_t``,
-            ``vit_s16``.
-        arch: XCiT arch key (``'s12'`` ...) or None.
-        patch: XCiT patch size or None.
-        with_cp: Whether the model is built with gradient checkpointing.
-        compiled: Whether the forward is timed through ``torch.compile`` (``+compile``).
-    """
+    """A parsed ``--models`` entry; ``name`` canonical (``+cp`` before ``+compile``)."""
 
     name: str
     family: str
@@ -73,13 +44,7 @@ class ModelSpec:
     compiled: bool = False
 
     @property
-    def is_xcit(self) -> bool:
-        """bool: Whether this is one of the XCiT variants (ours or mmpretrain's)."""
-        return self.family in ('xcit', 'xcit_trunk', 'mmpretrain_xcit')
-
-    @property
     def description(self) -> str:
-        """str: Human readable description used in tables and plots."""
         cp = (' +with_cp' if self.with_cp else '') + (' +torch.compile' if self.compiled else '')
         if self.family in BASELINES:
             return BASELINES[self.family] + cp
@@ -92,18 +57,7 @@ class ModelSpec:
 
 
 def parse_model(name: str) -> ModelSpec:
-    """Parse a model name of ``--models``.
-
-    Args:
-        name: e.g. ``'xcit_s12_p16'``, ``'xcit_s12_p8_trunk'``, ``'mmpretrain_xcit_s12_p8'``,
-            ``'swin_t+cp'``, ``'xcit_s12_p16+compile'``.
-
-    Returns:
-        ModelSpec: The parsed spec; its ``name`` is canonical (``+cp`` before ``+compile``).
-
-    Raises:
-        ValueError: For an unknown name or an impossible combination.
-    """
+    """Parse a model name of ``--models``."""
     base, compiled = name, False
     if base.endswith(COMPILE_SUFFIX) or base.endswith(COMPILE_SUFFIX + '+cp'):
         base, compiled = base.replace(COMPILE_SUFFIX, '', 1), True
@@ -114,7 +68,6 @@ def parse_model(name: str) -> ModelSpec:
 
 
 def _parse_eager(name: str) -> ModelSpec:
-    """:func:`parse_model` of a name without ``+compile``."""
     base, with_cp = (name[:-3], True) if name.endswith('+cp') else (name, False)
     if base in BASELINES:
         return ModelSpec(name=name, family=base, with_cp=with_cp)
@@ -139,18 +92,13 @@ def _parse_eager(name: str) -> ModelSpec:
 
 
 def compile_forward(forward: Callable) -> Callable:
-    """``torch.compile(forward, dynamic=False)``: inductor, one static graph per input size (what
-    a fixed-size deployment gets); the first call at a size compiles."""
+    """Inductor, one static graph per input size (what a fixed-size deployment gets)."""
     import torch
     return torch.compile(forward, dynamic=False)
 
 
 def parse_models(names: Sequence[str]) -> List[ModelSpec]:
-    """Parse every ``--models`` name.
-
-    Raises:
-        ValueError: for the first invalid name: ``invalid choice: NAME (why). Valid names: ...``.
-    """
+    """Parse every ``--models`` name."""
     specs = []
     for name in names:
         try:
@@ -162,7 +110,6 @@ def parse_models(names: Sequence[str]) -> List[ModelSpec]:
 
 
 def model_name_patterns() -> str:
-    """The accepted names in one line (for error messages)."""
     archs = '|'.join(XCIT_ARCHS)
     return (f'xcit_<{archs}>_p<8|16>[_trunk], mmpretrain_xcit_<{archs}>_p<8|16>, '
             f'{", ".join(BASELINES)}; any but mmpretrain_xcit_* may end in +cp; any may end '
@@ -170,7 +117,6 @@ def model_name_patterns() -> str:
 
 
 def list_models() -> str:
-    """The model names ``--models`` accepts, as text."""
     archs = '|'.join(XCIT_ARCHS)
     lines = [f'xcit_<{archs}>_p<8|16>           XCiTBackbone (trunk + adapter)',
              f'xcit_<{archs}>_p<8|16>_trunk     XCiTBackbone.forward_trunk',
@@ -187,32 +133,13 @@ def paper_out_indices(depth: int) -> Tuple[int, ...]:
 
 
 def load_mmpretrain_xcit():
-    """Import ``mmpretrain.models.backbones.xcit`` without running ``mmpretrain.models``' __init__.
-
-    What fails otherwise: ``import mmpretrain.models`` executes the package ``__init__``, which
-    imports all heads; ``heads/cls_head.py`` imports ``mmpretrain.evaluation``, whose
-    ``metrics/visual_grounding_eval.py`` does ``import torchvision.ops.boxes`` -- and torchvision
-    is not installed (there is no build for this torch).  ``xcit.py`` itself only needs
-    mmcv/mmengine, ``mmpretrain.registry``, ``mmpretrain.models.utils`` and ``.base_backbone``,
-    none of which touch torchvision.
-
-    So, only when torchvision is missing, this registers *bare* package objects for
-    ``mmpretrain.models`` and ``mmpretrain.models.backbones`` (their real directories as
-    ``__path__``, their ``__init__`` NOT executed, marked with ``__xcit_benchmark_placeholder__``)
-    and imports the submodule through them.  The placeholders stay for the life of the process:
-    mmpretrain's ``MODELS`` registry imports its location ``mmpretrain.models`` lazily at its first
-    lookup (``build_norm_layer('LN')``), which must not run the real ``__init__`` either; 'LN',
-    'BN', 'GELU' are then found in mmengine's root registry (mmcv registers them there).  Hence:
-    call it only in a process of its own (the benchmark tools and their memory workers), never in
-    a process that imports ``mmpretrain.models`` for real later (e.g. pytest).  No torchvision stub
-    is created.  Where torchvision exists the ordinary import is used.
-
-    Returns:
-        module: mmpretrain's ``xcit`` module (``XCiT``, ``ClassAttentionBlock``, ...).
-
-    Raises:
-        ImportError: If mmpretrain is not installed.
-    """
+    """Import ``mmpretrain.models.backbones.xcit`` without running ``mmpretrain.models``'
+    ``__init__``, which imports torchvision (through its heads and evaluation), not installed
+    here; ``xcit.py`` itself needs none. Where torchvision is missing, bare packages stand for
+    ``mmpretrain.models`` and ``.backbones`` (real ``__path__``, ``__init__`` not run, marked
+    ``__xcit_benchmark_placeholder__``) for the life of the process, since mmpretrain's registry
+    imports them lazily later: so call it only in a process of its own (the tools and their
+    memory processes), never in one that imports ``mmpretrain.models`` for real (pytest)."""
     name = 'mmpretrain.models.backbones.xcit'
     if importlib.util.find_spec('mmpretrain') is None:
         raise ImportError('mmpretrain is not installed; it is needed for the mmpretrain_xcit_* '
@@ -237,14 +164,7 @@ def load_mmpretrain_xcit():
 
 
 def build_mmpretrain_trunk(xcit_module, arch: str, patch: int) -> nn.Module:
-    """mmpretrain's ``XCiT`` configured as the trunk only (see the module docstring).
-
-    Args:
-        xcit_module: ``mmpretrain.models.backbones.xcit`` (e.g. from
-            :func:`load_mmpretrain_xcit`).
-        arch: XCiT arch key.
-        patch: 8 or 16.
-    """
+    """mmpretrain's ``XCiT`` configured as the trunk only (see the module docstring)."""
     dims, depth, heads = XCIT_ARCHS[arch]
     return xcit_module.XCiT(
         img_size=224, patch_size=patch, embed_dims=dims, depth=depth, num_heads=heads,
@@ -254,15 +174,7 @@ def build_mmpretrain_trunk(xcit_module, arch: str, patch: int) -> nn.Module:
 
 
 def build_model(spec: ModelSpec, device: str = 'cpu') -> Tuple[nn.Module, Callable]:
-    """Build one benchmark model.
-
-    Args:
-        spec: The parsed model spec.
-        device: ``'cpu'`` or ``'cuda'``.
-
-    Returns:
-        tuple: ``(module, forward)`` where ``forward(img)`` returns a sequence of tensors.
-    """
+    """Build one benchmark model."""
     cp = spec.with_cp
     if spec.family in ('xcit', 'xcit_trunk'):
         from mmengine.registry import MODELS  # XCiTBackbone is registered by `import xcit_mm`
@@ -301,5 +213,4 @@ def build_model(spec: ModelSpec, device: str = 'cpu') -> Tuple[nn.Module, Callab
 
 
 def count_params(model: nn.Module) -> int:
-    """Number of parameters of ``model``."""
     return sum(p.numel() for p in model.parameters())

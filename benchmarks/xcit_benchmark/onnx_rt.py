@@ -17,7 +17,7 @@ import torch
 
 from .runner import RunOptions, log_stderr, run_metadata
 from .timing import (MATMUL_STEP, make_matmul_step, matmul_gflops, measure_matmul_gflops,
-                     set_threads, time_interleaved)
+                     set_threads, time_figures, time_interleaved)
 
 
 def onnx_model_names(config: str) -> Tuple[str, str]:
@@ -29,13 +29,7 @@ def onnx_model_names(config: str) -> Tuple[str, str]:
 def run_onnx_points(config: str, resolutions: Sequence[int], opts: RunOptions,
                     checkpoint: Optional[str] = None,
                     log: Callable[[str], None] = log_stderr) -> Tuple[List[dict], dict]:
-    """Time ONNX Runtime vs PyTorch eager for ``config`` at each square resolution.
-
-    Returns:
-        tuple: (records, meta) as :func:`~.runner.run_points` (``model`` = the config's stem and
-        ``<stem>+onnxruntime``; no memory, no FLOPs), meta with the export times and the
-        onnxruntime version.
-    """
+    """Time ONNX Runtime vs PyTorch eager for ``config`` at each square resolution."""
     import onnxruntime
 
     from xcit_mm.deployment import (build_export_model, export_onnx, onnx_session, run_onnx,
@@ -71,9 +65,6 @@ def run_onnx_points(config: str, resolutions: Sequence[int], opts: RunOptions,
             times = time_interleaved(steps, opts.warmup, opts.repeats, 'cpu')
             mm = matmul_gflops(statistics.median(times.pop(MATMUL_STEP)))
             for name, ts in times.items():
-                per_img = [t / opts.batch for t in ts]
-                q = statistics.quantiles(per_img, n=4) if len(per_img) > 1 else per_img * 3
-                med = statistics.median(per_img)
                 runtime = (f'ONNX Runtime {onnxruntime.__version__} CPU, static '
                            f'{opts.batch}x3x{res}x{res}' if name == ort_name else
                            'PyTorch eager (no_grad)')
@@ -84,8 +75,7 @@ def run_onnx_points(config: str, resolutions: Sequence[int], opts: RunOptions,
                     mode='inference', precision='fp32', device='cpu', threads=threads,
                     with_cp=False, status='ok' if check['ok'] else 'mismatch',
                     warmup=opts.warmup, repeats=opts.repeats, note=note, compiled=False,
-                    ms_per_img=med * 1e3, ms_p25=q[0] * 1e3, ms_p75=q[2] * 1e3,
-                    imgs_per_s=1.0 / med, times_s=ts, matmul_gflop_s=mm))
+                    matmul_gflop_s=mm, **time_figures(ts, opts.batch)))
     meta = run_metadata()
     meta.update(matmul_gflop_s_before=matmul_before,
                 matmul_gflop_s_after=measure_matmul_gflops('cpu'),

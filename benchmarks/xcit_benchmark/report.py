@@ -1,15 +1,10 @@
-"""Text tables, Markdown tables (for docs/benchmark.md) and the CSV/JSON/PNG files of a run.
-
-The ``format_*`` functions return the text the tools print; the ``markdown_*`` functions render
-a stored result (``docs/benchmark/*.json``) as the tables docs/benchmark.md quotes, so that the
-docs carry figures of committed artifacts only (tests/test_benchmark.py checks it).
+"""What the tools print (``format_*``), the Markdown tables the docs quote, rendered from the
+committed results (``markdown_*``: the docs carry figures of artifacts only), and a run's files.
 """
-import csv
-import json
 import os
 from typing import List, Optional, Sequence
 
-from .plot import default_title, plot_records
+from .fresh_points import write_artifact
 from .whole_model import PARTS_TRAIN
 
 CSV_FIELDS = [
@@ -34,9 +29,6 @@ def verdict(ok: Optional[bool]) -> str:
     return 'PASS' if ok else ('FAIL' if ok is not None else 'N/A')
 
 
-# --------------------------------------------------------------------------------------------
-# text
-# --------------------------------------------------------------------------------------------
 def format_table(records: Sequence[dict]) -> str:
     """A human readable table of the records."""
     header = (f'{"model":<28}{"res":>6}{"status":>8}{"ms/img":>10}{"img/s":>9}{"peak MB":>10}'
@@ -72,45 +64,6 @@ def format_ratios(rows: Sequence[dict]) -> str:
     return '\n'.join(lines)
 
 
-def format_goals(goals: Sequence[dict]) -> str:
-    """The PASS/FAIL table of :func:`~.goals.run_goals`."""
-    return '\n'.join(f'{verdict(g["ok"]):<5} {g["goal"]:<62} {fmt(g["value"], 3):>7} '
-                     f'(target {g["target"]}) {g["detail"]}' for g in goals)
-
-
-def format_flops_report(rows: Sequence[dict]) -> str:
-    """:func:`~.flops.flops_report` rows as a table."""
-    header = (f'{"arch":<5}{"setting":>9}{"trunk":>9}{"analytic":>9}{"+cls":>7}{"= clsfr":>9}'
-              f'{"port":>9}{"paper":>8}{"diff":>8}{"":>6}{"params":>8}{"paper":>8}')
-    lines = ['GMACs per image (= paper "GFLOPs"); trunk = XCiTBackbone.forward_trunk, '
-             '+cls = 2 class-attention layers + norm + head (mmpretrain modules)',
-             header, '-' * len(header)]
-    for r in rows:
-        lines.append(f'{r["arch"]:<5}{r["setting"]:>9}{r["trunk_gmacs"]:>9.3f}'
-                     f'{r["analytic_trunk_gmacs"]:>9.3f}{r["cls_part_gmacs"]:>7.3f}'
-                     f'{r["classifier_gmacs"]:>9.3f}{r["port_classifier_gmacs"]:>9.3f}'
-                     f'{r["paper_gmacs"]:>8.2f}{100 * r["rel_diff"]:>7.1f}%'
-                     f'{verdict(r["ok"]):>6}'
-                     f'{r["classifier_params_m"]:>8.2f}{r["paper_params_m"]:>8.2f}')
-    return '\n'.join(lines)
-
-
-def format_model_flops(rows: Sequence[dict]) -> str:
-    """Per-point FLOPs rows (``model``, ``resolution``, ``mode`` + :func:`~.flops.point_flops`)."""
-    header = (f'{"model":<28}{"res":>6}{"mode":>10}{"params M":>10}{"GMACs":>10}'
-              f'{"GFLOP exec":>12}')
-    lines = [header, '-' * len(header)]
-    for r in rows:
-        lines.append(f'{r["model"]:<28}{r["resolution"]:>6}{r["mode"]:>10}'
-                     f'{r["params_m"]:>10.2f}{r["gmacs"]:>10.3f}{r["gflop_exec"]:>12.3f}')
-    lines.append('GMACs = forward multiply-accumulates per image (the papers\' "GFLOPs"); '
-                 'GFLOP exec = 2 per MAC of everything the call executes (train: + backward).')
-    return '\n'.join(lines)
-
-
-# --------------------------------------------------------------------------------------------
-# Markdown (the tables of docs/benchmark.md, rendered from the committed JSON files)
-# --------------------------------------------------------------------------------------------
 def _md_row(cells: Sequence[str]) -> str:
     return '| ' + ' | '.join(cells) + ' |'
 
@@ -218,51 +171,67 @@ def markdown_result(data: dict) -> str:
     return markdown_records(data['records'])
 
 
-# --------------------------------------------------------------------------------------------
-# files
-# --------------------------------------------------------------------------------------------
 def write_outputs(records: Sequence[dict], meta: dict, out_dir: str, name: str,
-                  plot: bool = True, title: str = '') -> List[str]:
-    """Write ``<name>.csv``, ``<name>.json`` and (optionally) ``<name>.png`` under ``out_dir``.
-
-    Returns:
-        list: The written paths.
-    """
-    os.makedirs(out_dir, exist_ok=True)
-    paths = []
-    csv_path = os.path.join(out_dir, f'{name}.csv')
-    with open(csv_path, 'w', newline='') as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction='ignore')
-        writer.writeheader()
-        for r in records:
-            writer.writerow({k: (round(v, 4) if isinstance(v, float) else v)
-                             for k, v in r.items() if k in CSV_FIELDS})
-    paths.append(csv_path)
-    json_path = os.path.join(out_dir, f'{name}.json')
-    with open(json_path, 'w') as f:
-        json.dump(dict(meta=meta, records=list(records)), f, indent=1, default=str)
-    paths.append(json_path)
+                  plot: bool = True) -> List[str]:
+    """``<name>.csv`` (:data:`CSV_FIELDS`, floats to 4 decimals), ``.json`` and ``.png``."""
+    out = os.path.join(out_dir, name)
+    paths = write_artifact(out, meta, records, CSV_FIELDS, 'records', [
+        {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in records])
     if plot:
-        png_path = os.path.join(out_dir, f'{name}.png')
-        plot_records(records, png_path, title or default_title(meta, records))
-        paths.append(png_path)
+        plot_records(records, out + '.png', default_title(meta, records))
+        paths.append(out + '.png')
     return paths
 
 
 def write_rows(rows: Sequence[dict], meta: dict, out_dir: str, name: str) -> List[str]:
-    """Write ``<name>.csv`` (columns: the keys of the first row) and ``<name>.json``
-    (``{"meta": meta, "rows": rows}``), as the FLOPs report does.
+    """``<name>.csv`` and ``<name>.json`` (``{"meta", "rows"}``), as the FLOPs report."""
+    return write_artifact(os.path.join(out_dir, name), meta, rows)
 
-    Returns:
-        list: The written paths.
-    """
-    os.makedirs(out_dir, exist_ok=True)
-    csv_path = os.path.join(out_dir, f'{name}.csv')
-    with open(csv_path, 'w', newline='') as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    json_path = os.path.join(out_dir, f'{name}.json')
-    with open(json_path, 'w') as f:
-        json.dump(dict(meta=meta, rows=list(rows)), f, indent=1)
-    return [csv_path, json_path]
+
+def default_title(meta: dict, records: Sequence[dict]) -> str:
+    """Plot title: device, mode, precision, batch, threads, load and date of the run."""
+    if not records:
+        return ''
+    r = records[0]
+    load = meta.get('loadavg_1_5_15')
+    load_s = f', load {load[0]:.1f}' if load else ''
+    return (f'{r["device"]} {r["mode"]} {r["precision"]}, batch {r["batch"]}, '
+            f'threads={r["threads"]}{load_s} ({meta.get("date", "")})')
+
+
+def plot_records(records: Sequence[dict], path: str, title: str = ''):
+    """Plot ms/image and peak memory vs resolution (log-log), one line per model."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    models = list(dict.fromkeys(r['model'] for r in records))
+    for key, ax, label in (('ms_per_img', axes[0], 'time per image [ms]'),
+                           ('peak_mem_mb', axes[1], 'peak memory growth [MB]')):
+        for model in models:
+            pts = sorted((r['resolution'], r[key]) for r in records
+                         if r['model'] == model and r.get(key) is not None and r[key] > 0)
+            failed = sorted(r['resolution'] for r in records
+                            if r['model'] == model and r['status'] != 'ok')
+            if not pts:
+                continue
+            suffix = f' ({", ".join(map(str, failed))}: OOM/failed)' if failed else ''
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker='o', label=model + suffix)
+        ax.set_xscale('log', base=2)
+        ax.set_yscale('log')
+        resolutions = sorted({r['resolution'] for r in records})
+        ax.set_xticks(resolutions)
+        ax.set_xticklabels([str(r) for r in resolutions])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlabel('input side [px] (square input)')
+        ax.set_ylabel(label)
+        ax.grid(True, which='both', alpha=0.3)
+        if ax.get_lines():
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, 'not measured', ha='center', va='center', transform=ax.transAxes)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,5 +1,4 @@
-"""Measure a list of (model, resolution) points: FLOPs, fresh-process peak memory, interleaved
-timing; plus the run metadata stored with every result."""
+"""A list of (model, resolution) points: FLOPs, fresh-process peak memory, interleaved timing."""
 import os
 import platform
 import statistics
@@ -17,21 +16,16 @@ from .flops import point_flops
 from .memory import run_memory_worker
 from .models import ModelSpec, build_model, compile_forward
 from .timing import (MATMUL_STEP, make_matmul_step, make_step, matmul_gflops,
-                     measure_matmul_gflops, set_threads, time_interleaved)
-
-# A progress bar factory: (total, description) -> object with update(n=1), set_postfix_str(s)
-# and close() (e.g. tqdm); the CLI supplies one.
-ProgressFactory = Callable[[int, str], object]
+                     measure_matmul_gflops, set_threads, time_figures, time_interleaved)
 
 
 def log_stderr(message: str):
-    """The default ``log`` of :func:`run_points`: one line on stderr."""
     print(message, file=sys.stderr)
 
 
 @dataclass
 class RunOptions:
-    """Options shared by all points of one run (see the argparse help of the benchmark tool)."""
+    """Options shared by all points of one run (benchmark.py --help)."""
 
     batch: int = 1
     mode: str = 'inference'
@@ -67,22 +61,10 @@ def load_warning(opts: RunOptions) -> Optional[str]:
 
 
 def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions,
-               progress_factory: Optional[ProgressFactory] = None,
                log: Callable[[str], None] = log_stderr) -> Tuple[List[dict], dict]:
-    """Measure a list of (model, resolution) points.
-
-    Per resolution: FLOPs (fake tensors), then one fresh memory-worker process per point, then the
-    interleaved timing of every point that fitted, in this process (models built once).
-
-    Args:
-        points: (spec, resolution) pairs; each pair once.
-        opts: Run options.
-        progress_factory: Makes the progress bar (not called when ``opts.quiet``); None: no bar.
-        log: Where the machine-load warning goes.
-
-    Returns:
-        tuple: (records, meta) -- one dict per point (CSV_FIELDS plus ``times_s``) and run metadata.
-    """
+    """(records, meta) of (spec, resolution) points. Per resolution: FLOPs (fake tensors), a
+    fresh memory process per point, then the interleaved timing of every point that fitted, in
+    this process (models built once)."""
     if opts.device == 'cuda' and not torch.cuda.is_available():
         raise RuntimeError('--device cuda requested but torch.cuda.is_available() is False')
     set_threads(opts.threads)
@@ -90,11 +72,7 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions,
     if warning:
         log(warning)
     resolutions = sorted({r for _, r in points})
-    n_time_calls = (opts.warmup + opts.repeats) if opts.do_time else 0
-    progress = None
-    if progress_factory is not None and not opts.quiet:
-        progress = progress_factory(len(points) * (int(opts.do_mem) + n_time_calls + 1),
-                                    f'benchmark ({opts.device}, {opts.mode}, {opts.precision})')
+    progress = (lambda message: None) if opts.quiet else log
     matmul_before = measure_matmul_gflops(opts.device)
     records: List[dict] = []
     built: Dict[str, Tuple[nn.Module, Callable]] = {}
@@ -108,28 +86,21 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions,
                        device=opts.device, threads=opts.threads or torch.get_num_threads(),
                        with_cp=spec.with_cp, status='ok', warmup=opts.warmup,
                        repeats=opts.repeats, note='', compiled=spec.compiled)
-            if progress is not None:
-                progress.set_postfix_str(f'{spec.name}@{res} flops/memory')
+            progress(f'{spec.name}@{res}: flops / memory')
             if opts.do_flops:
                 rec.update(point_flops(spec, res, opts.mode, flops_models))
-            if progress is not None:
-                progress.update()
             if opts.do_mem:
                 rec.update(run_memory_worker(dict(
                     model=spec.name, resolution=res, batch=opts.batch, mode=opts.mode,
                     precision=opts.precision, device=opts.device, threads=opts.threads,
                     mem_iters=opts.mem_iters, cpu_mem_mode=opts.cpu_mem_mode),
                     opts.mem_limit_bytes, opts.mem_timeout_s))
-                if progress is not None:
-                    progress.update()
             recs[spec.name] = rec
         if opts.do_time:
             steps = {}
             img = torch.randn(opts.batch, 3, res, res, device=opts.device)
             for spec in specs:
                 if recs[spec.name]['status'] != 'ok':
-                    if progress is not None:
-                        progress.update(n_time_calls)
                     continue
                 if spec.name not in built:
                     torch.manual_seed(0)
@@ -145,13 +116,12 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions,
                     steps[spec.name]()
                     _sync_device(opts.device)
                     recs[spec.name]['compile_s'] = time.perf_counter() - t0
-            if progress is not None:
-                progress.set_postfix_str(f'timing {len(steps)} models @{res}')
+            progress(f'timing {len(steps)} models at {res}')
             if steps:  # the reference matmul rate, interleaved with the models: same load
                 steps[MATMUL_STEP] = make_matmul_step(opts.device)
             try:
-                times = time_interleaved(steps, opts.warmup, opts.repeats, opts.device,
-                                         progress) if steps else {}
+                times = time_interleaved(steps, opts.warmup, opts.repeats,
+                                         opts.device) if steps else {}
             except torch.cuda.OutOfMemoryError as e:
                 for name in steps:
                     recs[name].update(status='oom', note=f'CUDA OOM while timing: {e}'[:200])
@@ -159,18 +129,12 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions,
                 torch.cuda.empty_cache()
             mm_times = times.pop(MATMUL_STEP, None)
             for name, ts in times.items():
-                recs[name]['matmul_gflop_s'] = matmul_gflops(statistics.median(mm_times))
-                per_img = [t / opts.batch for t in ts]
-                q = statistics.quantiles(per_img, n=4) if len(per_img) > 1 else per_img * 3
-                med = statistics.median(per_img)
-                recs[name].update(ms_per_img=med * 1e3, ms_p25=q[0] * 1e3, ms_p75=q[2] * 1e3,
-                                  imgs_per_s=1.0 / med, times_s=ts)
+                recs[name].update(time_figures(ts, opts.batch),
+                                  matmul_gflop_s=matmul_gflops(statistics.median(mm_times)))
             del img, steps
         records.extend(recs[s.name] for s in specs)
     del flops_models
     matmul_after = measure_matmul_gflops(opts.device)
-    if progress is not None:
-        progress.close()
     matmul = (matmul_before + matmul_after) / 2
     for rec in records:
         rec.setdefault('matmul_gflop_s', matmul)
@@ -191,7 +155,6 @@ def _sync_device(device: str):
 
 
 def run_metadata() -> dict:
-    """Machine, software and load information stored with every result."""
     try:
         load = os.getloadavg()
     except OSError:

@@ -56,11 +56,7 @@ def _check_point(point, path: str, where: str):
 
 
 def validate_spec(spec: dict, path: str = '<spec>') -> dict:
-    """Check the layout described in the module docstring; return ``spec``.
-
-    Raises:
-        SpecError: Naming the file and the offending entry.
-    """
+    """Check the layout described in the module docstring; return ``spec``."""
     for key in ('default_models', 'default_resolutions', 'goals', 'flops_report'):
         _check(key in spec, path, f'missing key {key!r}')
     for name in spec['default_models']:
@@ -105,11 +101,7 @@ def validate_spec(spec: dict, path: str = '<spec>') -> dict:
 
 
 def load_spec(path: Optional[str] = None) -> dict:
-    """Read and check a spec file (default: :data:`DEFAULT_SPEC_PATH`).
-
-    Raises:
-        SpecError: If the file is missing, is no JSON, or does not have the documented layout.
-    """
+    """Read and check a spec file (default: :data:`DEFAULT_SPEC_PATH`)."""
     path = path or DEFAULT_SPEC_PATH
     try:
         with open(path) as f:

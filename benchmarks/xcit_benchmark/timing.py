@@ -39,19 +39,7 @@ def make_step(model: nn.Module, forward: Callable, img: torch.Tensor, mode: str,
 
     Inference: ``model.eval()`` and the forward under ``torch.no_grad()``.  Train step:
     ``model.train()``, forward, ``loss = sum(out.float().mean())``, backward, gradients dropped
-    (``grad = None``, so every step allocates them, as a real step before ``optimizer.step``).
-
-    Args:
-        model: The module.
-        forward: Its forward callable (``model`` or e.g. ``model.forward_trunk``).
-        img: Input batch.
-        mode: ``'inference'`` or ``'train'``.
-        device: Device type of ``img``.
-        precision: ``'fp32'`` or ``'amp'``.
-
-    Returns:
-        callable: The step.
-    """
+    (``grad = None``, so every step allocates them, as a real step before ``optimizer.step``)."""
     if mode == 'inference':
         model.eval()
 
@@ -102,6 +90,15 @@ def measure_matmul_gflops(device: str, repeats: int = 10) -> float:
     return matmul_gflops(statistics.median(times))
 
 
+def time_figures(times: Sequence[float], batch: int) -> dict:
+    """Median and quartiles per image (ms), images/s, of the timed calls of a point."""
+    per_img = [t / batch for t in times]
+    q = statistics.quantiles(per_img, n=4) if len(per_img) > 1 else per_img * 3
+    med = statistics.median(per_img)
+    return dict(ms_per_img=med * 1e3, ms_p25=q[0] * 1e3, ms_p75=q[2] * 1e3, imgs_per_s=1.0 / med,
+                times_s=list(times))
+
+
 def round_order(items: Sequence, r: int) -> list:
     """``items`` rotated by ``r``: the order of interleaved round ``r`` (round 0 in the given
     order, round 1 starting at the second item, ...)."""
@@ -113,29 +110,16 @@ def round_order(items: Sequence, r: int) -> list:
 
 
 def time_interleaved(steps: Dict[str, Callable[[], None]], warmup: int, repeats: int,
-                     device: str, progress=None) -> Dict[str, List[float]]:
+                     device: str) -> Dict[str, List[float]]:
     """Time several steps with interleaved repeats.
 
     Warm-up: ``warmup`` calls of every step.  Then ``repeats`` rounds; round ``r`` calls every step
-    once, in the list order rotated by ``r``.  The garbage collector is off while timing.
-
-    Args:
-        steps: Name -> zero-argument callable.
-        warmup: Untimed calls per step.
-        repeats: Timed rounds.
-        device: For CUDA synchronisation around every call.
-        progress: Optional progress bar (tqdm-like ``update()``), advanced once per model call.
-
-    Returns:
-        dict: Name -> list of ``repeats`` wall times in seconds, in round order.
-    """
+    once, in the list order rotated by ``r``.  The garbage collector is off while timing."""
     names = list(steps)
     for _ in range(warmup):
         for name in names:
             steps[name]()
             _sync(device)
-            if progress is not None and name != MATMUL_STEP:
-                progress.update()
     times: Dict[str, List[float]] = {name: [] for name in names}
     gc.collect()
     gc_enabled = gc.isenabled()
@@ -148,8 +132,6 @@ def time_interleaved(steps: Dict[str, Callable[[], None]], warmup: int, repeats:
                 steps[name]()
                 _sync(device)
                 times[name].append(time.perf_counter() - t0)
-                if progress is not None and name != MATMUL_STEP:
-                    progress.update()
     finally:
         if gc_enabled:
             gc.enable()

@@ -1,53 +1,19 @@
 """``--whole-model CONFIG ...``: a whole detector / segmentor, train step or inference, by part.
 
-Each config is measured in a FRESH PROCESS (the memory worker mechanism of :mod:`.memory`,
-dispatched by ``cfg['kind'] == 'whole_model'``): the model is built from the config with random
-initialisation (every ``init_cfg`` of type ``Pretrained`` set to None, nothing downloaded),
-SyncBN reverted to BN, on the CPU.  The input is one synthetic image of the given size (several
-with ``--batch``), passed once through the config's ``data_preprocessor`` (untimed): a detector
-gets 3 boxes with labels and box-shaped masks, a segmentor a random label map.  A train step is
-``model.loss`` + backward of the summed losses + one AdamW step; inference is ``model.predict``
-under ``torch.no_grad`` in eval mode.
+Each config is measured in a fresh process (random weights, SyncBN -> BN, CPU) on synthetic
+images passed once through its ``data_preprocessor``. With random weights the number of
+detections and positive RoIs depends on the model, and with it the heads' work: so every config
+gets the first config's (the subject's) detector ``train_cfg`` / ``test_cfg``, inference keeps
+exactly ``detections`` boxes (``score_thr=0``), and every optimizer is the same AdamW with the
+subject's ``fused`` / ``foreach`` flags; the work done is counted per step (``work``).
 
-Equal work (:func:`work_settings`, :func:`equalise_work`): with random weights the number of
-detections, proposals and positive RoIs depends on the model, and with it the work of the RoI and
-mask heads.  So every config gets the FIRST config's (the subject's) detector ``train_cfg`` /
-``test_cfg`` (proposal counts, NMS, RoI sampler), inference keeps exactly ``detections`` boxes per
-image (``rcnn.score_thr=0``, ``rcnn.max_per_img=detections``), and every config's optimizer is
-built the same way: ``torch.optim.AdamW`` over all trainable parameters, lr 1e-4, weight decay
-0.05, with the subject config's ``fused`` / ``foreach`` flags (torch's default kernel when it sets
-none).  The work actually done is counted per step (``work``: RoIs into the box and mask heads,
-detections per image) so that a difference shows.
-
-Steady state: one untimed warm-up step, then ``repeats`` timed steps under glibc's default malloc
-(as a training process runs), then the memory pass: ``mallopt(M_MMAP_THRESHOLD, 64 KiB)`` (for
-``cpu_mem_mode='live'``; every tensor then gets its own mapping, so the RSS peak follows the live
-tensors), ``malloc_trim(0)``, the RSS baseline and ``repeats`` more steps whose peaks are read.
-Times come from the timed steps only: with the mmap threshold every large tensor is mapped and
-unmapped, and its page faults would be timed too (``mem_pass_time_ms`` keeps those step times).
-Every step is cut at part boundaries by wrappers around the model's
-``backbone.forward_trunk`` (XCiT only), ``backbone.forward``, ``neck.forward``, the end of the
-forward and of the backward: at each boundary the time is taken, the peak RSS since the previous
-boundary is read (``VmHWM`` of ``/proc/self/status``) and the peak is reset (``5`` written to
-``/proc/self/clear_refs``).  So the parts are:
-
-* ``trunk``: ``XCiTBackbone.forward_trunk`` if the backbone is XCiT, else the whole backbone;
-* ``adapter``: the rest of XCiT's forward (0 for other backbones);
-* ``neck``; ``heads``: the rest of the forward (RPN / RoI / decode heads, losses or
-  post-processing);
-* ``backward`` (train only) and ``optimizer`` (train only, the AdamW step).
-
-Per part: median time over the timed steps, and ``peak_mb`` = the highest RSS reached during the
-part minus the RSS at the start of the step (max over the memory steps); ``peak_mem_mb`` of the
-whole step is the highest of those.  Per-part memory is approximate (the RSS includes what the
-libraries keep); the times of the parts sum to the step time (the boundary reads cost
-microseconds).
-
-Rounds (:func:`run_whole_models`): round ``r`` measures every config once, each in its own fresh
-process, in the order of the configs rotated by ``r``; a record's headline figures are the
-medians over its rounds, and :func:`whole_model_ratios` gives, for the first config (the subject)
-against each other one (a baseline), the median, min and max of the per-round ratios of step
-time and peak memory.
+Times come from steps under glibc's default malloc (as a training process runs); the peaks from
+as many more steps under the 64 KiB mmap threshold (the RSS then follows the live tensors, but
+every large tensor's page faults would be timed too). Each step is cut at the parts (trunk,
+adapter, neck, heads, backward, optimizer) by wrappers that read the time and the peak RSS
+since the previous boundary, then reset the peak. Round ``r`` measures every config once, in the
+order rotated by ``r``; a record's figures are the medians over its rounds, and the ratios
+subject / baseline the median (min-max) of the per-round ratios.
 """
 import copy
 import gc
@@ -59,8 +25,11 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .memory import (LIVE_MMAP_THRESHOLD, _mallopt_mmap_threshold, _release_free_heap,
-                     _reset_peak_rss, proc_status_kb, run_memory_worker)
+from xcit_mm.models.utils.memory_budget import (peak_rss_mb, release_free_heap, reset_peak_rss,
+                                                rss_mb)
+
+from .fresh_points import write_artifact
+from .memory import mallopt_mmap_threshold, run_memory_worker
 from .timing import round_order, set_threads
 
 PARTS_TRAIN = ('trunk', 'adapter', 'neck', 'heads', 'backward', 'optimizer')
@@ -69,11 +38,10 @@ SCOPES = ('mmdet', 'mmseg')
 
 
 class WholeModelError(ValueError):
-    """A config that cannot be measured (missing, unreadable, not a detector / segmentor)."""
+    """A config that cannot be measured."""
 
 
 def check_config_path(config: str) -> None:
-    """Raise :class:`WholeModelError` unless ``config`` is a file or ``mmdet::`` / ``mmseg::``."""
     scope, sep, rel = config.partition('::')
     if sep:
         if scope not in SCOPES or not rel:
@@ -120,16 +88,13 @@ def drop_pretrained(obj):
 
 
 def adamw_kernel_flags(cfg) -> dict:
-    """The ``fused`` / ``foreach`` flags a config gives its optimizer (torch's defaults when
-    unset): they choose AdamW's update kernel, not the arithmetic."""
+    """The ``fused`` / ``foreach`` flags of a config's optimizer: AdamW's kernel, not its math."""
     optimizer = (cfg.get('optim_wrapper', None) or {}).get('optimizer', None) or {}
     return {key: optimizer[key] for key in ('fused', 'foreach') if key in optimizer}
 
 
 def work_settings(config: str, detections: int = 100) -> dict:
-    """What every config of a comparison shares, read from the subject's ``config``: the
-    detector's ``train_cfg`` / ``test_cfg`` (None for a segmentor), the number of detections
-    kept per image at inference, and the AdamW kernel flags (JSON-ready)."""
+    """What every config of a comparison shares, read from the subject's ``config``."""
     cfg = load_whole_config(config)
     model = cfg.get('model', None) or {}
     two_stage = 'roi_head' in model and 'train_cfg' in model and 'test_cfg' in model
@@ -142,9 +107,7 @@ def work_settings(config: str, detections: int = 100) -> dict:
 
 
 def equalise_work(model_cfg, work: Optional[dict]) -> None:
-    """Give a detector's model config the shared ``work`` settings (in place): the subject's
-    ``train_cfg`` / ``test_cfg``, and inference that keeps exactly ``work['detections']`` boxes
-    per image (no score threshold).  Segmentors and ``work=None`` are left as they are."""
+    """Give a detector's model config the shared ``work`` settings, in place."""
     if not work or work.get('det_train_cfg') is None or 'roi_head' not in model_cfg:
         return
     from mmengine.config import ConfigDict
@@ -156,8 +119,7 @@ def equalise_work(model_cfg, work: Optional[dict]) -> None:
 
 
 def build_whole_model(config: str, work: Optional[dict] = None):
-    """(model, task, AdamW kernel flags) for a config: random init, SyncBN -> BN, on the CPU;
-    with ``work`` (:func:`work_settings`) the shared detector settings and optimizer flags."""
+    """(model, task, AdamW kernel flags) of a config: random init, SyncBN -> BN, on the CPU."""
     from mmengine.model import revert_sync_batchnorm
     from mmengine.registry import init_default_scope
 
@@ -216,27 +178,27 @@ def synthetic_batch(model, task: str, h: int, w: int, batch: int, training: bool
 
 
 class PartClock:
-    """Boundary marks of one step: time, peak RSS since the previous mark (then reset)."""
+    """Boundary marks of one step: time, peak RSS (MB) since the previous mark (then reset)."""
 
     def __init__(self):
-        self.marks: List[Tuple[str, float, int]] = []
-        self.start_rss = 0
+        self.marks: List[Tuple[str, float, float]] = []
+        self.start_rss = 0.
         self.t0 = 0.
 
     def start(self):
-        _reset_peak_rss()
-        self.start_rss = proc_status_kb('VmRSS') * 1024
+        reset_peak_rss()
+        self.start_rss = rss_mb()
         self.marks = []
         self.t0 = time.perf_counter()
 
     def mark(self, name: str):
         t = time.perf_counter()
-        peak = proc_status_kb('VmHWM') * 1024
-        _reset_peak_rss()
+        peak = peak_rss_mb()
+        reset_peak_rss()
         self.marks.append((name, t, peak))
 
     def parts(self, names: Sequence[str]) -> dict:
-        """{part: (seconds, peak bytes over the step start)}; parts absent from the marks = 0."""
+        """{part: (seconds, peak MB over the step start)}; parts absent from the marks = 0."""
         out = {n: [0., 0] for n in names}
         prev = self.t0
         for name, t, peak in self.marks:
@@ -247,7 +209,7 @@ class PartClock:
 
 
 def _wrap(obj, attr: str, after: Callable[[], None]):
-    """Replace ``obj.attr`` (a bound method) by one that calls ``after()`` when it returns."""
+    """``obj.attr`` (a bound method) calling ``after()`` when it returns."""
     fn = getattr(obj, attr)
 
     def wrapped(*args, **kwargs):
@@ -294,13 +256,8 @@ def instrument(model, clock: PartClock) -> bool:
 
 
 def worker_main(cfg: dict) -> dict:
-    """Measure one config in this (fresh) process; see the module doc.
-
-    Args:
-        cfg: dict with config, height, width, batch, mode, repeats, threads, mem_pass ('live':
-            the memory pass under the mmap threshold, 'process': glibc's defaults) and work
-            (:func:`work_settings` of the subject, or None: each config's own settings).
-    """
+    """Measure one config in this fresh process (``cfg``: config, height, width, batch, mode,
+    repeats, threads, mem_pass 'live' or 'process', work)."""
     set_threads(cfg.get('threads'))
     torch.manual_seed(0)
     model, task, adamw_flags = build_whole_model(cfg['config'], cfg.get('work'))
@@ -335,7 +292,7 @@ def worker_main(cfg: dict) -> dict:
                 detections[:] = [len(r.pred_instances) for r in results]
 
     def run(repeats):
-        """(step seconds, per-part (seconds, peak bytes over the step start), start RSS)."""
+        """(step seconds, per-part (seconds, peak MB over the step start), start RSS MB)."""
         out = []
         for _ in range(repeats):
             counter.reset()
@@ -352,12 +309,11 @@ def worker_main(cfg: dict) -> dict:
     if detections:
         work['detections_per_image'] = list(detections)
 
-    live = (cfg.get('mem_pass', 'live') == 'live'
-            and _mallopt_mmap_threshold(LIVE_MMAP_THRESHOLD))
+    live = cfg.get('mem_pass', 'live') == 'live' and mallopt_mmap_threshold(65536)
     gc.collect()
-    _release_free_heap()
-    _reset_peak_rss()
-    base = proc_status_kb('VmRSS') * 1024
+    release_free_heap()
+    reset_peak_rss()
+    base = rss_mb()
     measured = run(cfg['repeats'])
     peak = max(start_rss - base + max(p for _, p in parts.values())
                for _, parts, start_rss in measured)
@@ -368,9 +324,9 @@ def worker_main(cfg: dict) -> dict:
                   time_ms=med(t for t, _, _ in timed) * 1e3,
                   times_ms=[t * 1e3 for t, _, _ in timed],
                   mem_pass_time_ms=med(t for t, _, _ in measured) * 1e3,
-                  peak_mem_mb=peak / 2 ** 20, mem_base_mb=base / 2 ** 20,
+                  peak_mem_mb=peak, mem_base_mb=base,
                   parts={n: dict(time_ms=med(parts[n][0] for _, parts, _ in timed) * 1e3,
-                                 peak_mb=max(parts[n][1] for _, parts, _ in measured) / 2 ** 20)
+                                 peak_mb=max(parts[n][1] for _, parts, _ in measured))
                          for n in names},
                   work=work, adamw_flags=adamw_flags,
                   memory_mode='mmap threshold 64 KiB' if live else 'glibc default malloc',
@@ -379,7 +335,6 @@ def worker_main(cfg: dict) -> dict:
 
 
 def config_name(config: str) -> str:
-    """Record name of a config: its file stem."""
     return osp.splitext(osp.basename(config.split('::')[-1]))[0]
 
 
@@ -388,9 +343,7 @@ ROUND_KEYS = ('status', 'note', 'time_ms', 'times_ms', 'mem_pass_time_ms', 'peak
 
 
 def _median_record(rec: dict, per_round: Sequence[dict]) -> None:
-    """Headline figures of ``rec`` from its rounds (in place): medians over the ok rounds of the
-    step time, the peak, the baseline and every part's time and peak; status = the first failure
-    (its round named in ``note``), else ok."""
+    """``rec``'s figures, in place: medians over its ok rounds; its status the first failure."""
     ok = [p for p in per_round if p.get('status') == 'ok']
     failed = [p for p in per_round if p.get('status') != 'ok']
     if failed:
@@ -422,23 +375,9 @@ def run_whole_models(configs: Sequence[str], mode: str, height: int, width: int,
                      cpu_mem_mode: str = 'process', limit_bytes: float = 8 * 2 ** 30,
                      timeout_s: float = 1800., log: Optional[Callable[[str], None]] = None,
                      rounds: int = 1, work: Optional[dict] = None) -> List[dict]:
-    """One record per config; every measurement is a fresh process (:func:`worker_main`).
-
-    ``rounds`` interleaved rounds: round ``r`` measures every config once, in the order of
-    ``configs`` rotated by ``r`` (:func:`.timing.round_order`), so a slow drift of a shared
-    machine hits all configs alike.  A config that fails in a round (OOM, timeout, error) is not
-    measured in the later rounds.  ``work`` (:func:`work_settings`, usually of ``configs[0]``) is
-    given to every worker: the same detector settings and optimizer for all; None keeps each
-    config's own.  ``cpu_mem_mode`` picks the memory pass ('live' or 'process'); the steps are
-    timed under glibc's default malloc either way.
-
-    Each record keeps its rounds in ``per_round`` (round index, position in that round's order,
-    load average at its start, and the worker's status, ``time_ms`` (median of its ``repeats``
-    steps), ``times_ms``, ``peak_mem_mb``, ``mem_base_mb`` and ``parts``), in round order.  The
-    headline ``time_ms``, ``peak_mem_mb``, ``mem_base_mb`` and every part's ``time_ms`` /
-    ``peak_mb`` are the medians over the ok rounds; ``round_times_ms`` / ``round_peaks_mb`` list
-    the per-round figures and ``times_ms`` all timed steps, round after round.
-    """
+    """One record per config, a fresh process per config and round, rounds interleaved so that
+    a drift of a shared machine hits all configs alike; a config that fails is not measured in
+    later rounds. ``per_round`` keeps each round's figures, with its position and load."""
     n = len(configs)
     per_round: List[List[dict]] = [[] for _ in configs]
     dead = set()
@@ -450,9 +389,7 @@ def run_whole_models(configs: Sequence[str], mode: str, height: int, width: int,
             if log:
                 log(f'round {r + 1}/{rounds}, {pos + 1}/{n}: {config} ({mode}, {height}x{width}, '
                     f'batch {batch}) ...')
-            # the worker process starts with glibc's default malloc ('process'); its memory pass
-            # switches to the mmap threshold itself when mem_pass is 'live'
-            # (the worker runs elsewhere: a path is made absolute)
+            # the worker starts under glibc's default malloc; its memory pass switches
             cfg = dict(kind='whole_model', mode=mode, height=height, width=width,
                        config=config if '::' in config else osp.abspath(config),
                        batch=batch, repeats=repeats, threads=threads, cpu_mem_mode='process',
@@ -484,7 +421,7 @@ def run_whole_models(configs: Sequence[str], mode: str, height: int, width: int,
 
 
 def _ratio_stats(pairs: Sequence[Tuple[float, float]]) -> dict:
-    """Median / min / max of the ratios a / b (pairs with b <= 0 left out) and the ratios."""
+    """Median / min / max of the ratios a / b (b <= 0 left out) and the ratios."""
     ratios = [a / b for a, b in pairs if b > 0]
     if not ratios:
         return dict(median=None, min=None, max=None, values=[])
@@ -493,9 +430,8 @@ def _ratio_stats(pairs: Sequence[Tuple[float, float]]) -> dict:
 
 
 def whole_model_ratios(records: Sequence[dict]) -> List[dict]:
-    """Subject (the first record) / each other record (a baseline): per-round ratios of the step
-    time and of the peak memory, over the rounds in which both were ok, with their median, min
-    and max; and the ratio of each part's median time."""
+    """Subject (the first record) / each baseline: the per-round ratios of step time and peak,
+    over the rounds both were ok in, and of each part's median time."""
     if len(records) < 2:
         return []
     subject = records[0]
@@ -526,23 +462,8 @@ def whole_model_ratios(records: Sequence[dict]) -> List[dict]:
     return rows
 
 
-def format_whole_ratios(rows: Sequence[dict]) -> str:
-    """One line per baseline: median (min-max) of the per-round ratios, time and peak memory."""
-    def fmt(row, key):
-        if row.get(key) is None:
-            return 'n/a'
-        return f'{row[key]:.2f}x ({row[key + "_min"]:.2f}-{row[key + "_max"]:.2f})'
-    lines = []
-    for row in rows:
-        n = row['rounds']
-        lines.append(f'{row["subject"]} / {row["baseline"]}: time {fmt(row, "time_ratio")}, '
-                     f'peak memory {fmt(row, "peak_ratio")}, {n} round{"s" * (n != 1)}')
-    return '\n'.join(lines)
-
-
 def flat_rows(records: Sequence[dict]) -> List[dict]:
-    """CSV rows: one per record (the medians over its rounds, and the min / max over the rounds
-    of the step time and peak), the parts as ``<part>_ms`` / ``<part>_peak_mb`` columns."""
+    """CSV rows, one per record, the parts as ``<part>_ms`` / ``<part>_peak_mb`` columns."""
     rows = []
     lists = ('parts', 'times_ms', 'per_round', 'round_times_ms', 'round_peaks_mb')
     for r in records:
@@ -559,54 +480,8 @@ def flat_rows(records: Sequence[dict]) -> List[dict]:
     return rows
 
 
-def format_whole_table(records: Sequence[dict]) -> str:
-    """Printed table: per config the step time / peak (medians over the rounds, with the
-    per-round range), then the parts (medians over the rounds)."""
-    lines = []
-    for r in records:
-        head = f'{r["model"]} [{r["mode"]}, {r["height"]}x{r["width"]}, batch {r["batch"]}]'
-        if r.get('status') != 'ok':
-            lines.append(f'{head}: {r.get("status")} {r.get("note", "")}')
-            continue
-        n = r.get('rounds_ok', 1)
-        times, peaks = r.get('round_times_ms') or [], r.get('round_peaks_mb') or []
-        spread = ''
-        if len(times) > 1:
-            spread = (f'; per round {min(times):.0f}-{max(times):.0f} ms, '
-                      f'+{min(peaks):.0f}-{max(peaks):.0f} MB')
-        lines.append(f'{head}: {r["time_ms"]:.1f} ms/step, peak RSS +{r["peak_mem_mb"]:.0f} MB '
-                     f'(median of {n} round{"s" * (n != 1)} x {r["repeats"]} '
-                     f'step{"s" * (r["repeats"] != 1)}{spread}), {r["params_m"]:.1f} M params, '
-                     f'backbone {r["backbone"]}')
-        work = r.get('work') or {}
-        if work.get('bbox_rois') or work.get('mask_rois'):
-            dets = work.get('detections_per_image')
-            lines.append(f'  work per step: {work["bbox_rois"]} box RoIs, {work["mask_rois"]} mask '
-                         f'RoIs' + (f', detections per image {dets}' if dets else ''))
-        lines.append(f'  {"part":<10} {"ms":>10} {"%":>6} {"peak MB":>9}')
-        for part, p in r['parts'].items():
-            pct = 100 * p['time_ms'] / r['time_ms'] if r['time_ms'] else 0
-            lines.append(f'  {part:<10} {p["time_ms"]:>10.1f} {pct:>6.1f} {p["peak_mb"]:>9.0f}')
-    return '\n'.join(lines)
-
-
 def write_whole_outputs(records: Sequence[dict], meta: dict, out_dir: str,
                         name: str) -> List[str]:
-    """``<name>.csv`` (:func:`flat_rows`) and ``<name>.json`` (``{"meta", "records"}``, parts
-    nested as ``records[i]["parts"][part] = {"time_ms", "peak_mb"}``, the rounds as
-    ``records[i]["per_round"]``; the CLI puts :func:`whole_model_ratios` in
-    ``meta["ratios"]``)."""
-    import csv
-    import json
-    os.makedirs(out_dir, exist_ok=True)
-    rows = flat_rows(records)
-    fields = list(dict.fromkeys(k for row in rows for k in row))
-    csv_path = osp.join(out_dir, f'{name}.csv')
-    with open(csv_path, 'w', newline='') as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-    json_path = osp.join(out_dir, f'{name}.json')
-    with open(json_path, 'w') as f:
-        json.dump(dict(meta=meta, records=list(records)), f, indent=1)
-    return [csv_path, json_path]
+    """``<name>.csv`` (:func:`flat_rows`) and ``<name>.json`` (``{"meta", "records"}``)."""
+    return write_artifact(osp.join(out_dir, name), meta, records, key='records',
+                          csv_rows=flat_rows(records))

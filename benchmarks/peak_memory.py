@@ -1,0 +1,741 @@
+"""Peak memory and time of whole-image inference through the mmseg / mmdet doors, fresh processes.
+
+    python benchmarks/peak_memory.py --out docs/results/whole_image_inference
+    python benchmarks/peak_memory.py --report docs/results/whole_image_inference.json
+
+A point is (task, backbone, path, size): Semantic FPN (or UperNet: backbone ``uper``) and Mask
+R-CNN of the same neck and heads (:data:`CONFIGS`, random weights), run by the stock or the lean
+model, by the lean one with ``band_mb`` (``bands``) or in ``mode='auto'`` within a budget
+(``auto``, ``--budgets``), on the whole image at full resolution (``--pipeline paper`` keeps the
+config's test Resize; ``network`` times the segmentor's network alone). Method and figures:
+docs/benchmark_high_resolution.md (CPU), docs/benchmark_gpu.md (CUDA).
+
+On the CPU each point runs in a process of its own, since a process keeps the heap its earlier
+calls grew; on CUDA the peak counters are reset per call, so a process runs a whole series.
+"""
+import argparse
+import contextlib
+import copy
+import hashlib
+import json
+import os
+import os.path as osp
+import sys
+import time
+
+HERE = osp.dirname(osp.abspath(__file__))
+ROOT = osp.dirname(HERE)
+for _path in (ROOT, HERE):  # xcit_mm from this checkout; xcit_benchmark
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+from xcit_benchmark.fresh_points import (LIVE_MALLOC, MIB, cpu_model,  # noqa: E402
+                                         package_version, run_process, test_image,
+                                         write_artifact)
+
+TASKS = ('segmentor', 'detector')
+BACKBONES = ('xcit', 'swin', 'vit', 'uper')
+PATHS = ('bands', 'lean', 'stock', 'auto')  # the order in a series: stock, the largest, last
+PIPELINES = ('full', 'paper', 'network')
+SIZES = (1024, 2048, 4096, 8192)
+CONFIGS = {
+    ('segmentor', 'xcit'): 'configs/sem_fpn_xcit_s12_p16_80k_ade20k.py',
+    ('segmentor', 'swin'): 'configs/benchmark/sem_fpn_swin_t_512x512_ade20k.py',
+    ('segmentor', 'vit'): 'configs/benchmark/sem_fpn_vit_s16_ade20k.py',
+    ('segmentor', 'uper'): 'configs/upernet_xcit_s12_p16_160k_ade20k.py',
+    ('detector', 'xcit'): 'configs/mask_rcnn_xcit_s12_p16_3x_coco.py',
+    ('detector', 'swin'): 'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_ms-crop-3x_coco.py',
+    ('detector', 'vit'): 'configs/benchmark/mask_rcnn_vit_s16_coco.py',
+}
+XCIT_ONLY = {('segmentor', 'xcit'), ('detector', 'xcit')}  # the series of bands and auto
+BAND_MB = 64
+NO_LIMIT_MB = 10**9  # an auto model's budget while the warm-up calibrates it
+DOORS = {'segmentor': 'mmseg.apis.inference_model', 'detector': 'mmdet.apis.inference_detector'}
+LABELS = {'xcit': 'XCiT-S12/16', 'swin': 'Swin-T', 'vit': 'ViT-S/16', 'uper': 'UperNet XCiT-S12/16',
+          'segmentor': 'Semantic FPN', 'detector': 'Mask R-CNN'}
+# the CSV's columns: those that some row has, and the note
+COLUMNS = ['task', 'backbone', 'path', 'size', 'pipeline', 'device', 'max_memory', 'band_mb',
+           'plan', 'detail', 'estimate_mb', 'status', 'peak_growth_mb', 'predict_peak_growth_mb',
+           'max_reserved_mb', 'time_s', 'error_pct', 'digest', 'note']
+# Mask R-CNN's parts whose peaks --parts reports: (label, attribute path, method)
+PARTS = [('data_preprocessor', 'data_preprocessor', 'forward'),
+         ('backbone', 'backbone', 'forward'), ('backbone_trunk', 'backbone', 'forward_trunk'),
+         ('neck', 'neck', 'forward'), ('lean_features', '', '_lean_extract_feat'),
+         ('rpn', 'rpn_head', 'predict'), ('lean_rpn', '', '_lean_rpn_predict'),
+         ('rpn_post', 'rpn_head', 'predict_by_feat'), ('lean_roi', '', '_lean_roi_predict'),
+         ('roi_bbox', 'roi_head', 'predict_bbox'),
+         ('roi_mask_forward', 'roi_head', '_mask_forward'),
+         ('mask_paste', 'roi_head.mask_head', 'predict_by_feat')]
+ROW, INFO = 'ROW ', 'INFO '  # the child's lines on stdout
+
+
+# ---------------------------------------------------------------------------- the child
+def resolve_config(config: str) -> str:
+    """A repository-relative config path that works from any directory."""
+    if '::' in config or osp.isfile(config) or not osp.isfile(osp.join(ROOT, config)):
+        return config
+    return osp.join(ROOT, config)
+
+
+def build_cfg(point: dict):
+    """The config of a series: its path's model, random weights, a full-resolution test
+    pipeline, and for a detector the XCiT config's test settings with ``score_thr=0`` (exactly
+    100 detections: the same RoI-head work for every backbone)."""
+    from mmengine.config import ConfigDict
+    from xcit_benchmark.whole_model import drop_pretrained, load_whole_config
+    cfg = load_whole_config(resolve_config(point['config']))
+    drop_pretrained(cfg.model)
+    seg, path = point['task'] == 'segmentor', point['path']
+    cfg.model.type = ('' if path == 'stock' else 'Lean') + ('EncoderDecoder' if seg else 'MaskRCNN')
+    full = point.get('pipeline', 'full') != 'paper'
+    if seg:  # inference_model reads cfg.test_pipeline
+        cfg.test_pipeline = [t for t in cfg.test_pipeline if t['type'] != 'Resize' or not full]
+    else:  # inference_detector reads the test dataloader's
+        shared = load_whole_config(resolve_config(CONFIGS[('detector', 'xcit')]))
+        cfg.model.test_cfg = ConfigDict(copy.deepcopy(shared.model.test_cfg.to_dict()))
+        cfg.model.test_cfg.rcnn.score_thr = 0.0
+        pipeline = cfg.test_dataloader.dataset.pipeline
+        for i, t in enumerate(pipeline):
+            if t['type'] == 'Resize' and full:  # scale factor 1: the image's own size
+                pipeline[i] = {k: v for k, v in t.items() if k != 'scale'}
+                pipeline[i].update(scale_factor=1.0, keep_ratio=True)
+        pipeline[:] = [t for t in pipeline if t['type'] != 'LoadAnnotations']
+    band = point.get('band_mb') or (BAND_MB if path == 'bands' else None)
+    if band:
+        cfg.model.test_cfg.band_mb = band
+    if path == 'auto':
+        cfg.model.test_cfg.update(mode='auto', max_memory=NO_LIMIT_MB)
+    return cfg
+
+
+def output_digest(task: str, result) -> dict:
+    """A sha256 prefix of the output (equal digests: identical outputs), with its shape and the
+    label sum (segmentor) or the detections and mask pixels (detector)."""
+    import torch
+    digest = hashlib.sha256()
+
+    def add(tensor):
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+
+    if isinstance(result, torch.Tensor):  # the network's logits
+        add(result)
+        return dict(digest=digest.hexdigest()[:16], out_shape=list(result.shape))
+    if task == 'segmentor':
+        labels = result.pred_sem_seg.data
+        add(labels)
+        return dict(digest=digest.hexdigest()[:16], labels_sum=int(labels.sum()),
+                    out_shape=list(labels.shape))
+    pred = result.pred_instances
+    for key in ('bboxes', 'labels', 'scores'):
+        add(pred[key])
+    mask_pixels = 0
+    for mask in pred.masks:  # one at a time: the same bytes as the whole tensor's
+        add(mask)
+        mask_pixels += int(mask.count_nonzero())
+    return dict(digest=digest.hexdigest()[:16], num_dets=len(pred),
+                out_shape=list(pred.masks.shape), mask_pixels=mask_pixels)
+
+
+class PartMeter:
+    """Peak RSS growth while each wrapped method runs (``--parts``): each part's start resets
+    the peak counter, folding the peak so far into the overall one and each open part's."""
+
+    def __init__(self, model):
+        from xcit_mm.models.utils.memory_budget import peak_rss_mb, reset_peak_rss, rss_mb
+        self.rss, self.peak_rss, self.reset = rss_mb, peak_rss_mb, reset_peak_rss
+        self.base = self.peak = 0.0
+        self.parts, self.open = [], []
+        for label, path, method in PARTS:
+            obj = model
+            for name in filter(None, path.split('.')):
+                obj = getattr(obj, name)
+            if hasattr(obj, method):
+                self.wrap(obj, method, label)
+
+    def fold(self):
+        peak = self.peak_rss() - self.base
+        self.peak, self.open = max(self.peak, peak), [max(p, peak) for p in self.open]
+        self.reset()
+
+    def wrap(self, obj, method: str, label: str):
+        inner = getattr(obj, method)
+
+        def wrapped(*args, **kwargs):
+            self.fold()
+            start = self.rss() - self.base
+            self.open.append(start)
+            out = inner(*args, **kwargs)
+            self.fold()
+            self.parts.append(dict(part=label, start_mb=round(start),
+                                   peak_mb=round(self.open.pop())))
+            return out
+
+        setattr(obj, method, wrapped)
+
+
+def measure_point(model, infer, point: dict, spec: dict) -> dict:
+    """The figures of one call at ``point['size']``; a failure is a row, not the end."""
+    import torch
+    from xcit_benchmark.fresh_points import measure
+    from xcit_mm.models.utils.memory_budget import rss_mb
+    device, size, task = spec['device'], point['size'], point['task']
+    cuda, img, pipeline = device.startswith('cuda'), test_image(size), point.get('pipeline', 'full')
+    in_use = (lambda: torch.cuda.memory_allocated(device) / MIB) if cuda else rss_mb
+    call = lambda: infer(model, img)  # noqa: E731
+    if pipeline == 'network':  # the network alone on the preprocessed image
+        inputs = model.data_preprocessor(
+            dict(inputs=[torch.from_numpy(img).permute(2, 0, 1).contiguous()]), False)['inputs']
+        net = (model._network_forward if point['path'] != 'stock'
+               else lambda x: model.decode_head.forward(model.extract_feat(x)))
+        call = lambda: net(inputs)  # noqa: E731
+    at_predict = []
+    if point['path'] == 'auto':
+        model.test_cfg['max_memory'] = point['max_memory']
+        predict = model.predict
+
+        def noting(*args, **kwargs):  # the memory when predict starts: the input exists
+            at_predict.append(in_use())
+            return predict(*args, **kwargs)
+
+        model.predict = noting
+    meter = PartMeter(model) if spec.get('parts') and task == 'detector' else None
+    if meter:
+        door = call
+
+        def call():
+            meter.base = meter.rss()
+            return door()
+
+    try:
+        with torch.no_grad():
+            result, growth, base, seconds = measure(call, device)
+            row = dict(status='ok', peak_growth_mb=round(max(growth, meter.peak if meter else 0)),
+                       base_mb=round(base), type=type(model).__name__,
+                       threads=torch.get_num_threads(), **output_digest(task, result))
+            if cuda:
+                row['max_reserved_mb'] = round(torch.cuda.max_memory_reserved(device) / MIB)
+            if pipeline == 'full' and tuple(result.img_shape) != (size, size):
+                row.update(status='error', note=f'the network ran at {result.img_shape}, not '
+                           f'at the image size {size}')
+            del result
+            times = [seconds]
+            if seconds < spec.get('repeat_below_s', 0):  # a second call: the mean of two
+                times.append(measure(call, device)[3])
+    except torch.cuda.OutOfMemoryError as e:
+        row = dict(status='oom', note=(str(e).strip().splitlines() or ['OutOfMemoryError'])[0])
+        row['allocated_at_oom_mb'] = round(torch.cuda.max_memory_allocated(device) / MIB)
+        return row
+    except Exception as e:  # noqa: BLE001
+        return dict(status='error', note=f'{type(e).__name__}: {str(e).strip()[:300]}')
+    row['time_s'] = round(sum(times) / len(times), 3)
+    if len(times) > 1:
+        row['times_s'] = [round(t, 3) for t in times]
+    if meter:
+        row['parts'] = meter.parts
+    if point['path'] == 'auto':
+        plan = model.last_memory_plan
+        predict_mb = base + growth - at_predict[0]
+        line = (getattr(model, 'memory_model', None) or model.calibrated_memory_model
+                or model.test_cfg['memory_model'].values())  # calibrated, or given
+        row.update(plan=plan.name, detail=plan.detail, estimate_mb=round(plan.estimate_mb),
+                   estimates={p.name: round(p.estimate_mb) for p in model.last_memory_plans},
+                   predict_peak_growth_mb=round(predict_mb),
+                   error_pct=round(100 * (predict_mb - plan.estimate_mb) / plan.estimate_mb, 1),
+                   within_budget=bool(predict_mb <= point['max_memory']),
+                   door_within_budget=bool(growth <= point['max_memory']),
+                   memory_model=list(line))
+    return row
+
+
+def device_info(device: str) -> dict:
+    """The device and the versions that change the figures."""
+    import torch
+    info = dict(torch=torch.__version__, cuda=torch.version.cuda, device=device,
+                threads=torch.get_num_threads(), device_name=cpu_model())
+    if device.startswith('cuda'):
+        props = torch.cuda.get_device_properties(device)
+        info.update(device_name=props.name, device_total_mb=round(props.total_memory / MIB),
+                    cudnn=torch.backends.cudnn.version(),
+                    allow_tf32=[torch.backends.cudnn.allow_tf32,
+                                torch.backends.cuda.matmul.allow_tf32])
+    return info
+
+
+def child(spec: dict, out=None) -> None:
+    """Build the series' model once, warm it up, then measure its points in order: a line per
+    point on ``out`` (stdout; every other print goes to stderr)."""
+    out = out or sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):
+        _child(spec, lambda tag, payload: out.write(tag + json.dumps(payload) + '\n')
+               or out.flush())
+
+
+def _child(spec: dict, send) -> None:
+    import numpy as np
+    import torch
+    from mmengine.utils import import_modules_from_strings
+
+    import xcit_mm  # noqa: F401  (the lean models and XCiTBackbone, also for upstream configs)
+
+    points, device = spec['points'], spec['device']
+    send(INFO, device_info(device))
+    cfg = build_cfg(points[0])
+    if cfg.get('custom_imports', None):
+        import_modules_from_strings(**cfg.custom_imports)
+    if points[0]['task'] == 'segmentor':
+        from mmseg.apis import inference_model as infer
+        from mmseg.apis import init_model as init
+    else:
+        from mmdet.apis import inference_detector as infer
+        from mmdet.apis import init_detector as init
+    torch.manual_seed(0)
+    model = init(cfg, device=device)
+    infer(model, np.zeros((spec['warmup'], spec['warmup'], 3), np.uint8))  # pools, calibration
+    previous = None
+    for point in points:
+        why = (dict(note='not run: the budget was spent') if time.time() > spec['deadline']
+               else skip_reason(previous, point['size'], None))
+        row = dict(point, status='skipped', **why) if why else \
+            dict(point, **measure_point(model, infer, point, spec))
+        send(ROW, row)
+        previous = previous if point['path'] == 'auto' else row
+
+
+# ---------------------------------------------------------------------------- the parent
+def skip_reason(previous, size: int, limit_mb) -> dict:
+    """``{}`` to run the point of ``size``, else why not (``note``, ``extrapolated_mb``), from
+    its series' previous point: after one that did not finish larger sizes cannot fit either;
+    and memory grows at least linearly with the pixels, so the previous RSS before the call
+    plus its growth times the pixel ratio is a lower bound of the peak RSS."""
+    if previous is None:
+        return {}
+    if previous['status'] != 'ok':
+        return dict(note=f"not run: {previous['status']} at {previous['size']}")
+    ratio, base = (size / previous['size']) ** 2, previous.get('base_mb', 0)
+    estimate = base + previous['peak_growth_mb'] * ratio
+    if limit_mb is None or estimate <= limit_mb:
+        return {}
+    return dict(note=f"not run: extrapolated peak RSS {estimate / 1024:.1f} GiB (RSS {base} MB "
+                f"+ {ratio:g} x growth {previous['peak_growth_mb']} MB at {previous['size']}) > "
+                f'limit {limit_mb / 1024:.1f} GiB',
+                extrapolated_mb=round(previous['peak_growth_mb'] * ratio))
+
+
+def point_key(row: dict) -> tuple:
+    """What identifies a point in an artifact (``--update`` replaces rows by it)."""
+    return (row['task'], row['backbone'], row['path'], row['size'], row.get('pipeline', 'full'),
+            row.get('max_memory'), row.get('band_mb'))
+
+
+def series_key(row: dict) -> tuple:
+    return point_key(row)[:3] + point_key(row)[4:]
+
+
+def plan(args, configs: dict) -> list:
+    """The points in the order they run: size by size (smallest first), so that each series has
+    run its smaller sizes before; then the budget points in the order given."""
+    extra = {} if args.pipeline == 'full' else dict(pipeline=args.pipeline)
+    if args.device != 'cpu':
+        extra['device'] = args.device
+    series = [(t, b) for t in args.tasks for b in args.backbones if (t, b) in configs]
+    points = [dict(task=t, backbone=b, path=p, size=s, config=configs[(t, b)], **extra)
+              for s in sorted(args.sizes) for t, b in series
+              for p in sorted(set(args.paths) - {'auto'}, key=PATHS.index)
+              if p != 'bands' or (t, b) in XCIT_ONLY]
+    if 'auto' in args.paths:
+        points += [dict(task=t, backbone=b, path='auto', size=s, config=configs[(t, b)], **extra,
+                        max_memory=mb, **({'band_mb': band[0]} if band else {}))
+                   for t, b in series if (t, b) in XCIT_ONLY for s, mb, *band in args.budgets]
+    return points
+
+
+def groups(points: list, device: str) -> list:
+    """The points of each child: one on the CPU; on CUDA a series, a (task, backbone)'s series
+    one after the other, in the order of the command line."""
+    if device == 'cpu':
+        return [[p] for p in points]
+    first = [p[:2] for p in dict.fromkeys(series_key(p) for p in points)]
+    keys = sorted(dict.fromkeys(series_key(p) for p in points),
+                  key=lambda k: (first.index(k[:2]), PATHS.index(k[2])))
+    return [[p for p in points if series_key(p) == k] for k in keys]
+
+
+def run_child(group: list, spec: dict, args, on_row) -> None:
+    """One child for ``group``; a point it did not report (killed, crashed) becomes a row."""
+    done = set()
+
+    def on_line(line):
+        if line.startswith(INFO):
+            on_row(None, json.loads(line[len(INFO):]))
+        elif line.startswith(ROW):
+            row = json.loads(line[len(ROW):])
+            done.add(point_key(row))
+            on_row(row, None)
+
+    seconds = min(args.timeout, spec['deadline'] + args.grace_s - time.time())
+    out = run_process([sys.executable, osp.abspath(__file__), '--child',
+                       json.dumps(dict(spec, points=group))], args.limit_gb * 2**30,
+                      max(seconds, 0), env=dict(os.environ, **LIVE_MALLOC), on_line=on_line)
+    if args.log:
+        with open(args.log, 'a') as f:
+            f.write(out['stderr'])
+    stop = None
+    for point in (p for p in group if point_key(p) not in done):
+        if stop is None:
+            status = 'killed' if out['killed'] else 'error'
+            note = out['note'] or (f"exit {out['returncode']}: "
+                                   + ' | '.join(out['stderr'].strip().splitlines()[-3:]))
+            on_row(dict(point, status=status, note=note), None)
+            stop = f"not run: {status} at {point['size']}"
+        else:
+            on_row(dict(point, status='skipped', note=stop), None)
+
+
+def run(args, configs: dict, runner=run_child) -> list:
+    """Run (or skip) every point, writing the artifact after each row."""
+    start = time.time()
+    points = plan(args, configs)
+    kept, earlier = kept_rows(args, points)
+    meta = dict(command='python ' + ' '.join(sys.argv), cpu=cpu_model(),
+                threads=int(os.environ.get('OMP_NUM_THREADS') or os.cpu_count()),
+                torch=package_version('torch'), mmdet=package_version('mmdet'),
+                mmseg=package_version('mmsegmentation'), limit_gb=args.limit_gb,
+                sizes=sorted(set(args.sizes) | {r['size'] for r in kept}), budgets=args.budgets,
+                doors=DOORS, configs={f'{t}:{b}': c for (t, b), c in configs.items()},
+                weights='random (Pretrained init dropped)',
+                note=args.note or 'one fresh process per point', complete=False)
+    if earlier:
+        meta['earlier_commands'] = earlier
+    rows, last = [], {}
+    deadline = start + args.budget_s
+    clock = dict(time=time.time(), load=os.getloadavg()[0])
+
+    def on_row(row, info):
+        if info is not None:
+            meta.setdefault('device_info', info)
+            return
+        now, load = time.time(), os.getloadavg()[0]  # near 1 per core: the point ran alone
+        row.update(point_wall_s=round(now - clock['time'], 1), load_before=clock['load'],
+                   load_after=load)
+        clock.update(time=now, load=load)
+        rows.append(row)
+        if row['path'] != 'auto':
+            last[series_key(row)] = row
+        print(json.dumps(row), flush=True)
+        write(args.out, meta, kept + rows)
+
+    spec = dict(device=args.device, warmup=args.warmup, repeat_below_s=args.repeat_below_s,
+                parts=args.parts, deadline=deadline)
+    for group in groups(points, args.device):
+        previous = None if group[0]['path'] == 'auto' else last.get(series_key(group[0]))
+        why = (dict(note='not run: the budget was spent') if time.time() > deadline else
+               len(group) == 1 and skip_reason(previous, group[0]['size'], args.limit_gb * 1024))
+        clock.update(time=time.time(), load=os.getloadavg()[0])
+        if why:
+            for point in group:
+                on_row(dict(point, status='skipped', **why), None)
+        else:
+            runner(group, spec, args, on_row)
+    meta.update(complete=True, wall_s=round(time.time() - start, 1),
+                stock_equals_lean=digest_agreement(kept + rows))
+    write(args.out, meta, kept + rows)
+    return rows
+
+
+def write(out, meta: dict, rows: list) -> None:
+    if out:
+        write_artifact(out, meta, rows, [c for c in COLUMNS if c == 'note' or any(
+            c in r for r in rows)])
+
+
+def kept_rows(args, points: list):
+    """With ``--update``: the rows of the artifact at ``--out`` this run does not measure, and
+    the commands that measured them."""
+    if not args.update:
+        return [], []
+    artifact = load_artifact(args.out + '.json')
+    again = {point_key(p) for p in points}
+    meta = artifact.get('meta', {})
+    return ([r for r in artifact['rows'] if point_key(r) not in again],
+            meta.get('earlier_commands', []) + [meta.get('command', '?')])
+
+
+def digest_agreement(rows: list, path: str = 'lean', other: str = 'stock') -> dict:
+    """``{'task:backbone:size': digest of path == digest of other}`` where both ran."""
+    ran = {point_key(r): r.get('digest') for r in rows if r['status'] == 'ok'}
+    out = {}
+    for key, digest in ran.items():
+        twin = key[:2] + (other,) + key[3:]
+        if key[2] == path and twin in ran:
+            out[f'{key[0]}:{key[1]}:{key[3]}'] = digest == ran[twin]
+    return out
+
+
+# ---------------------------------------------------------------------------- reports
+def load_artifact(path: str) -> dict:
+    """The ``{"meta", "rows"}`` of an artifact of this script (ValueError otherwise)."""
+    try:
+        with open(path) as f:
+            artifact = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f'cannot read {path!r}: {e}') from None
+    if all({'task', 'backbone', 'path', 'size', 'status'} <= set(r) for r in artifact['rows']):
+        return artifact
+    raise ValueError(f'{path!r} is not an artifact of peak_memory.py')
+
+
+def cell(row, cuda: bool) -> str:
+    """'+MB, s' ('+MB (reserved), s' on CUDA) or why there is no figure."""
+    if row is None:
+        return ''
+    if row['status'] == 'ok':
+        seconds = row['time_s']
+        if cuda:
+            return f"+{row['peak_growth_mb']} MB ({row['max_reserved_mb']}), {seconds:.2f} s"
+        return f"+{row['peak_growth_mb']} MB, {seconds:.{1 if seconds < 10 else 0}f} s"
+    if row['status'] == 'skipped' and row.get('extrapolated_mb'):
+        return f"skipped (>= +{row['extrapolated_mb']} MB)"
+    return row['status']
+
+
+def agreement(rows: list, cuda: bool) -> str:
+    """Which stock and lean (and bands and lean) outputs are equal."""
+    def name(key):
+        return f"{LABELS[key.split(':')[1]]} {key.split(':')[2]}²"
+
+    def order(item):
+        _, backbone, size = item[0].split(':')
+        return BACKBONES.index(backbone), int(size)
+
+    same = sorted(digest_agreement(rows).items(), key=order)
+    if cuda:
+        return 'Stock and lean labels equal (digest) at ' + (
+            f'all {len(same)} points where both ran' if same and all(v for _, v in same) else
+            'only ' + ', '.join(k for k, v in same if v)) + '.'
+    text = 'Stock and lean outputs equal (digest): ' + (
+        ', '.join(name(k) for k, v in same if v) or 'none')
+    if not all(v for _, v in same):
+        text += '; **different**: ' + ', '.join(name(k) for k, v in same if not v)
+    bands = sorted(digest_agreement(rows, 'bands', 'lean').items(), key=order)
+    if bands:
+        text += '. Bands (`band_mb`) and lean: ' + ', '.join(
+            f"{name(k)} {'equal' if v else 'differ (float rounding)'}" for k, v in bands)
+    return text + '.'
+
+
+def markdown(artifact: dict) -> str:
+    """A table per task (a row per size, a column per backbone and path), which outputs agree,
+    the budget points, and the machine."""
+    rows, meta = artifact['rows'], artifact.get('meta', {})
+    cuda = any('max_reserved_mb' in r for r in rows)
+    paths = ('lean', 'stock') if cuda else ('stock', 'lean', 'bands')
+    lines = []
+    for task in TASKS:
+        grid = [r for r in rows if r['task'] == task and r['path'] != 'auto']
+        if not grid:
+            continue
+        series = [(b, p) for b in BACKBONES for p in paths
+                  if any((r['backbone'], r['path']) == (b, p) for r in grid)]
+        if not cuda:
+            lines += [f"**{LABELS[task]}** (`{DOORS[task]}`), peak RSS growth and time of the "
+                      'call:', '']
+        lines += ['| image | ' + ' | '.join(f'{LABELS[b]} {p}' for b, p in series) + ' |',
+                  '|---|' + '---:|' * len(series)]
+        for size, pipeline in sorted({(r['size'], r.get('pipeline', 'full')) for r in grid}):
+            at = {(r['backbone'], r['path']): r for r in grid
+                  if (r['size'], r.get('pipeline', 'full')) == (size, pipeline)}
+            label = f'{size}²' + ('' if pipeline == 'full' else f' ({pipeline})')
+            lines.append(f'| {label} | ' + ' | '.join(cell(at.get(s), cuda) for s in series)
+                         + ' |')
+        lines += ['', agreement(grid, cuda), '']
+    budget = [r for r in rows if r['path'] == 'auto']
+    if budget:
+        lines += ['| image | `max_memory` | plan | estimate | peak growth | reserved | time |',
+                  '|---|---:|---|---:|---:|---:|---:|']
+        lines += [f"| {r['size']}² | {r['max_memory']} | {r.get('plan', r['status'])} | "
+                  f"{r.get('estimate_mb', '')} | {r.get('peak_growth_mb', '')} | "
+                  f"{r.get('max_reserved_mb', '')} | {r.get('time_s', '')} |" for r in budget]
+        lines.append('')
+    info = meta.get('device_info', {})
+    if cuda:
+        lines.append(f"{info['device_name']}, torch {info['torch']}, CUDA {info['cuda']}, cuDNN "
+                     f"{info['cudnn']}; cells: peak growth of allocated memory (max reserved, "
+                     'weights included), time of the call.')
+    elif meta:
+        lines.append(f"{meta.get('cpu', '?')}, {meta.get('threads', '?')} threads, torch "
+                     f"{meta.get('torch', '?')}, limit {meta.get('limit_gb', '?')} GiB RSS"
+                     + ('' if meta.get('complete', True) else ' (incomplete run)') + '.')
+    return '\n'.join(lines).rstrip() + '\n'
+
+
+def plot(artifact: dict, png: str) -> None:
+    """Peak memory and time against the image size (log-log), a row per task: a colour per
+    backbone, solid lean under dashed stock (equal figures show both); points over the limit
+    drawn at it, side by side; the budget points as their budget (-) and peak (v)."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter, LogLocator
+    rows, meta = artifact['rows'], artifact.get('meta', {})
+    cuda = any('max_reserved_mb' in r for r in rows)
+    info = meta.get('device_info', {})
+    limit = info.get('device_total_mb', 0) / 1024 if cuda else meta.get('limit_gb', 20.0)
+    colours = dict(xcit='tab:blue', swin='tab:orange', vit='tab:green', uper='tab:purple')
+    styles = {'lean': dict(linestyle='-', linewidth=2.4, alpha=0.55),
+              'stock': dict(linestyle='--', linewidth=1.4),
+              'bands': dict(linestyle='-.', linewidth=1.8)}
+    tasks = [t for t in TASKS if any(r['task'] == t for r in rows)]
+    sizes = sorted({r['size'] for r in rows})
+    fig, axes = plt.subplots(len(tasks), 2, figsize=(9, 3.5 * len(tasks) + 0.7), squeeze=False)
+    for (ax_mem, ax_time), task in zip(axes, tasks):
+        for b, backbone in enumerate(BACKBONES):
+            for p, path in enumerate(styles):
+                series = sorted((r for r in rows if (r['task'], r['backbone'], r['path'])
+                                 == (task, backbone, path)), key=lambda r: r['size'])
+                ok = [r for r in series if r['status'] == 'ok']
+                style = dict(color=colours[backbone], marker='o', markersize=4, **styles[path])
+                ax_mem.plot([r['size'] for r in ok], [r['peak_growth_mb'] / 1024 for r in ok],
+                            **style)
+                ax_time.plot([r['size'] for r in ok], [r['time_s'] for r in ok], **style)
+                shift = 2 ** (0.05 * (3 * b + p - 4))  # side by side around the size
+                for status, marker in (('killed', 'x'), ('oom', 'x'), ('skipped', '^')):
+                    over = [r['size'] * shift for r in series if r['status'] == status]
+                    ax_mem.plot(over, [limit] * len(over), marker=marker, linestyle='none',
+                                markersize=6, markerfacecolor='none', color=colours[backbone],
+                                alpha=1.0 if path == 'stock' else 0.6)
+        for r in rows:
+            if (r['task'], r['path'], r['status']) == (task, 'auto', 'ok'):
+                x = r['size'] * (1.06 if r['plan'] != 'whole' else 0.94)
+                ax_mem.plot([x], [r['max_memory'] / 1024], marker='_', markersize=14, color='k')
+                ax_mem.plot([x], [r['peak_growth_mb'] / 1024], marker='v', color='k')
+        ax_mem.axhline(limit, color='grey', linestyle=':', linewidth=1)
+        for ax, what, unit in ((ax_mem, 'peak memory', f"peak {'allocated' if cuda else 'RSS'} "
+                                'growth (GiB)'), (ax_time, 'time', 'time of the call (s)')):
+            ax.set_xscale('log', base=2)
+            ax.set(yscale='log', xlim=(sizes[0] / 1.25, sizes[-1] * 1.25),
+                   xlabel='image size (px)', ylabel=unit)
+            ax.set_xticks(sizes, [f'{s}²' for s in sizes])
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f'{v:g}'))
+            ax.yaxis.set_minor_locator(LogLocator(base=10, subs=()))
+            ax.set_title(f'{LABELS[task]}: {what}', fontsize=10)
+            ax.grid(True, which='major', alpha=0.3)
+    used = {r['backbone'] for r in rows}
+    handles = ([Line2D([], [], color=c, linewidth=2, label=LABELS[b])
+                for b, c in colours.items() if b in used]
+               + [Line2D([], [], color='black', label=p, **s) for p, s in styles.items()
+                  if any(r['path'] == p for r in rows)]
+               + [Line2D([], [], color='grey', linestyle=':', label=f'limit {limit:.3g} GiB'),
+                  Line2D([], [], color='black', marker='x', linestyle='none',
+                         label='killed over the limit' + (' / out of memory' if cuda else '')),
+                  Line2D([], [], color='black', marker='^', markerfacecolor='none',
+                         linestyle='none', label='skipped (extrapolated over it)')])
+    if any(r['path'] == 'auto' for r in rows):
+        handles.append(Line2D([], [], color='black', marker='v', linestyle='none',
+                              label="mode='auto': peak (v) under max_memory (-)"))
+    fig.legend(handles=handles, loc='lower center', ncol=4, fontsize=8, frameon=False)
+    fig.suptitle('Whole-image inference at full resolution, '
+                 + (info.get('device_name') if cuda else meta.get('cpu', 'CPU'))
+                 + ('' if cuda else f", {meta.get('threads', '?')} threads"), fontsize=11)
+    fig.tight_layout(rect=(0, 0.8 / fig.get_figheight(), 1, 0.97))
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- command line
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    add = p.add_argument
+    add('--child', help=argparse.SUPPRESS)
+    add('--report', metavar='JSON', help='print the tables of an artifact and draw its plot')
+    add('--png', help='where --report draws (default: the JSON path, .png)')
+    add('--tasks', nargs='+', choices=TASKS, default=list(TASKS))
+    add('--backbones', nargs='+', choices=BACKBONES, default=['xcit', 'swin', 'vit'])
+    add('--paths', nargs='+', choices=PATHS, default=['stock', 'lean', 'bands'],
+        help='bands and auto: XCiT only')
+    add('--sizes', nargs='+', type=int, default=list(SIZES), help='multiples of 32, >= 64')
+    add('--budgets', nargs='+', default=[], metavar='SIZE:MB[:BAND_MB]',
+        help="path auto's points: max_memory=MB (and band_mb)")
+    add('--pipeline', choices=PIPELINES, default='full',
+        help="full: at the image size; paper: the config's test Resize; network: the "
+        "segmentor's network alone")
+    add('--config', action='append', metavar='TASK:BACKBONE=PATH', help='another config')
+    add('--parts', action='store_true', help="Mask R-CNN: the peak of each part too (CPU)")
+    add('--device', default='cpu', help='cpu, cuda or cuda:N')
+    add('--warmup', type=int, default=64, help='warm-up image size (px)')
+    add('--repeat-below-s', type=float, default=0.0, help='time a shorter call twice (mean)')
+    add('--limit-gb', type=float, default=20.0,
+        help='kill a child above this RSS; skip a point extrapolated over it (CPU)')
+    add('--timeout', type=float, default=1800.0, help='seconds per child')
+    add('--budget-s', type=float, default=float('inf'), help='no point starts after this')
+    add('--grace-s', type=float, default=120.0, help='kill a child this long after --budget-s')
+    add('--out', help='artifact path without extension (.json, .csv)')
+    add('--update', action='store_true', help='keep the rows at --out this run does not measure')
+    add('--note', help='what else ran on the machine')
+    add('--log', help="append the children's stderr here")
+    return p
+
+
+def parse_args(parser, argv):
+    """The command line, checked: a bad argument stops before any point runs (exit 2)."""
+    args = parser.parse_args(argv)
+    if args.child or args.report:
+        return args
+    bad = [s for s in args.sizes if s < 64 or s % 32]
+    if bad:
+        parser.error(f'--sizes {bad}: each size must be a multiple of 32 and at least 64')
+    if len(set(args.sizes)) != len(args.sizes):
+        parser.error('--sizes: each size once')
+    if not (args.limit_gb > 0 and args.timeout > 0):
+        parser.error('--limit-gb and --timeout must be positive')
+    try:
+        args.budgets = [[int(v) for v in b.split(':')] for b in args.budgets]
+        assert all(len(b) in (2, 3) for b in args.budgets)
+    except (ValueError, AssertionError):
+        parser.error('--budgets takes SIZE:MB[:BAND_MB] points of whole numbers, e.g. 8192:16000')
+    if 'auto' in args.paths and not args.budgets:
+        parser.error('--paths auto needs --budgets')
+    if args.pipeline == 'network' and args.tasks != ['segmentor']:
+        parser.error('--pipeline network: --tasks segmentor only')
+    from xcit_benchmark.whole_model import WholeModelError, check_config_path
+    args.configs = dict(CONFIGS)
+    for value in args.config or []:
+        key, _, path = value.partition('=')
+        if tuple(key.split(':')) not in CONFIGS or not path:
+            parser.error(f'--config {value!r}: expected TASK:BACKBONE=PATH, one of {CONFIGS}')
+        try:
+            check_config_path(resolve_config(path))
+        except WholeModelError as e:
+            parser.error(f'--config {value!r}: {e}')
+        args.configs[tuple(key.split(':'))] = path
+    if args.update:
+        try:
+            load_artifact(f'{args.out}.json' if args.out else '')
+        except ValueError as e:
+            parser.error(f'--update needs --out naming an artifact of this script: {e}')
+    if args.out and osp.dirname(args.out):
+        os.makedirs(osp.dirname(args.out), exist_ok=True)
+    return args
+
+
+def main(argv=None):
+    """Measure (exit status 1 when a point failed), or report on an artifact."""
+    parser = make_parser()
+    args = parse_args(parser, argv)
+    if args.child:
+        return child(json.loads(args.child))
+    if args.report:
+        try:
+            artifact = load_artifact(args.report)
+        except ValueError as e:
+            parser.error(str(e))
+        plot(artifact, args.png or osp.splitext(args.report)[0] + '.png')
+        print(markdown(artifact), end='')
+        return
+    rows = run(args, args.configs)
+    if any(r['status'] == 'error' for r in rows):
+        sys.exit(1)
+
+
+if __name__ == '__main__':
+    main()
