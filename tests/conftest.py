@@ -165,6 +165,34 @@ def onnx_tool():
     return _load_tool('tools/deployment/export_onnx.py')
 
 
+@pytest.fixture(scope='session')
+def build_once(tmp_path_factory):
+    """``build_once(name, build)``: ``build(folder)`` runs once per test session, on whichever
+    xdist worker asks first; the other waits for it and reads the same JSON result. For
+    fixtures that train (a checkpoint every door test reads): module-scoped fixtures are built
+    on each worker, and again whenever work stealing moves a worker back to the module."""
+    import fcntl
+    import json
+    import shutil
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get('PYTEST_XDIST_WORKER'):
+        base = base.parent  # the session's folder, shared by its workers
+
+    def run(name, build):
+        folder = base / f'once_{name}'
+        with open(base / f'once_{name}.lock', 'w') as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            result = folder / 'result.json'
+            if result.is_file():
+                return json.loads(result.read_text())
+            shutil.rmtree(folder, ignore_errors=True)  # what a failed build left
+            folder.mkdir()
+            value = build(folder)
+            result.write_text(json.dumps(value))
+            return value
+    return run
+
+
 @pytest.fixture
 def cpu_only(monkeypatch):
     """The test's CPU code paths (gloo, CPU AMP, CPU DDP) also on a machine with a GPU: torch

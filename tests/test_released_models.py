@@ -122,11 +122,16 @@ PAPER_ARCHS = {'n12': (128, 12, 4), 't12': (192, 12, 4), 't24': (192, 24, 4),
                'l24': (768, 24, 16)}
 
 
+# Where the size matters to loading and values: 12 against 24 layers (the levels' layers, the
+# layer-scale init), both patch sizes (stem and adapter layouts), 4 heads. Every arch's widths,
+# depths, heads and levels against Table 1: test_xcit_backbone.py (shapes only, on the meta
+# device), so only the smallest arch of each depth is built here.
 @pytest.mark.parametrize('patch_size', [8, 16])
-@pytest.mark.parametrize('arch', sorted(PAPER_ARCHS))
-def test_every_published_size_equals_the_official_structure(mmpretrain_xcit, arch, patch_size):
-    """For every arch and patch size, the backbone of a released file (official keys, adapter
-    included) loads strictly and gives the four levels of the official structure."""
+@pytest.mark.parametrize('arch', ['n12', 't24'])
+def test_every_published_depth_equals_the_official_structure(mmpretrain_xcit, arch, patch_size):
+    """For a 12- and a 24-layer arch and both patch sizes, the backbone of a released file
+    (official keys, adapter included) loads strictly and gives the four levels of the official
+    structure."""
     from xcit_mm import XCiTBackbone
     dims, depth, heads = PAPER_ARCHS[arch]
     out_indices = (depth // 3 - 1, depth // 2 - 1, 2 * depth // 3 - 1, depth - 1)

@@ -722,6 +722,16 @@ def test_paper_configs_resume_identically_with_persistent_workers(tmp_path, task
     assert after == {i: expected[i] for i in after}  # bit-identical
 
 
+SHAPES_CLASSES = ('circle', 'square', 'triangle')
+
+
+def _check_checkpoint_is_portable(path: str) -> None:
+    """The training extras' checkpoints open under torch's default ``weights_only`` loading and
+    carry the class names of the data they were trained on, not COCO's or ADE20k's."""
+    checkpoint = torch.load(path, map_location='cpu', weights_only=True)  # torch's default
+    assert tuple(checkpoint['meta']['dataset_meta']['classes']) == SHAPES_CLASSES
+
+
 # ============================================================================ 4. distributed
 @CPU_ONLY
 def test_dist_train_and_dist_test_on_two_cpu_processes(tmp_path, test_tool):
@@ -752,6 +762,7 @@ def test_dist_train_and_dist_test_on_two_cpu_processes(tmp_path, test_tool):
     assert len(glob.glob(str(work_dir / runs[0] / '*.log'))) == 1  # rank 0's log only
     checkpoint = str(work_dir / 'iter_2.pth')
     check_checkpoint(checkpoint, kind='resume')  # complete, written once
+    _check_checkpoint_is_portable(checkpoint)
     rng = load_checkpoint_file(checkpoint)['rng_state']  # both ranks' random states
     assert rng['world_size'] == 2 and len(rng['states']) == 2
 
@@ -902,6 +913,7 @@ def test_slurm_train_and_slurm_test_on_two_cpu_tasks(tmp_path, test_tool):
         '--ntasks-per-node': '2', '--cpus-per-task': '1', '--kill-on-bad-exit': '1'}
     assert 'Distributed training: True' in log and "launcher = 'slurm'" in log
     checkpoint = str(work_dir / 'iter_2.pth')
+    _check_checkpoint_is_portable(checkpoint)
     rng = load_checkpoint_file(checkpoint)['rng_state']
     assert rng['world_size'] == 2
 
@@ -1043,7 +1055,7 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_at_that_iteration(tmp_path, pro
 
 
 @CPU_ONLY
-@pytest.mark.parametrize('fault', ['kill', 'stop', 'kill-under-torchrun'])
+@pytest.mark.parametrize('fault', ['kill', 'stop'])
 def test_a_killed_or_hung_rank_stops_the_other_within_a_bounded_time(tmp_path, probes, fault):
     """2 gloo processes training the Semantic FPN paper config (2 persistent dataloader workers
     each); at iteration 3, rank 1 is killed with SIGKILL or stopped with SIGSTOP (a hang).
@@ -1053,8 +1065,7 @@ def test_a_killed_or_hung_rank_stops_the_other_within_a_bounded_time(tmp_path, p
       connection closes at once (torch's orphaned workers would keep it open up to 5 s).
     - stop: rank 0 stops after the collective timeout, set here to 10 s
       (``env_cfg.dist_cfg.timeout``; default 1800 s), saying so.
-    - kill-under-torchrun: ``tools/dist_train.sh`` (torchrun) stops rank 0 and fails, naming
-      the killed rank and its signal."""
+    (Under ``tools/dist_train.sh``, torchrun itself stops the other ranks: torch's behaviour.)"""
     marks = tmp_path / 'marks'
     marks.mkdir()
     cfg = _paper_config(tmp_path, 'seg', iters=400, extra=probes.imports + (
@@ -1065,16 +1076,10 @@ def test_a_killed_or_hung_rank_stops_the_other_within_a_bounded_time(tmp_path, p
              '--work-dir', str(tmp_path / 'work')]
     port = str(_free_port())
     outputs = [open(tmp_path / f'rank{rank}.txt', 'w+') for rank in (0, 1)]
-    if fault == 'kill-under-torchrun':
-        procs = [subprocess.Popen(
-            ['bash', osp.join(REPO, 'tools', 'dist_train.sh'), cfg, '2', '--work-dir',
-             str(tmp_path / 'work')], cwd=str(tmp_path), env=dict(probes.env, PORT=port),
-            stdout=outputs[0], stderr=subprocess.STDOUT)]
-    else:
-        procs = [subprocess.Popen(train, cwd=str(tmp_path), env=dict(
-            probes.env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE='2',
-            MASTER_ADDR='127.0.0.1', MASTER_PORT=port), stdout=outputs[rank],
-            stderr=subprocess.STDOUT) for rank in (0, 1)]
+    procs = [subprocess.Popen(train, cwd=str(tmp_path), env=dict(
+        probes.env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE='2',
+        MASTER_ADDR='127.0.0.1', MASTER_PORT=port), stdout=outputs[rank],
+        stderr=subprocess.STDOUT) for rank in (0, 1)]
     victim = None
     try:
         _wait_for(marks / 'rank1.iter3', procs)
@@ -1101,15 +1106,12 @@ def test_a_killed_or_hung_rank_stops_the_other_within_a_bounded_time(tmp_path, p
             log[-3000:]
         assert 'another rank has stopped (killed, out of memory or crashed)' in log
         assert elapsed < 30, elapsed  # measured: 2 s (the connection closes at once)
-    elif fault == 'stop':
+    else:
         assert 'error: Distributed training stopped on rank 0 of 2 at iteration ' in log, \
             log[-3000:]
         assert 'did not answer within the collective timeout (10 s' in log
         assert 'env_cfg.dist_cfg.timeout=SECONDS' in log
         assert 10 <= elapsed < 45, elapsed  # measured: 12 s
-    else:
-        assert f'Signal 9 (SIGKILL) received by PID {victim}' in log, log[-3000:]
-        assert elapsed < 30, elapsed
 
 
 def _checkpoint_files(work_dir):
@@ -1319,107 +1321,15 @@ def test_cpu_amp_wrapper_rejects_float16_and_models_without_the_modules():
     assert linear(torch.ones(1, 2)).dtype == torch.float32
 
 
-# ============================================================================ upstream tools
-# Our configs on mmdet's / mmseg's own tools (what ``mim train`` / ``mim test`` run), and the
-# checkpoints they write in the upstream inference APIs.
-#
-# A checkpoint trained with one tool tests with the other: the detector is trained by mmdet's
-# ``tools/train.py`` (shipped inside the installed package) on a fresh data root, which the shapes
-# dataset generates on first use, and tested by ours; the segmentor is trained by ours and tested by
-# mmseg's. The upstream tools run in subprocesses, ours in this process. Both checkpoints open in
-# the upstream APIs under torch's ``weights_only`` loading, with the class names of the data they
-# were trained on (``dataset_meta``), not COCO's or Cityscapes'.
-SHAPES_CLASSES = ('circle', 'square', 'triangle')
-
-
-def _upstream_tool(package: str, name: str) -> str:
-    module = __import__(package)
-    path = osp.join(osp.dirname(module.__file__), '.mim', 'tools', f'{name}.py')
-    assert osp.isfile(path), f'{package} ships no {name}.py at {path}'
-    return path
-
-
-def _run_tool(tool: str, *args) -> str:
-    proc = subprocess.run([sys.executable, tool, *args], cwd=REPO, env=ENV, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return proc.stdout
-
-
-def _last_checkpoint(work_dir) -> str:
-    with open(osp.join(work_dir, 'last_checkpoint')) as f:
-        path = f.read().strip()
-    assert osp.isfile(path), path
-    return path
-
-
-def _check_checkpoint_is_portable(path: str) -> None:
-    checkpoint = torch.load(path, map_location='cpu', weights_only=True)  # torch's default
-    assert tuple(checkpoint['meta']['dataset_meta']['classes']) == SHAPES_CLASSES
-
-
-def test_detector_trained_by_mmdet_tools_tests_with_ours_and_opens_upstream(tmp_path, test_tool):
-    from mmdet.apis import DetInferencer, init_detector
-    fresh = tmp_path / 'fresh_coco'  # nothing there: the dataset generates it on first use
-    cfg = _tiny_config(tmp_path, 'det', iters=2, ckpt=2, validate=False, extra=(
-        f"train_dataloader['dataset'].update(data_root='{fresh}/', shapes_world=dict("
-        f"task='coco', num_train=8, num_val=5, image_size=64, seed=0))"))
-    work_dir = str(tmp_path / 'work')
-    log = _run_tool(_upstream_tool('mmdet', 'train'), cfg, '--work-dir', work_dir)
-    assert osp.isfile(fresh / 'annotations' / 'instances_train.json'), log[-2000:]
-    checkpoint = _last_checkpoint(work_dir)
-    _check_checkpoint_is_portable(checkpoint)
-    test_tool.main([cfg, checkpoint, '--work-dir', str(tmp_path / 'test')])
-    assert 'coco/bbox_mAP_50' in evaluation_metrics(tmp_path / 'test')
-    # mmdet's own test.py --show-dir draws every held-out image
-    show_dir = tmp_path / 'show'
-    _run_tool(_upstream_tool('mmdet', 'test'), cfg, checkpoint, '--work-dir',
-              str(tmp_path / 'upstream_test'), '--show-dir', str(show_dir))
-    drawn = glob.glob(str(tmp_path / '**' / 'show' / '*.jpg'), recursive=True) + glob.glob(
-        str(tmp_path / '**' / 'show' / '*.png'), recursive=True)
-    assert len(drawn) == 5, drawn  # every held-out image of the tiny world
-    detector = init_detector(cfg, checkpoint, device='cpu')
-    assert tuple(detector.dataset_meta['classes']) == SHAPES_CLASSES
-    inferencer = DetInferencer(model=cfg, weights=checkpoint, device='cpu', show_progress=False)
-    assert tuple(inferencer.model.dataset_meta['classes']) == SHAPES_CLASSES
-    for key, value in detector.state_dict().items():
-        assert torch.equal(value, inferencer.model.state_dict()[key]), key
-
-
-def test_segmentor_trained_by_our_tools_tests_with_mmsegs_and_opens_upstream(tmp_path,
-                                                                            train_tool):
-    from mmseg.apis import MMSegInferencer, init_model
-    cfg = _tiny_config(tmp_path, 'seg', iters=2, ckpt=2, validate=False)
-    work_dir = str(tmp_path / 'work')
-    train_tool.main([cfg, '--work-dir', work_dir])
-    checkpoint = _last_checkpoint(work_dir)
-    _check_checkpoint_is_portable(checkpoint)
-    show_dir = tmp_path / 'show'
-    out = _run_tool(_upstream_tool('mmseg', 'test'), cfg, checkpoint, '--work-dir',
-               str(tmp_path / 'test'), '--show-dir', str(show_dir))
-    assert re.search(r'mIoU: [\d.]+', out), out[-2000:]
-    drawn = glob.glob(str(show_dir / '**' / '*.png'), recursive=True)
-    assert len(drawn) == 5, drawn  # every held-out image of the tiny world
-    # mmdet's log analysis, as installed by tools/install.sh (it imports seaborn)
-    log = glob.glob(osp.join(work_dir, '*', 'vis_data', '2*.json'))[0]
-    curve = str(tmp_path / 'loss.png')
-    _run_tool(_upstream_tool('mmdet', osp.join('analysis_tools', 'analyze_logs')), 'plot_curve',
-              log, '--keys', 'loss', '--out', curve)
-    assert osp.getsize(curve) > 0
-    segmentor = init_model(cfg, checkpoint, device='cpu')
-    assert tuple(segmentor.dataset_meta['classes']) == SHAPES_CLASSES
-    inferencer = MMSegInferencer(model=cfg, weights=checkpoint, device='cpu')
-    assert tuple(inferencer.model.dataset_meta['classes']) == SHAPES_CLASSES
-
-
+# ============================================================================ converter
 def test_converted_full_model_file_keeps_dataset_meta(tmp_path):
     """tools/model_converters/convert_checkpoint.py --full-model keeps the source's meta."""
+    from conftest import _load_tool
     src = str(tmp_path / 'src.pth')
     torch.save({'state_dict': {'backbone.layers.0.lpi.conv1.weight': torch.zeros(1),
                                'neck.x': torch.zeros(1)},
                 'meta': dict(dataset_meta=dict(classes=SHAPES_CLASSES), epoch=3)}, src)
     dst = str(tmp_path / 'dst.pth')
-    _run_tool(osp.join(REPO, 'tools', 'model_converters', 'convert_checkpoint.py'), src, dst,
-         '--full-model')
+    _load_tool('tools/model_converters/convert_checkpoint.py').main([src, dst, '--full-model'])
     meta = torch.load(dst, weights_only=True)['meta']
     assert tuple(meta['dataset_meta']['classes']) == SHAPES_CLASSES and meta['epoch'] == 3
