@@ -697,7 +697,7 @@ def test_paper_configs_resume_identically_with_persistent_workers(tmp_path, task
     validations do not disturb the training's random stream. For the epoch-based loop this
     needs the per-sample seeds (``SampleKeyBatchSampler``): mmengine's workers restart from their
     first-epoch seeds. (The uninterrupted and the resumed run run in this process.)"""
-    epochs, iters = 3, 6  # det: 3 epochs x 4 iterations; seg: 6 iterations, checkpoint every 2
+    epochs, iters = 2, 4  # det: 2 epochs x 4 iterations; seg: 4 iterations, checkpoint every 2
     ref, killed, resumed = (_paper_config(tmp_path, task, name=f'{task}_{name}', epochs=epochs,
                                           iters=iters, validate=True)
                             for name in ('ref', 'killed', 'resumed'))
