@@ -105,7 +105,10 @@ def test_own_and_mmengine_checkpoints_round_trip(mmpretrain_xcit, tmp_path):
     assert info['layout'] == 'xcit_mm' and info['outside'] == ['neck.lateral_convs.0.conv.weight']
 
 
-def test_converter_cli_round_trip(mmpretrain_xcit, tmp_path):
+def test_converter_cli_round_trip(mmpretrain_xcit, tmp_path, capsys):
+    """The command line (a process: its exit status and stderr) refuses a wrong arch; its
+    ``main`` (in this process) converts, and converts its own output again to the same file."""
+    from conftest import _load_tool
     ref = _mmpretrain_model(mmpretrain_xcit, 8)
     src, dst, dst2 = (str(tmp_path / n) for n in ('official.pth', 'conv.pth', 'conv2.pth'))
     write_layout('official', ref, src, 8)
@@ -114,10 +117,11 @@ def test_converter_cli_round_trip(mmpretrain_xcit, tmp_path):
                          capture_output=True, text=True)
     # n12 is the wrong arch for this tiny checkpoint: the CLI must say so and write nothing
     assert res.returncode != 0 and 'embed_dims=64' in res.stderr and not os.path.exists(dst)
-    res = subprocess.run([sys.executable, script, src, dst], capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
-    assert 'official layout' in res.stdout and 'classification-only' in res.stdout
-    subprocess.run([sys.executable, script, dst, dst2], check=True, capture_output=True)
+    converter = _load_tool('tools/model_converters/convert_checkpoint.py')
+    converter.main([src, dst])
+    out = capsys.readouterr().out
+    assert 'official layout' in out and 'classification-only' in out
+    converter.main([dst, dst2])
     first = torch.load(dst, weights_only=True)['state_dict']
     second = torch.load(dst2, weights_only=True)['state_dict']
     assert list(first) == list(second)

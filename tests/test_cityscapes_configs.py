@@ -9,10 +9,7 @@ of tests/test_configs.py.
 """
 import copy
 import functools
-import os
 import os.path as osp
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -177,17 +174,15 @@ def test_one_training_step_and_whole_image_prediction(task, patch):
     assert int(pred[0].pred_sem_seg.data.max()) < NUM_CLASSES
 
 
-def _train_cli(cwd):
-    proc = subprocess.run(
-        [sys.executable, osp.join(REPO, 'tools', 'train.py'), _path('sem_fpn', 16)],
-        cwd=str(cwd), capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore'))
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert 'Traceback' not in proc.stderr, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
-    assert len(errors) == 1, proc.stderr[-3000:]
-    # The message is the end of the output: the `error:` line and its continuation lines.
-    message = proc.stderr[proc.stderr.index(errors[0]):]
+def _train_cli(cwd, train_tool, monkeypatch):
+    """The message ``tools/train.py CONFIG`` ends with, run in ``cwd`` (in this process: the
+    real command line's exit status and single error line are test_tools.py's
+    ``test_cli_reports_missing_ade_data``)."""
+    monkeypatch.chdir(cwd)
+    with pytest.raises(SystemExit) as info:
+        train_tool.main([_path('sem_fpn', 16)])
+    message = str(info.value.code)
+    assert message.startswith('error: ') and '\nerror:' not in message, message
     assert message.rstrip().endswith('val_dataloader.dataset.data_root=/path/to/cityscapes/')
     return message
 
@@ -200,8 +195,8 @@ CITYSCAPES_STEPS = ('https://www.cityscapes-dataset.com/', 'leftImg8bit_trainval
                     'tools/dataset_converters/cityscapes.py data/cityscapes --nproc 8')
 
 
-def test_missing_cityscapes_ends_in_the_download_and_layout(tmp_path):
-    message = _train_cli(tmp_path)
+def test_missing_cityscapes_ends_in_the_download_and_layout(tmp_path, train_tool, monkeypatch):
+    message = _train_cli(tmp_path, train_tool, monkeypatch)
     assert message.startswith('error: Dataset not found for ')
     for sub in ('leftImg8bit/train', 'gtFine/train', 'leftImg8bit/val', 'gtFine/val'):
         assert f'{tmp_path}/data/cityscapes/{sub}   [' in message
@@ -210,7 +205,8 @@ def test_missing_cityscapes_ends_in_the_download_and_layout(tmp_path):
     assert not (tmp_path / 'work_dirs').exists()  # nothing was built
 
 
-def test_cityscapes_without_train_id_label_maps_says_to_convert(tmp_path):
+def test_cityscapes_without_train_id_label_maps_says_to_convert(tmp_path, train_tool,
+                                                                monkeypatch):
     root = tmp_path / 'data' / 'cityscapes'
     for split in ('train', 'val'):
         (root / 'leftImg8bit' / split / 'aachen').mkdir(parents=True)
@@ -218,7 +214,7 @@ def test_cityscapes_without_train_id_label_maps_says_to_convert(tmp_path):
         (root / 'gtFine' / split / 'aachen').mkdir(parents=True)
         (root / 'gtFine' / split / 'aachen' / f'a_{split}_gtFine_polygons.json').touch()
     (root / 'gtFine' / 'val' / 'aachen' / 'a_val_gtFine_labelTrainIds.png').touch()
-    message = _train_cli(tmp_path)
+    message = _train_cli(tmp_path, train_tool, monkeypatch)
     lines = message.splitlines()
     label_lines = [line for line in lines if 'no label maps' in line]
     # train has none; val has one and passes; the images are there.
