@@ -343,11 +343,11 @@ def _up2_traceable(conv: nn.ConvTranspose2d, x: torch.Tensor,
     No in-place writes and no Python loop over size-dependent row blocks, which is what
     :func:`~xcit_mm.models.layers.up2_blockwise` does: ``torch.compile`` turns each block write
     into a full-size copy (and specialises on the size), ``torch.onnx.export`` bakes the blocks
-    of the export size into the graph. The module's own forward traces too, but compiled (CPU,
-    a 2x384x64x64 map, 1 thread) its forward + backward took ~1.9x the time of this one. The
-    matmul's orientation follows ``layout`` (``tokens (B*H*W, C) @ W (C, 4 C_out)`` for
-    channels-last, its transpose for NCHW), so that the interleaving copy reads contiguous rows:
-    the other orientation's forward measured 1.2-1.6x slower compiled.
+    of the export size into the graph. The module's own forward traces too, but its compiled
+    forward + backward is slower than this one. The matmul's orientation follows ``layout``
+    (``tokens (B*H*W, C) @ W (C, 4 C_out)`` for channels-last, its transpose for NCHW), so that
+    the interleaving copy reads contiguous rows (the other orientation compiles to a slower
+    forward).
     """
     B, C, H, W = x.shape
     out_channels = conv.out_channels

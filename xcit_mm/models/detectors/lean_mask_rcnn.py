@@ -1,10 +1,10 @@
 """Mask R-CNN with fewer live maps, whole or in tiles within a memory budget: :class:`LeanMaskRCNN`.
 
 mmdet's ``TwoStageDetector.predict`` (3.3) keeps every backbone level until the neck returns,
-every neck level (the stride-4 one is 256 x H/4 x W/4 floats: 1 GB at 4096 x 4096) until the RoI
-head returns, and so through the RPN (whose 3x3 conv output and its ReLU are two more maps of
-that size at stride 4) and through the mask pasting, which fills an N x H x W boolean tensor
-(1.6 GB for 100 detections at 4096 x 4096) while all the feature maps are still alive.
+every neck level (the stride-4 one is 256 x H/4 x W/4 floats) until the RoI head returns, and so
+through the RPN (whose 3x3 conv output and its ReLU are two more maps of that size at stride 4)
+and through the mask pasting, which fills an N x H x W boolean tensor while all the feature maps
+are still alive.
 
 **Whole image** (``test_cfg.mode='whole'``, the default). :class:`LeanMaskRCNN` computes the same
 detections with fewer maps alive, by exact means only (each operation is the stock one on the same

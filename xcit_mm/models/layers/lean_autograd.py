@@ -300,9 +300,9 @@ def recomputed_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.
 
 
 def _row_block(B: int, W: int, channels: int, H: int, device: torch.device) -> int:
-    """Input rows per matmul block of :func:`up2_blockwise`. CPU: temporaries of at most ~2 MB
-    (they stay in cache), and few calls for small maps. Other devices: the whole map at once,
-    since each block costs kernel launches and memory is not the concern there."""
+    """Input rows per matmul block of :func:`up2_blockwise`. CPU: temporaries of at most ``2**19``
+    elements (they stay in cache), and few calls for small maps. Other devices: the whole map at
+    once, since each block costs kernel launches and memory is not the concern there."""
     if device.type != 'cpu':
         return H
     return max(1, min(H, (1 << 19) // max(1, B * W * channels)))

@@ -4,7 +4,8 @@ Stock ``EncoderDecoder`` keeps every backbone level until the head returns, and
 ``UPerHead._forward_feature`` (mmseg 1.2.2) keeps every lateral map until it returns, upsamples the
 three coarser FPN outputs to stride 4 into a list and ``torch.cat``s them into a second copy: at
 full resolution the stride-4 backbone map, the stride-4 lateral, four stride-4 FPN outputs and
-their concatenation (``channels`` = 512 each; 2 GB apiece at 4096 x 4096) are alive at once.
+their concatenation (``channels`` = 512 each, ``channels`` x H/4 x W/4 floats apiece) are alive
+at once.
 
 :func:`uper_head_in_data_flow_order` gives the same logits bit for bit: the same operations on the
 same whole tensors (nothing is tiled: a convolution of another size can take another oneDNN

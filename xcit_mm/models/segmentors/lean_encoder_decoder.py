@@ -2,12 +2,12 @@
 
 mmseg's ``EncoderDecoder.predict`` (1.2.2) resizes the C-class logits of the decode head to the
 network input, crops the padding, resizes them again to the original image and only then takes the
-argmax, keeping the full-size logits in every result. With ADE20k's 150 classes a 4096 x 4096
-image costs 150 x 4096 x 4096 x 4 bytes = 10 GB for each of those full-size tensors, whatever the
-size the network ran at. Its ``slide_inference`` adds every window's logits into one such C x H x W
-map (and a zero-padded full-size copy of each window on the way). At full resolution the Semantic
-FPN neck and head also keep all four levels of three stages alive at once, the stride-4 ones being
-the largest.
+argmax, keeping the full-size logits in every result: C x H x W floats for each of those
+full-size tensors, whatever size the network ran at (docs/lean_segmentation.md gives their size
+for ADE20k's 150 classes at 4096 x 4096). Its ``slide_inference`` adds every window's logits into
+one such C x H x W map (and a zero-padded full-size copy of each window on the way). At full
+resolution the Semantic FPN neck and head also keep all four levels of three stages alive at once,
+the stride-4 ones being the largest.
 
 :class:`LeanEncoderDecoder` computes the same labels with less memory, by exact means only:
 
