@@ -16,10 +16,11 @@ import torch
 from xcit_reference import mmpretrain_trunk, to_official
 
 from xcit_mm import XCiTBackbone
-from xcit_mm.models.utils import (LayoutError, convert_backbone_state_dict as convert_state_dict,
-                                  detect_layout, load_backbone_checkpoint as load_pretrained)
+from xcit_mm.models.utils import LayoutError, convert_backbone_state_dict as convert_state_dict
+from xcit_mm.models.utils.ckpt_convert import detect_layout
+from xcit_mm.models.utils.ckpt_load import load_backbone_checkpoint as load_pretrained
 from xcit_mm.models.utils.checkpoint_io import (CheckpointError, extract_state_dict,
-                                         load_checkpoint_file as read_checkpoint)
+                                                load_checkpoint_file as read_checkpoint)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARCH = dict(embed_dims=64, depth=4, num_heads=4)

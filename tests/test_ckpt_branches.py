@@ -28,8 +28,8 @@ import torch.nn as nn
 from xcit_mm import XCiTBackbone
 from xcit_mm.models.utils import (CheckpointError, LayoutError, check_checkpoint,
                                   convert_backbone_state_dict, convert_model_state_dict,
-                                  load_backbone_checkpoint, load_checkpoint_file,
-                                  load_model_state_dict)
+                                  load_checkpoint_file)
+from xcit_mm.models.utils.ckpt_load import load_backbone_checkpoint, load_model_state_dict
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 ARCH = dict(embed_dims=64, depth=4, num_heads=4)

@@ -14,7 +14,6 @@ import pytest
 import torch
 from mmengine.config import ConfigDict
 from mmengine.registry import init_default_scope
-from mmengine.structures import PixelData
 
 import xcit_mm  # noqa: E402,F401  (registers XCiTBackbone and LeanEncoderDecoder)
 from mmseg.registry import MODELS  # noqa: E402
@@ -163,7 +162,7 @@ def test_chunk_width_rule():
 
 
 def _width(*args):
-    from xcit_mm.models.segmentors import chunk_width
+    from xcit_mm.models.segmentors.lean_encoder_decoder import chunk_width
     return chunk_width(*args)
 
 

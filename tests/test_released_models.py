@@ -7,17 +7,15 @@ its SyncBN buffers), and mmdet's / mmseg's neck and head names. Expected values 
 ``tests/xcit_reference.py`` (mmpretrain's trunk + plain ``torch.nn`` adapter in the official
 structure) and from upstream neck / head modules built separately, never from ``XCiTBackbone``.
 """
-import os.path as osp
 from collections import OrderedDict
 
 import pytest
 import torch
 from mmengine.config import Config
-from released_files import (D, DEPTH, HEADS, RELEASED_HEAD_KEYS, REPO, _scope, build,
-                            released_file, small_model_cfg)
+from released_files import RELEASED_HEAD_KEYS, _scope, build, released_file, small_model_cfg
 from xcit_reference import OfficialDenseXCiT, mmpretrain_trunk
 
-from xcit_mm.models.utils import load_model_checkpoint, load_model_state_dict
+from xcit_mm.models.utils.ckpt_load import load_model_checkpoint, load_model_state_dict
 from xcit_mm.models.utils.checkpoint_io import CheckpointError
 
 

@@ -291,13 +291,6 @@ def load_model_checkpoint(model: torch.nn.Module, filename: str, map_location='c
     return checkpoint, report
 
 
-def is_released_layout(layout: Optional[str]) -> bool:
-    """True when a whole-model file needed key conversion (official / timm / mmpretrain)."""
-    return layout is not None and layout != 'xcit_mm'
-
-
 __all__ = [
-    'TASK_HEADS', 'backbone_load_post_hook', 'backbone_load_pre_hook',
-    'is_released_layout', 'load_backbone_checkpoint', 'load_model_checkpoint',
-    'load_model_state_dict'
+    'TASK_HEADS', 'backbone_load_post_hook', 'backbone_load_pre_hook', 'load_backbone_checkpoint'
 ]
