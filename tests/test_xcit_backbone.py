@@ -440,8 +440,8 @@ def test_package_never_imports_torchvision():
 
 def test_importing_the_package_changes_only_what_it_documents():
     """``import xcit_mm`` registers its modules, adds exactly mmengine's pure-data training state
-    to torch's weights_only allow-list, and makes its reader mmengine's loader for local paths
-    and URLs; the warning filters, the default dtype and the other loaders are as before."""
+    to torch's weights_only allow-list, and makes its reader mmengine's loader for local paths,
+    URLs and Hugging Face Hub names; the warning filters, the default dtype and the other loaders are as before."""
     import subprocess
     import sys
     code = (
@@ -460,7 +460,7 @@ def test_importing_the_package_changes_only_what_it_documents():
         'names(after[0])\n'
         'assert after[1:] == before[1:]\n'
         'changed = {k for k, v in CheckpointLoader._schemes.items() if loaders.get(k) is not v}\n'
-        'assert changed == {"", "http://", "https://"}, changed\n'
+        'assert changed == {"", "http://", "https://", "hf-hub:", "hf_hub:"}, changed\n'
         'assert CheckpointLoader._schemes[""] is checkpoint_io.load_from_weights_only\n'
         'from mmengine.registry import HOOKS, MODELS, OPTIM_WRAPPER_CONSTRUCTORS\n'
         'assert MODELS.get("XCiTBackbone") and HOOKS.get("LayerDecayLrHook") and '
