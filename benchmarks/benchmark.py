@@ -34,7 +34,8 @@ from xcit_benchmark.flops import flops_report  # noqa: E402
 from xcit_benchmark.goals import run_goals  # noqa: E402
 from xcit_benchmark.memory import mem_available_bytes  # noqa: E402
 from xcit_benchmark.models import list_models, parse_models  # noqa: E402
-from xcit_benchmark.runner import RunOptions, run_metadata, run_points  # noqa: E402
+from xcit_benchmark.fresh_points import run_metadata  # noqa: E402
+from xcit_benchmark.runner import RunOptions, run_points  # noqa: E402
 from xcit_benchmark.spec import SpecError, load_spec  # noqa: E402
 from xcit_benchmark.timing import set_threads  # noqa: E402
 

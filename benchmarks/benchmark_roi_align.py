@@ -127,12 +127,6 @@ def _cells(rec: dict) -> List[str]:
             f"{rec['max_diff']:.1e}"]
 
 
-def format_table(records: Sequence[dict]) -> str:
-    rows = [list(COLUMNS)] + [_cells(r) for r in records]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    return '\n'.join('  '.join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
-
-
 def markdown_table(records: Sequence[dict]) -> str:
     lines = ['| ' + ' | '.join(COLUMNS) + ' |', '|' + '---|' * len(COLUMNS)]
     return '\n'.join(lines + ['| ' + ' | '.join(_cells(r)) + ' |' for r in records])
@@ -141,7 +135,7 @@ def markdown_table(records: Sequence[dict]) -> str:
 def metadata(argv: Sequence[str]) -> dict:
     import mmcv
 
-    from xcit_benchmark.runner import run_metadata
+    from xcit_benchmark.fresh_points import run_metadata
     meta = run_metadata()
     meta.update(command=' '.join(['benchmarks/benchmark_roi_align.py', *argv]),
                 mmcv=mmcv.__version__, threads=torch.get_num_threads())
@@ -192,7 +186,7 @@ def main(argv: Optional[Sequence[str]] = None, cases: Sequence[dict] = CASES) ->
         if not args.quiet:
             print(f"measuring {case['name']}", file=sys.stderr)
         records.append(measure(case, args.repeats, args.warmup))
-    print(format_table(records))
+    print(markdown_table(records))
     paths = write_outputs(records, metadata(argv), args.out_dir, args.name)
     print('wrote ' + ', '.join(paths))
     return 0

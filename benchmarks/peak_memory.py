@@ -28,7 +28,7 @@ ROOT = osp.dirname(HERE)
 for _path in (ROOT, HERE):  # xcit_mm from this checkout; xcit_benchmark
     if _path not in sys.path:
         sys.path.insert(0, _path)
-from xcit_benchmark.fresh_points import (LIVE_MALLOC, MIB, cpu_model,  # noqa: E402
+from xcit_benchmark.fresh_points import (LIVE_MALLOC, MIB, cpu_model, measure,  # noqa: E402
                                          package_version, run_process, test_image,
                                          write_artifact)
 
@@ -65,7 +65,7 @@ PARTS = [('data_preprocessor', 'data_preprocessor', 'forward'),
          ('roi_bbox', 'roi_head', 'predict_bbox'),
          ('roi_mask_forward', 'roi_head', '_mask_forward'),
          ('mask_paste', 'roi_head.mask_head', 'predict_by_feat')]
-ROW, INFO = 'ROW ', 'INFO '  # the child's lines on stdout
+ROW = 'ROW '  # the child's lines on stdout
 
 
 # ---------------------------------------------------------------------------- the child
@@ -175,7 +175,6 @@ class PartMeter:
 def measure_point(model, infer, point: dict, spec: dict) -> dict:
     """The figures of one call at ``point['size']``; a failure is a row, not the end."""
     import torch
-    from xcit_benchmark.fresh_points import measure
     from xcit_mm.models.utils.memory_budget import rss_mb
     device, size, task = spec['device'], point['size'], point['task']
     cuda, img, pipeline = device.startswith('cuda'), test_image(size), point.get('pipeline', 'full')
@@ -237,7 +236,8 @@ def measure_point(model, infer, point: dict, spec: dict) -> dict:
         line = (getattr(model, 'memory_model', None) or model.calibrated_memory_model
                 or model.test_cfg['memory_model'].values())  # calibrated, or given
         row.update(plan=plan.name, detail=plan.detail, estimate_mb=round(plan.estimate_mb),
-                   estimates={p.name: round(p.estimate_mb) for p in model.last_memory_plans},
+                   estimates={p.name: round(p.estimate_mb)
+                              for p in getattr(model, 'last_memory_plans', [])},
                    predict_peak_growth_mb=round(predict_mb),
                    error_pct=round(100 * (predict_mb - plan.estimate_mb) / plan.estimate_mb, 1),
                    within_budget=bool(predict_mb <= point['max_memory']),
@@ -265,8 +265,7 @@ def child(spec: dict, out=None) -> None:
     point on ``out`` (stdout; every other print goes to stderr)."""
     out = out or sys.stdout
     with contextlib.redirect_stdout(sys.stderr):
-        _child(spec, lambda tag, payload: out.write(tag + json.dumps(payload) + '\n')
-               or out.flush())
+        _child(spec, lambda row: out.write(ROW + json.dumps(row) + '\n') or out.flush())
 
 
 def _child(spec: dict, send) -> None:
@@ -277,27 +276,28 @@ def _child(spec: dict, send) -> None:
     import xcit_mm  # noqa: F401  (the lean models and XCiTBackbone, also for upstream configs)
 
     points, device = spec['points'], spec['device']
-    send(INFO, device_info(device))
-    cfg = build_cfg(points[0])
-    if cfg.get('custom_imports', None):
-        import_modules_from_strings(**cfg.custom_imports)
-    if points[0]['task'] == 'segmentor':
-        from mmseg.apis import inference_model as infer
-        from mmseg.apis import init_model as init
-    else:
-        from mmdet.apis import inference_detector as infer
-        from mmdet.apis import init_detector as init
-    torch.manual_seed(0)
-    model = init(cfg, device=device)
-    infer(model, np.zeros((spec['warmup'], spec['warmup'], 3), np.uint8))  # pools, calibration
-    previous = None
+    model = previous = None
     for point in points:
+        auto = point['path'] == 'auto'  # a budget point does not depend on the one before
         why = (dict(note='not run: the budget was spent') if time.time() > spec['deadline']
-               else skip_reason(previous, point['size'], None))
+               else skip_reason(None if auto else previous, point['size'], None))
+        if not why and model is None:  # built for the first point that runs
+            cfg = build_cfg(points[0])
+            if cfg.get('custom_imports', None):
+                import_modules_from_strings(**cfg.custom_imports)
+            if points[0]['task'] == 'segmentor':
+                from mmseg.apis import inference_model as infer
+                from mmseg.apis import init_model as init
+            else:
+                from mmdet.apis import inference_detector as infer
+                from mmdet.apis import init_detector as init
+            torch.manual_seed(0)
+            model = init(cfg, device=device)
+            infer(model, np.zeros((spec['warmup'],) * 2 + (3,), np.uint8))  # pools, calibration
         row = dict(point, status='skipped', **why) if why else \
             dict(point, **measure_point(model, infer, point, spec))
-        send(ROW, row)
-        previous = previous if point['path'] == 'auto' else row
+        send(row)
+        previous = previous if auto else row
 
 
 # ---------------------------------------------------------------------------- the parent
@@ -364,12 +364,10 @@ def run_child(group: list, spec: dict, args, on_row) -> None:
     done = set()
 
     def on_line(line):
-        if line.startswith(INFO):
-            on_row(None, json.loads(line[len(INFO):]))
-        elif line.startswith(ROW):
+        if line.startswith(ROW):
             row = json.loads(line[len(ROW):])
             done.add(point_key(row))
-            on_row(row, None)
+            on_row(row)
 
     seconds = min(args.timeout, spec['deadline'] + args.grace_s - time.time())
     out = run_process([sys.executable, osp.abspath(__file__), '--child',
@@ -384,10 +382,10 @@ def run_child(group: list, spec: dict, args, on_row) -> None:
             status = 'killed' if out['killed'] else 'error'
             note = out['note'] or (f"exit {out['returncode']}: "
                                    + ' | '.join(out['stderr'].strip().splitlines()[-3:]))
-            on_row(dict(point, status=status, note=note), None)
+            on_row(dict(point, status=status, note=note))
             stop = f"not run: {status} at {point['size']}"
         else:
-            on_row(dict(point, status='skipped', note=stop), None)
+            on_row(dict(point, status='skipped', note=stop))
 
 
 def run(args, configs: dict, runner=run_child) -> list:
@@ -401,7 +399,7 @@ def run(args, configs: dict, runner=run_child) -> list:
                 mmseg=package_version('mmsegmentation'), limit_gb=args.limit_gb,
                 sizes=sorted(set(args.sizes) | {r['size'] for r in kept}), budgets=args.budgets,
                 doors=DOORS, configs={f'{t}:{b}': c for (t, b), c in configs.items()},
-                weights='random (Pretrained init dropped)',
+                weights='random (Pretrained init dropped)', device_info=device_info(args.device),
                 note=args.note or 'one fresh process per point', complete=False)
     if earlier:
         meta['earlier_commands'] = earlier
@@ -409,10 +407,7 @@ def run(args, configs: dict, runner=run_child) -> list:
     deadline = start + args.budget_s
     clock = dict(time=time.time(), load=os.getloadavg()[0])
 
-    def on_row(row, info):
-        if info is not None:
-            meta.setdefault('device_info', info)
-            return
+    def on_row(row):
         now, load = time.time(), os.getloadavg()[0]  # near 1 per core: the point ran alone
         row.update(point_wall_s=round(now - clock['time'], 1), load_before=clock['load'],
                    load_after=load)
@@ -432,7 +427,7 @@ def run(args, configs: dict, runner=run_child) -> list:
         clock.update(time=time.time(), load=os.getloadavg()[0])
         if why:
             for point in group:
-                on_row(dict(point, status='skipped', **why), None)
+                on_row(dict(point, status='skipped', **why))
         else:
             runner(group, spec, args, on_row)
     meta.update(complete=True, wall_s=round(time.time() - start, 1),
@@ -551,7 +546,9 @@ def markdown(artifact: dict) -> str:
     if budget:
         lines += ['| image | `max_memory` | plan | estimate | peak growth | reserved | time |',
                   '|---|---:|---|---:|---:|---:|---:|']
-        lines += [f"| {r['size']}² | {r['max_memory']} | {r.get('plan', r['status'])} | "
+        tasks = len({r['task'] for r in budget}) > 1  # which model, where both are there
+        lines += [f"| {r['size']}²{' ' + LABELS[r['task']] if tasks else ''} | {r['max_memory']} | "
+                  f"{r.get('plan', r['status'])} | "
                   f"{r.get('estimate_mb', '')} | {r.get('peak_growth_mb', '')} | "
                   f"{r.get('max_reserved_mb', '')} | {r.get('time_s', '')} |" for r in budget]
         lines.append('')
@@ -608,6 +605,7 @@ def plot(artifact: dict, png: str) -> None:
                 x = r['size'] * (1.06 if r['plan'] != 'whole' else 0.94)
                 ax_mem.plot([x], [r['max_memory'] / 1024], marker='_', markersize=14, color='k')
                 ax_mem.plot([x], [r['peak_growth_mb'] / 1024], marker='v', color='k')
+                ax_time.plot([x], [r['time_s']], marker='v', color='k')
         ax_mem.axhline(limit, color='grey', linestyle=':', linewidth=1)
         for ax, what, unit in ((ax_mem, 'peak memory', f"peak {'allocated' if cuda else 'RSS'} "
                                 'growth (GiB)'), (ax_time, 'time', 'time of the call (s)')):

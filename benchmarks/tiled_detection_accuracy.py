@@ -5,16 +5,13 @@
     python benchmarks/tiled_detection_accuracy.py configs/shapes/mask_rcnn_xcit_shapes_coco.py \
         work_dirs/shapes_det/iter_1200.pth --out docs/results/shapes_mask_rcnn_tiles
 
-Each variant is the config's own test (mmengine's ``Runner.test``: the config's test dataloader
-and evaluator, mmdet's ``CocoMetric``) with ``model.test_cfg`` updated: ``whole`` (the default
-lean path: stock's results bit for bit), with ``--band-mb`` ``bands`` (equal up to float
-rounding, so the AP should not move) and ``tiles`` at each ``--tiles SIZE:OVERLAP`` (network
-pixels; each tile sees less context, and objects larger than the overlap may be cut in every
-tile). The artifact has each variant's metrics and wall time.
+Each variant is the config's own test (``Runner.test``: its dataloader and ``CocoMetric``) with
+``model.test_cfg`` updated: whole (stock's results bit for bit), bands (equal up to float
+rounding: the AP should not move), tiles of each ``--tiles SIZE:OVERLAP`` (network pixels: each
+tile sees less context, and objects larger than the overlap may be cut in every tile).
 """
 import argparse
 import json
-import os
 import os.path as osp
 import sys
 import tempfile
@@ -25,7 +22,7 @@ ROOT = osp.dirname(HERE)
 sys.path.insert(0, HERE)
 if ROOT not in sys.path:  # xcit_mm from this checkout, installed or not
     sys.path.insert(1, ROOT)
-from xcit_benchmark.fresh_points import cpu_model, write_artifact  # noqa: E402
+from xcit_benchmark.fresh_points import run_metadata, write_artifact  # noqa: E402
 
 COLUMNS = ['variant', 'test_cfg', 'coco/bbox_mAP', 'coco/bbox_mAP_50', 'coco/segm_mAP',
            'coco/segm_mAP_50', 'time_s']
@@ -88,10 +85,8 @@ def main(argv=None):
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.out:
-        meta = dict(cpu=cpu_model(), threads=os.cpu_count(),
-                    command='python ' + ' '.join(sys.argv), config=args.config,
-                    checkpoint=args.checkpoint)
-        write_artifact(args.out, meta, rows, COLUMNS)
+        write_artifact(args.out, dict(run_metadata(), config=args.config,
+                                      checkpoint=args.checkpoint), rows, COLUMNS)
 
 
 if __name__ == '__main__':

@@ -111,11 +111,10 @@ def test_run_skips_in_size_order_and_writes_the_artifact(tmp_path):
         (point,) = group
         calls.append((point['path'], point['size']))
         assert args.limit_gb == 10.0 and spec['device'] == 'cpu'
-        on_row(None, dict(device='cpu'))
         if (point['path'], point['size']) not in growth:
-            return on_row(dict(point, status='killed', note='rss'), None)
+            return on_row(dict(point, status='killed', note='rss'))
         on_row(dict(point, status='ok', peak_growth_mb=growth[(point['path'], point['size'])],
-                    base_mb=700, time_s=1.5, digest=f"d{point['size']}"), None)
+                    base_mb=700, time_s=1.5, digest=f"d{point['size']}"))
 
     out = str(tmp_path / 'art')
     args = _args(out=out, sizes=[8192, 1024, 4096, 2048], paths=['stock', 'lean', 'auto'],
@@ -136,7 +135,7 @@ def test_run_skips_in_size_order_and_writes_the_artifact(tmp_path):
     with open(out + '.json') as f:
         artifact = json.load(f)
     meta = artifact['meta']
-    assert meta['complete'] and meta['device_info'] == dict(device='cpu')
+    assert meta['complete'] and meta['device_info']['device'] == 'cpu'
     assert {'cpu', 'threads', 'command', 'torch', 'limit_gb', 'configs'} <= set(meta)
     assert meta['stock_equals_lean'] == {f'segmentor:xcit:{s}': True for s in (1024, 2048)}
     assert artifact['rows'] == json.loads(json.dumps(rows))
@@ -150,7 +149,7 @@ def test_update_measures_some_points_again_and_keeps_the_others(tmp_path):
     def runner(group, spec, args, on_row):
         for p in group:
             on_row(dict(p, status='ok', peak_growth_mb=p['size'] // 4, base_mb=7, time_s=1.0,
-                        digest=p['path'][0]), None)
+                        digest=p['path'][0]))
 
     pm.run(_args(out=out, tasks=['detector'], sizes=[1024, 2048]), pm.CONFIGS, runner)
     pm.run(_args(out=out, tasks=['detector'], paths=['bands', 'lean'], sizes=[2048, 4096],
@@ -196,20 +195,19 @@ def _child(points, **spec):
     out = io.StringIO()
     pm.child(dict(dict(device='cpu', warmup=64, deadline=float('inf')), points=points, **spec),
              out=out)
-    lines = out.getvalue().splitlines()
-    assert lines[0].startswith(pm.INFO)
-    return [json.loads(line[len(pm.ROW):]) for line in lines[1:]]
+    return [json.loads(line[len(pm.ROW):]) for line in out.getvalue().splitlines()]
 
 
 @pytest.mark.parametrize('task', pm.TASKS)
 def test_stock_lean_and_bands_give_the_same_output_through_the_doors(task, small):
     """Each path's child on the small model at 96 px through the upstream door: the network ran
     at the image size, stock and lean outputs have equal digests, bands nearly equal ones; the
-    detector keeps exactly its ``max_per_img`` detections."""
+    detector keeps exactly its ``max_per_img`` detections, and ``--parts`` gives the peak of
+    each of its parts, none above the call's."""
     rows = {}
     for path in ('stock', 'lean', 'bands'):
         (rows[path],) = _child([dict(task=task, backbone='xcit', path=path, size=96,
-                                     config=small[task])])
+                                     config=small[task])], parts=path == 'lean')
         assert rows[path]['status'] == 'ok', rows[path]
         assert rows[path]['peak_growth_mb'] >= 0 and rows[path]['base_mb'] > 0
     stock, lean, bands = rows['stock'], rows['lean'], rows['bands']
@@ -223,6 +221,9 @@ def test_stock_lean_and_bands_give_the_same_output_through_the_doors(task, small
     else:
         assert lean['out_shape'] == [20, 96, 96] and lean['num_dets'] == 20
         assert abs(bands['mask_pixels'] - lean['mask_pixels']) <= 0.01 * lean['mask_pixels']
+        parts = {p['part']: p for p in lean['parts']}
+        assert {'lean_features', 'lean_rpn', 'lean_roi', 'mask_paste'} <= set(parts)
+        assert max(p['peak_mb'] for p in parts.values()) <= lean['peak_growth_mb']
 
 
 def test_a_series_stops_after_a_failure_but_budget_points_do_not(small, monkeypatch):
@@ -232,13 +233,13 @@ def test_a_series_stops_after_a_failure_but_budget_points_do_not(small, monkeypa
     monkeypatch.setattr(pm, 'measure_point', lambda model, infer, point, spec: dict(
         status='error' if point['size'] == 128 else 'ok', peak_growth_mb=1, base_mb=1))
     point = dict(task='segmentor', backbone='xcit', path='lean', config=small['segmentor'])
-    rows = _child([dict(point, size=s) for s in (64, 128, 256)])
-    assert [(r['status'], r.get('note')) for r in rows] == [
-        ('ok', None), ('error', None), ('skipped', 'not run: error at 128')]
     auto = dict(point, path='auto', size=128)
-    rows = _child([dict(auto, max_memory=1), dict(auto, max_memory=2)])
-    assert [r['status'] for r in rows] == ['error', 'error']
-    rows = _child([dict(point, size=64)], deadline=0)
+    rows = _child([dict(point, size=s) for s in (64, 128, 256)]
+                  + [dict(auto, max_memory=1), dict(auto, max_memory=2)])
+    assert [(r['status'], r.get('note')) for r in rows] == [
+        ('ok', None), ('error', None), ('skipped', 'not run: error at 128'), ('error', None),
+        ('error', None)]
+    rows = _child([dict(point, size=64, config='no model is built')], deadline=0)
     assert rows[0]['note'] == 'not run: the budget was spent'
     args = pm.make_parser().parse_args(['--device', 'cuda', '--backbones', 'xcit', 'uper'])
     args.budgets = [[4096, 100]]
@@ -252,19 +253,26 @@ def test_a_series_stops_after_a_failure_but_budget_points_do_not(small, monkeypa
     assert all(p['device'] == 'cuda' for g in groups for p in g)
 
 
-def test_budget_points_report_the_plan_and_its_estimate(small, tmp_path):
+def test_budget_points_report_the_plan_and_its_estimate(small, tmp_path, monkeypatch):
     """``auto``: each point runs the plan its budget allows (the whole image within a large
     one, windows within a small one) and reports it with its estimate, the peak of ``predict``
     (the input exists before it), the estimate's error and the line (given here: no
-    calibration)."""
-    config = tmp_path / 'line.py'
-    config.write_text(f"_base_ = [{small['segmentor']!r}]\n"
-                      'model = dict(test_cfg=dict(memory_model=dict(base_mb=10, mb_per_mpix=100)))')
-    point = dict(task='segmentor', backbone='xcit', path='auto', size=768, config=str(config))
+    calibration); a detector as a segmentor."""
+    line = 'model = dict(test_cfg=dict(memory_model=dict(base_mb=10, mb_per_mpix=100)))'
+    configs = {}
+    for task in pm.TASKS:
+        configs[task] = tmp_path / f'line_{task}.py'
+        configs[task].write_text(f'_base_ = [{small[task]!r}]\n{line}')
+    monkeypatch.setitem(pm.CONFIGS, ('detector', 'xcit'), str(configs['detector']))
+    point = dict(task='segmentor', backbone='xcit', path='auto', size=768,
+                 config=str(configs['segmentor']))
     whole, slide = _child([dict(point, max_memory=1000), dict(point, max_memory=400)])
     assert (whole['plan'], slide['plan']) == ('whole', 'slide'), (whole, slide)
     assert whole['estimates'] == slide['estimates'] and whole['estimates']['whole'] > 400
-    for row in (whole, slide):
+    (det,) = _child([dict(point, task='detector', size=128, config=str(configs['detector']),
+                          max_memory=10**5)])
+    assert det['plan'] == 'whole' and det['num_dets'] == 20, det
+    for row in (whole, slide, det):
         assert row['status'] == 'ok' and row['memory_model'] == [10, 100]
         assert 0 < row['predict_peak_growth_mb'] <= row['peak_growth_mb']
         assert row['error_pct'] == pytest.approx(
@@ -272,20 +280,14 @@ def test_budget_points_report_the_plan_and_its_estimate(small, tmp_path):
         assert row['within_budget'] is (row['predict_peak_growth_mb'] <= row['max_memory'])
 
 
-def test_network_path_and_parts(small):
+def test_network_and_paper_pipelines(small):
     """``--pipeline network``: the segmentor's network alone, lean and stock logits equal;
-    ``--parts``: the detector's peak of each part, none above the call's; ``paper`` keeps the
-    config's test Resize."""
+    ``paper`` keeps the config's test Resize."""
     point = dict(task='segmentor', backbone='xcit', size=64, config=small['segmentor'],
                  pipeline='network')
     (lean,) = _child([dict(point, path='lean')])
     (stock,) = _child([dict(point, path='stock')])
     assert lean['digest'] == stock['digest'] and lean['out_shape'] == [1, 150, 16, 16]
-    (row,) = _child([dict(task='detector', backbone='xcit', path='lean', size=64,
-                          config=small['detector'])], parts=True)
-    parts = {p['part']: p for p in row['parts']}
-    assert {'lean_features', 'lean_rpn', 'lean_roi', 'mask_paste'} <= set(parts)
-    assert max(p['peak_mb'] for p in parts.values()) <= row['peak_growth_mb']
     cfg = pm.build_cfg(dict(point, pipeline='paper', path='lean'))
     assert any(t['type'] == 'Resize' for t in cfg.test_pipeline)
 
@@ -347,11 +349,12 @@ def test_report_prints_the_tables_and_draws_the_plot(tmp_path, capsys):
 def test_committed_artifacts_are_the_scripts_and_the_cpu_page_quotes_its_tables(tmp_path,
                                                                                 capsys):
     """Every peak-memory artifact under docs/results is one of this script (its rows, the
-    CSV's columns, a command of it); the high-resolution page quotes the report of its
-    artifact."""
+    CSV's columns, a command of it, a report); the high-resolution page quotes the report of
+    its artifact."""
     names = sorted(osp.basename(p)[:-5] for p in glob.glob(osp.join(RESULTS, '*.json'))
                    if osp.basename(p).startswith(('whole_image', 'lean_', 'memory_budget')))
     assert len(names) == 9
+    reports = {}
     for name in names:
         artifact = pm.load_artifact(osp.join(RESULTS, name + '.json'))
         meta = artifact['meta']
@@ -363,10 +366,10 @@ def test_committed_artifacts_are_the_scripts_and_the_cpu_page_quotes_its_tables(
             c in r for r in artifact['rows'])], name
         assert [r['peak_growth_mb'] for r in table] == [
             str(r.get('peak_growth_mb', '')) for r in artifact['rows']], name
-    pm.main(['--report', osp.join(RESULTS, 'whole_image_inference.json'),
-             '--png', str(tmp_path / 'p.png')])
+        pm.main(['--report', osp.join(RESULTS, name + '.json'), '--png', str(tmp_path / 'p.png')])
+        reports[name] = capsys.readouterr().out
     with open(osp.join(ROOT, 'docs', 'benchmark_high_resolution.md')) as f:
-        assert capsys.readouterr().out in f.read()
+        assert reports['whole_image_inference'] in f.read()
 
 
 def test_tiled_accuracy_script_names_its_variants_and_rejects_bad_tiles(capsys):

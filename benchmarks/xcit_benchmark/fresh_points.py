@@ -8,11 +8,14 @@ import csv
 import gc
 import json
 import os
+import platform
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 
+from training_extras.cpu_info import read_cpuinfo
 from xcit_mm.models.utils.memory_budget import measure_peak_growth_mb, rss_mb
 
 MIB = 2**20
@@ -96,13 +99,19 @@ def run_process(cmd, limit_bytes: float, seconds: float, env=None, cwd=None, on_
 
 
 def cpu_model() -> str:
-    """The CPU's model name, as lscpu gives it."""
-    try:
-        out = subprocess.run(['lscpu'], capture_output=True, text=True).stdout
-        return next(line.split(':', 1)[1].strip() for line in out.splitlines()
-                    if line.startswith('Model name'))
-    except (OSError, StopIteration):
-        return 'unknown'
+    return read_cpuinfo()[0] or platform.processor()
+
+
+def run_metadata() -> dict:
+    """Machine, software and load of a run, stored with its results."""
+    import torch
+    meta = dict(date=time.strftime('%Y-%m-%d %H:%M:%S'), host=platform.node(), cpu=cpu_model(),
+                cpu_count=os.cpu_count(), torch=torch.__version__, python=platform.python_version(),
+                torch_threads=torch.get_num_threads(), loadavg_1_5_15=os.getloadavg(),
+                command=' '.join([os.path.basename(sys.argv[0])] + sys.argv[1:]))
+    if torch.cuda.is_available():
+        meta['gpu'] = torch.cuda.get_device_name()
+    return meta
 
 
 def package_version(name: str) -> str:

@@ -104,16 +104,9 @@ def parse_models(names: Sequence[str]) -> List[ModelSpec]:
         try:
             specs.append(parse_model(name))
         except ValueError as e:
-            raise ValueError(f'invalid choice: {name!r} ({e}). Valid names: '
-                             f'{model_name_patterns()}') from e
+            raise ValueError(f'invalid choice: {name!r} ({e}). Valid names:\n'
+                             + list_models()) from e
     return specs
-
-
-def model_name_patterns() -> str:
-    archs = '|'.join(XCIT_ARCHS)
-    return (f'xcit_<{archs}>_p<8|16>[_trunk], mmpretrain_xcit_<{archs}>_p<8|16>, '
-            f'{", ".join(BASELINES)}; any but mmpretrain_xcit_* may end in +cp; any may end '
-            f'in +compile')
 
 
 def list_models() -> str:

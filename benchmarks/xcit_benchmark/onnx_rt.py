@@ -15,7 +15,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .runner import RunOptions, log_stderr, run_metadata
+from .fresh_points import run_metadata
+from .runner import RunOptions, log_stderr
 from .timing import (MATMUL_STEP, make_matmul_step, matmul_gflops, measure_matmul_gflops,
                      set_threads, time_figures, time_interleaved)
 

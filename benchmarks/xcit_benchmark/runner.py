@@ -1,6 +1,5 @@
 """A list of (model, resolution) points: FLOPs, fresh-process peak memory, interleaved timing."""
 import os
-import platform
 import statistics
 import sys
 import time
@@ -10,9 +9,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from training_extras.cpu_info import read_cpuinfo
-
 from .flops import point_flops
+from .fresh_points import run_metadata
 from .memory import run_memory_worker
 from .models import ModelSpec, build_model, compile_forward
 from .timing import (MATMUL_STEP, make_matmul_step, make_step, matmul_gflops,
@@ -152,18 +150,3 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions,
 def _sync_device(device: str):
     if device == 'cuda':
         torch.cuda.synchronize()
-
-
-def run_metadata() -> dict:
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = None
-    cpu = read_cpuinfo()[0] or platform.processor()
-    meta = dict(date=time.strftime('%Y-%m-%d %H:%M:%S'), host=platform.node(), cpu=cpu,
-                cpu_count=os.cpu_count(), torch=torch.__version__, python=platform.python_version(),
-                torch_threads=torch.get_num_threads(), loadavg_1_5_15=load,
-                command=' '.join([os.path.basename(sys.argv[0])] + sys.argv[1:]))
-    if torch.cuda.is_available():
-        meta['gpu'] = torch.cuda.get_device_name()
-    return meta
