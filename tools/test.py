@@ -42,15 +42,12 @@ from mmengine.config import Config, DictAction  # noqa: E402
 from mmengine.registry import RUNNERS  # noqa: E402
 from mmengine.runner import Runner  # noqa: E402
 
-from shapes_world import ensure_shapes_world  # noqa: E402
-from shapes_world.shapes import ShapesWorldError  # noqa: E402
-from training_extras import (AnnotationFormatError, DatasetNotFoundError,  # noqa: E402
-                             check_data, distributed_session)
+from training_extras import distributed_session  # noqa: E402
 from training_extras.dist_utils import lost_peer_message  # noqa: E402
 from training_extras.hooks import shutdown_dataloader_workers  # noqa: E402
-from xcit_mm.models.utils import CheckpointError, check_checkpoint  # noqa: E402
+from training_extras.preflight import preflight  # noqa: E402
+from xcit_mm.models.utils import check_checkpoint  # noqa: E402
 from xcit_mm.models.utils.checkpoint_io import is_url  # noqa: E402
-from xcit_mm.models.utils.config_check import ConfigError, check_backbone_config  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -189,20 +186,16 @@ def main(argv=None):
         # rank, and the ranks share that path: concurrent writes can corrupt it. Rank 0 logs.
         if int(os.environ.get('RANK', '0')) != 0:
             cfg.default_hooks.logger = None
-        try:
-            # Before anything is built: a missing, truncated or pickled-code checkpoint is
-            # reported by name; a URL is downloaded into torch's hub cache (after the cheaper data
-            # check), checked, and loaded from there.
-            check_backbone_config(cfg)
-            if not is_url(args.checkpoint):
-                cfg.load_from = check_checkpoint(args.checkpoint, 'checkpoint')
-            ensure_shapes_world(cfg, splits=('test', ))
-            check_data(cfg, splits=('test', ), config_name=args.config)
-            if is_url(args.checkpoint):
-                cfg.load_from = check_checkpoint(args.checkpoint, 'checkpoint')
-        except (ShapesWorldError, DatasetNotFoundError, AnnotationFormatError,
-                CheckpointError, ConfigError) as e:
-            raise SystemExit(f'error: {e}')
+
+        def check_file():
+            cfg.load_from = check_checkpoint(args.checkpoint, 'checkpoint')
+
+        # Before anything is built: a missing, truncated or pickled-code checkpoint is reported
+        # by name; a URL is downloaded into torch's hub cache (after the cheaper data check),
+        # checked, and loaded from there.
+        local = not is_url(args.checkpoint)
+        preflight(cfg, ('test', ), args.config, check_before_data=check_file if local else None,
+                  check_checkpoints=None if local else check_file)
 
         evaluate(cfg, args.out)
 

@@ -49,18 +49,15 @@ from mmengine.logging import print_log  # noqa: E402
 from mmengine.registry import RUNNERS  # noqa: E402
 from mmengine.runner import Runner  # noqa: E402
 
-from shapes_world import ensure_shapes_world  # noqa: E402
-from shapes_world.shapes import ShapesWorldError  # noqa: E402
-from training_extras import (CPU_AMP_TYPE, AnnotationFormatError,  # noqa: E402
-                             CheckpointSaveError, DatasetNotFoundError, NonFiniteLossError,
-                             SafeCheckpointHook, SampleLoadError, amp_optim_wrapper_type,
-                             check_data, distributed_session)
+from training_extras import (CPU_AMP_TYPE, CheckpointSaveError,  # noqa: E402
+                             NonFiniteLossError, SafeCheckpointHook, SampleLoadError,
+                             amp_optim_wrapper_type, distributed_session)
 from training_extras.checkpoint_check import check_pretrained, resolve_auto_resume  # noqa: E402
 from training_extras.cpu_amp_optim_wrapper import warn_if_cpu_bf16_is_slow  # noqa: E402
 from training_extras.dist_utils import lost_peer_message  # noqa: E402
 from training_extras.hooks import shutdown_dataloader_workers  # noqa: E402
-from xcit_mm.models.utils import CheckpointError, check_checkpoint  # noqa: E402
-from xcit_mm.models.utils.config_check import ConfigError, check_backbone_config  # noqa: E402
+from training_extras.preflight import preflight  # noqa: E402
+from xcit_mm.models.utils import check_checkpoint  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -253,14 +250,8 @@ def main(argv=None):
     # machines need gloo + a CPU DDP wrapper (no-op for --launcher none). The group is destroyed
     # when the block ends, so that no rank aborts or hangs at exit.
     with distributed_session(cfg, args.launcher):
-        try:
-            check_backbone_config(cfg)
-            ensure_shapes_world(cfg, splits=('train', 'val'))
-            check_data(cfg, splits=('train', 'val'), config_name=args.config)
-            check_checkpoints(cfg, args)
-        except (ShapesWorldError, DatasetNotFoundError, AnnotationFormatError,
-                CheckpointError, ConfigError) as e:
-            raise SystemExit(f'error: {e}')
+        preflight(cfg, ('train', 'val'), args.config,
+                  check_checkpoints=lambda: check_checkpoints(cfg, args))
         train(cfg)
 
 

@@ -1,0 +1,54 @@
+"""The checks ``tools/train.py`` and ``tools/test.py`` run before they build the Runner.
+
+Both tools check, in this order, the backbone settings of the config, the built-in shapes dataset
+(generated when the config asks for it), the dataset of the splits they read, and every checkpoint
+they will read. A problem of the user's files or config is one of :data:`PREFLIGHT_ERRORS`, and
+stops the tool with ``error: <message>`` instead of a traceback, before anything is built.
+"""
+from typing import Callable, Optional, Sequence
+
+from shapes_world import ensure_shapes_world
+from shapes_world.shapes import ShapesWorldError
+from xcit_mm.models.utils.checkpoint_io import CheckpointError
+from xcit_mm.models.utils.config_check import ConfigError, check_backbone_config
+
+from .data_check import AnnotationFormatError, DatasetNotFoundError, check_data
+
+# What the checks raise for a problem of the user's files or config.
+PREFLIGHT_ERRORS = (ShapesWorldError, DatasetNotFoundError, AnnotationFormatError,
+                    CheckpointError, ConfigError)
+
+
+def preflight(cfg, splits: Sequence[str], config_name: str,
+              check_checkpoints: Optional[Callable[[], None]] = None,
+              check_before_data: Optional[Callable[[], None]] = None) -> None:
+    """Check a run before its Runner is built: the backbone settings
+    (:func:`~xcit_mm.models.utils.config_check.check_backbone_config`), ``check_before_data``
+    (cheap checks a tool wants first, e.g. a local checkpoint file), the shapes world of
+    ``splits`` (:func:`~shapes_world.ensure_shapes_world`), the dataset of ``splits``
+    (:func:`~training_extras.data_check.check_data`), then ``check_checkpoints`` (last, so that
+    URLs are downloaded only once the cheaper checks pass).
+
+    Args:
+        cfg (Config): The run's config; the checks may update it (a generated world, a
+            checkpoint replaced by its checked local copy).
+        splits (Sequence[str]): The dataset splits the run reads ('train', 'val', 'test').
+        config_name (str): The config path, named in the data check's messages.
+        check_checkpoints (callable, optional): The tool's checkpoint checks, called without
+            arguments after the data checks.
+        check_before_data (callable, optional): Called without arguments after the backbone
+            check, before the data checks.
+
+    Raises:
+        SystemExit: ``error: <message>`` for any of :data:`PREFLIGHT_ERRORS`.
+    """
+    try:
+        check_backbone_config(cfg)
+        if check_before_data is not None:
+            check_before_data()
+        ensure_shapes_world(cfg, splits=splits)
+        check_data(cfg, splits=splits, config_name=config_name)
+        if check_checkpoints is not None:
+            check_checkpoints()
+    except PREFLIGHT_ERRORS as e:
+        raise SystemExit(f'error: {e}')
