@@ -37,7 +37,7 @@ from training_extras import (CheckFiniteLossHook, CPUAmpOptimWrapper, NonFiniteL
 from xcit_mm.models.utils import CheckpointError, check_checkpoint, load_checkpoint_file
 from training_extras import AnnotationFormatError, check_annotation_formats, coco_annotation_problem
 
-from work_dir_files import evaluation_metrics, newest_run_log
+from work_dir_files import evaluation_metrics, load_as_plain_torch, newest_run_log
 
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 CONFIGS = osp.join(REPO, 'configs')
@@ -728,7 +728,7 @@ SHAPES_CLASSES = ('circle', 'square', 'triangle')
 def _check_checkpoint_is_portable(path: str) -> None:
     """The training extras' checkpoints open under torch's default ``weights_only`` loading and
     carry the class names of the data they were trained on, not COCO's or ADE20k's."""
-    checkpoint = torch.load(path, map_location='cpu', weights_only=True)  # torch's default
+    checkpoint = load_as_plain_torch(path)
     assert tuple(checkpoint['meta']['dataset_meta']['classes']) == SHAPES_CLASSES
 
 

@@ -27,7 +27,7 @@ from PIL import Image
 
 from shapes_world import CLASSES, generate_shapes, load_samples, make_mosaic
 
-from work_dir_files import evaluation_metrics, file_digests
+from work_dir_files import evaluation_metrics, file_digests, load_as_plain_torch
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 DET_CONFIG = osp.join(ROOT, 'configs', 'shapes', 'mask_rcnn_xcit_shapes_coco.py')
@@ -397,7 +397,6 @@ def test_train_then_test_learns(tmp_path, task, test_tool):
     ``tools/train.py``, the segmentor with ours, in a subprocess); our tools/test.py (in this
     process) evaluates its checkpoint: well above chance. (Resuming is tested against the
     uninterrupted run's losses in tests/test_reliability.py.)"""
-    import torch
     config = DET_CONFIG if task == 'coco' else SEG_CONFIG
     root = str(tmp_path / f'shapes_{task}')
     work = str(tmp_path / 'work')
@@ -414,7 +413,7 @@ def test_train_then_test_learns(tmp_path, task, test_tool):
     assert metric_key in out
     ckpt = osp.join(work, f'iter_{iters}.pth')
     assert osp.isfile(ckpt)
-    meta = torch.load(ckpt, map_location='cpu', weights_only=True)['meta']  # torch's default
+    meta = load_as_plain_torch(ckpt)['meta']  # as a process without xcit_mm reads it
     assert tuple(meta['dataset_meta']['classes'])[-3:] == CLASSES  # (ade: after background)
 
     # 2. tools/test.py evaluates the checkpoint: the model has learnt (well above chance)

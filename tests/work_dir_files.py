@@ -29,3 +29,16 @@ def file_digests(root) -> dict:
             with open(path, 'rb') as f:
                 out[osp.relpath(path, str(root))] = hashlib.sha1(f.read()).hexdigest()
     return out
+
+
+def load_as_plain_torch(path) -> dict:
+    """``torch.load(path)`` with torch's own ``weights_only`` allow-list, as a process that never
+    imported xcit_mm reads the file (``import xcit_mm`` adds mmengine's training state to the
+    allow-list of the process)."""
+    import torch
+    added = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        return torch.load(path, map_location='cpu', weights_only=True)
+    finally:
+        torch.serialization.add_safe_globals(added)
