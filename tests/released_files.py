@@ -43,13 +43,14 @@ PAPER_CONFIG = {
 
 
 def small_model_cfg(family: str, patch_size: int) -> Config:
-    """The paper config of ``family`` with a small trunk (D=64, 4 layers) and BN for SyncBN."""
+    """The paper config of ``family`` with a small trunk (D=64, 4 layers), UperNet's head as wide
+    as the trunk, and BN for SyncBN."""
     cfg = Config.fromfile(osp.join(REPO, PAPER_CONFIG[family].format(p=patch_size)))
     cfg.model.backbone.update(SMALL_BACKBONE, patch_size=patch_size)
     cfg.model.backbone.arch = dict(SMALL_BACKBONE['arch'])
-    if family == 'upernet':
-        cfg.model.decode_head.in_channels = [D] * 4
-        cfg.model.auxiliary_head.in_channels = D
+    if family == 'upernet':  # the configs' structure, narrower (512 / 256 channels there)
+        cfg.model.decode_head.update(in_channels=[D] * 4, channels=D)
+        cfg.model.auxiliary_head.update(in_channels=D, channels=D // 2)
     else:
         cfg.model.neck.in_channels = [D] * 4
     if family == 'sem_fpn':
