@@ -9,7 +9,14 @@ xdist workers the sums add up to about twice the wall time).
     python .dev_scripts/suite_time.py --cold --out docs/results/test_suite_time_cold.json
 
 ``--cold`` gives inductor an empty cache directory, as on a fresh machine (CI): the compile tests
-then compile every kernel. Exit status: pytest's.
+then compile every kernel. ``--repo`` times another checkout of the project (a ``git worktree``
+of an earlier commit, first on ``PYTHONPATH``, so its own packages are the ones imported), to
+compare two commits on one machine:
+
+    git worktree add /tmp/base BASE_COMMIT
+    python .dev_scripts/suite_time.py --cold --repo /tmp/base --out /tmp/base.json
+
+Exit status: pytest's.
 """
 import argparse
 import collections
@@ -74,9 +81,13 @@ def main(argv=None) -> int:
     parser.add_argument('--out', required=True, help='JSON file to write')
     parser.add_argument('--cold', action='store_true',
                         help='run with an empty inductor cache (a fresh machine)')
+    parser.add_argument('--repo', default=REPO,
+                        help='the checkout whose suite is timed (default: this one)')
     args = parser.parse_args(argv)
+    repo = osp.abspath(args.repo)
 
     env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join([repo] + [p for p in [env.get('PYTHONPATH')] if p])
     with tempfile.TemporaryDirectory() as tmp:
         if args.cold:
             env['TORCHINDUCTOR_CACHE_DIR'] = osp.join(tmp, 'inductor')
@@ -84,14 +95,16 @@ def main(argv=None) -> int:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
         status = subprocess.call([sys.executable, '-m', 'pytest', 'tests', '-q',
-                                  f'--junitxml={junit}'], cwd=REPO, env=env)
+                                  f'--junitxml={junit}'], cwd=repo, env=env)
         wall = time.perf_counter() - start
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         seconds, counts, tests, outcomes = per_file(junit)
 
     import torch
+    revision = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=repo,
+                              capture_output=True, text=True).stdout.strip()
     result = dict(
-        command='python -m pytest tests -q',
+        command='python -m pytest tests -q', revision=revision,
         inductor_cache='cold (empty directory)' if args.cold else 'as found (warm after a run)',
         cpu=cpu_model(), cpu_flags=cpu_flags(), cores=os.cpu_count(), torch=torch.__version__,
         exit_status=status, outcomes=dict(outcomes), wall_s=round(wall, 1),
