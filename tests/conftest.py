@@ -148,12 +148,6 @@ def bench():
 
 
 @pytest.fixture(scope='session')
-def flops_tool():
-    """benchmarks/get_flops.py, loaded as a module."""
-    return _load_tool('benchmarks/get_flops.py')
-
-
-@pytest.fixture(scope='session')
 def roi_align_bench():
     """benchmarks/benchmark_roi_align.py, loaded as a module."""
     return _load_tool('benchmarks/benchmark_roi_align.py')

@@ -1,4 +1,4 @@
-# ViT-S/16 (DeiT-S) + Mask R-CNN (FPN): the ViT baseline of benchmarks/whole_image_inference.py,
+# ViT-S/16 (DeiT-S) + Mask R-CNN (FPN): the ViT baseline of benchmarks/peak_memory.py,
 # NOT a paper config (nothing here was trained or evaluated; the benchmark builds it with random
 # weights). Everything is inherited from configs/mask_rcnn_xcit_s12_p16_3x_coco.py (data
 # preprocessor, FPN with 256 output channels and 5 outputs, RPN and RoI heads, train / test

@@ -1,4 +1,4 @@
-# ViT-S/16 (DeiT-S) + Semantic FPN: the ViT baseline of benchmarks/whole_image_inference.py, NOT a
+# ViT-S/16 (DeiT-S) + Semantic FPN: the ViT baseline of benchmarks/peak_memory.py, NOT a
 # paper config (nothing here was trained or evaluated; the benchmark builds it with random
 # weights). Everything is inherited from configs/sem_fpn_xcit_s12_p16_80k_ade20k.py (data
 # preprocessor, FPN with 384 output channels and 4 outputs, FPNHead with 128 channels and 150
