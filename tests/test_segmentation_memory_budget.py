@@ -139,6 +139,16 @@ def test_auto_impossible_budget_names_the_smallest():
     assert lean.last_memory_plan is None
 
 
+MISSPELT = r"unknown test_cfg key\(s\) \['max_memroy'\]; the keys are \[.*'max_memory'"
+
+
+def test_a_misspelt_test_cfg_key_in_the_config_fails_the_build():
+    """A config's misspelt ``max_memory`` would otherwise run the whole image with no budget
+    (changed after the build, the next predict refuses it: test_bad_settings_are_clear_errors)."""
+    with pytest.raises(ValueError, match=MISSPELT):
+        _pair(SEM_FPN, max_memroy=4000)
+
+
 @pytest.mark.parametrize('settings,error,match', [
     (dict(mode='fast'), ValueError, "'whole', 'slide' or 'auto'"),
     (dict(mode='auto'), MemoryBudgetError, 'needs max_memory'),
@@ -154,9 +164,10 @@ def test_auto_impossible_budget_names_the_smallest():
     (dict(mode='auto', max_memory=3000, memory_model=STEEP, stride=(80, 80)), ValueError,
      'leave gaps'),
     (dict(mode='auto', max_memory=3000, lean=False), ValueError, 'needs the lean predict'),
+    (dict(mode='auto', max_memroy=3000), ValueError, MISSPELT),
 ], ids=['unknown_mode', 'no_budget', 'negative_budget', 'str_budget', 'memory_model_keys',
         'memory_model_negative', 'budget_without_auto', 'memory_model_without_auto',
-        'slide_without_crop', 'stride_over_crop', 'auto_not_lean'])
+        'slide_without_crop', 'stride_over_crop', 'auto_not_lean', 'misspelt_key'])
 def test_bad_settings_are_clear_errors(settings, error, match):
     _, lean = _slide_pair(SEM_FPN)
     lean.test_cfg.update(settings)

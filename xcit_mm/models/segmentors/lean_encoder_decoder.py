@@ -75,7 +75,7 @@ mmseg). Our ADE20k segmentation configs use it by default. ``test_cfg`` keys, al
   rounding, not bit for bit, so it is off by default.
 
 ``max_memory`` or ``memory_model`` with another mode is an error, not a silently ignored key;
-so is ``band_mb`` with a mode or a model it does not apply to.
+so is ``band_mb`` with a mode or a model it does not apply to, and so is any other key.
 """
 import math
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -106,6 +106,9 @@ CHUNK_MULTIPLE = 8
 MIN_CHUNK_CHANNELS_LAST = 24
 
 MODES = ('whole', 'slide', 'auto')
+# Every key of test_cfg this model reads (the module docstring); any other is a misspelling.
+TEST_CFG_KEYS = ('mode', 'lean', 'keep_seg_logits', 'lean_chunk_mb', 'crop_size', 'stride',
+                 'max_memory', 'memory_model', 'band_mb')
 # The window of mode='auto' when neither test_cfg.crop_size nor data_preprocessor.size gives one:
 # mmseg's usual training crop; the stride is two thirds of the window, as in mmseg's slide
 # configs (ConvNeXt / SETR on ADE20k: 512 and 341, Cityscapes: 769 and 513).
@@ -247,8 +250,17 @@ class LeanEncoderDecoder(EncoderDecoder):
         self.calibrated_memory_model: Optional[MemoryModel] = None
         self._release_heap = False  # set by each predict: mode='auto' (_step_done)
         self._head_geometry: Optional[Tuple[float, float, bool]] = None
+        self._check_test_cfg_keys()  # a misspelt key in the config fails at build
 
     # ------------------------------------------------------------------ settings
+    def _check_test_cfg_keys(self) -> None:
+        """An unknown ``test_cfg`` key is an error naming the known ones: a misspelt
+        ``max_memory`` would otherwise leave the image to run whole, with no budget."""
+        unknown = sorted(set(self.test_cfg or {}) - set(TEST_CFG_KEYS))
+        if unknown:
+            raise ValueError(f'{type(self).__name__}: unknown test_cfg key(s) {unknown}; the '
+                             f'keys are {list(TEST_CFG_KEYS)} (docs/lean_segmentation.md)')
+
     def _test_option(self, key, default):
         cfg = self.test_cfg
         return cfg.get(key, default) if cfg is not None else default
@@ -256,6 +268,7 @@ class LeanEncoderDecoder(EncoderDecoder):
     def _checked_mode(self) -> str:
         """``test_cfg.mode``, after checking that every key given is one the mode reads."""
         name = type(self).__name__
+        self._check_test_cfg_keys()  # test_cfg may have changed since the build
         mode = self._test_option('mode', 'whole')
         if mode not in MODES:
             raise ValueError(
