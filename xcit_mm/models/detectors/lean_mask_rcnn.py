@@ -87,8 +87,9 @@ from mmdet.registry import MODELS
 from mmdet.structures import DetDataSample, SampleList
 from mmdet.structures.bbox import bbox2roi
 
-from ..layers.fpn_data_flow import (band_rows_for, conv_halo, conv_in_bands,
-                                    fpn_in_data_flow_order, neck_bands_bottom_level)
+from ..layers.fpn_data_flow import (LevelByLevelBackbone, RowLocalBackbone, band_rows_for,
+                                    conv_halo, conv_in_bands, fpn_in_data_flow_order,
+                                    neck_bands_bottom_level)
 from ..utils.ckpt_load import refuse_headless_load
 from ..utils.memory_budget import (MB, MemoryModel, Plan, calibrate, choose_plan,
                                    measure_peak_growth_mb, release_free_heap)
@@ -139,7 +140,7 @@ class LeanMaskRCNN(MaskRCNN):
             return
         neck, rpn = getattr(self, 'neck', None), self.rpn_head
         why = None
-        if not hasattr(self.backbone, 'forward_level_rows'):
+        if not isinstance(self.backbone, RowLocalBackbone):
             why = (f'the backbone {type(self.backbone).__name__} cannot make its stride-4 level '
                    'in bands of rows (XCiTBackbone can)')
         elif not (self._lean_fpn() and neck_bands_bottom_level(neck)):
@@ -203,9 +204,8 @@ class LeanMaskRCNN(MaskRCNN):
         """Whether the backbone makes its levels one at a time and the neck is mmdet's ``FPN``
         with all of them in and no extra convs (what ``fpn_in_data_flow_order`` computes)."""
         backbone, neck = self.backbone, getattr(self, 'neck', None)
-        return (hasattr(backbone, 'forward_trunk') and hasattr(backbone, 'forward_level')
-                and type(neck) is FPN and neck.start_level == 0
-                and neck.backbone_end_level == neck.num_ins
+        return (isinstance(backbone, LevelByLevelBackbone) and type(neck) is FPN
+                and neck.start_level == 0 and neck.backbone_end_level == neck.num_ins
                 and not (neck.num_outs > neck.num_ins and neck.add_extra_convs))
 
     # ------------------------------------------------------------------ RPN

@@ -17,11 +17,33 @@ whole-tensor path up to float rounding (:func:`conv_halo` gives the context).
 
 Used by ``LeanEncoderDecoder`` (mmseg) and ``LeanMaskRCNN`` (mmdet); torch only, no task package.
 """
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Protocol, Tuple, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+
+@runtime_checkable
+class LevelByLevelBackbone(Protocol):
+    """A backbone that makes its levels one at a time: the trunk maps once, then each level's
+    adapter on demand (``XCiTBackbone``). Any other backbone is run whole, as stock runs it."""
+
+    def forward_trunk(self, x: Tensor, stem_band_mb: Optional[float] = None) -> List[Tensor]:
+        ...
+
+    def forward_level(self, feat: Tensor, level: int, image_hw: Tuple[int, int]) -> Tensor:
+        ...
+
+
+@runtime_checkable
+class RowLocalBackbone(LevelByLevelBackbone, Protocol):
+    """A level-by-level backbone whose stride-4 adapter is row-local: any band of that level's
+    rows comes from the trunk rows that make it (``XCiTBackbone``), so it can run in bands."""
+
+    def forward_level_rows(self, feat: Tensor, level: int, image_hw: Tuple[int, int],
+                           start: int, stop: int) -> Tensor:
+        ...
 
 
 def _upsample(x: Tensor, size, upsample_cfg: dict) -> Tensor:
@@ -118,7 +140,7 @@ class BackboneLevels:
     def __init__(self, backbone, inputs: Tensor, stem_band_mb: Optional[float] = None):
         self.backbone = backbone
         self.image_hw = tuple(inputs.shape[-2:])
-        self.per_level = hasattr(backbone, 'forward_trunk') and hasattr(backbone, 'forward_level')
+        self.per_level = isinstance(backbone, LevelByLevelBackbone)
         if not self.per_level:
             self.maps = list(backbone(inputs))
         elif stem_band_mb is not None:  # XCiT: the conv stem in bands of rows
@@ -136,7 +158,7 @@ class BackboneLevels:
 
     def bottom_hw(self) -> Optional[Tuple[int, int]]:
         """The size of level 0 if it can be made in bands of rows (:meth:`bottom_rows`)."""
-        if not (self.per_level and hasattr(self.backbone, 'forward_level_rows')):
+        if not isinstance(self.backbone, RowLocalBackbone):
             return None
         stride = self.backbone.strides[0]
         return tuple((side + stride - 1) // stride for side in self.image_hw)

@@ -24,14 +24,14 @@ import torch.nn.functional as F
 from mmseg.models.utils import Upsample, resize
 from torch import Tensor
 
-from .fpn_data_flow import (BackboneLevels, BottomLevelRows, band_rows_for, conv_halo,
-                            fpn_upper_levels, neck_bands_bottom_level, row_bands)
+from .fpn_data_flow import (BackboneLevels, BottomLevelRows, RowLocalBackbone, band_rows_for,
+                            conv_halo, fpn_upper_levels, neck_bands_bottom_level, row_bands)
 
 
 def why_not_in_bands(backbone, neck, head) -> Optional[str]:
     """Why this backbone, FPN and ``FPNHead`` cannot run in bands (None if they can): the
     parts :func:`semantic_fpn_in_bands` relies on, as a reason a user can act on."""
-    if not hasattr(backbone, 'forward_level_rows'):
+    if not isinstance(backbone, RowLocalBackbone):
         return (f'{type(backbone).__name__} cannot make its stride-4 level in bands of rows '
                 '(XCiTBackbone can)')
     if not neck_bands_bottom_level(neck):
