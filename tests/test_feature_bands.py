@@ -16,8 +16,8 @@ from torch import nn
 
 import xcit_mm  # noqa: F401  (registers XCiTBackbone and LeanMaskRCNN)
 from mmdet.registry import MODELS
-from xcit_mm.models.layers import fpn_data_flow
-from xcit_mm.models.layers.fpn_data_flow import conv_halo, fpn_in_data_flow_order
+from xcit_mm.models.inference import fpn_data_flow
+from xcit_mm.models.inference.fpn_data_flow import conv_halo, fpn_in_data_flow_order
 
 sys.path.insert(0, osp.dirname(osp.abspath(__file__)))
 from fresh_process import run_fresh  # noqa: E402

@@ -126,7 +126,7 @@ def test_padded_batch_of_two_and_no_rescale(pair):
 def test_features_equal_stock_and_top_down_in_blocks(pair, monkeypatch):
     """The data-flow-order backbone + FPN gives ``extract_feat``'s maps bit for bit, also with
     top-down bands of a few rows (band edges inside the odd-sized maps)."""
-    from xcit_mm.models.layers import fpn_data_flow
+    from xcit_mm.models.inference import fpn_data_flow
     stock, lean = pair
     add = fpn_data_flow.add_top_down_
     monkeypatch.setattr(fpn_data_flow, 'add_top_down_',

@@ -174,7 +174,7 @@ def test_top_down_sum_in_bands_is_fpns(top_hw, lat_hw, channels_last):
     (``lateral + resize(top, size=..., mode='nearest')``), also for sizes that are no multiple."""
     from mmseg.models.utils import resize
 
-    from xcit_mm.models.layers.fpn_data_flow import add_top_down_
+    from xcit_mm.models.inference.fpn_data_flow import add_top_down_
     generator = torch.Generator().manual_seed(0)
     top = torch.randn(2, 3, *top_hw, generator=generator)
     lat = torch.randn(2, 3, *lat_hw, generator=generator)

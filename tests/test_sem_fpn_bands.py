@@ -16,7 +16,7 @@ import xcit_mm.models.segmentors.lean_encoder_decoder as lean_module
 from fresh_process import run_fresh
 from mmseg.models.utils import Upsample, resize
 from test_lean_segmentation import SEM_FPN, UPERNET, _meta, _pair, _predict
-from xcit_mm.models.layers.sem_fpn_bands import labels_in_row_bands, up2_rows
+from xcit_mm.models.inference.sem_fpn_bands import labels_in_row_bands, up2_rows
 
 
 @pytest.mark.parametrize('height', [1, 2, 7, 16])

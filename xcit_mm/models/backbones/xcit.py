@@ -691,7 +691,7 @@ class XCiTBackbone(BaseModule):
         Every adapter branch is row-local: 2x2 stride-2 transposed convs, BN (an affine map in
         eval), GELU, identity, max pools whose kernel is their stride. So a band of a large
         level (the stride-4 map) can be made, used and dropped without the whole map ever
-        existing (``xcit_mm.models.layers.fpn_data_flow``). The values equal the whole map's
+        existing (``xcit_mm.models.inference.fpn_data_flow``). The values equal the whole map's
         rows up to float rounding (a convolution of another size may sum in another order).
         """
         H, W = image_hw

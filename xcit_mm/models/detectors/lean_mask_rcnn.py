@@ -87,9 +87,9 @@ from mmdet.registry import MODELS
 from mmdet.structures import DetDataSample, SampleList
 from mmdet.structures.bbox import bbox2roi
 
-from ..layers.fpn_data_flow import (LevelByLevelBackbone, RowLocalBackbone, band_rows_for,
-                                    conv_halo, conv_in_bands, fpn_in_data_flow_order,
-                                    neck_bands_bottom_level)
+from ..inference.fpn_data_flow import (LevelByLevelBackbone, RowLocalBackbone, band_rows_for,
+                                       conv_halo, conv_in_bands, fpn_in_data_flow_order,
+                                       neck_bands_bottom_level)
 from ..utils.ckpt_load import refuse_headless_load
 from ..utils.memory_budget import (MB, MemoryModel, Plan, calibrate, choose_plan,
                                    measure_peak_growth_mb, release_free_heap)

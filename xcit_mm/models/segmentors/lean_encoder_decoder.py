@@ -24,7 +24,7 @@ the stride-4 ones being the largest.
   the XCiT levels are made one at a time (stride 32 first, the stride-4 map last), each FPN level
   as soon as its inputs exist, and every map is freed when the next step no longer needs it; the
   head sums its four branches into one accumulator. UperNet likewise
-  (:meth:`LeanEncoderDecoder._upernet_forward`, ``xcit_mm/models/layers/uper_data_flow.py``): its
+  (:meth:`LeanEncoderDecoder._upernet_forward`, ``xcit_mm/models/inference/uper_data_flow.py``): its
   FPN outputs are upsampled one at a time into a preallocated buffer of ``torch.cat``'s layout
   instead of a list and a concatenated copy. Each operation is the stock one on the same full
   tensor (no tiling): convolutions on differently sized inputs can take another oneDNN
@@ -71,7 +71,7 @@ mmseg). Our ADE20k segmentation configs use it by default. ``test_cfg`` keys, al
   (the one a calibration logs), which skips the calibration.
 * ``band_mb`` (MB, 'whole' only, Semantic FPN on XCiT): the network sees the whole image, but
   its stem and every stride-4 map are made in bands of rows of about this size
-  (``xcit_mm/models/layers/sem_fpn_bands.py``); logits equal the whole-map ones up to float
+  (``xcit_mm/models/inference/sem_fpn_bands.py``); logits equal the whole-map ones up to float
   rounding, not bit for bit, so it is off by default.
 
 ``max_memory`` or ``memory_model`` with another mode is an error, not a silently ignored key;
@@ -93,10 +93,10 @@ from mmseg.registry import MODELS
 from mmseg.structures import SegDataSample
 from mmseg.utils import OptSampleList, SampleList
 
-from ..layers.fpn_data_flow import fpn_in_data_flow_order
-from ..layers.sem_fpn_bands import (labels_in_row_bands, semantic_fpn_in_bands,
-                                    why_not_in_bands)
-from ..layers.uper_data_flow import uper_head_in_data_flow_order
+from ..inference.fpn_data_flow import fpn_in_data_flow_order
+from ..inference.sem_fpn_bands import (labels_in_row_bands, semantic_fpn_in_bands,
+                                       why_not_in_bands)
+from ..inference.uper_data_flow import uper_head_in_data_flow_order
 from ..utils.ckpt_load import refuse_headless_load
 from ..utils.memory_budget import (MB, MemoryModel, Plan, calibrate, choose_plan,
                                    read_budget_mb, read_memory_model, release_free_heap)
@@ -421,7 +421,7 @@ class LeanEncoderDecoder(EncoderDecoder):
         """``FPNHead.forward(FPN.forward(backbone(inputs)))`` with each map freed when done.
 
         The same operations on the same tensors as stock, in data-flow order: the backbone and
-        FPN by :func:`~xcit_mm.models.layers.fpn_data_flow.fpn_in_data_flow_order`, then the
+        FPN by :func:`~xcit_mm.models.inference.fpn_data_flow.fpn_in_data_flow_order`, then the
         head's branch 0, then branches 1..3 added into it one at a time in stock's order (float
         addition is not associative). ``a.add_(b)`` on a tensor that only this function holds
         gives the bits of ``a + b``.
@@ -451,7 +451,7 @@ class LeanEncoderDecoder(EncoderDecoder):
     def _upernet_forward(self, inputs: Tensor) -> Tensor:
         """``UPerHead.forward(backbone(inputs))`` with each map freed when done and the FPN
         outputs upsampled one at a time into the concatenation buffer
-        (:func:`~xcit_mm.models.layers.uper_data_flow.uper_head_in_data_flow_order`): the same
+        (:func:`~xcit_mm.models.inference.uper_data_flow.uper_head_in_data_flow_order`): the same
         operations on the same tensors as stock, bit for bit."""
         return uper_head_in_data_flow_order(self.backbone, self.decode_head, inputs)
 
