@@ -33,17 +33,16 @@ from urllib.parse import urlparse
 
 import torch
 
+from .checkpoint_error import CheckpointError
+from .ckpt_convert import LayoutError, convert_backbone_state_dict, kind_of_backbone
 from .safe_unpickling import allow_training_state
-from .safetensors_io import (HUB_PREFIXES, check_hub_model_is_xcit, download_from_hub,
-                             hub_copy_advice, is_hub_name, is_safetensors, read_safetensors)
+from .safetensors_io import (HUB_EXAMPLE, HUB_PREFIXES, download_from_hub, hub_architecture,
+                             hub_copy_advice, is_hub_name, is_safetensors, parse_hub_name,
+                             read_safetensors)
 
 _URL = re.compile(r'^https?://')
 _ZIP_MAGIC = b'PK\x03\x04'
 _PICKLE_PROTO = 0x80  # first byte of a protocol >= 2 pickle: torch's legacy (non-zip) format
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, unreadable, unsafe to unpickle, or does not fit the model."""
 
 
 def is_url(path: str) -> bool:
@@ -344,3 +343,25 @@ def check_checkpoint(path: str, what: str = 'checkpoint', kind: str = 'weights')
     else:
         extract_state_dict(checkpoint, f'{what} {local}')
     return local
+
+
+def check_hub_model_is_xcit(name: str, checkpoint: dict) -> None:
+    """Raise unless a Hub checkpoint holds XCiT weights (any published layout, alone or as the
+    backbone of a whole model), naming what the repository holds instead."""
+    state_dict = extract_state_dict(checkpoint, name)
+    try:
+        convert_backbone_state_dict(state_dict)
+        return
+    except LayoutError:
+        pass
+    repo_id, revision = parse_hub_name(name)
+    architecture = hub_architecture(repo_id, revision)
+    kind = kind_of_backbone(state_dict)
+    what = []
+    if architecture:
+        what.append(f'its config.json names the architecture {architecture!r}')
+    what.append(f'its weights look like {kind}' if kind else
+                f'its keys match no XCiT layout (first keys {list(state_dict)[:4]})')
+    raise CheckpointError(
+        f'{name} is not an XCiT model: {", ".join(what)}. Use the Hub name of an XCiT model '
+        f'(timm\'s are timm/xcit_*, e.g. {HUB_EXAMPLE}).')

@@ -19,7 +19,7 @@ Layouts in the wild (see the README):
 """
 import re
 from collections import OrderedDict
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -164,3 +164,20 @@ def describe_backbone(state_dict: Dict[str, torch.Tensor]) -> str:
     if convs:
         parts.append(f'patch_size={2**convs}')
     return ', '.join(parts) or 'unknown'
+
+
+# Key patterns of other backbones, to name them when their file meets an XCiT model.
+_FOREIGN_BACKBONES = [
+    (re.compile(r'(^|\.)stages\.\d+\.blocks\.\d+\.attn\.w_msa\.'), 'a Swin Transformer'),
+    (re.compile(r'(^|\.)layer[1-4]\.\d+\.conv1\.'), 'a ResNet'),
+    (re.compile(r'(^|\.)(layers|blocks)\.\d+\.attn\.qkv\.'), 'a ViT / DeiT'),
+]
+
+
+def kind_of_backbone(keys: Iterable[str]) -> Optional[str]:
+    """'a Swin Transformer', 'a ResNet' or 'a ViT / DeiT' when ``keys`` are another backbone's,
+    else None."""
+    for pattern, name in _FOREIGN_BACKBONES:
+        if any(pattern.search(k) for k in keys):
+            return name
+    return None

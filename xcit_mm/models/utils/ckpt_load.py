@@ -12,14 +12,14 @@ loading, which would otherwise only warn and leave the backbone at its random in
 """
 import re
 from collections import OrderedDict
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 from mmengine.logging import print_log
 
 from .checkpoint_io import CheckpointError, extract_state_dict, load_checkpoint_file
 from .ckpt_convert import (ADAPTER_KEY, LayoutError, convert_backbone_state_dict,
-                           describe_backbone, strip_ddp_prefix, strip_prefix)
+                           describe_backbone, kind_of_backbone, strip_ddp_prefix, strip_prefix)
 
 # Heads that identify the kind of dense model a file was saved from (mmdet / mmseg names).
 TASK_HEADS = {
@@ -27,24 +27,11 @@ TASK_HEADS = {
     'segmentor': ('decode_head.', 'auxiliary_head.'),
 }
 
-# Key patterns of other backbones, to name them when their file meets an XCiT model.
-_FOREIGN_BACKBONES = [
-    (re.compile(r'(^|\.)stages\.\d+\.blocks\.\d+\.attn\.w_msa\.'), 'a Swin Transformer'),
-    (re.compile(r'(^|\.)layer[1-4]\.\d+\.conv1\.'), 'a ResNet'),
-    (re.compile(r'(^|\.)(layers|blocks)\.\d+\.attn\.qkv\.'), 'a ViT / DeiT'),
-]
 _CLASSIFIER_ROOT = re.compile(r'^(blocks\.|cls_token|cls_attn_blocks\.|pos_embeder\.|head\.)')
 
 
 def _is_counter(key: str) -> bool:
     return key.endswith('num_batches_tracked')
-
-
-def _kind_of_backbone(keys: Iterable[str]) -> Optional[str]:
-    for pattern, name in _FOREIGN_BACKBONES:
-        if any(pattern.search(k) for k in keys):
-            return name
-    return None
 
 
 def _arch_hint(module, state_dict: Dict[str, torch.Tensor]) -> str:
@@ -145,7 +132,7 @@ def backbone_load_pre_hook(module, state_dict, prefix, local_metadata, strict, m
     try:
         converted, info = convert_backbone_state_dict(local, prefix=None if not prefix else '')
     except LayoutError:
-        other = _kind_of_backbone(local)
+        other = kind_of_backbone(local)
         cause = (f'these are the weights of {other} backbone, not XCiT' if other else
                  f'none of the published XCiT layouts matches; first keys {list(local)[:5]}')
         raise CheckpointError(f'The weights given to XCiTBackbone{where} are not XCiT weights: '
@@ -170,7 +157,7 @@ def _no_weights_cause(unexpected: List[str]) -> str:
     if any(_CLASSIFIER_ROOT.match(k) for k in unexpected):
         return ('this is an ImageNet classifier file (blocks.*, cls_token...): load it into the '
                 'backbone with model.backbone.init_cfg=dict(type="Pretrained", checkpoint=FILE)')
-    other = _kind_of_backbone(unexpected)
+    other = kind_of_backbone(unexpected)
     if other:
         return f'the file holds {other} model without the "backbone." prefix'
     return 'the file holds no weights for the backbone at all'

@@ -23,6 +23,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from .checkpoint_error import CheckpointError
+
 SUFFIX = '.safetensors'
 HUB_PREFIXES = ('hf-hub:', 'hf_hub:')
 HUB_FILENAME = 'model.safetensors'
@@ -76,7 +78,6 @@ def read_safetensors(path: str, name: str, map_location='cpu',
     Raises:
         CheckpointError: for a file that is not safetensors, or is truncated or corrupt.
     """
-    from .checkpoint_io import CheckpointError
     try:
         from safetensors import safe_open
     except ImportError:
@@ -159,7 +160,6 @@ def parse_hub_name(name: str) -> Tuple[str, Optional[str]]:
     Raises:
         CheckpointError: for a name that is not of that form.
     """
-    from .checkpoint_io import CheckpointError
     body = str(name).split(':', 1)[1]
     repo_id, at, revision = body.partition('@')
     if not _REPO_ID.match(repo_id) or (at and not revision):
@@ -171,7 +171,6 @@ def parse_hub_name(name: str) -> Tuple[str, Optional[str]]:
 
 def _hub():
     """huggingface_hub's download function, cache constants and error classes."""
-    from .checkpoint_io import CheckpointError
     try:
         import huggingface_hub
         from huggingface_hub import constants, utils
@@ -201,7 +200,6 @@ def download_from_hub(name: str, what: str = 'checkpoint') -> str:
         CheckpointError: in one line naming the fix, when the file is neither cached nor
             reachable, or the repository, revision or file does not exist.
     """
-    from .checkpoint_io import CheckpointError
     repo_id, revision = parse_hub_name(name)
     hub, constants, errors = _hub()
     at = f' at revision {revision!r}' if revision else ''
@@ -255,7 +253,7 @@ def hub_copy_advice(name: str) -> str:
             f'download it afresh.')
 
 
-def _architecture(repo_id: str, revision: Optional[str]) -> Optional[str]:
+def hub_architecture(repo_id: str, revision: Optional[str]) -> Optional[str]:
     """The architecture the repository's config.json names (timm's ``architecture``,
     transformers' ``architectures`` / ``model_type``), or None if it has none at hand."""
     hub, constants, _ = _hub()
@@ -275,28 +273,3 @@ def _architecture(repo_id: str, revision: Optional[str]) -> Optional[str]:
     if isinstance(found, list):
         found = found[0] if found else None
     return str(found) if found else None
-
-
-def check_hub_model_is_xcit(name: str, checkpoint: dict) -> None:
-    """Raise unless a Hub checkpoint holds XCiT weights (any published layout, alone or as the
-    backbone of a whole model), naming what the repository holds instead."""
-    from .checkpoint_io import CheckpointError, extract_state_dict
-    from .ckpt_convert import LayoutError, convert_backbone_state_dict
-    from .ckpt_load import _kind_of_backbone
-    state_dict = extract_state_dict(checkpoint, name)
-    try:
-        convert_backbone_state_dict(state_dict)
-        return
-    except LayoutError:
-        pass
-    repo_id, revision = parse_hub_name(name)
-    architecture = _architecture(repo_id, revision)
-    kind = _kind_of_backbone(state_dict)
-    what = []
-    if architecture:
-        what.append(f'its config.json names the architecture {architecture!r}')
-    what.append(f'its weights look like {kind}' if kind else
-                f'its keys match no XCiT layout (first keys {list(state_dict)[:4]})')
-    raise CheckpointError(
-        f'{name} is not an XCiT model: {", ".join(what)}. Use the Hub name of an XCiT model '
-        f'(timm\'s are timm/xcit_*, e.g. {HUB_EXAMPLE}).')
