@@ -843,16 +843,17 @@ model = dict(
 @pytest.mark.usefixtures('mmap_every_tensor')
 def test_whole_model_worker_parts(tmp_path, capsys):
     """issue 14.1: one --whole-model measurement of a tiny XCiT Sem-FPN train step at 64x64, by
-    the worker entry point (here in this process, its memory pass under the worker's 'live'
-    malloc setting, which the fixture undoes afterwards): every part has a positive time, the
-    parts add up to the step, the step's peak is the highest part peak."""
+    the whole-model worker entry point (here in this process, its memory pass under the worker's
+    'live' malloc setting, which the fixture undoes afterwards): every part has a positive time,
+    the parts add up to the step, the step's peak is the highest part peak."""
     cfg = tmp_path / 'tiny_sem_fpn.py'
     cfg.write_text(TINY_WHOLE_CFG.format(
         base=os.path.join(ROOT, 'configs', 'sem_fpn_xcit_t12_p16_80k_ade20k.py')))
     capsys.readouterr()
     assert lib_memory.main([json.dumps(dict(
         kind='whole_model', config=str(cfg), mode='train', height=64, width=64, batch=1,
-        repeats=1, threads=None, mem_pass='live', work=None))]) == 0
+        repeats=1, threads=None, mem_pass='live', work=None))],
+        worker=lib_whole.worker_main) == 0  # what `python -m xcit_benchmark.whole_model` runs
     (line,) = [x for x in capsys.readouterr().out.splitlines()
                if x.startswith(lib_memory.WORKER_MARK)]
     rec = json.loads(line[len(lib_memory.WORKER_MARK):])

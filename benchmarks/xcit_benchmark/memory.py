@@ -75,7 +75,7 @@ def worker_main(cfg: dict) -> dict:
 
 
 def run_memory_worker(cfg: dict, limit_bytes: int, timeout_s: float) -> dict:
-    """:func:`worker_main` (or, for ``cfg['kind'] == 'whole_model'``, the whole-model worker) in
+    """:func:`worker_main` (or, for ``cfg['kind'] == 'whole_model'``, the whole-model module's) in
     a fresh process, killed above ``limit_bytes`` of RSS (status 'oom') or after ``timeout_s``
     ('timeout'); ``cfg['cpu_mem_mode']`` 'process' keeps glibc's default malloc."""
     env = dict(os.environ)
@@ -85,7 +85,8 @@ def run_memory_worker(cfg: dict, limit_bytes: int, timeout_s: float) -> dict:
     env.pop('MALLOC_MMAP_THRESHOLD_', None)
     if cfg.get('cpu_mem_mode', 'live') == 'live':
         env.update(LIVE_MALLOC)
-    out = run_process([sys.executable, '-m', 'xcit_benchmark.memory', json.dumps(cfg)],
+    module = 'xcit_benchmark.' + ('whole_model' if cfg.get('kind') == 'whole_model' else 'memory')
+    out = run_process([sys.executable, '-m', module, json.dumps(cfg)],
                       limit_bytes, timeout_s, env=env, cwd=PACKAGE_PARENT)
     if out['killed'] == 'rss':
         return dict(status='oom', note=f"killed at RSS {out['rss'] / 2**30:.1f} GiB > "
@@ -101,17 +102,14 @@ def run_memory_worker(cfg: dict, limit_bytes: int, timeout_s: float) -> dict:
     return dict(status='error', note=f'memory worker failed ({reason}): {tail}')
 
 
-def main(argv=None) -> int:
-    """The memory process: :func:`worker_main` or the whole-model one on ``argv[0]``."""
+def main(argv=None, worker=None) -> int:
+    """A memory process: ``worker`` (default :func:`worker_main`; the whole-model module
+    passes its own) on the config ``argv[0]``, its result on the marked last line."""
     # mmcv's ConvModule warns about mmpretrain's LPI conv (bias before a norm): not our concern
     warnings.filterwarnings('ignore', message='Unnecessary conv bias before batch/instance norm')
     try:
         cfg = json.loads((sys.argv[1:] if argv is None else argv)[0])
-        if cfg.get('kind') == 'whole_model':
-            from xcit_benchmark.whole_model import worker_main as whole_model_main
-            result = whole_model_main(cfg)
-        else:
-            result = worker_main(cfg)
+        result = (worker or worker_main)(cfg)
     except Exception as e:  # reported to the parent, which records status='error'
         traceback.print_exc()
         result = dict(status='error', note=f'{type(e).__name__}: {e}'[:300])

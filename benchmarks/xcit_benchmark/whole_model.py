@@ -20,6 +20,7 @@ import gc
 import os
 import os.path as osp
 import statistics
+import sys
 import time
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -29,6 +30,7 @@ from xcit_mm.models.utils.memory_budget import (peak_rss_mb, release_free_heap, 
                                                 rss_mb)
 
 from .fresh_points import write_artifact
+from .memory import main as memory_process_main
 from .memory import mallopt_mmap_threshold, run_memory_worker
 from .timing import round_order, set_threads
 
@@ -485,3 +487,7 @@ def write_whole_outputs(records: Sequence[dict], meta: dict, out_dir: str,
     """``<name>.csv`` (:func:`flat_rows`) and ``<name>.json`` (``{"meta", "records"}``)."""
     return write_artifact(osp.join(out_dir, name), meta, records, key='records',
                           csv_rows=flat_rows(records))
+
+
+if __name__ == '__main__':  # the whole-model memory process (run_memory_worker starts it)
+    sys.exit(memory_process_main(worker=worker_main))
