@@ -441,7 +441,8 @@ def test_package_never_imports_torchvision():
 def test_importing_the_package_changes_only_what_it_documents():
     """``import xcit_mm`` registers its modules, adds exactly mmengine's pure-data training state
     to torch's weights_only allow-list, and makes its reader mmengine's loader for local paths,
-    URLs and Hugging Face Hub names; the warning filters, the default dtype and the other loaders are as before."""
+    URLs and Hugging Face Hub names; the warning filters, the default dtype and the other
+    loaders are as before."""
     import subprocess
     import sys
     code = (
