@@ -26,6 +26,7 @@ from torch import Tensor
 
 from mmdet.structures.bbox import bbox_overlaps
 
+from ..inference.fpn_data_flow import read_band_mb
 from ..utils.memory_budget import MB, MemoryModel, read_budget_mb, read_memory_model
 
 MODES = ('whole', 'tiles', 'auto')
@@ -139,17 +140,15 @@ def read_tiled_test_cfg(test_cfg, owner: str = 'LeanMaskRCNN') -> TiledTestCfg:
 
 
 def _read_band_mb(value, lean: bool, owner: str) -> Optional[float]:
-    """``test_cfg.band_mb``: None (every map whole: stock's bits), or the MB of a band of rows
-    in which the stride-4 level and its RPN conv are made (``fpn_data_flow``)."""
+    """``test_cfg.band_mb`` (:func:`read_band_mb`): the MB of a band of rows in which the
+    stride-4 level and its RPN conv are made, with the lean path only."""
+    value = read_band_mb(value, owner)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f'{owner}: test_cfg.band_mb must be a positive number of MB (e.g. '
-                         f'band_mb=64), or None to make every map whole; got {value!r}')
     if not lean:
         raise ValueError(f'{owner}: test_cfg.band_mb makes the lean path run in bands; it does '
                          'not combine with lean=False (remove one of them)')
-    return float(value)
+    return value
 
 
 # ---------------------------------------------------------------------- tile grid

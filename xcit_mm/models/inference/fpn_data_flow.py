@@ -17,6 +17,7 @@ whole-tensor path up to float rounding (:func:`conv_halo` gives the context).
 
 Used by ``LeanEncoderDecoder`` (mmseg) and ``LeanMaskRCNN`` (mmdet); torch only, no task package.
 """
+import math
 from typing import Iterator, List, Optional, Protocol, Tuple, runtime_checkable
 
 import torch
@@ -116,6 +117,17 @@ def row_bands(height: int, band_rows: int, halo: int) -> Iterator[Tuple[int, int
     for start in range(0, height, band_rows):
         stop = min(height, start + band_rows)
         yield start, stop, max(0, start - halo), min(height, stop + halo)
+
+
+def read_band_mb(value, owner: str) -> Optional[float]:
+    """``test_cfg.band_mb`` of either lean model: None (every map whole, stock's bits) or the MB
+    of a band of rows, a positive finite number; anything else is an error naming the fix."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f'{owner}: test_cfg.band_mb must be a positive number of MB, e.g. '
+                         f'band_mb=64 (or None: every map whole); got {value!r}')
+    return float(value)
 
 
 def band_rows_for(band_mb: float, row_bytes: int) -> int:

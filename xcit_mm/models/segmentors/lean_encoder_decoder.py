@@ -93,7 +93,7 @@ from mmseg.registry import MODELS
 from mmseg.structures import SegDataSample
 from mmseg.utils import OptSampleList, SampleList
 
-from ..inference.fpn_data_flow import fpn_in_data_flow_order
+from ..inference.fpn_data_flow import fpn_in_data_flow_order, read_band_mb
 from ..inference.sem_fpn_bands import (labels_in_row_bands, semantic_fpn_in_bands,
                                        why_not_in_bands)
 from ..inference.uper_data_flow import uper_head_in_data_flow_order
@@ -296,11 +296,8 @@ class LeanEncoderDecoder(EncoderDecoder):
     def _check_band_mb(self, mode: str) -> None:
         """``test_cfg.band_mb``: a positive size, with the mode, the path and the parts that run
         in bands; otherwise an error that names what to change."""
-        name, band_mb = type(self).__name__, self._test_option('band_mb', None)
-        if isinstance(band_mb, bool) or not isinstance(band_mb, (int, float)) or not (
-                0 < band_mb < math.inf):
-            raise ValueError(f'{name}: test_cfg.band_mb must be a positive number of MB, e.g. '
-                             f'band_mb=8; got {band_mb!r}')
+        name = type(self).__name__
+        read_band_mb(self._test_option('band_mb', None), name)
         why = None
         if mode != 'whole':
             why = f"it applies to mode='whole' (the windows of mode {mode!r} are small already)"
