@@ -262,12 +262,18 @@ def load_checkpoint_file(path: str, what: str = 'checkpoint', weights_only: bool
     Raises:
         CheckpointError: naming the file, the problem and the fix.
     """
+    return _resolve_and_read(path, what, weights_only, map_location, mmap)[1]
+
+
+def _resolve_and_read(path: str, what: str, weights_only: bool = True, map_location='cpu',
+                      mmap: bool = False) -> Tuple[str, object]:
+    """(the local file, what it holds) for a path, URL or Hub name; a Hub file must be XCiT."""
     local = resolve_checkpoint_path(path, what)
     checkpoint = _read_local(local, what, weights_only, map_location, mmap,
                              url=path if is_url(path) else None)
     if is_hub_name(path):
         check_hub_model_is_xcit(path, checkpoint)
-    return checkpoint
+    return local, checkpoint
 
 
 def _read_local(local: str, what: str, weights_only: bool = True, map_location='cpu',
@@ -326,10 +332,7 @@ def check_checkpoint(path: str, what: str = 'checkpoint', kind: str = 'weights')
     Raises:
         CheckpointError: see :func:`load_checkpoint_file`, or a file not of ``kind``.
     """
-    local = resolve_checkpoint_path(path, what)
-    checkpoint = _read_local(local, what, mmap=True, url=path if is_url(path) else None)
-    if is_hub_name(path):
-        check_hub_model_is_xcit(path, checkpoint)
+    local, checkpoint = _resolve_and_read(path, what, mmap=True)
     if kind == 'resume':
         meta = checkpoint.get('meta') if isinstance(checkpoint, dict) else None
         if not (isinstance(meta, dict) and 'iter' in meta and 'epoch' in meta
