@@ -117,6 +117,15 @@ def _load_tool(relpath):
     return sys.modules[module_name]
 
 
+def upstream_tool(package: str, name: str) -> str:
+    """mmdet's / mmseg's own ``tools/<name>.py`` as shipped inside the installed package (what
+    ``mim train`` / ``mim test`` run)."""
+    path = osp.join(osp.dirname(importlib.import_module(package).__file__), '.mim', 'tools',
+                    f'{name}.py')
+    assert osp.isfile(path), path
+    return path
+
+
 @pytest.fixture(scope='session')
 def train_tool():
     """tools/train.py, loaded as a module."""

@@ -27,6 +27,7 @@ import zipfile
 
 import pytest
 import torch
+from conftest import upstream_tool
 
 from work_dir_files import evaluation_metrics
 
@@ -121,13 +122,6 @@ def _run(tool: str, *args, ok: bool = True) -> str:
     return proc.stdout
 
 
-def _upstream_tool(package: str, name: str) -> str:
-    """A tool as shipped inside the installed package (what ``mim train`` / ``mim test`` run)."""
-    path = osp.join(osp.dirname(__import__(package).__file__), '.mim', 'tools', f'{name}.py')
-    assert osp.isfile(path), path
-    return path
-
-
 def _last_checkpoint(work_dir) -> str:
     with open(osp.join(work_dir, 'last_checkpoint')) as f:
         return f.read().strip()
@@ -181,7 +175,7 @@ def det_files(build_once):
         cfg = root / 'mask_rcnn_readme_snippet.py'
         cfg.write_text(DET_CONFIG.format(root=root / 'coco', classes=CLASSES))
         work_dir = str(root / 'train')
-        _run(_upstream_tool('mmdet', 'train'), str(cfg), '--work-dir', work_dir)
+        _run(upstream_tool('mmdet', 'train'), str(cfg), '--work-dir', work_dir)
         return _files(root, str(cfg), _last_checkpoint(work_dir))
     return build_once('det_doors', train)
 
@@ -261,7 +255,7 @@ def test_detector_checkpoint_evaluates_with_our_test_tool(det_files, test_tool, 
 
 def test_detector_checkpoint_evaluates_with_mmdets_test_tool(det_files, tmp_path):
     """mmdet's own ``tools/test.py``, with ``--show-dir`` drawing every held-out image."""
-    out = _run(_upstream_tool('mmdet', 'test'), det_files['cfg'], det_files['numpy1'],
+    out = _run(upstream_tool('mmdet', 'test'), det_files['cfg'], det_files['numpy1'],
                '--work-dir', str(tmp_path / 'test'), '--show-dir', str(tmp_path / 'show'))
     assert re.search(r'coco/bbox_mAP_50: [\d.]+', out), out[-2000:]
     drawn = glob.glob(str(tmp_path / '**' / 'show' / '*.jpg'), recursive=True) + glob.glob(
@@ -273,7 +267,7 @@ def test_segmentor_checkpoint_evaluates_with_mmsegs_test_tool(seg_files, tmp_pat
     """mmseg's own ``tools/test.py`` with ``--show-dir``; and mmdet's log analysis (as
     ``tools/install.sh`` installs it: it imports seaborn) plots the run's loss curve."""
     show_dir = tmp_path / 'show'
-    out = _run(_upstream_tool('mmseg', 'test'), seg_files['cfg'], seg_files['numpy2'],
+    out = _run(upstream_tool('mmseg', 'test'), seg_files['cfg'], seg_files['numpy2'],
                '--work-dir', str(tmp_path / 'test'), '--show-dir', str(show_dir),
                '--cfg-options', 'default_hooks.visualization.interval=1')  # base: every 50th
     assert re.search(r'mIoU: [\d.]+', out), out[-2000:]
@@ -281,7 +275,7 @@ def test_segmentor_checkpoint_evaluates_with_mmsegs_test_tool(seg_files, tmp_pat
     assert len(drawn) == 2, drawn  # every held-out image of the tiny world
     log = glob.glob(osp.join(seg_files['work_dir'], '*', 'vis_data', '2*.json'))[0]
     curve = str(tmp_path / 'loss.png')
-    _run(_upstream_tool('mmdet', osp.join('analysis_tools', 'analyze_logs')), 'plot_curve', log,
+    _run(upstream_tool('mmdet', osp.join('analysis_tools', 'analyze_logs')), 'plot_curve', log,
          '--keys', 'loss', '--out', curve)
     assert osp.getsize(curve) > 0
 
@@ -294,7 +288,7 @@ def _loss_history(path: str):
 def test_detector_resumes_with_mmdets_train_tool(det_files, tmp_path):
     """The resumed run continues the file's iteration count and message hub."""
     work_dir = str(tmp_path / 'resumed')
-    _run(_upstream_tool('mmdet', 'train'), det_files['cfg'], '--work-dir', work_dir,
+    _run(upstream_tool('mmdet', 'train'), det_files['cfg'], '--work-dir', work_dir,
          '--resume', det_files['numpy2'], '--cfg-options', 'train_cfg.max_iters=3')
     resumed = _last_checkpoint(work_dir)
     assert osp.basename(resumed) == 'iter_3.pth'
@@ -331,7 +325,7 @@ def test_pickled_code_is_refused_in_the_upstream_apis(det_files, seg_files, task
 
 
 def test_pickled_code_is_refused_by_mmdets_test_tool_in_one_line(det_files, tmp_path):
-    out = _run(_upstream_tool('mmdet', 'test'), det_files['cfg'], det_files['evil'],
+    out = _run(upstream_tool('mmdet', 'test'), det_files['cfg'], det_files['evil'],
                '--work-dir', str(tmp_path / 'test'), ok=False)
     assert 'Traceback' not in out, out[-3000:]
     last = out.strip().splitlines()[-1]

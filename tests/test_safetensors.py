@@ -27,6 +27,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+from conftest import upstream_tool
 from mmengine.config import Config
 from released_files import build, small_model_cfg
 from safetensors.torch import save_file
@@ -437,8 +438,7 @@ def test_our_test_tool_reads_a_hub_name(offline_hub, seg_files, test_tool, loade
 def test_mmsegs_test_tool_reads_a_safetensors_file(seg_files, loaded_by_runner, tmp_path,
                                                    monkeypatch):
     """mmseg's own tools/test.py (as ``mim test mmseg`` runs it), in this process."""
-    import mmseg
-    tool = osp.join(osp.dirname(mmseg.__file__), '.mim', 'tools', 'test.py')
+    tool = upstream_tool('mmseg', 'test')
     work_dir = str(tmp_path / 'mmseg')
     monkeypatch.setenv('LOCAL_RANK', '0')
     monkeypatch.setattr(sys, 'argv', [tool, SEG_CONFIG, seg_files['safetensors'], '--work-dir',

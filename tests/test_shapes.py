@@ -23,6 +23,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import upstream_tool
 from PIL import Image
 
 from shapes_world import CLASSES, generate_shapes, load_samples, make_mosaic
@@ -384,13 +385,6 @@ FIT_ITERS = {'coco': 60, 'ade': 100}
 _FIT_METRIC = {'coco': ('coco/bbox_mAP_50', 0.3), 'ade': ('mIoU', 40.0)}
 
 
-def _upstream_train_tool(package: str) -> str:
-    """mmdet's / mmseg's own tools/train.py, as shipped inside the package (``mim train``)."""
-    path = osp.join(osp.dirname(__import__(package).__file__), '.mim', 'tools', 'train.py')
-    assert osp.isfile(path), path
-    return path
-
-
 @pytest.mark.parametrize('task', ['coco', 'ade'])
 def test_train_then_test_learns(tmp_path, task, test_tool):
     """The command line trains on generated data (the detector with mmdet's own
@@ -400,7 +394,8 @@ def test_train_then_test_learns(tmp_path, task, test_tool):
     config = DET_CONFIG if task == 'coco' else SEG_CONFIG
     root = str(tmp_path / f'shapes_{task}')
     work = str(tmp_path / 'work')
-    tool = _upstream_train_tool('mmdet') if task == 'coco' else osp.join(ROOT, 'tools', 'train.py')
+    tool = (upstream_tool('mmdet', 'train') if task == 'coco'
+            else osp.join(ROOT, 'tools', 'train.py'))
     train = [tool, config, '--work-dir', work]
     metric_key, lower_bound = _FIT_METRIC[task]
     iters = FIT_ITERS[task]
