@@ -1,0 +1,463 @@
+# Copyright (c) xcit_mm contributors. All rights reserved.
+"""Images larger than memory in, tiled labels out: what ``tools/segment_large_image.py`` needs
+around ``LeanEncoderDecoder.stream_labels``.
+
+- :func:`open_image`: a source that reads any window of rows of a TIFF (tiled or striped,
+  BigTIFF, OME-TIFF, GeoTIFF; compressed tiles through ``imagecodecs``) by decoding only the
+  tiles or strips that window touches, so a gigapixel file is never held whole. Other formats go
+  through ``mmcv.imread`` (whole: they are not made for sizes beyond memory).
+- :func:`model_rows`: the rows as the model's pipeline reads an image (3 bands, uint8, BGR like
+  ``mmcv.imread``), refusing 1-, 2-, 4-band or 16-bit input unless the caller chose the
+  conversion.
+- :func:`write_labels`: labels, band by band, into a tiled deflate BigTIFF with the dataset's
+  palette and the input's georeferencing; the file appears only when complete.
+
+``tifffile`` is imported inside the functions: ``import xcit_mm`` does not import it.
+"""
+import errno
+import math
+import os
+import os.path as osp
+from collections import OrderedDict
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+# GeoTIFF and GDAL tags that place a raster on the ground; copied from the input to the labels
+# (a label pixel covers the input pixel of the same row and column).
+GEO_TAGS = {33550: 'ModelPixelScale', 33922: 'ModelTiepoint', 34264: 'ModelTransformation',
+            34735: 'GeoKeyDirectory', 34736: 'GeoDoubleParams', 34737: 'GeoAsciiParams',
+            42112: 'GDAL_METADATA'}
+GDAL_NODATA = 42113
+_TIFF_MAGIC = (b'II*\x00', b'MM\x00*', b'II+\x00', b'MM\x00+')
+
+
+class LargeImageError(ValueError):
+    """A problem with the user's input or output path, told in one line that names the fix."""
+
+
+class _Source:
+    """Rows of an image, bands in R, G, B(, ...) order, as stored (dtype, band count)."""
+
+    height: int
+    width: int
+    bands: int
+    dtype: np.dtype
+    geotags: List[tuple] = []
+    nodata: Optional[float] = None
+
+    def read_rows(self, start: int, stop: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _check_window(self, start: int, stop: int) -> None:
+        if not 0 <= start < stop <= self.height:
+            raise ValueError(f'rows [{start}, {stop}) are not inside the image\'s '
+                             f'{self.height} rows')
+
+
+class _ArraySource(_Source):
+    """A file mmcv reads (PNG, JPEG, ...), held whole, its bands turned to RGB order."""
+
+    def __init__(self, path: str):
+        import mmcv
+        img = mmcv.imread(path, flag='unchanged')
+        if img is None:
+            raise LargeImageError(f'not an image: {path} (neither a TIFF nor a format '
+                                  'mmcv / OpenCV reads)')
+        if img.ndim == 3 and img.shape[2] == 3 and img.dtype == np.uint8:
+            img = mmcv.imread(path, flag='color')  # as mmseg's LoadImageFromFile: EXIF rotation
+        if img.ndim == 2:
+            img = img[:, :, None]
+        if img.shape[2] >= 3:  # OpenCV's BGR(A) to R, G, B(, A)
+            img = np.concatenate([img[:, :, 2::-1], img[:, :, 3:]], axis=2)
+        self.img = np.ascontiguousarray(img)
+        self.height, self.width, self.bands = img.shape
+        self.dtype = img.dtype
+
+    def read_rows(self, start: int, stop: int) -> np.ndarray:
+        self._check_window(start, stop)
+        return self.img[start:stop]
+
+
+class _TiffSource(_Source):
+    """A TIFF read by windows of rows: only the tiles (or strips) a window touches are read and
+    decoded, and the last rows of tiles decoded are kept, since consecutive windows (bands with
+    their halos) share tile rows."""
+
+    _CACHED_TILE_ROWS = 4
+
+    def __init__(self, path: str):
+        import tifffile
+        self.path = path
+        self.tif = None
+        try:
+            self.tif = tifffile.TiffFile(path)
+            series = self.tif.series[0]
+            pages = [page.aspage() for page in series.pages]
+        except Exception as e:  # tifffile's many ways of meeting a broken header
+            self.close()
+            raise LargeImageError(f'corrupt or truncated TIFF: {path} ({e})') from None
+        try:
+            self.pages = self._image_pages(series, pages)
+        except LargeImageError:
+            self.close()
+            raise
+        page = self.pages[0]
+        self.height, self.width = int(page.imagelength), int(page.imagewidth)
+        self.dtype = np.dtype(page.dtype)
+        self.bands = sum(int(p.samplesperpixel) for p in self.pages)
+        self._check_segments()
+        self.geotags = [(code, tag.dtype, tag.count, tag.value, True)
+                        for code, tag in ((c, page.tags.get(c)) for c in GEO_TAGS) if tag]
+        nodata = page.tags.get(GDAL_NODATA)
+        self.nodata = None
+        if nodata is not None:
+            try:
+                self.nodata = float(str(nodata.value).strip().strip('\x00'))
+            except ValueError:
+                raise LargeImageError(f'{path}: GDAL_NODATA tag {nodata.value!r} is not a '
+                                      'number') from None
+        self._cache = OrderedDict()
+
+    def _image_pages(self, series, pages) -> list:
+        """The pages holding level 0 of the first image: one page (samples interleaved or in
+        planes), or one page per channel (OME-TIFF's C axis)."""
+        from tifffile import PHOTOMETRIC
+        axes = ''.join(a for a, n in zip(series.axes, series.shape) if n > 1 or a in 'YX')
+        if axes in ('YX', 'YXS', 'SYX') and pages:
+            pages = pages[:1]
+        elif not (axes == 'CYX' and len(pages) == series.shape[series.axes.index('C')]):
+            raise LargeImageError(
+                f'{self.path}: image axes {series.axes} {tuple(series.shape)}: this tool reads '
+                'one 2-D image (Y, X and samples or channels); extract it first, e.g. '
+                'tifffile.imwrite of one plane')
+        for page in pages:
+            if page.imagedepth > 1:
+                raise LargeImageError(f'{self.path}: a volumetric (3-D tiled) TIFF; extract one '
+                                      'plane first')
+            photometric = page.photometric
+            if photometric in (PHOTOMETRIC.PALETTE, PHOTOMETRIC.MINISWHITE,
+                               PHOTOMETRIC.SEPARATED):
+                raise LargeImageError(
+                    f'{self.path}: photometric {photometric.name} (palette, inverted grey or '
+                    'CMYK) is not read; convert it to RGB first, e.g. gdal_translate -expand '
+                    'rgb for a palette')
+            if (photometric == PHOTOMETRIC.YCBCR and page.compression != 7
+                    and tuple(page.subsampling or (1, 1)) != (1, 1)):
+                raise LargeImageError(f'{self.path}: subsampled YCbCr without JPEG is not read; '
+                                      'convert it to RGB first')
+        return pages
+
+    def _check_segments(self) -> None:
+        """Every tile or strip inside the file: a truncated file is refused before any work."""
+        size = self.tif.filehandle.size
+        for page in self.pages:
+            for i, (offset, count) in enumerate(zip(page.dataoffsets, page.databytecounts)):
+                if count and offset + count > size:
+                    kind = 'tile' if page.is_tiled else 'strip'
+                    raise LargeImageError(
+                        f'truncated TIFF: {self.path}: {kind} {i} ends at byte '
+                        f'{offset + count}, the file has {size} bytes; copy or download it again')
+
+    def _grid(self, page) -> Tuple[int, int, int, int, int]:
+        """(segment rows, segment columns, segments down, across, planes) of a page."""
+        if page.is_tiled:
+            th, tw = int(page.tilelength), int(page.tilewidth)
+        else:
+            th, tw = min(int(page.rowsperstrip or self.height), self.height), self.width
+        planes = int(page.samplesperpixel) if page.planarconfig == 2 else 1
+        return th, tw, math.ceil(self.height / th), math.ceil(self.width / tw), planes
+
+    def _tile_row(self, p: int, ty: int) -> np.ndarray:
+        """Rows of segment row ``ty`` of page ``p``, all columns and samples, decoded."""
+        key = (p, ty)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        page = self.pages[p]
+        th, tw, nty, ntx, planes = self._grid(page)
+        rows = min(th, self.height - ty * th)
+        samples = int(page.samplesperpixel)
+        out = np.zeros((rows, self.width, samples), self.dtype)
+        fh = self.tif.filehandle
+        kind = 'tile' if page.is_tiled else 'strip'
+        for plane in range(planes):
+            for tx in range(ntx):
+                index = (plane * nty + ty) * ntx + tx
+                offset, count = page.dataoffsets[index], page.databytecounts[index]
+                if not count:  # a sparse file's empty tile: GDAL reads it as zeros
+                    continue
+                fh.seek(offset)
+                data = fh.read(count)
+                if len(data) != count:
+                    raise LargeImageError(f'truncated TIFF: {self.path}: {kind} {index} is cut '
+                                          'short; copy or download it again')
+                try:
+                    segment = page.decode(data, index, jpegtables=page.jpegtables)[0]
+                except Exception as e:
+                    raise LargeImageError(f'corrupt TIFF: {self.path}: {kind} {index} does not '
+                                          f'decode ({type(e).__name__}: {e})') from None
+                if segment is None:
+                    raise LargeImageError(f'corrupt TIFF: {self.path}: {kind} {index} does not '
+                                          'decode')
+                segment = segment.reshape(segment.shape[-3:])  # (rows, columns, samples)
+                x0 = tx * tw
+                cols = min(tw, self.width - x0)
+                if planes > 1:
+                    out[:, x0:x0 + cols, plane] = segment[:rows, :cols, 0]
+                else:
+                    out[:, x0:x0 + cols] = segment[:rows, :cols]
+        self._cache[key] = out
+        if len(self._cache) > self._CACHED_TILE_ROWS * len(self.pages):
+            self._cache.popitem(last=False)
+        return out
+
+    def read_rows(self, start: int, stop: int) -> np.ndarray:
+        self._check_window(start, stop)
+        parts = []
+        for p, page in enumerate(self.pages):
+            th = self._grid(page)[0]
+            bands = []
+            for ty in range(start // th, (stop - 1) // th + 1):
+                block = self._tile_row(p, ty)
+                y0 = ty * th
+                bands.append(block[max(start - y0, 0):min(stop - y0, block.shape[0])])
+            parts.append(np.concatenate(bands, axis=0) if len(bands) > 1 else bands[0])
+        return np.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
+
+    def close(self) -> None:
+        tif = getattr(self, 'tif', None)
+        if tif is not None:
+            tif.close()
+            self.tif = None
+
+
+def open_image(path: str) -> _Source:
+    """A source of windows of rows of the image at ``path``: TIFF files by tiles or strips,
+    anything else whole through ``mmcv.imread``.
+
+    Raises:
+        LargeImageError: missing file, not an image, a truncated or unreadable TIFF.
+    """
+    if not osp.isfile(path):
+        raise LargeImageError(f'image not found: {path}')
+    with open(path, 'rb') as f:
+        magic = f.read(4)
+    if magic in _TIFF_MAGIC:
+        return _TiffSource(path)
+    return _ArraySource(path)
+
+
+def model_rows(source: _Source, channels: int = 3, rgb_from: Optional[str] = None,
+               scale_16bit: Optional[float] = None) -> Callable[[int, int], np.ndarray]:
+    """``read_rows(start, stop)`` giving what the model's pipeline gives it for an ordinary
+    image: ``channels`` bands of uint8 in BGR order (``mmcv.imread``'s convention).
+
+    The model's mean / std are for 3 bands of 8 bits; anything else would be normalised wrongly
+    without an error, so other inputs need the caller's choice of conversion: ``rgb_from``
+    ``'gray'`` (band 1 as R, G and B: 1- or 2-band images) or ``'first3'`` (bands 1-3: 4 or
+    more bands), and ``scale_16bit`` (the 16-bit value that becomes 255, linearly).
+
+    Raises:
+        LargeImageError: the image does not match and no (or the wrong) conversion was given.
+    """
+    name = getattr(source, 'path', 'the image')
+    bands, dtype = source.bands, source.dtype
+    if dtype == np.uint16:
+        if scale_16bit is None:
+            raise LargeImageError(
+                f'{name} is 16-bit; the config\'s preprocessing expects 8-bit values (0-255): '
+                'pass --scale-16bit to map 0-65535 to 0-255, or --scale-16bit MAX for data '
+                'that stops at MAX (e.g. 4095 for 12 bits)')
+        if not scale_16bit > 0:
+            raise LargeImageError(f'--scale-16bit must be positive, got {scale_16bit}')
+    elif dtype != np.uint8:
+        raise LargeImageError(f'{name} has {dtype} pixels; the config\'s preprocessing expects '
+                              '8-bit values (0-255): convert it first, e.g. gdal_translate -ot '
+                              'Byte -scale')
+    elif scale_16bit is not None:
+        raise LargeImageError(f'--scale-16bit was given but {name} is already 8-bit; drop it')
+    if channels != 3:
+        if bands != channels or rgb_from:
+            raise LargeImageError(f'{name} has {bands} band(s); the config\'s preprocessing '
+                                  f'expects {channels}: convert it first')
+        select = list(range(bands))
+    elif bands == 3 and rgb_from in (None, 'first3'):
+        select = [2, 1, 0]
+    elif bands == 3:
+        raise LargeImageError(f'{name} has 3 bands (RGB), as the config\'s preprocessing '
+                              f'expects: --rgb-from {rgb_from} does not apply; drop it')
+    else:
+        if bands in (1, 2):
+            fix, select = 'gray', [0, 0, 0]
+        else:
+            fix, select = 'first3', [2, 1, 0]
+        what = {1: 'grey', 2: 'grey + alpha', 3: 'RGB'}.get(bands, 'RGBA or RGB + near-infrared'
+                                                           if bands == 4 else 'multispectral')
+        if rgb_from != fix:
+            doing = ('band 1 repeated as R, G and B' if fix == 'gray' else
+                     'bands 1-3 as R, G, B')
+            raise LargeImageError(
+                f'{name} has {bands} band(s) ({what}); the config\'s preprocessing expects 3 '
+                f'(RGB): pass --rgb-from {fix} to use {doing}'
+                + (f' (--rgb-from {rgb_from} does not apply)' if rgb_from else ''))
+
+    def read_rows(start: int, stop: int) -> np.ndarray:
+        rows = source.read_rows(start, stop)[:, :, select]
+        if rows.dtype == np.uint16:
+            rows = np.clip(np.rint(rows * (255.0 / scale_16bit)), 0, 255).astype(np.uint8)
+        return np.ascontiguousarray(rows)
+
+    return read_rows
+
+
+def nodata_rows(source: _Source) -> Optional[Callable[[int, int], np.ndarray]]:
+    """``mask(start, stop)``: the pixels whose every band is the input's GDAL nodata value, or
+    None without one. Their labels are the label file's own nodata value, since the input's
+    (often 0) is a class id among the labels."""
+    if source.nodata is None:
+        return None
+    value = source.nodata
+
+    def mask(start: int, stop: int) -> np.ndarray:
+        rows = source.read_rows(start, stop)
+        hit = np.isnan(rows) if math.isnan(value) else rows == value
+        return hit.all(axis=2)
+
+    return mask
+
+
+def label_dtype(num_classes: int) -> np.dtype:
+    """uint8 up to 255 classes (255 stays free for nodata), else uint16."""
+    if num_classes <= 255:
+        return np.dtype(np.uint8)
+    if num_classes <= 65535:
+        return np.dtype(np.uint16)
+    raise LargeImageError(f'{num_classes} classes do not fit a 16-bit label file')
+
+
+def colormap(palette: Optional[Sequence[Sequence[int]]], dtype: np.dtype) -> Optional[np.ndarray]:
+    """The TIFF ColorMap (3 x 2**bits, 16-bit values) of an RGB palette, entries past the
+    palette black."""
+    if not palette:
+        return None
+    cmap = np.zeros((3, 2 ** (8 * dtype.itemsize)), np.uint16)
+    rgb = np.asarray(palette, np.uint16)[:cmap.shape[1]]
+    cmap[:, :len(rgb)] = rgb.T * 257
+    return cmap
+
+
+def _tiles(bands: Iterable[Tuple[int, int, object]], hw: Tuple[int, int], dtype: np.dtype,
+           tile: int, nodata: Optional[Tuple[Callable, int]],
+           on_rows: Optional[Callable[[int], None]]) -> Iterator[np.ndarray]:
+    """Tiles in file order from label bands in row order: rows are buffered until a full row
+    of tiles (or the image's last rows) is there."""
+    height, width = hw
+    buffer = np.zeros((tile, width), dtype)
+    filled = 0  # rows of the current tile row in the buffer
+    y = 0  # first image row not yet received
+    top = 0  # first image row of the current tile row
+    for start, stop, labels in bands:
+        if start != y or not start < stop <= height:
+            raise RuntimeError(f'label bands out of order: rows [{start}, {stop}) after row {y}')
+        labels = labels.numpy() if hasattr(labels, 'numpy') else np.asarray(labels)
+        if labels.shape != (stop - start, width):
+            raise RuntimeError(f'label band [{start}, {stop}) has shape {labels.shape}, '
+                               f'expected {(stop - start, width)}')
+        labels = labels.astype(dtype)
+        if nodata is not None:
+            labels[nodata[0](start, stop)] = nodata[1]
+        y = stop
+        while len(labels):
+            take = min(tile - filled, len(labels))
+            buffer[filled:filled + take] = labels[:take]
+            labels, filled = labels[take:], filled + take
+            if filled == tile or top + filled == height:
+                block = buffer if filled == tile else np.where(
+                    np.arange(tile)[:, None] < filled, buffer, 0).astype(dtype)
+                for x in range(0, width, tile):
+                    piece = block[:, x:x + tile]
+                    if piece.shape[1] < tile:
+                        piece = np.pad(piece, ((0, 0), (0, tile - piece.shape[1])))
+                    yield np.ascontiguousarray(piece)
+                top, filled = top + filled, 0
+        if on_rows is not None:
+            on_rows(y)
+    if y != height:
+        raise RuntimeError(f'the label bands stopped at row {y} of {height}')
+
+
+def partial_path(out: str) -> str:
+    """Where the labels are written until complete: beside ``out``, so the rename is atomic."""
+    return out + '.partial'
+
+
+def check_output(out: str) -> None:
+    """Fail before any work on an output that cannot be written.
+
+    Raises:
+        LargeImageError: the folder does not exist, or ``out`` is a folder.
+    """
+    folder = osp.dirname(osp.abspath(out))
+    if not osp.isdir(folder):
+        raise LargeImageError(f'output folder does not exist: {folder}; create it or choose '
+                              'another --out')
+    if osp.isdir(out):
+        raise LargeImageError(f'--out {out} is a folder; give a file name, e.g. {out}/labels.tif')
+
+
+def write_labels(out: str, bands: Iterable[Tuple[int, int, object]], hw: Tuple[int, int],
+                 num_classes: int, palette=None, geotags: Sequence[tuple] = (),
+                 nodata_mask: Optional[Callable[[int, int], np.ndarray]] = None,
+                 tile: int = 256, on_rows: Optional[Callable[[int], None]] = None) -> None:
+    """Write label bands ``(start, stop, labels)`` (rows top to bottom) to ``out``: a BigTIFF of
+    ``tile`` x ``tile`` deflate tiles, uint8 or uint16 by class count, the palette as its
+    ColorMap, ``geotags`` (tifffile extratags) copied, and ``nodata_mask``'s pixels set to the
+    dtype's largest value, written as GDAL_NODATA.
+
+    ``bands`` is consumed while the tiles are written, so at most one row of tiles is held. The
+    file is written under :func:`partial_path` and renamed to ``out`` once complete; on any
+    error or interruption the partial file is removed.
+
+    Raises:
+        LargeImageError: no space left on the device (ENOSPC).
+    """
+    import tifffile
+    dtype = label_dtype(num_classes)
+    cmap = colormap(palette, dtype)
+    extratags = list(geotags)
+    nodata = None
+    if nodata_mask is not None:
+        nodata = (nodata_mask, int(np.iinfo(dtype).max))
+        extratags.append((GDAL_NODATA, 's', 0, str(nodata[1]), True))
+    partial = partial_path(out)
+    done = False
+    try:
+        with tifffile.TiffWriter(partial, bigtiff=True) as tw:
+            tw.write(_tiles(bands, hw, dtype, tile, nodata, on_rows), shape=tuple(hw),
+                     dtype=dtype, tile=(tile, tile), compression='zlib',
+                     photometric='palette' if cmap is not None else 'minisblack',
+                     colormap=cmap, extratags=extratags, metadata=None)
+        os.replace(partial, out)
+        done = True
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise LargeImageError(f'no space left on the device while writing {partial}; free '
+                                  'space there or choose another --out') from None
+        raise
+    finally:
+        if not done and osp.exists(partial):
+            os.remove(partial)
+
+
+__all__ = ['GEO_TAGS', 'LargeImageError', 'check_output', 'colormap', 'label_dtype',
+           'model_rows', 'nodata_rows', 'open_image', 'partial_path', 'write_labels']
