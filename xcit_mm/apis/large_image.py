@@ -377,6 +377,8 @@ def _tiles(bands: Iterable[Tuple[int, int, object]], hw: Tuple[int, int], dtype:
         if nodata is not None:
             labels[nodata[0](start, stop)] = nodata[1]
         y = stop
+        if on_rows is not None:
+            on_rows(y)
         while len(labels):
             take = min(tile - filled, len(labels))
             buffer[filled:filled + take] = labels[:take]
@@ -390,8 +392,6 @@ def _tiles(bands: Iterable[Tuple[int, int, object]], hw: Tuple[int, int], dtype:
                         piece = np.pad(piece, ((0, 0), (0, tile - piece.shape[1])))
                     yield np.ascontiguousarray(piece)
                 top, filled = top + filled, 0
-        if on_rows is not None:
-            on_rows(y)
     if y != height:
         raise RuntimeError(f'the label bands stopped at row {y} of {height}')
 
@@ -441,12 +441,16 @@ def write_labels(out: str, bands: Iterable[Tuple[int, int, object]], hw: Tuple[i
         extratags.append((GDAL_NODATA, 's', 0, str(nodata[1]), True))
     partial = partial_path(out)
     done = False
+    tiles = _tiles(bands, hw, dtype, tile, nodata, on_rows)
     try:
         with tifffile.TiffWriter(partial, bigtiff=True) as tw:
-            tw.write(_tiles(bands, hw, dtype, tile, nodata, on_rows), shape=tuple(hw),
-                     dtype=dtype, tile=(tile, tile), compression='zlib',
+            tw.write(tiles, shape=tuple(hw), dtype=dtype, tile=(tile, tile), compression='zlib',
                      photometric='palette' if cmap is not None else 'minisblack',
                      colormap=cmap, extratags=extratags, metadata=None)
+        # tifffile stops pulling at the last tile: run the bands to their end, which checks
+        # that they cover the image and lets the engine finish (its temporary folder)
+        for _ in tiles:
+            raise RuntimeError(f'label bands go past the image\'s {hw[0]} rows')
         os.replace(partial, out)
         done = True
     except OSError as e:
@@ -455,6 +459,9 @@ def write_labels(out: str, bands: Iterable[Tuple[int, int, object]], hw: Tuple[i
                                   'space there or choose another --out') from None
         raise
     finally:
+        tiles.close()
+        if hasattr(bands, 'close'):  # an unfinished engine generator cleans up now, not at GC
+            bands.close()
         if not done and osp.exists(partial):
             os.remove(partial)
 
