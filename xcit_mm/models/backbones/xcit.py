@@ -20,7 +20,7 @@ official, timm and mmpretrain layouts to it)::
 import math
 import warnings
 from contextlib import contextmanager, nullcontext
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -33,8 +33,10 @@ from mmengine.model.weight_init import trunc_normal_
 from mmengine.registry import MODELS
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..inference.row_stream import (Crop, RowMap, TokenMap, TokenMaps, band_rows_for,
+                                    module_rows, row_bands)
 from ..layers import (batch_norm_stats_frozen, ffn_residual, recomputed_residual, up2_blockwise,
-                      xca_mixing, xca_residual)
+                      xca_mixing, xca_mixing_of_sums, xca_residual)
 from ..utils.ckpt_load import (backbone_load_post_hook, backbone_load_pre_hook,
                                load_backbone_checkpoint)
 
@@ -83,6 +85,15 @@ class FourierPositionEncoding(nn.Module):
         angles = coords[:, None] / dim_t
         return torch.stack([angles[:, 0::2].sin(), angles[:, 1::2].cos()], dim=2).flatten(1)
 
+    def rows(self, grid_hw: Tuple[int, int], start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of the whole grid's embedding, (stop - start, W, embed_dims)."""
+        H, W = grid_hw
+        device = self.proj.weight.device
+        code_y = self._axis_code(H, device)[start:stop, None, :].expand(-1, W, self.hidden_dims)
+        code_x = self._axis_code(W, device)[None, :, :].expand(stop - start, W, self.hidden_dims)
+        weight = self.proj.weight.flatten(1)
+        return F.linear(torch.cat([code_y, code_x], dim=2).to(weight.dtype), weight, self.proj.bias)
+
     def forward(self, grid_hw: Tuple[int, int]) -> torch.Tensor:
         """Return the position embedding as tokens, shape (1, H*W, embed_dims)."""
         H, W = grid_hw
@@ -115,36 +126,27 @@ class ConvPatchEmbed(nn.Module):
 
         self.patch_size = 2**num_convs
 
-    def forward(self, x: torch.Tensor, band_rows: Optional[int] = None) -> torch.Tensor:
-        """The token grid of ``x`` (height and width multiples of the patch size).
-
-        ``band_rows`` (eval only): make it ``band_rows`` token rows at a time, each band from its
-        own input rows and ``patch_size`` rows above them; the stem's large stride-2 maps then
-        never exist whole. Output row ``r`` of the chain of 3x3 stride-2 convs reads input rows
-        ``p*r - (p-1)`` to ``p*r + (p-1)``, and BN in eval and GELU act per pixel, so the rows
-        equal the whole map's up to float rounding (a conv of another size may sum in another
-        order).
-        """
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The token grid of ``x`` (height and width multiples of the patch size)."""
         # 3x3 convs run faster channels-last on CPU, and the (B, N, D) token view of a
         # channels-last output is free.
-        if band_rows is None:
-            return self.proj(x.contiguous(memory_format=torch.channels_last))
+        return self.proj(x.contiguous(memory_format=torch.channels_last))
+
+    def rows(self, read_pixels: Callable[[int, int], torch.Tensor], image_hw: Tuple[int, int],
+             start: int, stop: int) -> torch.Tensor:
+        """Token rows ``start:stop`` (1, D, rows, ceil(W / p)) of the zero-padded image whose
+        pixel rows ``read_pixels(a, b)`` gives (1, C, b - a, W), from those rows and one patch
+        row above them: output row ``r`` of the chain of 3x3 stride-2 convs reads input rows
+        ``p r - (p - 1)`` to ``p r + (p - 1)``, and BN in eval and GELU act per pixel. Eval only
+        (BN in training normalises over the whole batch)."""
         if self.training:
-            raise RuntimeError('ConvPatchEmbed: band_rows is for eval only (BN in training '
+            raise RuntimeError('ConvPatchEmbed.rows is for eval only (BN in training '
                                'normalises over the whole batch); call .eval() first')
         p = self.patch_size
-        height = x.shape[2] // p
-        out = None
-        for start in range(0, height, band_rows):
-            stop = min(height, start + band_rows)
-            lo = max(0, start - 1) * p  # a patch row of context above, on the stride grid
-            band = self.proj(x[:, :, lo:stop * p].contiguous(memory_format=torch.channels_last))
-            if out is None:
-                out = band.new_empty(band.shape[:2] + (height, band.shape[3])).contiguous(
-                    memory_format=torch.channels_last)
-            out[:, :, start:stop] = band[:, :, start - lo // p:]
-            del band
-        return out
+        (H, W), lo, hi = image_hw, max(0, start - 1) * p, stop * p
+        x = read_pixels(lo, min(H, hi))
+        x = F.pad(x, (0, (W + p - 1) // p * p - W, 0, hi - lo - x.shape[2]))
+        return self(x)[:, :, start - lo // p:]
 
 
 class XCAProbe(nn.Module):
@@ -298,6 +300,53 @@ class XCiTLayer(nn.Module):
         x = self._residual(x, self.gamma3, self.lpi(self.norm3(x), grid_hw))
         x = self._residual(x, self.gamma2, self.ffn(self.norm2(x)))
         return x
+
+
+    @torch.no_grad()
+    def forward_streamed(self, x: TokenMap, band_rows: int) -> None:
+        """This layer on the token map ``x`` (H, W, C), in place, ``band_rows`` token rows at a
+        time (at least 2), eval mode: the same values as :meth:`forward` up to float rounding.
+
+        Three passes: XCA's global sums (per head q^T k and the squared column norms of q and k,
+        in float32), which give its channel attention folded into the output projection; each
+        band's attention output and residual; then LPI, from the band and the 2 rows its two 3x3
+        convs read on either side (the rows above as they were before this pass overwrote them),
+        and the FFN.
+        """
+        H, W, C = x.shape
+        attn, h = self.attn, self.attn.num_heads
+        w_q, w_k, w_v = attn.qkv.weight.split(C)
+        b_q, b_k, b_v = attn.qkv.bias.split(C)
+        qk = q_sq = k_sq = 0
+        for start, stop, _, _ in row_bands(H, band_rows):
+            y = self.norm1(x.read(start, stop).reshape(-1, C))
+            q = F.linear(y, w_q, b_q).float().view(-1, h, C // h).transpose(0, 1)  # (h, n, d)
+            k = F.linear(y, w_k, b_k).float().view(-1, h, C // h).transpose(0, 1)
+            qk = qk + q.transpose(1, 2) @ k
+            q_sq, k_sq = q_sq + (q * q).sum(1), k_sq + (k * k).sum(1)
+            del y, q, k
+        mixing, _, _ = xca_mixing_of_sums(qk[None], q_sq.sqrt().clamp_min(1e-12)[None],
+                                          k_sq.sqrt().clamp_min(1e-12)[None],
+                                          attn.temperature.float(), attn.proj.weight.float())
+        mixing = mixing[0].to(w_v.dtype)
+        for start, stop, _, _ in row_bands(H, band_rows):
+            tokens = x.read(start, stop).reshape(-1, C)
+            v = F.linear(self.norm1(tokens), w_v, b_v)
+            out = torch.addcmul(tokens, self.gamma1, torch.addmm(attn.proj.bias, v, mixing))
+            x.write(start, out.view(stop - start, W, C))
+            del tokens, v, out
+        above = None  # the rows above the band as the attention left them
+        for start, stop, lo, hi in row_bands(H, max(2, band_rows), 2):
+            tokens = x.read(start, hi)
+            block = tokens if above is None else torch.cat([above, tokens])
+            above = tokens[stop - start - 2:stop - start].clone()
+            lpi = self.lpi(self.norm3(block.reshape(1, -1, C)), (hi - lo, W))
+            out = torch.addcmul(tokens[:stop - start].reshape(-1, C), self.gamma3,
+                                lpi[0, (start - lo) * W:(stop - lo) * W])
+            del lpi, block, tokens
+            out = torch.addcmul(out, self.gamma2, self.ffn(self.norm2(out)))
+            x.write(start, out.view(stop - start, W, C))
+            del out
 
 
 def _build_adapter(embed_dims: int, patch_size: int, norm_cfg: dict) -> List[nn.Module]:
@@ -614,13 +663,10 @@ class XCiTBackbone(BaseModule):
                              f'stride-{STRIDES[-1]} level; resize or pad the input '
                              '(e.g. Pad size_divisor=32)')
 
-    def forward_trunk(self, x: torch.Tensor,
-                      stem_band_mb: Optional[float] = None) -> List[torch.Tensor]:
+    def forward_trunk(self, x: torch.Tensor) -> List[torch.Tensor]:
         """Trunk features at ``out_indices``, each (B, D, ceil(H/p), ceil(W/p)), before the adapter.
 
         Images whose sides are not multiples of the patch size are zero-padded at the bottom/right.
-        ``stem_band_mb`` (eval only): run the conv stem in bands of rows whose largest map is
-        about that many MB (:meth:`ConvPatchEmbed.forward`; equal up to float rounding).
         """
         self._check_input(x)
         H, W = x.shape[-2:]
@@ -630,13 +676,7 @@ class XCiTBackbone(BaseModule):
         pad_h, pad_w = (H + p - 1) // p * p - H, (W + p - 1) // p * p - W
         if _tracing() or pad_h or pad_w:  # traced: always (a zero pad is a no-op), no branch
             x = F.pad(x, (0, pad_w, 0, pad_h))
-        band_rows = None
-        if stem_band_mb is not None:
-            # the largest stem map: embed_dims / (p / 2) channels at stride 2, p / 2 rows of it
-            # per token row
-            row_bytes = (self.embed_dims * 2 // p) * (x.shape[3] // 2) * (p // 2) * x.element_size()
-            band_rows = max(1, int(stem_band_mb * 2**20) // max(1, row_bytes * x.shape[0]))
-        x = self.patch_embed(x, band_rows)
+        x = self.patch_embed(x)
         B, D, Hp, Wp = x.shape
         grid_hw = (Hp, Wp)
         x = x.permute(0, 2, 3, 1).reshape(B, Hp * Wp, D) + self.pos_embed(grid_hw)  # (B, N, D)
@@ -683,29 +723,54 @@ class XCiTBackbone(BaseModule):
             out = out[..., :h, :w].contiguous(memory_format=layout)
         return out
 
-    def forward_level_rows(self, feat: torch.Tensor, level: int, image_hw: Tuple[int, int],
-                           start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of ``forward_level(feat, level, image_hw)`` from the trunk rows
-        that make them only.
+    @torch.no_grad()
+    def stream_trunk(self, read_pixels: Callable[[int, int], torch.Tensor],
+                     image_hw: Tuple[int, int], maps: TokenMaps, band_mb: float,
+                     progress: Callable[[], None] = lambda: None) -> List[TokenMap]:
+        """What :meth:`forward_trunk` returns for one image, as token maps (ceil(H/p),
+        ceil(W/p), D) in ``maps`` (memory or disk), the image read a band of pixel rows at a time
+        (``read_pixels(a, b)``: rows a..b-1, (1, C, b - a, W)).
 
-        Every adapter branch is row-local: 2x2 stride-2 transposed convs, BN (an affine map in
-        eval), GELU, identity, max pools whose kernel is their stride. So a band of a large
-        level (the stride-4 map) can be made, used and dropped without the whole map ever
-        existing (``xcit_mm.models.inference.fpn_data_flow``). The values equal the whole map's
-        rows up to float rounding (a convolution of another size may sum in another order).
+        The stem makes the first map band by band, with the position code of the whole grid;
+        each layer then updates it in place (:meth:`XCiTLayer.forward_streamed`); a copy is kept
+        after each layer of ``out_indices`` but the last, whose map is the one updated. Eval
+        mode; equal to :meth:`forward_trunk` up to float rounding. ``progress`` is called after
+        each layer.
         """
+        if self.training:
+            raise RuntimeError('XCiTBackbone.stream_trunk is for inference: call .eval() first')
         H, W = image_hw
-        patch, stride = self.patch_size, self.strides[level]
-        height = (H + stride - 1) // stride
-        if not 0 <= start < stop <= height:
-            raise ValueError(f'forward_level_rows: rows {start}:{stop} are outside the '
-                             f'{height} rows of level {level} for a {H}x{W} image')
-        # trunk rows [t0, t1) make output rows [t0 * patch / stride, t1 * patch / stride)
-        t0 = start * stride // patch
-        t1 = min(feat.shape[2], -(-stop * stride // patch))
-        out = self.forward_level(feat[:, :, t0:t1], level, (min(H, t1 * patch) - t0 * patch, W))
-        first = t0 * patch // stride
-        return out[:, :, start - first:stop - first]
+        p, D = self.patch_size, self.embed_dims
+        grid = ((H + p - 1) // p, (W + p - 1) // p)
+        x = maps.new(grid + (D, ))
+        # the largest stem map: D / (p / 2) channels at stride 2, p / 2 of its rows per token row
+        stem_row = 4 * (D * 2 // p) * (grid[1] * p // 2) * (p // 2)
+        for start, stop, _, _ in row_bands(grid[0], band_rows_for(band_mb, stem_row)):
+            tokens = self.patch_embed.rows(read_pixels, image_hw, start, stop)[0].permute(1, 2, 0)
+            x.write(start, tokens + self.pos_embed.rows(grid, start, stop))
+            del tokens
+        # the FFN's hidden layer, 4 D floats a token, is a band's largest map
+        band_rows = band_rows_for(band_mb, 4 * 4 * D * grid[1], at_least=2)
+        last, kept = max(self.out_indices), {}
+        for i, layer in enumerate(self.layers[:last + 1]):
+            layer.forward_streamed(x, band_rows)
+            if i in self.out_indices and i != last:
+                kept[i] = maps.new(x.shape)
+                for start, stop, _, _ in row_bands(grid[0], band_rows):
+                    kept[i].write(start, x.read(start, stop))
+            progress()
+        kept[last] = x
+        return [kept[i] for i in self.out_indices]
+
+    def level_rows(self, trunk_map: RowMap, level: int, image_hw: Tuple[int, int]) -> RowMap:
+        """:meth:`forward_level` of a trunk map given by rows, as rows: every adapter branch is
+        row-local (2x2 stride-2 transposed convs, BN in eval, GELU, identity, max pools whose
+        kernel is their stride), so a band of a large level (the stride-4 map) is made from the
+        trunk rows that make it, and the whole level never exists."""
+        H, W = image_hw
+        stride = self.strides[level]
+        out = module_rows(self.adapters[level], trunk_map)
+        return Crop(out, 0, 0, (H + stride - 1) // stride, (W + stride - 1) // stride)
 
     # ------------------------------------------------------------------ introspection
     @contextmanager

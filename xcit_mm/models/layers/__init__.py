@@ -1,7 +1,8 @@
 from .lean_autograd import (batch_norm_stats_frozen, ffn_residual, recomputed_residual,
-                            up2_blockwise, xca_mixing, xca_residual)
+                            up2_blockwise, xca_mixing, xca_mixing_of_sums,
+                            xca_residual)
 
 __all__ = [
     'batch_norm_stats_frozen', 'ffn_residual', 'recomputed_residual', 'up2_blockwise',
-    'xca_mixing', 'xca_residual'
+    'xca_mixing', 'xca_mixing_of_sums', 'xca_residual'
 ]

@@ -54,14 +54,24 @@ def xca_mixing(q: torch.Tensor, k: torch.Tensor, temperature: torch.Tensor,
         ``cosine`` = ``q^T k / (|q| |k|^T)`` before the temperature; the clamped column norms
         (B, h, d).
     """
-    B, h, N, d = q.shape
     q_norm = torch.linalg.vector_norm(q, dim=-2).clamp_min(_NORM_EPS)  # (B, h, d)
     k_norm = torch.linalg.vector_norm(k, dim=-2).clamp_min(_NORM_EPS)
-    cosine = (q.transpose(-2, -1) @ k) / (q_norm[..., :, None] * k_norm[..., None, :])
+    mixing, attn, cosine = xca_mixing_of_sums(q.transpose(-2, -1) @ k, q_norm, k_norm,
+                                              temperature, proj_weight)
+    return mixing, attn, cosine, q_norm, k_norm
+
+
+def xca_mixing_of_sums(qk: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+                       temperature: torch.Tensor, proj_weight: torch.Tensor):
+    """XCA's ``(mixing, attn, cosine)`` (:func:`xca_mixing`) from its global sums over the tokens:
+    ``qk`` = q^T k (B, h, d, d) and the clamped column norms (B, h, d). A streamed trunk adds
+    them up band by band (``XCiTLayer.forward_streamed``)."""
+    B, h, d, _ = qk.shape
+    cosine = qk / (q_norm[..., :, None] * k_norm[..., None, :])
     attn = (cosine * temperature).softmax(dim=-1)  # (B, h, d_out, d_v)
     weight_t = proj_weight.t().reshape(h, d, h * d)  # W^T rows, per head
     mixing = (attn.transpose(-2, -1) @ weight_t).reshape(B, h * d, h * d)
-    return mixing, attn, cosine, q_norm, k_norm
+    return mixing, attn, cosine
 
 
 def _split_qkv(qkv: torch.Tensor, num_heads: int):

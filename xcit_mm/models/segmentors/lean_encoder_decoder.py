@@ -61,24 +61,31 @@ mmseg). Our ADE20k segmentation configs use it by default. ``test_cfg`` keys, al
   than logits of another size.
 * ``lean_chunk_mb`` (int, default 256): memory of one chunk of full-size logits; the chunk is
   rounded to the widths above.
-* ``mode`` ('whole' default, 'slide' or 'auto'): 'slide' needs ``crop_size`` and ``stride``, as
-  stock's does; 'auto' needs ``max_memory``.
+* ``mode`` ('whole' default, 'slide', 'stream' or 'auto'): 'slide' needs ``crop_size`` and
+  ``stride``, as stock's does; 'auto' needs ``max_memory`` and runs the first of whole, stream
+  (token maps in memory), stream (token maps on disk) and slide whose estimate fits.
+* 'stream' (Semantic FPN or UperNet on XCiT): the whole image's context in bounded memory. The
+  trunk runs layer by layer over bands of token rows, and every later map is made a band of rows
+  at a time (``xcit_mm/models/inference/row_stream.py``, ``seg_stream.py``); logits equal the
+  whole-map ones up to float rounding, not bit for bit. ``band_mb`` (default 64) sizes the bands;
+  ``token_maps`` ('memory' or 'disk'; default memory, or what ``max_memory`` leaves room for)
+  says where the trunk's token maps live, ``token_dir`` the folder of the disk ones (default the
+  temporary folder; a subfolder is made and removed).
 * ``crop_size``, ``stride`` ((h, w)): the windows of 'slide'. 'auto' defaults them to the
   training crop (``data_preprocessor.size``, else 512 x 512) and two thirds of it (341 for 512).
 * ``max_memory`` (MB, 'auto' only): how much memory inference may add to the process (what
   ``predict`` allocates, and the input batch it is given).
 * ``memory_model`` (``dict(base_mb=..., mb_per_mpix=...)``, 'auto' only): the network's line
   (the one a calibration logs), which skips the calibration.
-* ``band_mb`` (MB, 'whole' only, Semantic FPN on XCiT): the network sees the whole image, but
-  its stem and every stride-4 map are made in bands of rows of about this size
-  (``xcit_mm/models/inference/sem_fpn_bands.py``); logits equal the whole-map ones up to float
-  rounding, not bit for bit, so it is off by default.
 
-``max_memory`` or ``memory_model`` with another mode is an error, not a silently ignored key;
-so is ``band_mb`` with a mode or a model it does not apply to, and so is any other key.
+``memory_model`` with a mode other than 'auto' is an error, not a silently ignored key; so is
+``max_memory`` outside 'auto' and 'stream', a stream key with a mode or a model it does not
+apply to, and any other key.
 """
 import math
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 import torch
 from mmengine.structures import PixelData
@@ -93,9 +100,9 @@ from mmseg.registry import MODELS
 from mmseg.structures import SegDataSample
 from mmseg.utils import OptSampleList, SampleList
 
-from ..inference.fpn_data_flow import fpn_in_data_flow_order, read_band_mb
-from ..inference.sem_fpn_bands import (labels_in_row_bands, semantic_fpn_in_bands,
-                                       why_not_in_bands)
+from ..inference.fpn_data_flow import fpn_in_data_flow_order
+from ..inference.row_stream import TokenMaps, TokenRows, read_band_mb, stream_rows
+from ..inference.seg_stream import labels_rows, logits_rows, why_not_streamed
 from ..inference.uper_data_flow import uper_head_in_data_flow_order
 from ..utils.ckpt_load import refuse_headless_load
 from ..utils.memory_budget import (MB, MemoryModel, Plan, calibrate, choose_plan,
@@ -105,10 +112,13 @@ from ..utils.memory_budget import (MB, MemoryModel, Plan, calibrate, choose_plan
 CHUNK_MULTIPLE = 8
 MIN_CHUNK_CHANNELS_LAST = 24
 
-MODES = ('whole', 'slide', 'auto')
+MODES = ('whole', 'slide', 'auto', 'stream')
 # Every key of test_cfg this model reads (the module docstring); any other is a misspelling.
 TEST_CFG_KEYS = ('mode', 'lean', 'keep_seg_logits', 'lean_chunk_mb', 'crop_size', 'stride',
-                 'max_memory', 'memory_model', 'band_mb')
+                 'max_memory', 'memory_model', 'band_mb', 'token_maps', 'token_dir')
+STREAM_KEYS = ('band_mb', 'token_maps', 'token_dir')
+# The stream's band size (test_cfg.band_mb) when none is given.
+STREAM_BAND_MB = 64
 # The window of mode='auto' when neither test_cfg.crop_size nor data_preprocessor.size gives one:
 # mmseg's usual training crop; the stride is two thirds of the window, as in mmseg's slide
 # configs (ConvNeXt / SETR on ADE20k: 512 and 341, Cityscapes: 769 and 513).
@@ -135,6 +145,9 @@ FLOAT_BYTES = 4
 # What the shape-counted terms leave out: kernels' scratch (a resize's index and weight tables, a
 # reduction's buffers) and the allocator's rounding; added to every estimate.
 SLACK_MB = 16
+# The stream's working memory, in bands of band_mb: the trunk's band (its FFN hidden layer and
+# the layer's temporaries) or the row maps' kept rows and the band being made.
+STREAM_WORK_BANDS = 4
 # Bytes per input element that mmseg's doors (inference_model, the test loop) hold while predict
 # runs: the float batch and the packed uint8 image. They exist before predict, but the memory a
 # caller sees grow includes them, so every estimate counts them.
@@ -272,45 +285,56 @@ class LeanEncoderDecoder(EncoderDecoder):
         mode = self._test_option('mode', 'whole')
         if mode not in MODES:
             raise ValueError(
-                f"{name}: test_cfg.mode must be 'whole', 'slide' or 'auto', got {mode!r}; e.g. "
-                '--cfg-options model.test_cfg.mode=auto model.test_cfg.max_memory=8000')
-        if self._test_option('band_mb', None) is not None:
-            self._check_band_mb(mode)
-        if mode != 'auto':
-            stray = [k for k in ('max_memory', 'memory_model')
-                     if self._test_option(k, None) is not None]
-            if stray:
+                f"{name}: test_cfg.mode must be 'whole', 'slide', 'stream' or 'auto', got "
+                f'{mode!r}; e.g. --cfg-options model.test_cfg.mode=auto '
+                'model.test_cfg.max_memory=8000')
+        for key in ('max_memory', 'memory_model'):
+            if self._test_option(key, None) is not None and (
+                    mode not in ('auto', 'stream') or key == 'memory_model' and mode != 'auto'):
                 raise ValueError(
-                    f"{name}: test_cfg.{stray[0]} is only read with mode='auto', but mode is "
-                    f"{mode!r}; set test_cfg.mode='auto' or remove test_cfg.{stray[0]}")
-        elif not self._test_option('lean', True):
+                    f"{name}: test_cfg.{key} is only read with mode='auto'"
+                    f"{' or stream' if key == 'max_memory' else ''}, but mode is {mode!r}; "
+                    f"set test_cfg.mode='auto' or remove test_cfg.{key}")
+        if mode in ('stream', 'auto') or any(
+                self._test_option(k, None) is not None for k in STREAM_KEYS):
+            self._check_stream(mode)
+        if mode == 'auto' and not self._test_option('lean', True):
             raise ValueError(f"{name}: test_cfg.mode='auto' needs the lean predict; remove "
                              'test_cfg.lean=False or choose mode whole / slide')
-        elif not self._head_resize_is_stock():
+        if mode == 'auto' and not self._head_resize_is_stock():
             raise ValueError(
                 f"{name}: test_cfg.mode='auto' estimates memory only for a decode head whose "
                 f'predict is mmseg\'s (forward + resize); {type(self.decode_head).__name__} '
                 "overrides it: choose mode 'whole' or 'slide'")
         return mode
 
-    def _check_band_mb(self, mode: str) -> None:
-        """``test_cfg.band_mb``: a positive size, with the mode, the path and the parts that run
-        in bands; otherwise an error that names what to change."""
+    def _why_not_streamed(self) -> Optional[str]:
+        """Why this model cannot run mode='stream' (None if it can)."""
+        if not self._test_option('lean', True):
+            return 'it needs the lean predict (test_cfg.lean=False is set)'
+        if self._test_option('keep_seg_logits', False):
+            return 'it keeps no full-size logits (remove test_cfg.keep_seg_logits)'
+        if not self._head_resize_is_stock():
+            return (f'{type(self.decode_head).__name__} overrides the decode head\'s predict')
+        return why_not_streamed(self.backbone, getattr(self, 'neck', None), self.decode_head)
+
+    def _check_stream(self, mode: str) -> None:
+        """The stream's keys (``band_mb``, ``token_maps``, ``token_dir``) with a mode that reads
+        them and a model that streams; otherwise an error that names what to change."""
         name = type(self).__name__
+        given = [k for k in STREAM_KEYS if self._test_option(k, None) is not None]
         read_band_mb(self._test_option('band_mb', None), name)
-        why = None
-        if mode != 'whole':
-            why = f"it applies to mode='whole' (the windows of mode {mode!r} are small already)"
-        elif not self._test_option('lean', True):
-            why = 'it needs the lean predict (test_cfg.lean=False is set)'
-        elif not self._is_semantic_fpn():
-            why = (f'it runs Semantic FPN (mmseg FPN + FPNHead) only, not '
-                   f'{type(getattr(self, "neck", None)).__name__} + '
-                   f'{type(self.decode_head).__name__}')
-        else:
-            why = why_not_in_bands(self.backbone, self.neck, self.decode_head)
-        if why is not None:
-            raise ValueError(f'{name}: test_cfg.band_mb: {why}; remove test_cfg.band_mb')
+        if self._test_option('token_maps', None) not in (None, 'memory', 'disk'):
+            raise ValueError(f"{name}: test_cfg.token_maps must be 'memory' or 'disk', got "
+                             f"{self._test_option('token_maps', None)!r}")
+        if mode not in ('stream', 'auto'):
+            raise ValueError(
+                f"{name}: test_cfg.{given[0]} applies to mode='stream' (and 'auto'), but mode "
+                f"is {mode!r}; set test_cfg.mode='stream' or remove test_cfg.{given[0]}")
+        why = self._why_not_streamed()
+        if why is not None and (mode == 'stream' or given):
+            raise ValueError(f"{name}: test_cfg mode='stream' cannot run: {why}; choose mode "
+                             "'whole', 'slide' or 'auto'")
 
     def _slide_settings(self, auto: bool) -> Tuple[Tuple[int, int], Tuple[int, int]]:
         """(crop_size, stride) of the windows; 'auto' fills in the defaults, 'slide' needs both
@@ -347,6 +371,8 @@ class LeanEncoderDecoder(EncoderDecoder):
         run = self._choose_memory_plan(inputs, data_samples).name if auto else mode
         if run == 'slide':
             return self._slide_predict(inputs, data_samples, *self._slide_settings(auto))
+        if run.startswith('stream'):
+            return self._stream_predict(inputs, data_samples, batch_img_metas, run)
         return self._whole_predict(inputs, batch_img_metas, data_samples)
 
     def _step_done(self) -> None:
@@ -394,10 +420,6 @@ class LeanEncoderDecoder(EncoderDecoder):
     # ------------------------------------------------------------------ network
     def _network_forward(self, inputs: Tensor) -> Tensor:
         """``decode_head.forward(extract_feat(inputs))``: the logits at the head's resolution."""
-        band_mb = self._test_option('band_mb', None)  # checked by _checked_mode
-        if band_mb is not None and not self.training:
-            return semantic_fpn_in_bands(self.backbone, self.neck, self.decode_head, inputs,
-                                         band_mb)
         if self._is_semantic_fpn():
             return self._semantic_fpn_forward(inputs)
         if self._is_upernet():
@@ -451,6 +473,121 @@ class LeanEncoderDecoder(EncoderDecoder):
         (:func:`~xcit_mm.models.inference.uper_data_flow.uper_head_in_data_flow_order`): the same
         operations on the same tensors as stock, bit for bit."""
         return uper_head_in_data_flow_order(self.backbone, self.decode_head, inputs)
+
+    # ------------------------------------------------------------------ streamed
+    def stream_labels(self, read_rows: Callable[[int, int], 'np.ndarray'],
+                      image_hw: Tuple[int, int], max_memory: Optional[float] = None,
+                      token_dir: Optional[str] = None,
+                      progress: Optional[Callable[[int, int], None]] = None
+                      ) -> Iterator[Tuple[int, int, Tensor]]:
+        """Labels of an image larger than memory, a band of rows at a time, top to bottom:
+        ``(start, stop, labels)`` with ``labels`` int64 (stop - start, W) on the CPU.
+
+        ``read_rows(a, b)`` gives pixel rows a..b-1 as mmcv reads images: (b - a, W, C) uint8,
+        BGR for colour; they are normalised as this model's data preprocessor does, at full
+        resolution (no test-pipeline resize). ``max_memory`` (MB): what the call may add; the
+        token maps go to files under ``token_dir`` when they do not fit in it (an error names
+        the minimum when not even that fits). ``progress(done, total)`` follows the work.
+        """
+        why = self._why_not_streamed()
+        if why is not None:
+            raise ValueError(f'{type(self).__name__}.stream_labels: cannot stream: {why}')
+        pre = self.data_preprocessor
+        device = next(self.parameters()).device
+
+        def read_pixels(start: int, stop: int) -> Tensor:
+            rows = torch.from_numpy(np.ascontiguousarray(read_rows(start, stop))).to(device)
+            rows = rows.permute(2, 0, 1)[None]
+            if pre.channel_conversion:
+                rows = rows[:, [2, 1, 0]]
+            rows = rows.float()
+            return (rows - pre.mean) / pre.std if pre._enable_normalize else rows
+
+        plan = 'stream'
+        if max_memory is not None:
+            budget = read_budget_mb(dict(max_memory=max_memory), type(self).__name__)
+            plans = self._stream_plans(image_hw, held_mb=0)
+            plan = choose_plan(plans, budget, f'{type(self).__name__} on {image_hw[0]}x'
+                               f'{image_hw[1]} px').name
+        was_training = self.training
+        self.eval()
+        try:
+            for start, stop, labels in self._stream_bands(
+                    read_pixels, image_hw, image_hw, (0, 0, 0, 0), image_hw, plan,
+                    token_dir, progress):
+                yield start, stop, labels.cpu()
+        finally:
+            self.train(was_training)
+
+    def _stream_predict(self, inputs: Tensor, data_samples: OptSampleList,
+                        batch_img_metas: List[dict], plan: str) -> SampleList:
+        """mode='stream' (or the stream 'auto' chose): each image's labels made band by band
+        into one (1, H, W) map, as stock's ``predict`` makes them."""
+        head_hw = tuple(self._head_resize_size(batch_img_metas))
+        states = []
+        for i in range(inputs.shape[0]):
+            meta = None if data_samples is None else data_samples[i].metainfo
+            if meta is not None and meta.get('flip', None):
+                raise ValueError(f"{type(self).__name__}: test_cfg mode='stream' does not flip "
+                                 "(test-time augmentation): use mode 'whole' for flipped images")
+            out_hw = self._output_hw(meta, head_hw)
+            labels = torch.empty((1, ) + tuple(out_hw), dtype=torch.long, device=inputs.device)
+            image = inputs[i:i + 1]
+            for start, stop, band in self._stream_bands(
+                    lambda a, b: image[:, :, a:b], tuple(inputs.shape[2:]), head_hw,
+                    self._padding(meta), out_hw, plan, self._test_option('token_dir', None)):
+                labels[0, start:stop] = band
+            states.append(_RunningArgmax.of_labels(labels))
+        return self._set_results(data_samples, states)
+
+    def _stream_bands(self, read_pixels, image_hw, head_hw, crop, out_hw, plan: str,
+                      token_dir: Optional[str],
+                      progress: Optional[Callable[[int, int], None]] = None
+                      ) -> Iterator[Tuple[int, int, Tensor]]:
+        """The stream of one image: the trunk into token maps (on disk for plan 'stream-disk'),
+        then the labels (rows, W) band by band. ``progress(done, total)``: the trunk's layers
+        count as half the work, the label rows as the other half."""
+        band_mb = self._test_option('band_mb', None) or STREAM_BAND_MB
+        on_disk = self._test_option('token_maps', None) == 'disk' or plan == 'stream-disk'
+        layers = max(self.backbone.out_indices) + 1
+        total, done = 2 * out_hw[0], [0]
+
+        def advance(units: int) -> None:
+            done[0] += units
+            if progress is not None:
+                progress(min(done[0], total), total)
+
+        with TokenMaps(read_pixels(0, 1).device, token_dir if on_disk else None) as maps, \
+                torch.no_grad():
+            trunk = self.backbone.stream_trunk(read_pixels, image_hw, maps, band_mb,
+                                               lambda: advance(out_hw[0] // layers))
+            advance(out_hw[0] - done[0])
+            logits = logits_rows(self.backbone, getattr(self, 'neck', None), self.decode_head,
+                                 [TokenRows(m) for m in trunk], image_hw)
+            labels = labels_rows(logits, head_hw, crop, out_hw, self.decode_head.align_corners,
+                                 self.align_corners)
+            for start, stop, band in stream_rows(labels, band_mb):
+                yield start, stop, band[0, 0]
+                advance(stop - start)
+
+    def _stream_plans(self, image_hw: Sequence[int], held_mb: float) -> List[Plan]:
+        """The stream's plans for an image with their estimates: the token maps in memory, then
+        on disk. Each adds the bands' work (``STREAM_WORK_BANDS`` bands), what the caller holds
+        (``held_mb``: the input, the labels) and ``SLACK_MB``; the maps are the trunk's kept
+        ones and the one updated."""
+        p, D = self.backbone.patch_size, self.backbone.embed_dims
+        grid = [(side + p - 1) // p for side in image_hw]
+        kept = len(set(self.backbone.out_indices) - {max(self.backbone.out_indices)}) + 1
+        maps_mb = kept * FLOAT_BYTES * D * grid[0] * grid[1] / MB
+        band_mb = self._test_option('band_mb', None) or STREAM_BAND_MB
+        base_mb = SLACK_MB + held_mb + STREAM_WORK_BANDS * band_mb
+        if type(self.decode_head) is UPerHead:  # the pyramid pooling reads the stride-32 map
+            head = self.decode_head
+            base_mb += (FLOAT_BYTES * math.prod(-(-side // 32) for side in image_hw)
+                        * (D + (len(head.pool_scales) + 1) * head.channels) / MB)
+        detail = f'({kept} token maps of {maps_mb / kept:.0f} MB'
+        return [Plan('stream', base_mb + maps_mb, detail + ' in memory)'),
+                Plan('stream-disk', base_mb, detail + ' on disk)')]
 
     # ------------------------------------------------------------------ sliding windows
     def _slide_predict(self, inputs: Tensor, data_samples: OptSampleList,
@@ -547,33 +684,9 @@ class LeanEncoderDecoder(EncoderDecoder):
         states = []
         for i in range(batch_size):
             meta = None if data_samples is None else data_samples[i].metainfo
-            crop = self._row_band_crop(seg_logits, head_size, meta, keep_logits)
-            if crop is not None:  # band_mb: labels a band of rows at a time, bit for bit
-                labels = labels_in_row_bands(seg_logits[i:i + 1], head_size, crop,
-                                             self._test_option('band_mb', None))
-                states.append(_RunningArgmax.of_labels(labels))
-                continue
             states.append(self._labels_of_image(seg_logits, i, head_size, meta, budget_mb,
                                                 keep_logits))
         return self._set_results(data_samples, states)
-
-    def _row_band_crop(self, seg_logits: Tensor, head_size, meta: Optional[dict],
-                       keep_logits: bool):
-        """With ``band_mb``, the padding crop (top, bottom, left, right) if an image's labels can
-        be made in bands of rows by :func:`labels_in_row_bands` (no kept logits, no flip, no
-        final resize, an integer row factor to the head's size), else None (class chunks)."""
-        if (self._test_option('band_mb', None) is None or keep_logits or head_size is None
-                or self.decode_head.align_corners or tuple(head_size)[0] % seg_logits.shape[2]):
-            return None
-        if meta is None:
-            return (0, 0, 0, 0)
-        H, W = head_size
-        left, right, top, bottom = meta.get('img_padding_size',
-                                            meta.get('padding_size', [0] * 4))
-        if meta.get('flip', None) or tuple(meta['ori_shape']) != (H - top - bottom,
-                                                                  W - left - right):
-            return None
-        return (top, bottom, left, right)
 
     def _set_results(self, data_samples: OptSampleList,
                      states: List[_RunningArgmax]) -> SampleList:
@@ -586,6 +699,15 @@ class LeanEncoderDecoder(EncoderDecoder):
                 data['seg_logits'] = PixelData(data=state.logits)
             sample.set_data(data)
         return data_samples
+
+    @staticmethod
+    def _padding(meta: Optional[dict]) -> Tuple[int, int, int, int]:
+        """The padding (top, bottom, left, right) that stock's post-processing crops off."""
+        if meta is None:
+            return (0, 0, 0, 0)
+        left, right, top, bottom = meta.get('img_padding_size', meta.get('padding_size',
+                                                                          [0] * 4))
+        return (top, bottom, left, right)
 
     @staticmethod
     def _output_hw(meta: Optional[dict], head_hw: Sequence[int]) -> Tuple[int, int]:
@@ -603,11 +725,7 @@ class LeanEncoderDecoder(EncoderDecoder):
         if meta is None:
             return x[0]
         H, W = x.shape[2:]
-        if 'img_padding_size' not in meta:
-            padding_size = meta.get('padding_size', [0] * 4)
-        else:
-            padding_size = meta['img_padding_size']
-        left, right, top, bottom = padding_size
+        top, bottom, left, right = self._padding(meta)
         x = x[:, :, top:H - bottom, left:W - right]
         if meta.get('flip', None):
             direction = meta.get('flip_direction', None)
@@ -675,7 +793,11 @@ class LeanEncoderDecoder(EncoderDecoder):
         slide_mb = fixed_mb + max(
             network_mb(B * win_hw[0] * win_hw[1]) + (len(windows) - 1) * window_logits / MB,
             (len(windows) * window_logits + self._slide_bytes(inputs, metas, win_hw)) / MB)
-        return [Plan('whole', whole_mb, f'({H}x{W} px)'),
+        stream = []
+        if self._why_not_streamed() is None:
+            labels_mb = sum(LABEL_BYTES * out for out, _, _ in self._image_terms(metas, head_hw))
+            stream = self._stream_plans((H, W), INPUT_BYTES * inputs.numel() / MB + labels_mb / MB)
+        return [Plan('whole', whole_mb, f'({H}x{W} px)')] + stream + [
                 Plan('slide', slide_mb, f'({len(windows)} windows {win_hw[0]}x{win_hw[1]}, '
                      f'stride {stride[0]}x{stride[1]})')]
 

@@ -1,0 +1,425 @@
+"""One engine for whole-image inference a band of rows at a time.
+
+XCiT's only operation across the whole image is cross-covariance attention, and it needs only
+per-head d x d sums over all tokens; everything else in a segmentor on XCiT is row-local (convs,
+norms in eval mode, resizes, the classifier). So the whole image's context costs no whole-image
+memory beyond the token maps:
+
+* the trunk is streamed layer by layer (``XCiTBackbone.stream_trunk``) over bands of token rows
+  of one :class:`TokenMap` updated in place; only the maps the adapter reads are kept, in memory
+  or in files of a temporary folder (:class:`TokenMaps`);
+* every later map (the adapter levels, the FPN, the head, the logits, the labels) is a
+  :class:`RowMap`: its rows on demand, from the rows of its inputs that they read, with the rows
+  of context a convolution needs (its halo) or the source rows of a resize. A map keeps the rows
+  it last made, so that the next request, a band further down with overlapping context, makes
+  only its new rows.
+
+The values equal the whole forward's up to float rounding: the attention's sums add the bands in
+another order, and a convolution of another size may sum in another order (tests/test_stream.py).
+Torch only, no task package.
+"""
+import errno
+import math
+import os
+import shutil
+import tempfile
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
+
+MB = 2**20
+
+
+def row_bands(height: int, band_rows: int, halo: int = 0) -> Iterator[Tuple[int, int, int, int]]:
+    """``(start, stop, lo, hi)`` of consecutive bands of ``band_rows`` rows covering ``height``
+    rows: the band's rows, and those it is computed from with ``halo`` rows of context on each
+    side where the map has them."""
+    for start in range(0, height, band_rows):
+        stop = min(height, start + band_rows)
+        yield start, stop, max(0, start - halo), min(height, stop + halo)
+
+
+def band_rows_for(band_mb: float, row_bytes: int, at_least: int = 1) -> int:
+    """The rows of a band of about ``band_mb`` MB, ``row_bytes`` bytes a row."""
+    return max(at_least, int(band_mb * MB) // max(1, row_bytes))
+
+
+def read_band_mb(value, owner: str) -> Optional[float]:
+    """``test_cfg.band_mb`` of either lean model: None or the MB of a band of rows, a positive
+    finite number; anything else is an error naming the fix."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f'{owner}: test_cfg.band_mb must be a positive number of MB, e.g. '
+                         f'band_mb=64 (or None); got {value!r}')
+    return float(value)
+
+
+# ---------------------------------------------------------------------------- token maps
+class TokenMap:
+    """An (H, W, C) float32 token map of one image, whole in memory or in a file, read and written
+    a band of rows at a time. The file is unlinked as soon as it is made, so it goes with the
+    process whatever ends it."""
+
+    def __init__(self, shape: Sequence[int], device: torch.device, folder: Optional[str] = None):
+        self.shape = tuple(shape)
+        self.device = torch.device(device)
+        self.row_bytes = 4 * self.shape[1] * self.shape[2]
+        self.data = self.fd = None
+        if folder is None:
+            self.data = torch.empty(self.shape, device=self.device)
+            return
+        self.fd, path = tempfile.mkstemp(dir=folder, suffix='.tokens')
+        os.unlink(path)
+        self.folder = folder
+
+    def nbytes(self) -> int:
+        return self.row_bytes * self.shape[0]
+
+    def read(self, start: int, stop: int) -> Tensor:
+        """Token rows ``start:stop``, (rows, W, C): a view in memory, a fresh tensor from disk."""
+        if self.data is not None:
+            return self.data[start:stop]
+        out = torch.empty((stop - start, ) + self.shape[1:])
+        view, offset = memoryview(out.numpy()).cast('B'), start * self.row_bytes
+        while len(view):
+            done = os.preadv(self.fd, [view], offset)
+            if done == 0:  # rows never written read as zeros (the file is sparse)
+                view[:] = bytes(len(view))
+                break
+            view, offset = view[done:], offset + done
+        return out.to(self.device)
+
+    def write(self, start: int, tokens: Tensor) -> None:
+        """Store ``tokens`` (rows, W, C) as rows ``start:start + rows``."""
+        if self.data is not None:
+            target = self.data[start:start + tokens.shape[0]]
+            if target.data_ptr() != tokens.data_ptr():
+                target.copy_(tokens)
+            return
+        array = tokens.detach().to('cpu', torch.float32).contiguous().numpy()
+        view, offset = memoryview(array).cast('B'), start * self.row_bytes
+        try:
+            while len(view):
+                done = os.pwrite(self.fd, view, offset)
+                view, offset = view[done:], offset + done
+        except OSError as error:
+            if error.errno == errno.ENOSPC:
+                raise OSError(errno.ENOSPC, f'no space left in {self.folder} for the token maps '
+                              f'({self.nbytes() / MB:.0f} MB each): free space there or set '
+                              'token_dir (test_cfg.token_dir / --token-dir) to a folder on a '
+                              'larger disk') from None
+            raise
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        self.data = None
+
+
+class TokenMaps:
+    """Where the token maps of one streamed image live: memory (``folder=None``), or files in a
+    fresh temporary folder under ``folder`` that is removed on exit, error and Ctrl-C included."""
+
+    def __init__(self, device: torch.device, folder: Optional[str] = None):
+        self.device, self.parent, self.folder = device, folder, None
+        self.maps: List[TokenMap] = []
+
+    def __enter__(self) -> 'TokenMaps':
+        if self.parent is not None:
+            if not os.path.isdir(self.parent):
+                raise ValueError(f'token_dir {self.parent!r} is not a folder: give an existing, '
+                                 'writable folder for the token maps')
+            self.folder = tempfile.mkdtemp(prefix='xcit_tokens_', dir=self.parent)
+        return self
+
+    def new(self, shape: Sequence[int]) -> TokenMap:
+        token_map = TokenMap(shape, self.device, self.folder)
+        self.maps.append(token_map)
+        return token_map
+
+    def __exit__(self, *exc) -> None:
+        for token_map in self.maps:
+            token_map.close()
+        self.maps = []
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- row maps
+class RowMap:
+    """Rows of a (1, C, height, width) map on demand.
+
+    Subclasses make rows ``start:stop`` from the rows of their inputs (:meth:`_make`). The rows
+    last made are kept (and ``LOOKBACK`` rows above the latest request): bands move down the
+    image, and each consumer asks for its context rows, so most requests overlap the last one
+    and only their new rows are made."""
+
+    LOOKBACK = 16
+
+    def __init__(self, height: int, width: int):
+        self.height, self.width = height, width
+        self._rows: Optional[Tensor] = None
+        self._first = 0
+
+    def rows(self, start: int, stop: int) -> Tensor:
+        start, stop = max(0, start), min(self.height, stop)
+        kept, first = self._rows, self._first
+        last = first + (kept.shape[2] if kept is not None else 0)
+        if kept is None or not first <= start <= last:
+            kept, first = self._make(start, stop), start
+        elif stop > last:
+            kept = torch.cat([kept, self._make(last, stop)], dim=2)
+        keep_from = max(first, start - self.LOOKBACK)
+        self._rows, self._first = kept[:, :, keep_from - first:], keep_from
+        return kept[:, :, start - first:stop - first]
+
+    def _make(self, start: int, stop: int) -> Tensor:
+        raise NotImplementedError
+
+    def kept_bytes(self) -> int:
+        return 0 if self._rows is None else self._rows.numel() * self._rows.element_size()
+
+
+class TensorRows(RowMap):
+    """A map that exists whole (a small, coarse one)."""
+
+    def __init__(self, tensor: Tensor):
+        super().__init__(*tensor.shape[2:])
+        self.tensor = tensor
+
+    def rows(self, start: int, stop: int) -> Tensor:
+        return self.tensor[:, :, max(0, start):stop]
+
+
+class TokenRows(RowMap):
+    """A :class:`TokenMap` as a (1, C, H, W) channels-last map."""
+
+    def __init__(self, token_map: TokenMap):
+        super().__init__(*token_map.shape[:2])
+        self.token_map = token_map
+
+    def rows(self, start: int, stop: int) -> Tensor:
+        return self.token_map.read(max(0, start), min(self.height, stop)).permute(2, 0, 1)[None]
+
+
+class Local(RowMap):
+    """``fn`` of its source's rows with ``halo`` rows of context on each side (where the map has
+    them; beyond, the zero padding of ``fn`` itself), cropped to ``height`` x ``width``."""
+
+    def __init__(self, fn: Callable[[Tensor], Tensor], source: RowMap, halo: int = 0,
+                 height: Optional[int] = None, width: Optional[int] = None):
+        super().__init__(source.height if height is None else height,
+                         source.width if width is None else width)
+        self.fn, self.source, self.halo = fn, source, halo
+
+    def _make(self, start: int, stop: int) -> Tensor:
+        lo, hi = max(0, start - self.halo), min(self.source.height, stop + self.halo)
+        return self.fn(self.source.rows(lo, hi))[:, :, start - lo:stop - lo, :self.width]
+
+
+class Combine(RowMap):
+    """``fn`` of the same rows of several maps of one size (a sum, a concatenation)."""
+
+    def __init__(self, fn: Callable[..., Tensor], *sources: RowMap):
+        super().__init__(sources[0].height, sources[0].width)
+        self.fn, self.sources = fn, sources
+
+    def _make(self, start: int, stop: int) -> Tensor:
+        return self.fn(*(source.rows(start, stop) for source in self.sources))
+
+
+class Strided(RowMap):
+    """A module whose output row ``r`` reads input rows ``r * num // den`` on: a 2x2 stride-2
+    transposed conv (``num=1, den=2``: row r reads r // 2) or a max pool whose kernel is its
+    stride ``k`` (``num=k, den=1``, ceil mode: row r reads rows k r .. k r + k - 1)."""
+
+    def __init__(self, module: nn.Module, source: RowMap, num: int, den: int):
+        super().__init__(-(-source.height * den // num), -(-source.width * den // num))
+        self.module, self.source, self.num, self.den = module, source, num, den
+
+    def _make(self, start: int, stop: int) -> Tensor:
+        lo = start * self.num // self.den
+        hi = min(self.source.height, -(-stop * self.num // self.den))
+        out = self.module(self.source.rows(lo, hi))
+        first = lo * self.den // self.num
+        return out[:, :, start - first:stop - first]
+
+
+class Resize(RowMap):
+    """``F.interpolate(source, size=(height, width), mode, align_corners)`` for 'nearest' and
+    'bilinear', by rows: a band reads the source rows its rows sample. Nearest copies those rows
+    (the source row of each output row read off the same call on a map of row numbers, so it is
+    the call's own). Bilinear resizes the band's width by the same call (its rows unchanged: a
+    scale of 1 samples each row exactly) and blends each output row's two source rows with the
+    weights the kernel computes (``area_pixel_compute_source_index``)."""
+
+    def __init__(self, source: RowMap, size: Sequence[int], mode: str = 'bilinear',
+                 align_corners: Optional[bool] = None, interpolate_kwargs: Optional[dict] = None):
+        super().__init__(*size)
+        if mode not in ('nearest', 'bilinear'):
+            raise ValueError(f'Resize rows: mode {mode!r} is not nearest or bilinear')
+        self.source, self.mode = source, mode
+        self.align_corners = bool(align_corners) if mode == 'bilinear' else None
+        h_in, h_out = source.height, self.height
+        if mode == 'nearest':  # the call's own source rows and columns
+            kwargs = dict(interpolate_kwargs or {}, mode='nearest')
+            self.row_of = _nearest_index(h_in, h_out, 0, kwargs)
+            self.col_of = _nearest_index(source.width, self.width, 1, kwargs)
+            return
+        y = torch.arange(h_out, dtype=torch.float32)
+        if self.align_corners:
+            scale = (h_in - 1) / (h_out - 1) if h_out > 1 else 0.
+            src = torch.tensor(scale, dtype=torch.float32) * y
+        else:
+            scale = torch.tensor(h_in, dtype=torch.float32) / h_out
+            src = (scale * (y + 0.5) - 0.5).clamp_min(0)
+        self.row_of = src.long().clamp_max(h_in - 1)
+        self.next_of = (self.row_of + 1).clamp_max(h_in - 1)
+        self.weight = (src - self.row_of).view(1, 1, -1, 1)
+
+    def _make(self, start: int, stop: int) -> Tensor:
+        first = int(self.row_of[start])
+        if self.mode == 'nearest':
+            band = self.source.rows(first, int(self.row_of[stop - 1]) + 1)
+            band = band.index_select(2, (self.row_of[start:stop] - first).to(band.device))
+            return band.index_select(3, self.col_of.to(band.device))
+        last = int(self.next_of[stop - 1]) + 1
+        band = F.interpolate(self.source.rows(first, last), size=(last - first, self.width),
+                             mode='bilinear', align_corners=self.align_corners)
+        device = band.device
+        w1 = self.weight[:, :, start:stop].to(device, band.dtype)
+        upper = band.index_select(2, (self.row_of[start:stop] - first).to(device))
+        lower = band.index_select(2, (self.next_of[start:stop] - first).to(device))
+        return upper * (1 - w1) + lower * w1
+
+
+def _pair(value):
+    return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+
+
+def _nearest_index(n_in: int, n_out: int, axis: int, kwargs: dict) -> Tensor:
+    """The source index of each output row (``axis`` 0) or column (1) of a nearest resize
+    ``F.interpolate(x, **kwargs)`` (with ``size=`` when ``kwargs`` has no scale factor), read off
+    the same call on a line of indices."""
+    shape = [1, 1, 1, 1]
+    shape[2 + axis] = n_in
+    line = torch.arange(n_in, dtype=torch.float64).view(shape)
+    if 'scale_factor' in kwargs:
+        factor = list(_pair(kwargs['scale_factor']))
+        factor[1 - axis] = 1.0
+        kwargs = dict(kwargs, scale_factor=tuple(factor))
+    else:
+        size = [1, 1]
+        size[axis] = n_out
+        kwargs = dict(kwargs, size=tuple(size))
+    index = F.interpolate(line, **kwargs).flatten().long()
+    assert index.numel() == n_out, (index.shape, n_out)
+    return index
+
+
+class Crop(RowMap):
+    """Rows ``top:top + height`` and columns ``left:left + width`` of a map."""
+
+    def __init__(self, source: RowMap, top: int, left: int, height: int, width: int):
+        super().__init__(height, width)
+        self.source, self.top, self.left = source, top, left
+
+    def rows(self, start: int, stop: int) -> Tensor:
+        band = self.source.rows(self.top + max(0, start), self.top + min(self.height, stop))
+        return band[..., self.left:self.left + self.width]
+
+
+# ---------------------------------------------------------------------------- modules as rows
+def conv_halo(module) -> Optional[int]:
+    """The rows of context on each side that ``module`` (an ``nn.Conv2d``, or an mmcv
+    ``ConvModule`` around one with no norm or a BatchNorm, per pixel in eval mode) needs for a
+    band of its output rows: its padding, for a stride-1 conv padded to keep the size; None for
+    any other module (e.g. GroupNorm normalises over the whole map)."""
+    conv = getattr(module, 'conv', module)
+    if getattr(module, 'with_norm', False) and not isinstance(
+            getattr(module, module.norm_name), _BatchNorm):
+        return None
+    if (type(conv) is not nn.Conv2d or conv.padding_mode != 'zeros'
+            or isinstance(conv.padding, str)):
+        return None
+    (kh, _), (sh, _), (ph, _), (dh, _) = (conv.kernel_size, conv.stride, conv.padding,
+                                          conv.dilation)
+    if sh != 1 or 2 * ph != dh * (kh - 1):
+        return None
+    return ph
+
+
+PER_PIXEL = (nn.Identity, nn.GELU, nn.ReLU, nn.Dropout, nn.Dropout2d, _BatchNorm)
+
+
+class NotRowLocal(ValueError):
+    """A module that cannot run a band of rows at a time; the message says which and why."""
+
+
+def module_rows(module: nn.Module, source: RowMap) -> RowMap:
+    """``module`` applied to ``source`` as a :class:`RowMap`: an ``nn.Sequential`` link by link;
+    per-pixel modules (norms in eval mode, activations) as they are; a size-keeping stride-1 conv
+    with its halo; a 2x2 stride-2 transposed conv and a max pool of kernel = stride by the rows
+    they read. Anything else raises :class:`NotRowLocal` naming it."""
+    if isinstance(module, nn.Sequential):
+        for link in module:
+            source = module_rows(link, source)
+        return source
+    if isinstance(module, nn.Identity):
+        return source
+    if isinstance(module, PER_PIXEL):
+        return Local(module, source)
+    halo = conv_halo(module)
+    if halo is not None:
+        return Local(module, source, halo)
+    if (type(module) is nn.ConvTranspose2d and _pair(module.kernel_size) == (2, 2)
+            and _pair(module.stride) == (2, 2) and _pair(module.padding) == (0, 0)
+            and _pair(module.output_padding) == (0, 0)):
+        return Strided(module, source, 1, 2)
+    if (type(module) is nn.MaxPool2d and _pair(module.kernel_size) == _pair(module.stride)
+            and _pair(module.padding) == (0, 0) and _pair(module.dilation) == (1, 1)):
+        return Strided(module, source, _pair(module.stride)[0], 1)
+    raise NotRowLocal(f'{type(module).__name__} cannot run a band of rows at a time (a '
+                      'size-keeping stride-1 conv with BN or no norm, a per-pixel module, a 2x2 '
+                      'stride-2 transposed conv or a max pool of kernel = stride can)')
+
+
+def maps_of(node: RowMap) -> List[RowMap]:
+    """Every map ``node`` is made from, itself included (each once)."""
+    seen, order, todo = set(), [], [node]
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        order.append(current)
+        for attr in ('source', 'sources'):
+            inputs = getattr(current, attr, None)
+            if isinstance(inputs, RowMap):
+                todo.append(inputs)
+            elif isinstance(inputs, tuple):
+                todo.extend(inputs)
+    return order
+
+
+def stream_rows(node: RowMap, band_mb: float, first_rows: int = 8) -> Iterator[Tuple[int, int,
+                                                                                     Tensor]]:
+    """``(start, stop, rows)`` of ``node`` band by band, top to bottom. The first band has
+    ``first_rows`` rows; then each band has as many rows as keep the maps' kept rows (and the
+    band itself) near ``band_mb``, measured on the band before."""
+    maps = maps_of(node)
+    start, rows = 0, first_rows
+    while start < node.height:
+        stop = min(node.height, start + rows)
+        band = node.rows(start, stop)
+        per_row = (sum(m.kept_bytes() for m in maps)
+                   + band.numel() * band.element_size()) / (stop - start)
+        yield start, stop, band
+        del band
+        start, rows = stop, band_rows_for(band_mb, int(per_row), at_least=first_rows)
