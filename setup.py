@@ -26,11 +26,14 @@ setup(
     # allow-listed, see xcit_mm/utils/checkpoint_io.py).
     # safetensors files and hf-hub: names (xcit_mm/models/utils/safetensors_io.py): the calls and
     # error classes used exist from these releases on; tools/install.sh pins the ones tested.
+    # tools/segment_large_image.py (xcit_mm/apis/large_image.py): TIFF tiles read and written
+    # (TiffPage.decode, TiffWriter.write of a tile iterator); imagecodecs for LZW / JPEG tiles.
     install_requires=['mmengine>=0.10,<0.11', 'numpy>=1.23,<2', 'safetensors>=0.4.3',
-                      'huggingface_hub>=0.23'],
+                      'huggingface_hub>=0.23', 'tifffile>=2023.7.10', 'imagecodecs>=2023.3.16'],
     # ONNX export and its ONNX Runtime check (tools/deployment/export_onnx.py): releases that
     # install with numpy 1.x (see tools/install.sh).
-    extras_require={'onnx': ['onnx==1.17.0', 'onnxruntime==1.20.1']},
+    # rasterio (GDAL): the test that the label file lies over its input GeoTIFF.
+    extras_require={'onnx': ['onnx==1.17.0', 'onnxruntime==1.20.1'], 'geo': ['rasterio==1.4.4']},
     license='Apache-2.0',
     zip_safe=False,
 )

@@ -304,7 +304,7 @@ def _bad_input(kind, tmp_path, monkeypatch):
         monkeypatch.setattr(tifffile.FileHandle, 'write', full)
         return path, [], ['no space left']
     if kind == 'budget_below_minimum':
-        return path, ['--max-memory', '0.001'], []
+        return path, ['--max-memory', '0.001'], ['max_memory']
     if kind == 'interrupted':
         from xcit_mm.apis import large_image
         read = large_image._TiffSource.read_rows

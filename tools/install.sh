@@ -25,6 +25,12 @@
 #   huggingface_hub==2.4.0  Hugging Face Hub; xcit_mm/models/utils/safetensors_io.py). Neither needs
 #                        numpy (checked with numpy 1.26, Python 3.11; huggingface_hub 2.x needs
 #                        Python >= 3.10); imported only when such a file or name is read.
+#   tifffile==2026.3.3   tools/segment_large_image.py reads TIFF / BigTIFF / OME-TIFF / GeoTIFF tile
+#   imagecodecs==2026.1.14  by tile and writes the tiled label BigTIFF; imagecodecs decodes LZW,
+#                        JPEG, ... tiles (deflate needs only zlib). Checked with numpy 1.26 (both
+#                        need Python >= 3.11); imported only by that tool.
+#   rasterio==1.4.4      the test that GDAL places the label file over the input GeoTIFF
+#                        (tests/test_segment_large_image.py); wheels bundle GDAL, numpy>=1.24.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -46,7 +52,8 @@ pipi "numpy<2" "opencv-python-headless>=4.8,<4.11" mmengine==0.10.7 \
     pycocotools shapely scipy terminaltables tqdm six prettytable ftfy regex \
     einops importlib-metadata mat4py matplotlib model-index rich \
     scikit-image pytest pytest-xdist onnx==1.17.0 onnxruntime==1.20.1 psutil seaborn \
-    safetensors==0.8.0 huggingface_hub==2.4.0
+    safetensors==0.8.0 huggingface_hub==2.4.0 tifffile==2026.3.3 imagecodecs==2026.1.14 \
+    rasterio==1.4.4
 
 step "4/6 mmcv 2.1.0 with ops (skipped when mmcv.ops already imports)"
 if "$PY" -c "import mmcv, mmcv.ops; assert mmcv.__version__ == '2.1.0'" 2>/dev/null; then
@@ -64,10 +71,13 @@ pipi --no-deps --no-build-isolation -e .
 
 "$PY" - <<'PY'
 import numpy, onnx, onnxruntime, psutil, seaborn, safetensors, huggingface_hub
+import tifffile, imagecodecs, rasterio
 import torch, mmcv, mmcv.ops, mmengine, mmdet, mmseg, mmpretrain, xcit_mm
 print('installed: numpy', numpy.__version__, '| onnx', onnx.__version__, '| onnxruntime',
       onnxruntime.__version__, '| safetensors', safetensors.__version__, '| huggingface_hub',
       huggingface_hub.__version__)
+print('installed: tifffile', tifffile.__version__, '| imagecodecs', imagecodecs.__version__,
+      '| rasterio', rasterio.__version__)
 print('installed: torch', torch.__version__, '| mmengine', mmengine.__version__,
       '| mmcv', mmcv.__version__, '| mmdet', mmdet.__version__, '| mmseg', mmseg.__version__,
       '| mmpretrain', mmpretrain.__version__, '| xcit_mm', xcit_mm.__version__)
