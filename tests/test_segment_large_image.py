@@ -21,15 +21,6 @@ ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 H, W = 200, 300
 
 
-def _streams():
-    from xcit_mm.models.segmentors.lean_encoder_decoder import LeanEncoderDecoder
-    return hasattr(LeanEncoderDecoder, 'stream_labels')
-
-
-needs_engine = pytest.mark.skipif(
-    not _streams(), reason='pending: LeanEncoderDecoder.stream_labels (issue 42) has not landed')
-
-
 @pytest.fixture(scope='module')
 def tool():
     """tools/segment_large_image.py as a module."""
@@ -214,7 +205,6 @@ def test_label_file_by_bands(tmp_path, num_classes, band):
 
 # -- the tool --------------------------------------------------------------------------------
 
-@needs_engine
 def test_geotiff_through_the_tool(tool, tiny, tmp_path, capsys):
     """A tiled GeoTIFF in, labels out: placed by rasterio exactly over the input, tiled deflate
     uint8 with the ADE20k palette, the input's nodata pixels marked, and elsewhere the labels of
@@ -325,8 +315,7 @@ BEFORE_THE_MODEL = ['not_an_image', 'missing', 'truncated', '1_band', '2_band', 
 DURING_THE_STREAM = ['corrupt_tile', 'disk_full', 'budget_below_minimum', 'interrupted']
 
 
-@pytest.mark.parametrize('kind', BEFORE_THE_MODEL + [
-    pytest.param(kind, marks=needs_engine) for kind in DURING_THE_STREAM])
+@pytest.mark.parametrize('kind', BEFORE_THE_MODEL + DURING_THE_STREAM)
 def test_bad_input_is_one_line_and_no_file(tool, tiny, tmp_path, monkeypatch, capsys, kind):
     """One ``error:`` line naming the problem (and the flag or step that fixes it), a non-zero
     exit status, and neither the output nor its partial file."""

@@ -301,8 +301,8 @@ def model_rows(source: _Source, channels: int = 3, rgb_from: Optional[str] = Non
             fix, select = 'gray', [0, 0, 0]
         else:
             fix, select = 'first3', [2, 1, 0]
-        what = {1: 'grey', 2: 'grey + alpha', 3: 'RGB'}.get(bands, 'RGBA or RGB + near-infrared'
-                                                           if bands == 4 else 'multispectral')
+        what = {1: 'grey', 2: 'grey + alpha', 4: 'RGBA or RGB + near-infrared'}.get(
+            bands, 'multispectral')
         if rgb_from != fix:
             doing = ('band 1 repeated as R, G and B' if fix == 'gray' else
                      'bands 1-3 as R, G, B')
