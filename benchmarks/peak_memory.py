@@ -5,10 +5,12 @@
 
 A point is (task, backbone, path, size): Semantic FPN (or UperNet: backbone ``uper``) and Mask
 R-CNN of the same neck and heads (:data:`CONFIGS`, random weights), run by the stock or the lean
-model, by the lean one with ``band_mb`` (``bands``) or in ``mode='auto'`` within a budget
-(``auto``, ``--budgets``), on the whole image at full resolution (``--pipeline paper`` keeps the
-config's test Resize; ``network`` times the segmentor's network alone). Method and figures:
-docs/benchmark_high_resolution.md (CPU), docs/benchmark_gpu.md (CUDA).
+model, by the lean one with ``band_mb`` (``bands``, before the stream replaced it), streamed
+(``mode='stream'``: ``stream`` with the token maps in memory, ``stream-disk`` on disk) or in
+``mode='auto'`` within a budget (``auto``, ``--budgets``), on the whole image at full resolution
+(``--pipeline paper`` keeps the config's test Resize; ``network`` times the segmentor's network
+alone). Method and figures: docs/benchmark_high_resolution.md (CPU), docs/benchmark_gpu.md
+(CUDA), docs/benchmark_gigapixel.md (the stream).
 
 On the CPU each point runs in a process of its own, since a process keeps the heap its earlier
 calls grew; on CUDA the peak counters are reset per call, so a process runs a whole series.
@@ -20,6 +22,7 @@ import hashlib
 import json
 import os
 import os.path as osp
+import shlex
 import sys
 import time
 
@@ -34,7 +37,9 @@ from xcit_benchmark.fresh_points import (LIVE_MALLOC, MIB, cpu_model, measure,  
 
 TASKS = ('segmentor', 'detector')
 BACKBONES = ('xcit', 'swin', 'vit', 'uper')
-PATHS = ('bands', 'lean', 'stock', 'auto')  # the order in a series: stock, the largest, last
+# the order in a series: stock, the largest, last
+PATHS = ('bands', 'lean', 'stream', 'stream-disk', 'stock', 'auto')
+STREAMS = {'stream': 'memory', 'stream-disk': 'disk'}  # path: test_cfg.token_maps
 PIPELINES = ('full', 'paper', 'network')
 SIZES = (1024, 2048, 4096, 8192)
 CONFIGS = {
@@ -47,6 +52,7 @@ CONFIGS = {
     ('detector', 'vit'): 'configs/benchmark/mask_rcnn_vit_s16_coco.py',
 }
 XCIT_ONLY = {('segmentor', 'xcit'), ('detector', 'xcit')}  # the series of bands and auto
+STREAMED = {('segmentor', 'xcit'), ('segmentor', 'uper')}  # the series of the stream
 BAND_MB = 64
 NO_LIMIT_MB = 10**9  # an auto model's budget while the warm-up calibrates it
 DOORS = {'segmentor': 'mmseg.apis.inference_model', 'detector': 'mmdet.apis.inference_detector'}
@@ -104,6 +110,10 @@ def build_cfg(point: dict):
         cfg.model.test_cfg.band_mb = band
     if path == 'auto':
         cfg.model.test_cfg.update(mode='auto', max_memory=NO_LIMIT_MB)
+    if path in STREAMS:
+        cfg.model.test_cfg.update(mode='stream', token_maps=STREAMS[path])
+        if point.get('token_dir'):
+            cfg.model.test_cfg.token_dir = point['token_dir']
     return cfg
 
 
@@ -113,8 +123,9 @@ def output_digest(task: str, result) -> dict:
     import torch
     digest = hashlib.sha256()
 
-    def add(tensor):
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    def add(tensor):  # a 64 MB piece at a time (32768² labels: 8 GB): the bytes of the whole
+        for piece in tensor.detach().contiguous().view(-1).split(2**23):
+            digest.update(piece.cpu().numpy())
 
     if isinstance(result, torch.Tensor):  # the network's logits
         add(result)
@@ -233,8 +244,9 @@ def measure_point(model, infer, point: dict, spec: dict) -> dict:
     if point['path'] == 'auto':
         plan = model.last_memory_plan
         predict_mb = base + growth - at_predict[0]
-        line = (getattr(model, 'memory_model', None) or model.calibrated_memory_model
-                or model.test_cfg['memory_model'].values())  # calibrated, or given
+        line = (getattr(model, 'memory_model', None)
+                or getattr(model, 'calibrated_memory_model', None)
+                or model.test_cfg.get('memory_model', {}).values())  # calibrated, or given
         row.update(plan=plan.name, detail=plan.detail, estimate_mb=round(plan.estimate_mb),
                    estimates={p.name: round(p.estimate_mb)
                               for p in getattr(model, 'last_memory_plans', [])},
@@ -336,11 +348,14 @@ def plan(args, configs: dict) -> list:
     extra = {} if args.pipeline == 'full' else dict(pipeline=args.pipeline)
     if args.device != 'cpu':
         extra['device'] = args.device
+    tokens = {'token_dir': args.token_dir} if getattr(args, 'token_dir', None) else {}
     series = [(t, b) for t in args.tasks for b in args.backbones if (t, b) in configs]
-    points = [dict(task=t, backbone=b, path=p, size=s, config=configs[(t, b)], **extra)
+    points = [dict(task=t, backbone=b, path=p, size=s, config=configs[(t, b)], **extra,
+                   **(tokens if p in STREAMS else {}))
               for s in sorted(args.sizes) for t, b in series
               for p in sorted(set(args.paths) - {'auto'}, key=PATHS.index)
-              if p != 'bands' or (t, b) in XCIT_ONLY]
+              if (t, b) in (STREAMED if p in STREAMS else XCIT_ONLY if p == 'bands' else configs)
+              and [p, s] not in getattr(args, 'skip', [])]
     if 'auto' in args.paths:
         points += [dict(task=t, backbone=b, path='auto', size=s, config=configs[(t, b)], **extra,
                         max_memory=mb, **({'band_mb': band[0]} if band else {}))
@@ -393,16 +408,17 @@ def run(args, configs: dict, runner=run_child) -> list:
     start = time.time()
     points = plan(args, configs)
     kept, earlier = kept_rows(args, points)
-    meta = dict(command='python ' + ' '.join(sys.argv), cpu=cpu_model(),
+    meta = dict(command='python ' + shlex.join(sys.argv), cpu=cpu_model(),
                 threads=int(os.environ.get('OMP_NUM_THREADS') or os.cpu_count()),
                 torch=package_version('torch'), mmdet=package_version('mmdet'),
                 mmseg=package_version('mmsegmentation'), limit_gb=args.limit_gb,
                 sizes=sorted(set(args.sizes) | {r['size'] for r in kept}), budgets=args.budgets,
                 doors=DOORS, configs={f'{t}:{b}': c for (t, b), c in configs.items()},
                 weights='random (Pretrained init dropped)', device_info=device_info(args.device),
-                note=args.note or 'one fresh process per point', complete=False)
-    if earlier:
-        meta['earlier_commands'] = earlier
+                note=args.note or 'one fresh process per point', revision=revision(),
+                complete=False)
+    for key, values in earlier.items():
+        meta[f'earlier_{key}'] = values
     rows, last = [], {}
     deadline = start + args.budget_s
     clock = dict(time=time.time(), load=os.getloadavg()[0])
@@ -410,7 +426,7 @@ def run(args, configs: dict, runner=run_child) -> list:
     def on_row(row):
         now, load = time.time(), os.getloadavg()[0]  # near 1 per core: the point ran alone
         row.update(point_wall_s=round(now - clock['time'], 1), load_before=clock['load'],
-                   load_after=load)
+                   load_after=load, revision=meta['revision'])
         clock.update(time=now, load=load)
         rows.append(row)
         if row['path'] != 'auto':
@@ -442,16 +458,36 @@ def write(out, meta: dict, rows: list) -> None:
             c in r for r in rows)])
 
 
+def revision() -> str:
+    """The checkout's commit, ``+dirty`` if xcit_mm/ differs from it (None without git)."""
+    import subprocess
+    git = ['git', '-C', ROOT]
+    try:
+        commit = subprocess.run(git + ['rev-parse', '--short', 'HEAD'], capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(git + ['status', '--porcelain', '--', 'xcit_mm'],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return commit + ('+dirty' if dirty else '')
+
+
 def kept_rows(args, points: list):
-    """With ``--update``: the rows of the artifact at ``--out`` this run does not measure, and
-    the commands that measured them."""
+    """With ``--update``: the rows of the artifact at ``--out`` this run does not measure (each
+    with the revision that measured it), and the commands and notes of the runs that did."""
     if not args.update:
-        return [], []
+        return [], {}
     artifact = load_artifact(args.out + '.json')
     again = {point_key(p) for p in points}
     meta = artifact.get('meta', {})
-    return ([r for r in artifact['rows'] if point_key(r) not in again],
-            meta.get('earlier_commands', []) + [meta.get('command', '?')])
+    kept = [r for r in artifact['rows'] if point_key(r) not in again]
+    for row in kept:
+        if meta.get('revision'):
+            row.setdefault('revision', meta['revision'])
+    commands = meta.get('earlier_commands', [])
+    notes = meta.get('earlier_notes', [None] * len(commands))  # one per command
+    return kept, dict(commands=commands + [meta.get('command', '?')],
+                      notes=notes + [meta.get('note')])
 
 
 def digest_agreement(rows: list, path: str = 'lean', other: str = 'stock') -> dict:
@@ -502,19 +538,43 @@ def agreement(rows: list, cuda: bool) -> str:
         return BACKBONES.index(backbone), int(size)
 
     same = sorted(digest_agreement(rows).items(), key=order)
-    if cuda:
-        return 'Stock and lean labels equal (digest) at ' + (
-            f'all {len(same)} points where both ran' if same and all(v for _, v in same) else
-            'only ' + ', '.join(k for k, v in same if v)) + '.'
-    text = 'Stock and lean outputs equal (digest): ' + (
-        ', '.join(name(k) for k, v in same if v) or 'none')
-    if not all(v for _, v in same):
-        text += '; **different**: ' + ', '.join(name(k) for k, v in same if not v)
-    bands = sorted(digest_agreement(rows, 'bands', 'lean').items(), key=order)
-    if bands:
-        text += '. Bands (`band_mb`) and lean: ' + ', '.join(
-            f"{name(k)} {'equal' if v else 'differ (float rounding)'}" for k, v in bands)
-    return text + '.'
+    texts = []
+    if cuda and same:
+        texts.append('Stock and lean labels equal (digest) at ' + (
+            f'all {len(same)} points where both ran' if all(v for _, v in same) else
+            'only ' + ', '.join(k for k, v in same if v)))
+    elif same or not cuda and any(r['path'] == 'stock' for r in rows):
+        texts.append('Stock and lean outputs equal (digest): ' + (
+            ', '.join(name(k) for k, v in same if v) or 'none') + (
+            '' if all(v for _, v in same) else
+            '; **different**: ' + ', '.join(name(k) for k, v in same if not v)))
+    for path, label in (('bands', 'Bands (`band_mb`)'), ('stream', 'Stream'),
+                        ('stream-disk', 'Stream (token maps on disk)')):
+        pairs = sorted(digest_agreement(rows, path, 'lean').items(), key=order)
+        if pairs:
+            texts.append(f'{label} and lean: ' + ', '.join(
+                f"{name(k)} {'equal' if v else 'differ (float rounding)'}" for k, v in pairs))
+    return '. '.join(texts) + '.' if texts else ''
+
+
+def per_megapixel(grid: list, series: list) -> list:
+    """The lines of a table of time per megapixel (s / 2^20 px), a column per series, and the
+    stream's over the bands' where both ran."""
+    def rate(row):
+        return row['time_s'] / (row['size'] ** 2 / 2**20) if row and row['status'] == 'ok' else None
+
+    pairs = [(b, p) for b, p in series if p in STREAMS and (b, 'bands') in series]
+    lines = ['Time per megapixel (s / Mpx, 1 Mpx = 2^20 px):', '',
+             '| image | ' + ' | '.join(f'{LABELS[b]} {p}' for b, p in series)
+             + ''.join(f' | {p} / bands' for _, p in pairs) + ' |',
+             '|---|' + '---:|' * (len(series) + len(pairs))]
+    for size in sorted({r['size'] for r in grid}):
+        at = {(r['backbone'], r['path']): rate(r) for r in grid if r['size'] == size}
+        ratios = [at.get(s) and at.get((s[0], 'bands')) and at[s] / at[(s[0], 'bands')]
+                  for s in pairs]
+        lines.append(f'| {size}² | ' + ' | '.join(
+            f'{v:.2f}' if v else '' for v in [at.get(s) for s in series] + ratios) + ' |')
+    return lines + ['']
 
 
 def markdown(artifact: dict) -> str:
@@ -523,6 +583,7 @@ def markdown(artifact: dict) -> str:
     rows, meta = artifact['rows'], artifact.get('meta', {})
     cuda = any('max_reserved_mb' in r for r in rows)
     paths = ('lean', 'stock') if cuda else ('stock', 'lean', 'bands')
+    paths += ('stream', 'stream-disk')
     lines = []
     for task in TASKS:
         grid = [r for r in rows if r['task'] == task and r['path'] != 'auto']
@@ -541,7 +602,10 @@ def markdown(artifact: dict) -> str:
             label = f'{size}²' + ('' if pipeline == 'full' else f' ({pipeline})')
             lines.append(f'| {label} | ' + ' | '.join(cell(at.get(s), cuda) for s in series)
                          + ' |')
-        lines += ['', agreement(grid, cuda), '']
+        text = agreement(grid, cuda)
+        lines += ['', text, ''] if text else ['']
+        if not any(r['path'] == 'stock' for r in grid):  # the stream's artifacts
+            lines += per_megapixel(grid, series)
     budget = [r for r in rows if r['path'] == 'auto']
     if budget:
         lines += ['| image | `max_memory` | plan | estimate | peak growth | reserved | time |',
@@ -580,7 +644,9 @@ def plot(artifact: dict, png: str) -> None:
     colours = dict(xcit='tab:blue', swin='tab:orange', vit='tab:green', uper='tab:purple')
     styles = {'lean': dict(linestyle='-', linewidth=2.4, alpha=0.55),
               'stock': dict(linestyle='--', linewidth=1.4),
-              'bands': dict(linestyle='-.', linewidth=1.8)}
+              'bands': dict(linestyle='-.', linewidth=1.8),
+              'stream': dict(linestyle='-', linewidth=1.4, marker='s'),
+              'stream-disk': dict(linestyle=':', linewidth=1.8, marker='D')}
     tasks = [t for t in TASKS if any(r['task'] == t for r in rows)]
     sizes = sorted({r['size'] for r in rows})
     fig, axes = plt.subplots(len(tasks), 2, figsize=(9, 3.5 * len(tasks) + 0.7), squeeze=False)
@@ -590,7 +656,8 @@ def plot(artifact: dict, png: str) -> None:
                 series = sorted((r for r in rows if (r['task'], r['backbone'], r['path'])
                                  == (task, backbone, path)), key=lambda r: r['size'])
                 ok = [r for r in series if r['status'] == 'ok']
-                style = dict(color=colours[backbone], marker='o', markersize=4, **styles[path])
+                style = dict(dict(color=colours[backbone], marker='o', markersize=4),
+                             **styles[path])
                 ax_mem.plot([r['size'] for r in ok], [r['peak_growth_mb'] / 1024 for r in ok],
                             **style)
                 ax_time.plot([r['size'] for r in ok], [r['time_s'] for r in ok], **style)
@@ -647,11 +714,13 @@ def make_parser() -> argparse.ArgumentParser:
     add('--child', help=argparse.SUPPRESS)
     add('--report', metavar='JSON', help='print the tables of an artifact and draw its plot')
     add('--png', help='where --report draws (default: the JSON path, .png)')
+    add('--also', metavar='JSON', help="--report: draw this artifact's stream rows too")
     add('--tasks', nargs='+', choices=TASKS, default=list(TASKS))
     add('--backbones', nargs='+', choices=BACKBONES, default=['xcit', 'swin', 'vit'])
     add('--paths', nargs='+', choices=PATHS, default=['stock', 'lean', 'bands'],
         help='bands and auto: XCiT only')
     add('--sizes', nargs='+', type=int, default=list(SIZES), help='multiples of 32, >= 64')
+    add('--skip', nargs='+', default=[], metavar='PATH:SIZE', help='points not to run')
     add('--budgets', nargs='+', default=[], metavar='SIZE:MB[:BAND_MB]',
         help="path auto's points: max_memory=MB (and band_mb)")
     add('--pipeline', choices=PIPELINES, default='full',
@@ -665,6 +734,7 @@ def make_parser() -> argparse.ArgumentParser:
     add('--limit-gb', type=float, default=20.0,
         help='kill a child above this RSS; skip a point extrapolated over it (CPU)')
     add('--timeout', type=float, default=1800.0, help='seconds per child')
+    add('--token-dir', help="stream-disk: test_cfg.token_dir (default: the temporary folder)")
     add('--budget-s', type=float, default=float('inf'), help='no point starts after this')
     add('--grace-s', type=float, default=120.0, help='kill a child this long after --budget-s')
     add('--out', help='artifact path without extension (.json, .csv)')
@@ -691,6 +761,10 @@ def parse_args(parser, argv):
         assert all(len(b) in (2, 3) for b in args.budgets)
     except (ValueError, AssertionError):
         parser.error('--budgets takes SIZE:MB[:BAND_MB] points of whole numbers, e.g. 8192:16000')
+    try:
+        args.skip = [[p, int(s)] for p, s in (v.split(':') for v in args.skip)]
+    except ValueError:
+        parser.error('--skip takes PATH:SIZE points, e.g. lean:32768')
     if 'auto' in args.paths and not args.budgets:
         parser.error('--paths auto needs --budgets')
     if args.pipeline == 'network' and args.tasks != ['segmentor']:
@@ -725,9 +799,11 @@ def main(argv=None):
     if args.report:
         try:
             artifact = load_artifact(args.report)
+            also = load_artifact(args.also)['rows'] if args.also else []
         except ValueError as e:
             parser.error(str(e))
-        plot(artifact, args.png or osp.splitext(args.report)[0] + '.png')
+        plot(dict(artifact, rows=artifact['rows'] + [r for r in also if r['path'] in STREAMS]),
+             args.png or osp.splitext(args.report)[0] + '.png')
         print(markdown(artifact), end='')
         return
     rows = run(args, args.configs)

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # On a GPU machine without network or OpenMMLab packages, from the repository root: install the
 # wheels of .whl/ (benchmarks/gpu/make_wheels.sh) into /tmp/site, print the device and versions,
-# then run benchmarks/peak_memory.py on CUDA (the Semantic FPN / UperNet grid and the budget
-# points of docs/benchmark_gpu.md; arguments passed on override them) into $OUT.
+# then run benchmarks/peak_memory.py on CUDA into $OUT: the Semantic FPN / UperNet grid and the
+# budget points of docs/benchmark_gpu.md, or with `stream` first the XCiT Semantic FPN streamed
+# (8192² to 32768²) and whole (8192², 16384²) of docs/benchmark_gigapixel.md. Arguments passed
+# on override them (--device cpu --sizes 256 tries it on a CPU).
 #
-#   OUT=/some/dir bash benchmarks/gpu/run_points.sh [--budget-s 300] [--sizes ...] ...
+#   OUT=/some/dir bash benchmarks/gpu/run_points.sh [stream] [--budget-s 300] [--sizes ...] ...
 #
 # Needs there: python3 with torch (CUDA), numpy, opencv-python-headless, matplotlib, scipy,
 # pyyaml, packaging, pillow, rich, regex (what the wheels' requirements name and .whl lacks).
@@ -38,7 +40,17 @@ print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torc
       'xcit_mm', xcit_mm.__file__, torch.cuda.is_available() and torch.cuda.get_device_name(0))
 PYEOF
 
+status=0
+if [[ ${1:-} != stream ]]; then
 "$PY" benchmarks/peak_memory.py --device cuda --tasks segmentor --paths lean stock auto \
     --budgets 8192:40000 8192:16000 4096:4000 --warmup 256 --repeat-below-s 5 \
-    --log "$OUT/peak_memory.log" --out "$OUT/whole_image_cuda" "$@"
-echo "run_points.sh done in $(( $(date +%s) - start )) s"
+    --log "$OUT/peak_memory.log" --out "$OUT/whole_image_cuda" "$@" || status=$?
+else  # whole's series (one process) first, then the stream's; whole may run out of memory: 'oom'
+shift
+"$PY" benchmarks/peak_memory.py --device cuda --tasks segmentor --backbones xcit \
+    --paths stream lean --sizes 8192 16384 32768 --skip lean:32768 --warmup 256 \
+    --repeat-below-s 5 --limit-gb 100 --timeout 420 --budget-s 360 --grace-s 60 \
+    --log "$OUT/peak_memory.log" --out "$OUT/whole_image_cuda_stream" "$@" || status=$?
+fi
+echo "run_points.sh done in $(( $(date +%s) - start )) s, exit status $status"
+exit $status
