@@ -459,7 +459,7 @@ def write(out, meta: dict, rows: list) -> None:
 
 
 def revision() -> str:
-    """The checkout's commit, ``+dirty`` if xcit_mm/ differs from it (None without git)."""
+    """The checkout's commit, ``+dirty`` if xcit_mm/ differs from it; without git, $REVISION."""
     import subprocess
     git = ['git', '-C', ROOT]
     try:
@@ -468,7 +468,7 @@ def revision() -> str:
         dirty = subprocess.run(git + ['status', '--porcelain', '--', 'xcit_mm'],
                                capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return None
+        return os.environ.get('REVISION')
     return commit + ('+dirty' if dirty else '')
 
 

@@ -8,6 +8,8 @@
 #
 #   OUT=/some/dir bash benchmarks/gpu/run_points.sh [stream] [--budget-s 300] [--sizes ...] ...
 #
+# REVISION=<commit> names the code measured in the artifact where the copy has no .git.
+#
 # Needs there: python3 with torch (CUDA), numpy, opencv-python-headless, matplotlib, scipy,
 # pyyaml, packaging, pillow, rich, regex (what the wheels' requirements name and .whl lacks).
 set -euo pipefail
