@@ -573,7 +573,7 @@ def per_megapixel(grid: list, series: list) -> list:
         ratios = [at.get(s) and at.get((s[0], 'bands')) and at[s] / at[(s[0], 'bands')]
                   for s in pairs]
         lines.append(f'| {size}² | ' + ' | '.join(
-            f'{v:.2f}' if v else '' for v in [at.get(s) for s in series] + ratios) + ' |')
+            f'{v:.3g}' if v else '' for v in [at.get(s) for s in series] + ratios) + ' |')
     return lines + ['']
 
 
