@@ -150,7 +150,7 @@ def test_a_misspelt_test_cfg_key_in_the_config_fails_the_build():
 
 
 @pytest.mark.parametrize('settings,error,match', [
-    (dict(mode='fast'), ValueError, "'whole', 'slide' or 'auto'"),
+    (dict(mode='fast'), ValueError, "'whole', 'slide', 'stream' or 'auto'"),
     (dict(mode='auto'), MemoryBudgetError, 'needs max_memory'),
     (dict(mode='auto', max_memory=-5), MemoryBudgetError, 'positive number'),
     (dict(mode='auto', max_memory='3000'), MemoryBudgetError, 'positive number'),
@@ -224,10 +224,11 @@ def _bound_child() -> dict:
     return dict(runs=runs, calibration_mb=calibration_mb, line=list(lean.calibrated_memory_model))
 
 
-def test_measured_peak_within_budget_at_two_budgets():
-    """Whole and slide, each at a budget equal to its estimate, in a fresh process with glibc's
-    default malloc, as a user runs it (the benchmarks measure with malloc returning freed memory
-    at once, ``MALLOC_MMAP_THRESHOLD_``, which lowers peaks)."""
+def test_measured_peak_within_budget_at_each_plans_estimate():
+    """Whole, stream (token maps in memory and on disk) and slide, each at a budget equal to its
+    estimate, in a fresh process with glibc's default malloc, as a user runs it (the benchmarks
+    measure with malloc returning freed memory at once, ``MALLOC_MMAP_THRESHOLD_``, which lowers
+    peaks)."""
     env = {k: v for k, v in os.environ.items() if k != 'MALLOC_MMAP_THRESHOLD_'}
     env.update(PYTHONPATH=os.pathsep.join([ROOT, osp.join(ROOT, 'tests')]))
     proc = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True,
@@ -239,8 +240,9 @@ def test_measured_peak_within_budget_at_two_budgets():
                        f" MB (estimate error {r['budget_mb'] - r['peak_mb']:+.0f} MB)"
                        for r in runs) + f"; calibration peak {result['calibration_mb']:.0f} MB"
     print(report)
-    assert [r['chosen'] for r in runs] == ['whole', 'slide'], report
-    assert runs[1]['budget_mb'] < runs[0]['budget_mb'], report
+    # at its own estimate, each plan is the first in order that fits
+    assert [r['plan'] for r in runs] == ['whole', 'stream', 'stream-disk', 'slide'], report
+    assert [r['chosen'] for r in runs] == [r['plan'] for r in runs], report
     for r in runs:
         assert r['peak_mb'] <= r['budget_mb'], report
         assert result['calibration_mb'] <= r['budget_mb'], report
@@ -249,7 +251,8 @@ def test_measured_peak_within_budget_at_two_budgets():
 # ---------------------------------------------------------------- through mmseg's doors
 def test_inference_model_door_auto():
     """mmseg.apis.inference_model on the shapes config at full resolution: mode='auto' gives
-    stock's slide labels under a small budget and stock's whole labels under a large one."""
+    the stream's labels under a small budget and stock's whole labels under a large one (the
+    stream's estimate is below slide's at this size: slide never runs)."""
     from mmengine.config import Config
     from mmseg.apis import inference_model, init_model
     cfg = Config.fromfile('configs/shapes/sem_fpn_xcit_shapes_ade.py')
@@ -268,13 +271,14 @@ def test_inference_model_door_auto():
     img = np.random.RandomState(0).randint(0, 255, (333, 517, 3), dtype=np.uint8)
     with pytest.raises(MemoryBudgetError, match='raise test_cfg.max_memory'):
         inference_model(lean, img)
-    for plan, budget in (('slide', 2000), ('whole', 10**6)):
+    stock.test_cfg.mode = 'whole'
+    for plan, budget in (('stream', 2000), ('whole', 10**6)):
         lean.test_cfg.max_memory = budget
-        stock.test_cfg.mode = plan
         expected, got = inference_model(stock, img), inference_model(lean, img)
         assert lean.last_memory_plan.name == plan
         assert got.pred_sem_seg.shape == (333, 517)
-        assert torch.equal(expected.pred_sem_seg.data, got.pred_sem_seg.data)
+        differ = int((expected.pred_sem_seg.data != got.pred_sem_seg.data).sum())
+        assert differ == 0 if plan == 'whole' else differ <= 1e-4 * 333 * 517, differ
         assert len(torch.unique(got.pred_sem_seg.data)) > 1
 
 

@@ -150,15 +150,14 @@ def test_config_trains_one_step(one_step):
 def test_whole_and_slide_evaluation(mode, one_step, world, tmp_path, test_tool, monkeypatch):
     # the lean sliding window: labels bit-identical to mmseg's slide_inference
     # (tests/test_segmentation_memory_budget.py), without its full-size map
-    # whole: the network in bands of rows (tests/test_sem_fpn_bands.py)
+    # whole: the image streamed (tests/test_stream.py)
     import xcit_mm.models.segmentors.lean_encoder_decoder as lean_module
     calls = dict(slide=[], whole=[])
-    slide = lean_module.LeanEncoderDecoder._slide_predict
-    monkeypatch.setattr(lean_module.LeanEncoderDecoder, '_slide_predict',
-                        lambda self, *a, **k: calls['slide'].append(1) or slide(self, *a, **k))
-    bands = lean_module.semantic_fpn_in_bands
-    monkeypatch.setattr(lean_module, 'semantic_fpn_in_bands',
-                        lambda *a: calls['whole'].append(a[-1]) or bands(*a))
+    for key, name in (('slide', '_slide_predict'), ('whole', '_stream_predict')):
+        real = getattr(lean_module.LeanEncoderDecoder, name)
+        monkeypatch.setattr(lean_module.LeanEncoderDecoder, name,
+                            lambda self, *a, real=real, key=key, **k:
+                            calls[key].append(1) or real(self, *a, **k))
     opts = _tiny_options(world)
     if mode == 'slide':
         opts += ['model.test_cfg.mode=slide', 'model.test_cfg.band_mb=None',
@@ -167,7 +166,7 @@ def test_whole_and_slide_evaluation(mode, one_step, world, tmp_path, test_tool, 
     metrics = evaluation_metrics(tmp_path)
     assert 0 <= metrics['mIoU'] <= 100
     assert calls == (dict(slide=[1, 1], whole=[]) if mode == 'slide'  # one call per val image
-                     else dict(slide=[], whole=[4, 4]))
+                     else dict(slide=[], whole=[1, 1]))
 
 
 def test_job_reads_test_logs(monkeypatch, tmp_path):

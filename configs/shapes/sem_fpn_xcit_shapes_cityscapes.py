@@ -1,6 +1,6 @@
 # XCiT + Semantic FPN on the high-resolution shapes world (Cityscapes layout, 1024x2048): trains on
-# 256x256 crops, tests on the whole image (LeanEncoderDecoder, mode='whole', its stem and stride-4
-# maps in bands of rows: test_cfg.band_mb). The quick-start segmentor (./sem_fpn_xcit_shapes_ade.py:
+# 256x256 crops, tests on the whole image (LeanEncoderDecoder, mode='stream': the trunk layer by
+# layer and every map in bands of rows of test_cfg.band_mb). The quick-start segmentor (./sem_fpn_xcit_shapes_ade.py:
 # small XCiT from scratch, training extras) on another world; results of the whole image against
 # sliding windows (two seeds): docs/shapes.md and docs/results/shapes_hires_sem_fpn.json, from
 #
@@ -28,10 +28,10 @@ shapes_world = dict(
 data_preprocessor = dict(size=crop_size)
 model = dict(
     data_preprocessor=data_preprocessor,
-    # the whole image, its stem and stride-4 maps in bands of about 4 MB (equal to the whole maps
-    # up to float rounding); slide: --cfg-options model.test_cfg.mode=slide
+    # the whole image streamed in bands of about 4 MB (equal to the whole maps up to float
+    # rounding); slide: --cfg-options model.test_cfg.mode=slide
     # model.test_cfg.band_mb=None model.test_cfg.crop_size=(256,256) model.test_cfg.stride=(192,192)
-    test_cfg=dict(mode='whole', band_mb=4))
+    test_cfg=dict(mode='stream', band_mb=4))
 
 # ---- pipelines: random scale 0.25-1x of 1024x2048, 256x256 crops; test at 1x (scale_factor) ----
 train_pipeline = [

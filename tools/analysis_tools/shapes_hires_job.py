@@ -32,7 +32,7 @@ from training_extras.run_results import cpu_description  # noqa: E402
 
 CONFIG = 'configs/shapes/sem_fpn_xcit_shapes_cityscapes.py'
 CROP, STRIDE = (256, 256), (192, 192)
-# the config tests whole images in bands of rows (test_cfg.band_mb), which slide does not take
+# the config streams whole images in bands of rows (test_cfg.band_mb), which slide does not take
 SLIDE = ['model.test_cfg.mode=slide', 'model.test_cfg.band_mb=None',
          f'model.test_cfg.crop_size={CROP}'.replace(' ', ''),
          f'model.test_cfg.stride={STRIDE}'.replace(' ', '')]

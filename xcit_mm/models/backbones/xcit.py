@@ -301,7 +301,6 @@ class XCiTLayer(nn.Module):
         x = self._residual(x, self.gamma2, self.ffn(self.norm2(x)))
         return x
 
-
     @torch.no_grad()
     def forward_streamed(self, x: TokenMap, band_rows: int) -> None:
         """This layer on the token map ``x`` (H, W, C), in place, ``band_rows`` token rows at a

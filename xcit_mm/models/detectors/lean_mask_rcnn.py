@@ -30,8 +30,8 @@ Boxes, labels, scores and masks equal stock ``MaskRCNN.predict`` on the same wei
 **Bands** (``test_cfg.band_mb``, any mode): after the above, the stride-4 maps besides the FPN's
 output (the XCiT adapter's map, the lateral map, the RPN conv's map) still exist whole, one or two
 at a time. With ``band_mb`` they are made in bands of rows of about that many MB, each with the
-rows of context its convs need (``fpn_data_flow.bottom_level_in_bands``, XCiT's
-``forward_level_rows``), so only the FPN output is whole. That tiles convolutions: results equal
+rows of context its convs need (row maps: ``fpn_data_flow.fpn_bottom_rows``, XCiT's
+``level_rows``), so only the FPN output is whole. That tiles convolutions: results equal
 stock's up to float rounding (``tests/test_feature_bands.py``), not bit for bit.
 
 **Tiles** (``test_cfg.mode='tiles'``): a whole image's feature maps grow with its pixels; tiles
@@ -87,9 +87,9 @@ from mmdet.registry import MODELS
 from mmdet.structures import DetDataSample, SampleList
 from mmdet.structures.bbox import bbox2roi
 
-from ..inference.fpn_data_flow import (LevelByLevelBackbone, RowLocalBackbone, band_rows_for,
-                                       conv_halo, conv_in_bands, fpn_in_data_flow_order,
-                                       neck_bands_bottom_level)
+from ..inference.fpn_data_flow import (LevelByLevelBackbone, fpn_in_data_flow_order,
+                                       why_not_bottom_in_bands)
+from ..inference.row_stream import Local, TensorRows, conv_halo, materialize
 from ..utils.ckpt_load import refuse_headless_load
 from ..utils.memory_budget import (MB, MemoryModel, Plan, calibrate, choose_plan,
                                    measure_peak_growth_mb, release_free_heap)
@@ -138,18 +138,15 @@ class LeanMaskRCNN(MaskRCNN):
         the part otherwise (never a silent whole-image run)."""
         if band_mb is None:
             return
-        neck, rpn = getattr(self, 'neck', None), self.rpn_head
+        rpn = self.rpn_head
         why = None
-        if not isinstance(self.backbone, RowLocalBackbone):
-            why = (f'the backbone {type(self.backbone).__name__} cannot make its stride-4 level '
-                   'in bands of rows (XCiTBackbone can)')
-        elif not (self._lean_fpn() and neck_bands_bottom_level(neck)):
+        if self._lean_fpn() or not isinstance(self.backbone, LevelByLevelBackbone):
+            why = why_not_bottom_in_bands(self.backbone, getattr(self, 'neck', None))
+        else:
             why = ("the neck must be mmdet's FPN (start_level=0, every backbone level, no extra "
-                   'convs) with a 1x1 lateral conv, a stride-1 same-size FPN conv, no norm '
-                   'other than BatchNorm (GroupNorm normalises over the whole map) and nearest '
-                   'upsampling')
-        elif not (type(rpn) is RPNHead and conv_halo(rpn.rpn_conv) is not None
-                  and conv_halo(rpn.rpn_cls) == conv_halo(rpn.rpn_reg) == 0):
+                   'convs)')
+        if why is None and not (type(rpn) is RPNHead and conv_halo(rpn.rpn_conv) is not None
+                                and conv_halo(rpn.rpn_cls) == conv_halo(rpn.rpn_reg) == 0):
             why = "the RPN head must be mmdet's RPNHead with one stride-1 same-size conv"
         if why:
             raise ValueError(f'{type(self).__name__}: test_cfg.band_mb: {why}; remove band_mb '
@@ -234,10 +231,14 @@ class LeanMaskRCNN(MaskRCNN):
         """The RPN's (scores, deltas) of one level, its conv's map made one band of rows (with
         the conv's context) at a time: the 1x1 outputs are small, the conv's map is not."""
         head = self.rpn_head
-        rows = band_rows_for(band_mb, head.feat_channels * feat.shape[3] * feat.element_size())
-        parts = [(head.rpn_cls(hidden), head.rpn_reg(hidden)) for hidden in conv_in_bands(
-            lambda band: F.relu_(head.rpn_conv(band)), feat, rows, conv_halo(head.rpn_conv))]
-        return torch.cat([c for c, _ in parts], dim=2), torch.cat([r for _, r in parts], dim=2)
+
+        def scores_and_deltas(band: Tensor) -> Tensor:
+            hidden = F.relu_(head.rpn_conv(band))
+            return torch.cat([head.rpn_cls(hidden), head.rpn_reg(hidden)], dim=1)
+
+        both = materialize(Local(scores_and_deltas, TensorRows(feat), conv_halo(head.rpn_conv)),
+                           band_mb)
+        return both.split([head.rpn_cls.out_channels, head.rpn_reg.out_channels], dim=1)
 
     # ------------------------------------------------------------------ RoI head
     def _lean_roi_predict(self, x: List[Tensor], rpn_results_list,

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from mmdet.structures.bbox import bbox_overlaps
 
-from ..inference.fpn_data_flow import read_band_mb
+from ..inference.row_stream import read_band_mb
 from ..utils.memory_budget import MB, MemoryModel, read_budget_mb, read_memory_model
 
 MODES = ('whole', 'tiles', 'auto')

@@ -23,7 +23,8 @@ import math
 import os
 import shutil
 import tempfile
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import (Callable, Iterator, List, Optional, Protocol, Sequence, Tuple,
+                    runtime_checkable)
 
 import torch
 import torch.nn as nn
@@ -153,12 +154,12 @@ class TokenMaps:
 
 # ---------------------------------------------------------------------------- row maps
 class RowMap:
-    """Rows of a (1, C, height, width) map on demand.
+    """Rows of a (B, C, height, width) map on demand.
 
     Subclasses make rows ``start:stop`` from the rows of their inputs (:meth:`_make`). The rows
-    last made are kept (and ``LOOKBACK`` rows above the latest request): bands move down the
-    image, and each consumer asks for its context rows, so most requests overlap the last one
-    and only their new rows are made."""
+    last made are kept (and up to ``LOOKBACK`` rows above the latest request): bands move down
+    the image, and each consumer asks for its context rows, so most requests overlap the last
+    one and only their new rows are made."""
 
     LOOKBACK = 16
 
@@ -171,10 +172,12 @@ class RowMap:
         start, stop = max(0, start), min(self.height, stop)
         kept, first = self._rows, self._first
         last = first + (kept.shape[2] if kept is not None else 0)
-        if kept is None or not first <= start <= last:
+        if kept is None or not first <= start < last:  # nothing made can be reused
             kept, first = self._make(start, stop), start
         elif stop > last:
-            kept = torch.cat([kept, self._make(last, stop)], dim=2)
+            keep_from = max(first, start - self.LOOKBACK)
+            kept = torch.cat([kept[:, :, keep_from - first:], self._make(last, stop)], dim=2)
+            first = keep_from
         keep_from = max(first, start - self.LOOKBACK)
         self._rows, self._first = kept[:, :, keep_from - first:], keep_from
         return kept[:, :, start - first:stop - first]
@@ -182,8 +185,10 @@ class RowMap:
     def _make(self, start: int, stop: int) -> Tensor:
         raise NotImplementedError
 
-    def kept_bytes(self) -> int:
-        return 0 if self._rows is None else self._rows.numel() * self._rows.element_size()
+    def row_bytes(self) -> int:
+        """Bytes of one of its rows (0 before any is made)."""
+        rows = self._rows
+        return 0 if rows is None else rows[:, :, :1].numel() * rows.element_size()
 
 
 class TensorRows(RowMap):
@@ -267,10 +272,14 @@ class Resize(RowMap):
         self.source, self.mode = source, mode
         self.align_corners = bool(align_corners) if mode == 'bilinear' else None
         h_in, h_out = source.height, self.height
+        # an integer factor with the call's own scale (1 / factor) and no corner alignment: a
+        # slice resized by the same factor samples its rows as the whole call does
+        self.factor = h_out // h_in if (h_out % h_in == 0 and not self.align_corners and (
+            mode == 'bilinear' or 'scale_factor' not in (interpolate_kwargs or {}))) else 0
         if mode == 'nearest':  # the call's own source rows and columns
             kwargs = dict(interpolate_kwargs or {}, mode='nearest')
-            self.row_of = _nearest_index(h_in, h_out, 0, kwargs)
-            self.col_of = _nearest_index(source.width, self.width, 1, kwargs)
+            self.row_of = nearest_index(h_in, h_out, 0, kwargs)
+            self.col_of = nearest_index(source.width, self.width, 1, kwargs)
             return
         y = torch.arange(h_out, dtype=torch.float32)
         if self.align_corners:
@@ -284,6 +293,8 @@ class Resize(RowMap):
         self.weight = (src - self.row_of).view(1, 1, -1, 1)
 
     def _make(self, start: int, stop: int) -> Tensor:
+        if self.factor:
+            return self._make_by_factor(start, stop)
         first = int(self.row_of[start])
         if self.mode == 'nearest':
             band = self.source.rows(first, int(self.row_of[stop - 1]) + 1)
@@ -298,12 +309,24 @@ class Resize(RowMap):
         lower = band.index_select(2, (self.next_of[start:stop] - first).to(device))
         return upper * (1 - w1) + lower * w1
 
+    def _make_by_factor(self, start: int, stop: int) -> Tensor:
+        """Rows ``start:stop`` from the source rows they read and one more on each side, resized
+        by the factor: a slice from source row ``a`` maps its output row ``y - f a`` to the same
+        position relative to ``a`` with the same scale, so inside it every row is the whole
+        call's, bit for bit; only its outermost rows (clamped at its edges) differ, and they lie
+        outside ``start:stop``."""
+        f = self.factor
+        lo, hi = max(0, start // f - 1), min(self.source.height, -(-stop // f) + 1)
+        band = F.interpolate(self.source.rows(lo, hi), size=(f * (hi - lo), self.width),
+                             mode=self.mode, align_corners=self.align_corners)
+        return band[:, :, start - f * lo:stop - f * lo]
+
 
 def _pair(value):
     return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
 
 
-def _nearest_index(n_in: int, n_out: int, axis: int, kwargs: dict) -> Tensor:
+def nearest_index(n_in: int, n_out: int, axis: int, kwargs: dict) -> Tensor:
     """The source index of each output row (``axis`` 0) or column (1) of a nearest resize
     ``F.interpolate(x, **kwargs)`` (with ``size=`` when ``kwargs`` has no scale factor), read off
     the same call on a line of indices."""
@@ -378,6 +401,11 @@ def module_rows(module: nn.Module, source: RowMap) -> RowMap:
     halo = conv_halo(module)
     if halo is not None:
         return Local(module, source, halo)
+    norm = getattr(module, 'norm_name', None) and getattr(module, module.norm_name)
+    if norm is not None and not isinstance(norm, _BatchNorm):
+        raise NotRowLocal(f'{type(module).__name__}: its {type(norm).__name__} normalises over '
+                          'the whole map, so a band of rows cannot be made alone (BatchNorm, '
+                          'per pixel in eval mode, can)')
     if (type(module) is nn.ConvTranspose2d and _pair(module.kernel_size) == (2, 2)
             and _pair(module.stride) == (2, 2) and _pair(module.padding) == (0, 0)
             and _pair(module.output_padding) == (0, 0)):
@@ -411,15 +439,44 @@ def maps_of(node: RowMap) -> List[RowMap]:
 def stream_rows(node: RowMap, band_mb: float, first_rows: int = 8) -> Iterator[Tuple[int, int,
                                                                                      Tensor]]:
     """``(start, stop, rows)`` of ``node`` band by band, top to bottom. The first band has
-    ``first_rows`` rows; then each band has as many rows as keep the maps' kept rows (and the
-    band itself) near ``band_mb``, measured on the band before."""
+    ``first_rows`` rows; then each band has as many rows as keep near ``band_mb`` the band and
+    the rows each map makes for it (a map of ``h`` rows makes ``h / height`` rows a band row),
+    as measured on the first band."""
     maps = maps_of(node)
     start, rows = 0, first_rows
     while start < node.height:
         stop = min(node.height, start + rows)
         band = node.rows(start, stop)
-        per_row = (sum(m.kept_bytes() for m in maps)
-                   + band.numel() * band.element_size()) / (stop - start)
+        per_row = band[:, :, :1].numel() * band.element_size() + sum(
+            m.row_bytes() * m.height / node.height for m in maps)
         yield start, stop, band
         del band
         start, rows = stop, band_rows_for(band_mb, int(per_row), at_least=first_rows)
+
+
+def materialize(node: RowMap, band_mb: float) -> Tensor:
+    """The whole map of ``node``, made band by band (:func:`stream_rows`) into one tensor."""
+    out = None
+    for start, stop, band in stream_rows(node, band_mb):
+        if out is None:
+            out = band.new_empty(band.shape[:2] + (node.height, node.width))
+        out[:, :, start:stop] = band
+    return out
+
+
+@runtime_checkable
+class RowLocalBackbone(Protocol):
+    """A backbone whose levels come by rows from its trunk maps' rows (``XCiTBackbone``)."""
+
+    def level_rows(self, trunk_map: RowMap, level: int, image_hw: Tuple[int, int]) -> RowMap:
+        ...
+
+
+@runtime_checkable
+class StreamedBackbone(RowLocalBackbone, Protocol):
+    """A row-local backbone whose trunk also runs streamed, into token maps (``XCiTBackbone``)."""
+
+    def stream_trunk(self, read_pixels: Callable[[int, int], Tensor], image_hw: Tuple[int, int],
+                     maps: TokenMaps, band_mb: float, progress: Callable[[], None] = None
+                     ) -> List[TokenMap]:
+        ...

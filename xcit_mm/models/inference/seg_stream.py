@@ -8,7 +8,7 @@ pooling reads the whole stride-32 map (small); its pooled maps are resized by ro
 The labels are stock ``predict``'s: the head's resize to the input, the padding crop, the resize
 to the original shape, the argmax, each a band of rows at a time.
 """
-from typing import List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Optional, Sequence, Tuple
 
 import torch
 from mmseg.models.decode_heads import FPNHead, UPerHead
@@ -16,20 +16,8 @@ from mmseg.models.necks import FPN
 from mmseg.models.utils import Upsample
 from torch import Tensor
 
-from .row_stream import (Combine, Crop, Local, NotRowLocal, Resize, RowMap, TensorRows,
-                         TokenMap, TokenMaps, module_rows)
-
-
-@runtime_checkable
-class StreamedBackbone(Protocol):
-    """A backbone whose trunk runs streamed and whose levels come by rows (``XCiTBackbone``)."""
-
-    def stream_trunk(self, read_pixels, image_hw, maps: TokenMaps, band_mb: float,
-                     progress=None) -> List[TokenMap]:
-        ...
-
-    def level_rows(self, trunk_map: RowMap, level: int, image_hw: Tuple[int, int]) -> RowMap:
-        ...
+from .row_stream import (Combine, Crop, Local, NotRowLocal, Resize, RowMap, StreamedBackbone,
+                         TensorRows, module_rows)
 
 
 def _add(a: Tensor, b: Tensor) -> Tensor:

@@ -145,9 +145,12 @@ FLOAT_BYTES = 4
 # What the shape-counted terms leave out: kernels' scratch (a resize's index and weight tables, a
 # reduction's buffers) and the allocator's rounding; added to every estimate.
 SLACK_MB = 16
-# The stream's working memory, in bands of band_mb: the trunk's band (its FFN hidden layer and
-# the layer's temporaries) or the row maps' kept rows and the band being made.
-STREAM_WORK_BANDS = 4
+# The stream's working memory beyond its token maps: a fixed part (the coarse maps made whole,
+# kernels' scratch) and bands of band_mb (the trunk's band with its FFN hidden layer and the
+# layer's temporaries; or the row maps' kept rows, the band being made and its temporaries).
+# Upper bounds of the peaks measured with glibc's default malloc (docs/gigapixel.md).
+STREAM_WORK_MB = 128
+STREAM_WORK_BANDS = 5
 # Bytes per input element that mmseg's doors (inference_model, the test loop) hold while predict
 # runs: the float batch and the packed uint8 image. They exist before predict, but the memory a
 # caller sees grow includes them, so every estimate counts them.
@@ -498,10 +501,10 @@ class LeanEncoderDecoder(EncoderDecoder):
         def read_pixels(start: int, stop: int) -> Tensor:
             rows = torch.from_numpy(np.ascontiguousarray(read_rows(start, stop))).to(device)
             rows = rows.permute(2, 0, 1)[None]
-            if pre.channel_conversion:
+            if getattr(pre, 'channel_conversion', False):  # mmseg's SegDataPreProcessor
                 rows = rows[:, [2, 1, 0]]
             rows = rows.float()
-            return (rows - pre.mean) / pre.std if pre._enable_normalize else rows
+            return (rows - pre.mean) / pre.std if getattr(pre, '_enable_normalize', False) else rows
 
         plan = 'stream'
         if max_memory is not None:
@@ -572,15 +575,15 @@ class LeanEncoderDecoder(EncoderDecoder):
 
     def _stream_plans(self, image_hw: Sequence[int], held_mb: float) -> List[Plan]:
         """The stream's plans for an image with their estimates: the token maps in memory, then
-        on disk. Each adds the bands' work (``STREAM_WORK_BANDS`` bands), what the caller holds
-        (``held_mb``: the input, the labels) and ``SLACK_MB``; the maps are the trunk's kept
-        ones and the one updated."""
+        on disk. Each adds the bands' work (``STREAM_WORK_MB`` and ``STREAM_WORK_BANDS`` bands),
+        what the caller holds (``held_mb``: the input, the labels) and ``SLACK_MB``; the maps
+        are the trunk's kept ones and the one updated."""
         p, D = self.backbone.patch_size, self.backbone.embed_dims
         grid = [(side + p - 1) // p for side in image_hw]
         kept = len(set(self.backbone.out_indices) - {max(self.backbone.out_indices)}) + 1
         maps_mb = kept * FLOAT_BYTES * D * grid[0] * grid[1] / MB
         band_mb = self._test_option('band_mb', None) or STREAM_BAND_MB
-        base_mb = SLACK_MB + held_mb + STREAM_WORK_BANDS * band_mb
+        base_mb = SLACK_MB + held_mb + STREAM_WORK_MB + STREAM_WORK_BANDS * band_mb
         if type(self.decode_head) is UPerHead:  # the pyramid pooling reads the stride-32 map
             head = self.decode_head
             base_mb += (FLOAT_BYTES * math.prod(-(-side // 32) for side in image_hw)
@@ -705,8 +708,8 @@ class LeanEncoderDecoder(EncoderDecoder):
         """The padding (top, bottom, left, right) that stock's post-processing crops off."""
         if meta is None:
             return (0, 0, 0, 0)
-        left, right, top, bottom = meta.get('img_padding_size', meta.get('padding_size',
-                                                                          [0] * 4))
+        padding = meta.get('img_padding_size', meta.get('padding_size', [0] * 4))
+        left, right, top, bottom = padding
         return (top, bottom, left, right)
 
     @staticmethod

@@ -1,0 +1,185 @@
+"""The whole image streamed (``LeanEncoderDecoder`` ``test_cfg.mode='stream'``).
+
+Expected values come from the whole-tensor paths, each tested elsewhere against upstream code:
+``XCiTBackbone.forward_trunk`` (the official structure, tests/test_xcit_backbone.py) for the
+streamed trunk, the lean whole forward and labels (stock mmseg's, tests/test_lean_segmentation.py)
+for the logits and labels. Sums over bands add in another order and a convolution of another
+size may sum in another order, so values agree up to float rounding: measured here below 1e-5 for
+maps of order 1 (the tolerance 1e-4 leaves room for other CPUs' kernels), labels on at least
+99.99% of pixels (they are equal on every image here).
+"""
+import copy
+import errno
+import os
+
+import pytest
+import torch
+from mmcv.cnn import ConvModule
+from mmengine.config import ConfigDict
+from mmengine.registry import init_default_scope
+
+import xcit_mm  # noqa: F401  (registers XCiTBackbone and LeanEncoderDecoder)
+from mmseg.registry import MODELS
+from test_lean_segmentation import (BACKBONE, SEM_FPN, UPERNET, _meta, _predict,
+                                    spread_statistics_and_logits)
+from xcit_mm.models.inference.row_stream import TokenMaps, TokenRows, materialize
+from xcit_mm.models.inference.seg_stream import logits_rows
+
+TOLERANCE = dict(rtol=1e-4, atol=1e-4)
+
+
+def _model(heads, patch_size=16, **test_cfg):
+    init_default_scope('mmseg')
+    torch.manual_seed(patch_size)
+    cfg = dict(type='LeanEncoderDecoder', backbone=dict(BACKBONE, patch_size=patch_size),
+               **copy.deepcopy(heads), test_cfg=ConfigDict(mode='stream', **test_cfg))
+    model = MODELS.build(cfg)
+    model.init_weights()
+    spread_statistics_and_logits(model)
+    return model.eval()
+
+
+def _trunk(backbone, x, band_mb, folder=None):
+    with TokenMaps('cpu', folder) as maps, torch.no_grad():
+        trunk = backbone.stream_trunk(lambda a, b: x[:, :, a:b], tuple(x.shape[2:]), maps,
+                                      band_mb)
+        return [m.read(0, m.shape[0]).permute(2, 0, 1)[None].clone() for m in trunk]
+
+
+@pytest.mark.parametrize('patch_size', [16, 8])
+@pytest.mark.parametrize('folder', [None, 'disk'])
+def test_streamed_trunk_equals_forward_trunk(patch_size, folder, tmp_path):
+    """Bands of 2 token rows (the LPI's context rows come from the band before), a few rows and
+    one band for the whole grid; an image whose sides are not multiples of the patch."""
+    backbone = _model(SEM_FPN, patch_size).backbone
+    x = torch.randn(1, 3, 99, 145, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = backbone.forward_trunk(x)
+    grid_row_mb = 16 * 32 * 10 / 2**20  # one token row's FFN hidden layer (4 x 32 x 4 bytes)
+    for band_mb in (1e-6, 3 * grid_row_mb, 100):
+        got = _trunk(backbone, x, band_mb, tmp_path if folder else None)
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, **TOLERANCE)
+    assert os.listdir(tmp_path) == []  # the disk maps' folder is gone
+
+
+SIZES = [(128, 192), (97, 131), (45, 200), (160, 48)]
+
+
+@pytest.mark.parametrize('heads', [SEM_FPN, UPERNET], ids=['sem_fpn', 'upernet'])
+@pytest.mark.parametrize('patch_size', [16, 8])
+def test_stream_logits_and_labels_equal_the_whole_forward(heads, patch_size):
+    """Odd sizes and both aspect ratios; many bands and one."""
+    model = _model(heads, patch_size)
+    for img_hw in SIZES:
+        x = torch.randn(1, 3, *img_hw, generator=torch.Generator().manual_seed(sum(img_hw)))
+        with torch.no_grad():
+            whole = model._network_forward(x)
+            model.test_cfg = ConfigDict(mode='whole')
+            expected = _predict(model, x, None)[0].pred_sem_seg.data
+        for band_mb in (1e-3, 100):
+            model.test_cfg = ConfigDict(mode='stream', band_mb=band_mb)
+            with TokenMaps('cpu') as maps, torch.no_grad():
+                trunk = model.backbone.stream_trunk(lambda a, b: x[:, :, a:b], img_hw, maps,
+                                                    band_mb)
+                logits = materialize(logits_rows(model.backbone, getattr(model, 'neck', None),
+                                                 model.decode_head,
+                                                 [TokenRows(m) for m in trunk], img_hw), band_mb)
+            torch.testing.assert_close(logits, whole, **TOLERANCE)
+            got = _predict(model, x, None)[0].pred_sem_seg.data
+            assert got.shape == expected.shape
+            assert (got != expected).sum() <= 1e-4 * got.numel(), (img_hw, band_mb)
+
+
+def test_predict_through_the_test_resize_and_padding_equals_whole():
+    """The head's resize to the padded input, the padding crop and the resize to the original
+    shape (a test Resize), as stock's post-processing does them."""
+    model = _model(SEM_FPN, band_mb=0.01)
+    x = torch.randn(2, 3, 128, 160, generator=torch.Generator().manual_seed(2))
+    metas = [_meta((128, 160), (387, 389), pad=(0, 9, 0, 11)), _meta((128, 160), (128, 160))]
+    got = _predict(model, x, metas)
+    model.test_cfg = ConfigDict(mode='whole')
+    expected = _predict(model, x, metas)
+    for g, e in zip(got, expected):
+        assert g.pred_sem_seg.data.shape == e.pred_sem_seg.data.shape
+        got, want = g.pred_sem_seg.data, e.pred_sem_seg.data
+        assert (got != want).sum() <= 1e-4 * got.numel()
+
+
+def test_stream_labels_reads_rows_and_cleans_its_folder_on_error(tmp_path):
+    """``stream_labels`` (the large-image tool's door) reads only the rows it asks for, equals
+    the model's own predict on the normalised image, and removes its token folder when the
+    consumer stops on an error or Ctrl-C."""
+    import numpy as np
+    from mmseg.models.data_preprocessor import SegDataPreProcessor
+    model = _model(SEM_FPN, band_mb=0.05)
+    model.data_preprocessor = SegDataPreProcessor(mean=[123.675, 116.28, 103.53],
+                                                  std=[58.395, 57.12, 57.375], bgr_to_rgb=True)
+    img = np.random.RandomState(0).randint(0, 255, (150, 230, 3), dtype=np.uint8)
+    asked = []
+    reader = lambda a, b: asked.append((a, b)) or img[a:b]  # noqa: E731
+    out = torch.cat([labels for _, _, labels in model.stream_labels(
+        reader, (150, 230), max_memory=10**6, token_dir=str(tmp_path))])
+    assert max(b - a for a, b in asked) < 150 and asked[0][0] == 0 and asked[-1][1] == 150
+    inputs = model.data_preprocessor(dict(inputs=[torch.from_numpy(img).permute(2, 0, 1)]),
+                                     False)['inputs']
+    with torch.no_grad():
+        expected = model.predict(inputs)[0].pred_sem_seg.data[0]
+    assert (out != expected).sum() <= 1e-4 * out.numel()
+    for stop in (RuntimeError('consumer failed'), KeyboardInterrupt()):
+        model.test_cfg.token_maps = 'disk'
+
+        def progress(done, total, stop=stop):
+            assert os.listdir(tmp_path) and done < total
+            raise stop
+
+        with pytest.raises(type(stop)):
+            list(model.stream_labels(reader, (150, 230), token_dir=str(tmp_path),
+                                     progress=progress))
+        assert os.listdir(tmp_path) == []
+
+
+def test_a_full_disk_names_the_token_dir(tmp_path, monkeypatch):
+    model = _model(SEM_FPN, token_maps='disk', token_dir=str(tmp_path))
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, 'No space left on device')
+
+    monkeypatch.setattr(os, 'pwrite', full)
+    with pytest.raises(OSError, match=f'no space left in {tmp_path}.*token_dir'):
+        _predict(model, torch.randn(1, 3, 64, 64), None)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_budget_below_the_streams_minimum_names_it():
+    import numpy as np
+    model = _model(SEM_FPN)
+    img = np.zeros((64, 64, 3), dtype=np.uint8)
+    with pytest.raises(ValueError, match=r'stream-disk .*: (\d+) MB.* at least \1'):
+        list(model.stream_labels(lambda a, b: img[a:b], (64, 64), max_memory=10))
+
+
+@pytest.mark.parametrize('change,message', [
+    (dict(keep_seg_logits=True), 'keeps no full-size logits'),
+    (dict(token_maps='ssd'), "token_maps must be 'memory' or 'disk'"),
+    (dict(mode='whole', band_mb=8), "band_mb applies to mode='stream'"),
+    (dict(mode='slide', token_maps='disk', crop_size=(64, 64), stride=(48, 48)),
+     "token_maps applies to mode='stream'"),
+    (dict(band_mb=0), 'must be a positive number of MB'),
+])
+def test_stream_settings_it_cannot_use_are_errors(change, message):
+    model = _model(SEM_FPN)
+    model.test_cfg.update(change)
+    with pytest.raises(ValueError, match=message):
+        _predict(model, torch.randn(1, 3, 64, 64), None)
+
+
+def test_a_part_that_cannot_run_by_rows_is_named():
+    model = _model(SEM_FPN)
+    conv = model.decode_head.scale_heads[0][0]
+    model.decode_head.scale_heads[0][0] = ConvModule(
+        conv.in_channels, conv.out_channels, 3, padding=1,
+        norm_cfg=dict(type='GN', num_groups=2)).eval()
+    with pytest.raises(ValueError, match="mode='stream' cannot run: a part of the neck or head: "
+                       'ConvModule: its GroupNorm normalises over the whole map'):
+        _predict(model, torch.randn(1, 3, 64, 64), None)
