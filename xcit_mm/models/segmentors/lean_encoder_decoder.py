@@ -117,8 +117,10 @@ MODES = ('whole', 'slide', 'auto', 'stream')
 TEST_CFG_KEYS = ('mode', 'lean', 'keep_seg_logits', 'lean_chunk_mb', 'crop_size', 'stride',
                  'max_memory', 'memory_model', 'band_mb', 'token_maps', 'token_dir')
 STREAM_KEYS = ('band_mb', 'token_maps', 'token_dir')
-# The stream's band size (test_cfg.band_mb) when none is given.
-STREAM_BAND_MB = 64
+# The stream's band size when test_cfg.band_mb gives none: bands of many rows keep the share of
+# context rows and per-call costs small; under a budget it shrinks to fit, down to the minimum.
+STREAM_BAND_MB = 512
+MIN_STREAM_BAND_MB = 32
 # The window of mode='auto' when neither test_cfg.crop_size nor data_preprocessor.size gives one:
 # mmseg's usual training crop; the stride is two thirds of the window, as in mmseg's slide
 # configs (ConvNeXt / SETR on ADE20k: 512 and 341, Cityscapes: 769 and 513).
@@ -149,8 +151,8 @@ SLACK_MB = 16
 # kernels' scratch) and bands of band_mb (the trunk's band with its FFN hidden layer and the
 # layer's temporaries; or the row maps' kept rows, the band being made and its temporaries).
 # Upper bounds of the peaks measured with glibc's default malloc (docs/gigapixel.md).
-STREAM_WORK_MB = 128
-STREAM_WORK_BANDS = 5
+STREAM_WORK_MB = 64
+STREAM_WORK_BANDS = 2
 # Bytes per input element that mmseg's doors (inference_model, the test loop) hold while predict
 # runs: the float batch and the packed uint8 image. They exist before predict, but the memory a
 # caller sees grow includes them, so every estimate counts them.
@@ -266,6 +268,7 @@ class LeanEncoderDecoder(EncoderDecoder):
         self.calibrated_memory_model: Optional[MemoryModel] = None
         self._release_heap = False  # set by each predict: mode='auto' (_step_done)
         self._head_geometry: Optional[Tuple[float, float, bool]] = None
+        self._planned_band_mb = {}  # the band each stream plan runs with (_stream_plans)
         self._check_test_cfg_keys()  # a misspelt key in the config fails at build
 
     # ------------------------------------------------------------------ settings
@@ -372,6 +375,8 @@ class LeanEncoderDecoder(EncoderDecoder):
             # full-size logits come from the inference itself: only the post-processing is lean
             return self._postprocess(self.inference(inputs, batch_img_metas), None, data_samples)
         run = self._choose_memory_plan(inputs, data_samples).name if auto else mode
+        if mode == 'stream' and self._test_option('max_memory', None) is not None:
+            run = self._choose_memory_plan(inputs, data_samples, stream_only=True).name
         if run == 'slide':
             return self._slide_predict(inputs, data_samples, *self._slide_settings(auto))
         if run.startswith('stream'):
@@ -509,7 +514,7 @@ class LeanEncoderDecoder(EncoderDecoder):
         plan = 'stream'
         if max_memory is not None:
             budget = read_budget_mb(dict(max_memory=max_memory), type(self).__name__)
-            plans = self._stream_plans(image_hw, held_mb=0)
+            plans = self._stream_plans(image_hw, held_mb=0, budget_mb=budget)
             plan = choose_plan(plans, budget, f'{type(self).__name__} on {image_hw[0]}x'
                                f'{image_hw[1]} px').name
         was_training = self.training
@@ -550,7 +555,7 @@ class LeanEncoderDecoder(EncoderDecoder):
         """The stream of one image: the trunk into token maps (on disk for plan 'stream-disk'),
         then the labels (rows, W) band by band. ``progress(done, total)``: the trunk's layers
         count as half the work, the label rows as the other half."""
-        band_mb = self._test_option('band_mb', None) or STREAM_BAND_MB
+        band_mb = self._planned_band_mb.get(plan) or self._stream_band_mb(None, 0)
         on_disk = self._test_option('token_maps', None) == 'disk' or plan == 'stream-disk'
         layers = max(self.backbone.out_indices) + 1
         total, done = 2 * out_hw[0], [0]
@@ -573,24 +578,41 @@ class LeanEncoderDecoder(EncoderDecoder):
                 yield start, stop, band[0, 0]
                 advance(stop - start)
 
-    def _stream_plans(self, image_hw: Sequence[int], held_mb: float) -> List[Plan]:
+    def _stream_plans(self, image_hw: Sequence[int], held_mb: float,
+                      budget_mb: Optional[float] = None) -> List[Plan]:
         """The stream's plans for an image with their estimates: the token maps in memory, then
         on disk. Each adds the bands' work (``STREAM_WORK_MB`` and ``STREAM_WORK_BANDS`` bands),
         what the caller holds (``held_mb``: the input, the labels) and ``SLACK_MB``; the maps
-        are the trunk's kept ones and the one updated."""
+        are the trunk's kept ones and the one updated. The bands are as large as ``budget_mb``
+        leaves room for (:meth:`_stream_band_mb`), the size each plan then runs with."""
         p, D = self.backbone.patch_size, self.backbone.embed_dims
         grid = [(side + p - 1) // p for side in image_hw]
         kept = len(set(self.backbone.out_indices) - {max(self.backbone.out_indices)}) + 1
         maps_mb = kept * FLOAT_BYTES * D * grid[0] * grid[1] / MB
-        band_mb = self._test_option('band_mb', None) or STREAM_BAND_MB
-        base_mb = SLACK_MB + held_mb + STREAM_WORK_MB + STREAM_WORK_BANDS * band_mb
+        fixed_mb = SLACK_MB + held_mb + STREAM_WORK_MB
         if type(self.decode_head) is UPerHead:  # the pyramid pooling reads the stride-32 map
             head = self.decode_head
-            base_mb += (FLOAT_BYTES * math.prod(-(-side // 32) for side in image_hw)
-                        * (D + (len(head.pool_scales) + 1) * head.channels) / MB)
-        detail = f'({kept} token maps of {maps_mb / kept:.0f} MB'
-        return [Plan('stream', base_mb + maps_mb, detail + ' in memory)'),
-                Plan('stream-disk', base_mb, detail + ' on disk)')]
+            fixed_mb += (FLOAT_BYTES * math.prod(-(-side // 32) for side in image_hw)
+                         * (D + (len(head.pool_scales) + 1) * head.channels) / MB)
+        plans = []
+        for name, where, maps in (('stream', 'in memory', maps_mb), ('stream-disk', 'on disk', 0)):
+            band_mb = self._stream_band_mb(budget_mb, fixed_mb + maps)
+            self._planned_band_mb[name] = band_mb
+            plans.append(Plan(name, fixed_mb + maps + STREAM_WORK_BANDS * band_mb,
+                              f'({kept} token maps of {maps_mb / kept:.0f} MB {where}, bands of '
+                              f'{band_mb:.0f} MB)'))
+        return plans
+
+    def _stream_band_mb(self, budget_mb: Optional[float], fixed_mb: float) -> float:
+        """``test_cfg.band_mb`` if given; else ``STREAM_BAND_MB``, or under ``budget_mb`` the
+        largest band up to that which fits beside ``fixed_mb`` (at least the minimum)."""
+        given = self._test_option('band_mb', None)
+        if given is not None:
+            return given
+        if budget_mb is None:
+            return STREAM_BAND_MB
+        room = (budget_mb - fixed_mb) / STREAM_WORK_BANDS
+        return max(MIN_STREAM_BAND_MB, min(STREAM_BAND_MB, room))
 
     # ------------------------------------------------------------------ sliding windows
     def _slide_predict(self, inputs: Tensor, data_samples: OptSampleList,
@@ -752,11 +774,19 @@ class LeanEncoderDecoder(EncoderDecoder):
         return state
 
     # ------------------------------------------------------------------ memory budget
-    def _choose_memory_plan(self, inputs: Tensor, data_samples: OptSampleList) -> Plan:
-        """The first of :meth:`memory_plans` within ``test_cfg.max_memory`` (logged), kept in
-        ``last_memory_plan``."""
+    def _choose_memory_plan(self, inputs: Tensor, data_samples: OptSampleList,
+                            stream_only: bool = False) -> Plan:
+        """The first of :meth:`memory_plans` (the stream's only, for mode='stream') within
+        ``test_cfg.max_memory`` (logged), kept in ``last_memory_plan``."""
         budget_mb = read_budget_mb(self.test_cfg, type(self).__name__)  # before calibrating
-        plans = self.memory_plans(inputs, data_samples)
+        if stream_only:
+            metas = self._batch_img_metas(inputs, data_samples)
+            out = math.prod(self._output_hw(data_samples and metas[0], self._head_resize_size(
+                metas)))
+            plans = self._stream_plans(inputs.shape[2:], (INPUT_BYTES * inputs.numel() + (
+                LABEL_BYTES * out * inputs.shape[0])) / MB, budget_mb)
+        else:
+            plans = self.memory_plans(inputs, data_samples)
         B, _, H, W = inputs.shape
         self.last_memory_plans = plans
         self.last_memory_plan = None
@@ -799,7 +829,8 @@ class LeanEncoderDecoder(EncoderDecoder):
         stream = []
         if self._why_not_streamed() is None:
             labels_mb = sum(LABEL_BYTES * out for out, _, _ in self._image_terms(metas, head_hw))
-            stream = self._stream_plans((H, W), INPUT_BYTES * inputs.numel() / MB + labels_mb / MB)
+            held_mb = (INPUT_BYTES * inputs.numel() + labels_mb) / MB
+            stream = self._stream_plans((H, W), held_mb, self._test_option('max_memory', None))
         return [Plan('whole', whole_mb, f'({H}x{W} px)')] + stream + [
                 Plan('slide', slide_mb, f'({len(windows)} windows {win_hw[0]}x{win_hw[1]}, '
                      f'stride {stride[0]}x{stride[1]})')]
