@@ -118,8 +118,9 @@ TEST_CFG_KEYS = ('mode', 'lean', 'keep_seg_logits', 'lean_chunk_mb', 'crop_size'
                  'max_memory', 'memory_model', 'band_mb', 'token_maps', 'token_dir')
 STREAM_KEYS = ('band_mb', 'token_maps', 'token_dir')
 # The stream's band size when test_cfg.band_mb gives none: bands of many rows keep the share of
-# context rows and per-call costs small; under a budget it shrinks to fit, down to the minimum.
-STREAM_BAND_MB = 512
+# context rows and per-call costs small (a GPU's kernels want larger ones); under a budget it
+# shrinks to fit, down to the minimum.
+STREAM_BAND_MB = dict(cpu=512, cuda=4096)
 MIN_STREAM_BAND_MB = 32
 # The window of mode='auto' when neither test_cfg.crop_size nor data_preprocessor.size gives one:
 # mmseg's usual training crop; the stride is two thirds of the window, as in mmseg's slide
@@ -604,15 +605,17 @@ class LeanEncoderDecoder(EncoderDecoder):
         return plans
 
     def _stream_band_mb(self, budget_mb: Optional[float], fixed_mb: float) -> float:
-        """``test_cfg.band_mb`` if given; else ``STREAM_BAND_MB``, or under ``budget_mb`` the
-        largest band up to that which fits beside ``fixed_mb`` (at least the minimum)."""
+        """``test_cfg.band_mb`` if given; else ``STREAM_BAND_MB`` of the device, or under
+        ``budget_mb`` the largest band up to that which fits beside ``fixed_mb`` (at least the
+        minimum)."""
         given = self._test_option('band_mb', None)
         if given is not None:
             return given
+        default = STREAM_BAND_MB.get(next(self.parameters()).device.type, STREAM_BAND_MB['cpu'])
         if budget_mb is None:
-            return STREAM_BAND_MB
+            return default
         room = (budget_mb - fixed_mb) / STREAM_WORK_BANDS
-        return max(MIN_STREAM_BAND_MB, min(STREAM_BAND_MB, room))
+        return max(MIN_STREAM_BAND_MB, min(default, room))
 
     # ------------------------------------------------------------------ sliding windows
     def _slide_predict(self, inputs: Tensor, data_samples: OptSampleList,
