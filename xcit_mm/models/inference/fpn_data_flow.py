@@ -158,8 +158,10 @@ def why_not_bottom_in_bands(backbone, neck) -> Optional[str]:
         return (f'the backbone {type(backbone).__name__} cannot make its stride-4 level in '
                 'bands of rows (XCiTBackbone can)')
     side, patch = 64, backbone.patch_size
-    trunk = TensorRows(torch.zeros(1, backbone.out_channels[0], side // patch, side // patch))
-    top = TensorRows(torch.zeros(1, neck.out_channels, side // 8, side // 8))
+    device = next(backbone.parameters()).device
+    trunk = TensorRows(torch.zeros(1, backbone.out_channels[0], side // patch, side // patch,
+                                   device=device))
+    top = TensorRows(torch.zeros(1, neck.out_channels, side // 8, side // 8, device=device))
     try:
         fpn_bottom_rows(backbone, neck, trunk, top, (side, side))
     except NotRowLocal as error:

@@ -124,8 +124,9 @@ def why_not_streamed(backbone, neck, head) -> Optional[str]:
         return 'the FPN must take every backbone level and add none (start_level=0, num_outs)'
     if head.out_channels == 1:
         return 'a one-channel (sigmoid) head is thresholded, not an argmax: use mode whole'
-    side = 64
-    placeholders = [TensorRows(torch.zeros(1, channels, -(-side // stride), -(-side // stride)))
+    side, device = 64, next(head.parameters()).device
+    placeholders = [TensorRows(torch.zeros(1, channels, -(-side // stride), -(-side // stride),
+                                           device=device))
                     for channels, stride in zip(backbone.out_channels, backbone.strides)]
     try:
         with torch.no_grad():

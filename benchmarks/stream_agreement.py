@@ -1,0 +1,89 @@
+"""Labels and logits of the stream against the whole lean path on one image, at sizes where both
+fit: the share of pixels whose label differs and the largest logit difference.
+
+    python benchmarks/stream_agreement.py --device cuda --sizes 4096 8192 --out FILE.json
+
+Semantic FPN and UperNet with XCiT-S12/16 (the paper ADE20k configs, random weights), one seeded
+random image per size, both paths through ``LeanEncoderDecoder.predict`` on the same input.
+"""
+import argparse
+import json
+import os.path as osp
+import sys
+import time
+
+import torch
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+sys.path.insert(0, ROOT)
+CONFIGS = dict(sem_fpn='configs/sem_fpn_xcit_s12_p16_80k_ade20k.py',
+               upernet='configs/upernet_xcit_s12_p16_160k_ade20k.py')
+
+
+def agreement(model, size: int, device: str) -> dict:
+    """Whole and stream on one seeded image of ``size``²: labels and the head's logits."""
+    from xcit_mm.models.inference.row_stream import TokenMaps, TokenRows, materialize
+    from xcit_mm.models.inference.seg_stream import logits_rows
+    gen = torch.Generator(device=device).manual_seed(size)
+    x = torch.randn(1, 3, size, size, generator=gen, device=device)
+    row = dict(size=size)
+    with torch.no_grad():
+        model.test_cfg = dict(mode='whole')
+        logits = model._network_forward(x)
+        whole = model.predict(x)[0].pred_sem_seg.data
+        model.test_cfg = dict(mode='stream')
+        start = time.time()
+        stream = model.predict(x)[0].pred_sem_seg.data
+        row['stream_s'] = round(time.time() - start, 2)
+        row['labels_differ'] = int((whole != stream).sum())
+        row['labels_differ_share'] = row['labels_differ'] / whole.numel()
+        del whole, stream
+        with TokenMaps(x.device) as maps:
+            trunk = model.backbone.stream_trunk(lambda a, b: x[:, :, a:b], (size, size), maps,
+                                                model._stream_band_mb(None, 0))
+            streamed = materialize(logits_rows(model.backbone, getattr(model, 'neck', None),
+                                               model.decode_head, [TokenRows(m) for m in trunk],
+                                               (size, size)), model._stream_band_mb(None, 0))
+        row['logits_max_abs_diff'] = float((streamed - logits).abs().max())
+        row['logits_max_abs'] = float(logits.abs().max())
+    return row
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('--device', default='cpu')
+    p.add_argument('--sizes', type=int, nargs='+', default=[1024, 2048])
+    p.add_argument('--heads', nargs='+', default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument('--no-tf32', action='store_true',
+                   help="cuDNN convolutions in float32 (torch's default lets them use TF32)")
+    p.add_argument('--out', required=True)
+    args = p.parse_args(argv)
+    if args.no_tf32:
+        torch.backends.cudnn.allow_tf32 = False
+    from mmengine.config import Config
+    from mmseg.apis import init_model
+    rows = []
+    device = torch.cuda.get_device_name(0) if args.device.startswith('cuda') else 'cpu'
+    for head in args.heads:
+        cfg = Config.fromfile(osp.join(ROOT, CONFIGS[head]))
+        cfg.model.backbone.init_cfg = None
+        torch.manual_seed(0)
+        model = init_model(cfg, device=args.device)
+        for size in args.sizes:
+            try:
+                row = dict(head=head, **agreement(model, size, args.device))
+            except torch.OutOfMemoryError:
+                row = dict(head=head, size=size, status='oom')
+                torch.cuda.empty_cache()
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            with open(args.out, 'w') as f:  # after each row: a later one may not come
+                json.dump(dict(meta=dict(command=' '.join(sys.argv), device=device,
+                                         torch=torch.__version__,
+                                         cudnn_tf32=torch.backends.cudnn.allow_tf32),
+                               rows=rows), f, indent=1)
+        del model
+
+
+if __name__ == '__main__':
+    main()
