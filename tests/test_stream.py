@@ -139,6 +139,25 @@ def test_stream_labels_reads_rows_and_cleans_its_folder_on_error(tmp_path):
         assert os.listdir(tmp_path) == []
 
 
+def test_disk_token_maps_default_to_the_temporary_folder(tmp_path, monkeypatch):
+    """token_maps='disk' without token_dir: files in a fresh folder under the temporary folder,
+    removed afterwards; the maps are not in memory."""
+    import tempfile
+    from xcit_mm.models.inference import row_stream
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path))
+    made = []
+    real = row_stream.TokenMap.__init__
+
+    def spy(self, shape, device, folder=None):
+        made.append(folder)
+        real(self, shape, device, folder)
+
+    monkeypatch.setattr(row_stream.TokenMap, '__init__', spy)
+    _predict(_model(SEM_FPN, token_maps='disk'), torch.randn(1, 3, 64, 64), None)
+    assert made and all(f is not None and f.startswith(str(tmp_path)) for f in made), made
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_full_disk_names_the_token_dir(tmp_path, monkeypatch):
     model = _model(SEM_FPN, token_maps='disk', token_dir=str(tmp_path))
 

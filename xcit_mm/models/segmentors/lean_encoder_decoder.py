@@ -83,6 +83,7 @@ mmseg). Our ADE20k segmentation configs use it by default. ``test_cfg`` keys, al
 apply to, and any other key.
 """
 import math
+import tempfile
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -566,7 +567,8 @@ class LeanEncoderDecoder(EncoderDecoder):
             if progress is not None:
                 progress(min(done[0], total), total)
 
-        with TokenMaps(read_pixels(0, 1).device, token_dir if on_disk else None) as maps, \
+        folder = (token_dir or tempfile.gettempdir()) if on_disk else None
+        with TokenMaps(read_pixels(0, 1).device, folder) as maps, \
                 torch.no_grad():
             trunk = self.backbone.stream_trunk(read_pixels, image_hw, maps, band_mb,
                                                lambda: advance(out_hw[0] // layers))
