@@ -714,7 +714,7 @@ def make_parser() -> argparse.ArgumentParser:
     add('--child', help=argparse.SUPPRESS)
     add('--report', metavar='JSON', help='print the tables of an artifact and draw its plot')
     add('--png', help='where --report draws (default: the JSON path, .png)')
-    add('--also', metavar='JSON', help="--report: draw this artifact's stream rows too")
+    add('--also', metavar='JSON', help="--report: draw this artifact's stream rows (ok) too")
     add('--tasks', nargs='+', choices=TASKS, default=list(TASKS))
     add('--backbones', nargs='+', choices=BACKBONES, default=['xcit', 'swin', 'vit'])
     add('--paths', nargs='+', choices=PATHS, default=['stock', 'lean', 'bands'],
@@ -802,7 +802,8 @@ def main(argv=None):
             also = load_artifact(args.also)['rows'] if args.also else []
         except ValueError as e:
             parser.error(str(e))
-        plot(dict(artifact, rows=artifact['rows'] + [r for r in also if r['path'] in STREAMS]),
+        also = [r for r in also if r['path'] in STREAMS and r['status'] == 'ok']
+        plot(dict(artifact, rows=artifact['rows'] + also),
              args.png or osp.splitext(args.report)[0] + '.png')
         print(markdown(artifact), end='')
         return
