@@ -152,9 +152,10 @@ SLACK_MB = 16
 # The stream's working memory beyond its token maps: a fixed part (the coarse maps made whole,
 # kernels' scratch) and bands of band_mb (the trunk's band with its FFN hidden layer and the
 # layer's temporaries; or the row maps' kept rows, the band being made and its temporaries).
-# Upper bounds of the peaks measured with glibc's default malloc (docs/gigapixel.md).
+# Upper bounds of the peaks measured with glibc's default malloc (docs/gigapixel.md): at
+# 8192² two bands fell short (docs/results/gigapixel_cpu_auto_two_bands.json).
 STREAM_WORK_MB = 64
-STREAM_WORK_BANDS = 2
+STREAM_WORK_BANDS = 2.5
 # Bytes per input element that mmseg's doors (inference_model, the test loop) hold while predict
 # runs: the float batch and the packed uint8 image. They exist before predict, but the memory a
 # caller sees grow includes them, so every estimate counts them.
