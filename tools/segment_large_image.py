@@ -16,6 +16,7 @@ complete. A problem with the input, the output or the budget is one line on stde
 import argparse
 import errno
 import os.path as osp
+import signal
 import sys
 
 _REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
@@ -139,5 +140,10 @@ def main(argv=None) -> int:
     return 0
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # a batch system's SIGTERM cleans up as Ctrl-C does
+
+
 if __name__ == '__main__':
+    signal.signal(signal.SIGTERM, _interrupt)
     sys.exit(main())
