@@ -202,3 +202,20 @@ def test_a_part_that_cannot_run_by_rows_is_named():
     with pytest.raises(ValueError, match="mode='stream' cannot run: a part of the neck or head: "
                        'ConvModule: its GroupNorm normalises over the whole map'):
         _predict(model, torch.randn(1, 3, 64, 64), None)
+
+
+def test_the_band_follows_each_call_not_the_last_budget(monkeypatch):
+    """A budget shrinks the bands of that call only: the next call without one runs the
+    default bands (the plan carries its band; nothing is left on the model)."""
+    import xcit_mm.models.segmentors.lean_encoder_decoder as lean_module
+    bands = []
+    real = lean_module.stream_rows
+    monkeypatch.setattr(lean_module, 'stream_rows',
+                        lambda node, band_mb: bands.append(band_mb) or real(node, band_mb))
+    model = _model(SEM_FPN)
+    x = torch.randn(1, 3, 64, 64)
+    model.test_cfg.max_memory = 200
+    _predict(model, x, None)
+    model.test_cfg.pop('max_memory')
+    _predict(model, x, None)
+    assert bands[0] < lean_module.STREAM_BAND_MB['cpu'] == bands[1], bands

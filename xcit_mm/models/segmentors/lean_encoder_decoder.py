@@ -67,7 +67,8 @@ mmseg). Our ADE20k segmentation configs use it by default. ``test_cfg`` keys, al
 * 'stream' (Semantic FPN or UperNet on XCiT): the whole image's context in bounded memory. The
   trunk runs layer by layer over bands of token rows, and every later map is made a band of rows
   at a time (``xcit_mm/models/inference/row_stream.py``, ``seg_stream.py``); logits equal the
-  whole-map ones up to float rounding, not bit for bit. ``band_mb`` (default 64) sizes the bands;
+  whole-map ones up to float rounding, not bit for bit. ``band_mb`` (default 512 on the CPU, 4096
+  on a GPU; under ``max_memory`` as large as fits) sizes the bands;
   ``token_maps`` ('memory' or 'disk'; default memory, or what ``max_memory`` leaves room for)
   says where the trunk's token maps live, ``token_dir`` the folder of the disk ones (default the
   temporary folder; a subfolder is made and removed).
@@ -271,7 +272,6 @@ class LeanEncoderDecoder(EncoderDecoder):
         self.calibrated_memory_model: Optional[MemoryModel] = None
         self._release_heap = False  # set by each predict: mode='auto' (_step_done)
         self._head_geometry: Optional[Tuple[float, float, bool]] = None
-        self._planned_band_mb = {}  # the band each stream plan runs with (_stream_plans)
         self._check_test_cfg_keys()  # a misspelt key in the config fails at build
 
     # ------------------------------------------------------------------ settings
@@ -377,13 +377,14 @@ class LeanEncoderDecoder(EncoderDecoder):
         if not self._head_resize_is_stock():
             # full-size logits come from the inference itself: only the post-processing is lean
             return self._postprocess(self.inference(inputs, batch_img_metas), None, data_samples)
-        run = self._choose_memory_plan(inputs, data_samples).name if auto else mode
-        if mode == 'stream' and self._test_option('max_memory', None) is not None:
-            run = self._choose_memory_plan(inputs, data_samples, stream_only=True).name
+        plan = None  # mode='stream' within max_memory: where its token maps live
+        if auto or mode == 'stream' and self._test_option('max_memory', None) is not None:
+            plan = self._choose_memory_plan(inputs, data_samples, stream_only=not auto)
+        run = mode if plan is None else plan.name
         if run == 'slide':
             return self._slide_predict(inputs, data_samples, *self._slide_settings(auto))
         if run.startswith('stream'):
-            return self._stream_predict(inputs, data_samples, batch_img_metas, run)
+            return self._stream_predict(inputs, data_samples, batch_img_metas, plan)
         return self._whole_predict(inputs, batch_img_metas, data_samples)
 
     def _step_done(self) -> None:
@@ -514,12 +515,12 @@ class LeanEncoderDecoder(EncoderDecoder):
             rows = rows.float()
             return (rows - pre.mean) / pre.std if getattr(pre, '_enable_normalize', False) else rows
 
-        plan = 'stream'
+        plan = None
         if max_memory is not None:
             budget = read_budget_mb(dict(max_memory=max_memory), type(self).__name__)
             plans = self._stream_plans(image_hw, held_mb=0, budget_mb=budget)
             plan = choose_plan(plans, budget, f'{type(self).__name__} on {image_hw[0]}x'
-                               f'{image_hw[1]} px').name
+                               f'{image_hw[1]} px')
         was_training = self.training
         self.eval()
         try:
@@ -531,7 +532,7 @@ class LeanEncoderDecoder(EncoderDecoder):
             self.train(was_training)
 
     def _stream_predict(self, inputs: Tensor, data_samples: OptSampleList,
-                        batch_img_metas: List[dict], plan: str) -> SampleList:
+                        batch_img_metas: List[dict], plan: Optional[Plan]) -> SampleList:
         """mode='stream' (or the stream 'auto' chose): each image's labels made band by band
         into one (1, H, W) map, as stock's ``predict`` makes them."""
         head_hw = tuple(self._head_resize_size(batch_img_metas))
@@ -551,15 +552,17 @@ class LeanEncoderDecoder(EncoderDecoder):
             states.append(_RunningArgmax.of_labels(labels))
         return self._set_results(data_samples, states)
 
-    def _stream_bands(self, read_pixels, image_hw, head_hw, crop, out_hw, plan: str,
+    def _stream_bands(self, read_pixels, image_hw, head_hw, crop, out_hw, plan: Optional[Plan],
                       token_dir: Optional[str],
                       progress: Optional[Callable[[int, int], None]] = None
                       ) -> Iterator[Tuple[int, int, Tensor]]:
         """The stream of one image: the trunk into token maps (on disk for plan 'stream-disk'),
-        then the labels (rows, W) band by band. ``progress(done, total)``: the trunk's layers
-        count as half the work, the label rows as the other half."""
-        band_mb = self._planned_band_mb.get(plan) or self._stream_band_mb(None, 0)
-        on_disk = self._test_option('token_maps', None) == 'disk' or plan == 'stream-disk'
+        then the labels (rows, W) band by band, in bands of the plan's size (no plan: the
+        default, :meth:`_stream_band_mb`). ``progress(done, total)``: the trunk's layers count as
+        half the work, the label rows as the other half."""
+        band_mb = plan.band_mb if plan is not None else self._stream_band_mb(None, 0)
+        on_disk = (self._test_option('token_maps', None) == 'disk'
+                   or plan is not None and plan.name == 'stream-disk')
         layers = max(self.backbone.out_indices) + 1
         total, done = 2 * out_hw[0], [0]
 
@@ -569,7 +572,7 @@ class LeanEncoderDecoder(EncoderDecoder):
                 progress(min(done[0], total), total)
 
         folder = (token_dir or tempfile.gettempdir()) if on_disk else None
-        with TokenMaps(read_pixels(0, 1).device, folder) as maps, \
+        with TokenMaps(next(self.parameters()).device, folder) as maps, \
                 torch.no_grad():
             trunk = self.backbone.stream_trunk(read_pixels, image_hw, maps, band_mb,
                                                lambda: advance(out_hw[0] // layers))
@@ -601,10 +604,9 @@ class LeanEncoderDecoder(EncoderDecoder):
         plans = []
         for name, where, maps in (('stream', 'in memory', maps_mb), ('stream-disk', 'on disk', 0)):
             band_mb = self._stream_band_mb(budget_mb, fixed_mb + maps)
-            self._planned_band_mb[name] = band_mb
             plans.append(Plan(name, fixed_mb + maps + STREAM_WORK_BANDS * band_mb,
                               f'({kept} token maps of {maps_mb / kept:.0f} MB {where}, bands of '
-                              f'{band_mb:.0f} MB)'))
+                              f'{band_mb:.0f} MB)', band_mb))
         return plans
 
     def _stream_band_mb(self, budget_mb: Optional[float], fixed_mb: float) -> float:

@@ -192,11 +192,13 @@ def read_budget_mb(test_cfg, owner: str) -> float:
 
 
 class Plan(NamedTuple):
-    """One way to run an image: ``name`` ('whole', 'slide', 'tiles'), its peak estimate and a
-    few words on its pieces (window size and stride, tile grid) for the log."""
+    """One way to run an image: ``name`` ('whole', 'slide', 'tiles', 'stream', 'stream-disk'),
+    its peak estimate and a few words on its pieces (window size and stride, tile grid) for the
+    log; a stream's plan also carries the band size it runs with."""
     name: str
     estimate_mb: float
     detail: str = ''
+    band_mb: Optional[float] = None
 
 
 def choose_plan(plans: List[Plan], budget_mb: float, what: str) -> Plan:
