@@ -145,10 +145,14 @@ def fpn_bottom_rows(backbone, neck, trunk: RowMap, top: RowMap, image_hw) -> Row
     lateral conv, the sum with ``top`` (level 1's finished lateral sum) resized as the FPN
     resizes it, the FPN conv."""
     lateral = module_rows(neck.lateral_convs[0], backbone.level_rows(trunk, 0, image_hw))
-    cfg = neck.upsample_cfg
-    top_down = Resize(top, (lateral.height, lateral.width), cfg.get('mode', 'nearest'),
-                      cfg.get('align_corners'), interpolate_kwargs=cfg)
-    return module_rows(neck.fpn_convs[0], Combine(torch.add, lateral, top_down))
+    return module_rows(neck.fpn_convs[0], top_down_rows(lateral, top, neck.upsample_cfg))
+
+
+def top_down_rows(lateral: RowMap, top: RowMap, upsample_cfg: dict) -> RowMap:
+    """``lateral + resize(top)`` by rows, resized as mmdet's and mmseg's FPN resize it."""
+    top_down = Resize(top, (lateral.height, lateral.width), upsample_cfg.get('mode', 'nearest'),
+                      upsample_cfg.get('align_corners'), interpolate_kwargs=upsample_cfg)
+    return Combine(torch.add, lateral, top_down)
 
 
 def why_not_bottom_in_bands(backbone, neck) -> Optional[str]:

@@ -215,17 +215,15 @@ class TokenRows(RowMap):
 
 class Local(RowMap):
     """``fn`` of its source's rows with ``halo`` rows of context on each side (where the map has
-    them; beyond, the zero padding of ``fn`` itself), cropped to ``height`` x ``width``."""
+    them; beyond, the zero padding of ``fn`` itself); ``fn`` keeps the map's size."""
 
-    def __init__(self, fn: Callable[[Tensor], Tensor], source: RowMap, halo: int = 0,
-                 height: Optional[int] = None, width: Optional[int] = None):
-        super().__init__(source.height if height is None else height,
-                         source.width if width is None else width)
+    def __init__(self, fn: Callable[[Tensor], Tensor], source: RowMap, halo: int = 0):
+        super().__init__(source.height, source.width)
         self.fn, self.source, self.halo = fn, source, halo
 
     def _make(self, start: int, stop: int) -> Tensor:
         lo, hi = max(0, start - self.halo), min(self.source.height, stop + self.halo)
-        return self.fn(self.source.rows(lo, hi))[:, :, start - lo:stop - lo, :self.width]
+        return self.fn(self.source.rows(lo, hi))[:, :, start - lo:stop - lo]
 
 
 class Combine(RowMap):
@@ -441,7 +439,7 @@ def stream_rows(node: RowMap, band_mb: float, first_rows: int = 8) -> Iterator[T
     """``(start, stop, rows)`` of ``node`` band by band, top to bottom. The first band has
     ``first_rows`` rows; then each band has as many rows as keep near ``band_mb`` the band and
     the rows each map makes for it (a map of ``h`` rows makes ``h / height`` rows a band row),
-    as measured on the first band."""
+    as measured on the band before."""
     maps = maps_of(node)
     start, rows = 0, first_rows
     while start < node.height:

@@ -16,12 +16,9 @@ from mmseg.models.necks import FPN
 from mmseg.models.utils import Upsample
 from torch import Tensor
 
+from .fpn_data_flow import top_down_rows
 from .row_stream import (Combine, Crop, Local, NotRowLocal, Resize, RowMap, StreamedBackbone,
                          TensorRows, module_rows)
-
-
-def _add(a: Tensor, b: Tensor) -> Tensor:
-    return a + b
 
 
 def _cat(*maps: Tensor) -> Tensor:
@@ -32,12 +29,12 @@ def _argmax(logits: Tensor) -> Tensor:
     return logits.argmax(dim=1, keepdim=True)
 
 
-def _resized(source: RowMap, target: RowMap, mode: str, align_corners, **kwargs) -> RowMap:
-    """``source`` resized to ``target``'s size, or itself where the sizes agree (a resize to its
-    own size copies)."""
-    if (source.height, source.width) == (target.height, target.width) and mode == 'bilinear':
+def _resized(source: RowMap, target: RowMap, align_corners) -> RowMap:
+    """``source`` resized bilinearly to ``target``'s size, or itself where the sizes agree (a
+    resize to its own size copies)."""
+    if (source.height, source.width) == (target.height, target.width):
         return source
-    return Resize(source, (target.height, target.width), mode, align_corners, **kwargs)
+    return Resize(source, (target.height, target.width), 'bilinear', align_corners)
 
 
 def _branch_rows(branch, source: RowMap) -> RowMap:
@@ -54,17 +51,14 @@ def _branch_rows(branch, source: RowMap) -> RowMap:
 
 def semantic_fpn_rows(levels: Sequence[RowMap], neck: FPN, head: FPNHead) -> RowMap:
     """``FPNHead.forward(FPN.forward(levels))``: the logits at the head's stride, by rows."""
-    mode = neck.upsample_cfg.get('mode', 'nearest')
     lateral = [module_rows(conv, level) for conv, level in zip(neck.lateral_convs, levels)]
     for i in range(len(lateral) - 1, 0, -1):
-        lateral[i - 1] = Combine(_add, lateral[i - 1], _resized(
-            lateral[i], lateral[i - 1], mode, neck.upsample_cfg.get('align_corners'),
-            interpolate_kwargs=neck.upsample_cfg))
+        lateral[i - 1] = top_down_rows(lateral[i - 1], lateral[i], neck.upsample_cfg)
     outs = [module_rows(conv, lat) for conv, lat in zip(neck.fpn_convs, lateral)]
     output = _branch_rows(head.scale_heads[0], outs[0])
     for i in range(1, len(head.feature_strides)):
-        output = Combine(_add, output, _resized(_branch_rows(head.scale_heads[i], outs[i]),
-                                                output, 'bilinear', head.align_corners))
+        branch = _branch_rows(head.scale_heads[i], outs[i])
+        output = Combine(torch.add, output, _resized(branch, output, head.align_corners))
     return Local(head.cls_seg, output)
 
 
@@ -72,17 +66,16 @@ def upernet_rows(levels: Sequence[RowMap], head: UPerHead) -> RowMap:
     """``UPerHead.forward(levels)`` by rows; its pyramid pooling module reads the whole (small)
     coarsest level, and the pooled maps are resized by rows."""
     top = levels[-1].rows(0, levels[-1].height)
-    pooled = [TensorRows(top)] + [_resized(TensorRows(ppm(top)), levels[-1], 'bilinear',
+    pooled = [TensorRows(top)] + [_resized(TensorRows(ppm(top)), levels[-1],
                                            head.psp_modules.align_corners)
                                   for ppm in head.psp_modules]
     lateral = [module_rows(conv, level) for conv, level in zip(head.lateral_convs, levels)]
     lateral.append(module_rows(head.bottleneck, Combine(_cat, *pooled)))
     for i in range(len(lateral) - 1, 0, -1):
-        lateral[i - 1] = Combine(_add, lateral[i - 1], _resized(
-            lateral[i], lateral[i - 1], 'bilinear', head.align_corners))
+        lateral[i - 1] = top_down_rows(lateral[i - 1], lateral[i],
+                                       dict(mode='bilinear', align_corners=head.align_corners))
     outs = [module_rows(conv, lat) for conv, lat in zip(head.fpn_convs, lateral)] + lateral[-1:]
-    outs = [outs[0]] + [_resized(out, outs[0], 'bilinear', head.align_corners)
-                        for out in outs[1:]]
+    outs = [outs[0]] + [_resized(out, outs[0], head.align_corners) for out in outs[1:]]
     return Local(head.cls_seg, module_rows(head.fpn_bottleneck, Combine(_cat, *outs)))
 
 
