@@ -91,19 +91,14 @@ class FourierPositionEncoding(nn.Module):
         device = self.proj.weight.device
         code_y = self._axis_code(H, device)[start:stop, None, :].expand(-1, W, self.hidden_dims)
         code_x = self._axis_code(W, device)[None, :, :].expand(stop - start, W, self.hidden_dims)
+        # A 1x1 conv is a linear map over channels: apply it to the tokens directly.
         weight = self.proj.weight.flatten(1)
         return F.linear(torch.cat([code_y, code_x], dim=2).to(weight.dtype), weight, self.proj.bias)
 
     def forward(self, grid_hw: Tuple[int, int]) -> torch.Tensor:
         """Return the position embedding as tokens, shape (1, H*W, embed_dims)."""
         H, W = grid_hw
-        device = self.proj.weight.device
-        code_y = self._axis_code(H, device)[:, None, :].expand(H, W, self.hidden_dims)
-        code_x = self._axis_code(W, device)[None, :, :].expand(H, W, self.hidden_dims)
-        code = torch.cat([code_y, code_x], dim=2).reshape(1, H * W, 2 * self.hidden_dims)
-        # A 1x1 conv is a linear map over channels: apply it to the tokens directly.
-        weight = self.proj.weight.flatten(1)
-        return F.linear(code.to(weight.dtype), weight, self.proj.bias)
+        return self.rows(grid_hw, 0, H).reshape(1, H * W, -1)
 
 
 class ConvPatchEmbed(nn.Module):
@@ -324,8 +319,7 @@ class XCiTLayer(nn.Module):
             qk = qk + q.transpose(1, 2) @ k
             q_sq, k_sq = q_sq + (q * q).sum(1), k_sq + (k * k).sum(1)
             del y, q, k
-        mixing, _, _ = xca_mixing_of_sums(qk[None], q_sq.sqrt().clamp_min(1e-12)[None],
-                                          k_sq.sqrt().clamp_min(1e-12)[None],
+        mixing, _, _ = xca_mixing_of_sums(qk[None], q_sq.sqrt()[None], k_sq.sqrt()[None],
                                           attn.temperature.float(), attn.proj.weight.float())
         mixing = mixing[0].to(w_v.dtype)
         for start, stop, _, _ in row_bands(H, band_rows):

@@ -64,9 +64,10 @@ def xca_mixing(q: torch.Tensor, k: torch.Tensor, temperature: torch.Tensor,
 def xca_mixing_of_sums(qk: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
                        temperature: torch.Tensor, proj_weight: torch.Tensor):
     """XCA's ``(mixing, attn, cosine)`` (:func:`xca_mixing`) from its global sums over the tokens:
-    ``qk`` = q^T k (B, h, d, d) and the clamped column norms (B, h, d). A streamed trunk adds
-    them up band by band (``XCiTLayer.forward_streamed``)."""
+    ``qk`` = q^T k (B, h, d, d) and the column norms (B, h, d), clamped here. A streamed trunk
+    adds them up band by band (``XCiTLayer.forward_streamed``)."""
     B, h, d, _ = qk.shape
+    q_norm, k_norm = q_norm.clamp_min(_NORM_EPS), k_norm.clamp_min(_NORM_EPS)
     cosine = qk / (q_norm[..., :, None] * k_norm[..., None, :])
     attn = (cosine * temperature).softmax(dim=-1)  # (B, h, d_out, d_v)
     weight_t = proj_weight.t().reshape(h, d, h * d)  # W^T rows, per head
