@@ -297,13 +297,12 @@ class LeanEncoderDecoder(EncoderDecoder):
                 f"{name}: test_cfg.mode must be 'whole', 'slide', 'stream' or 'auto', got "
                 f'{mode!r}; e.g. --cfg-options model.test_cfg.mode=auto '
                 'model.test_cfg.max_memory=8000')
-        for key in ('max_memory', 'memory_model'):
-            if self._test_option(key, None) is not None and (
-                    mode not in ('auto', 'stream') or key == 'memory_model' and mode != 'auto'):
+        for key, modes in (('max_memory', ('auto', 'stream')), ('memory_model', ('auto', ))):
+            if self._test_option(key, None) is not None and mode not in modes:
                 raise ValueError(
-                    f"{name}: test_cfg.{key} is only read with mode='auto'"
-                    f"{' or stream' if key == 'max_memory' else ''}, but mode is {mode!r}; "
-                    f"set test_cfg.mode='auto' or remove test_cfg.{key}")
+                    f"{name}: test_cfg.{key} is only read with mode="
+                    f"{' or '.join(map(repr, modes))}, but mode is {mode!r}; set "
+                    f"test_cfg.mode='auto' or remove test_cfg.{key}")
         if mode in ('stream', 'auto') or any(
                 self._test_option(k, None) is not None for k in STREAM_KEYS):
             self._check_stream(mode)
