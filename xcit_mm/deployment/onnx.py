@@ -1,25 +1,10 @@
 # Copyright (c) xcit_mm contributors. All rights reserved.
 """ONNX export of XCiT models and its check against PyTorch with ONNX Runtime.
 
-What is exported (input: a normalised image batch ``image`` (B, 3, H, W), float32, i.e. after the
-config's ``data_preprocessor``: mean / std subtracted / divided, channels in the order the model
-was trained with; the values are written into the file's metadata):
-
-* an mmseg ``EncoderDecoder`` (Semantic FPN, UperNet, ...): ``logits`` (B, num_classes, H, W), the
-  per-class scores at the input size, what ``EncoderDecoder.encode_decode`` computes for whole
-  image inference (backbone, neck, decode head, bilinear resize to the input size);
-* an mmdet detector (Mask R-CNN, ...): backbone + neck, ``feat0`` ... ``featN`` (e.g. the 5 FPN
-  maps of Mask R-CNN), what ``extract_feat`` returns. The RPN / RoI heads (NMS, RoIAlign, data-
-  dependent shapes) are not exported.
-
-Exported with the TorchScript-based exporter (``torch.onnx.export(..., dynamo=False)``, opset 17).
-While it traces, :class:`~xcit_mm.models.XCiTBackbone` takes its traceable path (one matmul for
-the adapter's transposed convs instead of the hand-scheduled row blocks written in place, padding
-and cropping without Python branches on the size), which is what makes the file right at every
-size: the eager CPU path traced as it is gives a graph that only holds for the export size and
-reads wrong memory at others.
-
-``onnx`` / ``onnxruntime`` are imported only here, when needed (:func:`check_onnx_runtime`).
+The input is the normalised image batch ``image`` (B, 3, H, W); a segmentor exports ``logits``
+at the input size, a detector its backbone + neck (``feat0`` ...), see docs/deployment.md. The
+TorchScript exporter (``dynamo=False``) traces the backbone's traceable path, the one that holds
+at every size. ``onnx`` / ``onnxruntime`` are imported only when needed.
 """
 import copy
 import os
@@ -32,6 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.modules.utils import _pair
 
 DEFAULT_OPSET = 17
 DEFAULT_TOLERANCE = 1e-4
@@ -44,34 +30,23 @@ class ExportError(ValueError):
 
 
 def check_onnx_runtime(need_runtime: bool = True):
-    """Import ``onnx`` (and ``onnxruntime``); raise :class:`ImportError` with the install command
-    when they are missing.
-
-    Returns:
-        tuple: ``(onnx, onnxruntime or None)``.
-    """
+    """``(onnx, onnxruntime or None)``; an :class:`ImportError` naming the install command."""
     try:
         import onnx
     except ImportError as e:
         raise ImportError(f'ONNX export needs the onnx package: {INSTALL_HINT}') from e
-    ort = None
-    if need_runtime:
-        try:
-            import onnxruntime as ort
-        except ImportError as e:
-            raise ImportError(f'--verify needs onnxruntime: {INSTALL_HINT}') from e
-    return onnx, ort
+    if not need_runtime:
+        return onnx, None
+    try:
+        import onnxruntime
+    except ImportError as e:
+        raise ImportError(f'--verify needs onnxruntime: {INSTALL_HINT}') from e
+    return onnx, onnxruntime
 
 
-# --------------------------------------------------------------------------------------------
-# the exported modules
-# --------------------------------------------------------------------------------------------
 class SegmentorLogits(nn.Module):
-    """An mmseg ``EncoderDecoder`` as image -> per-class logits at the input size.
-
-    ``EncoderDecoder.encode_decode`` for whole-image inference, without the image metas: the
-    decode head's logits resized (bilinear, the head's ``align_corners``) to the input size.
-    """
+    """An mmseg ``EncoderDecoder`` as image -> logits resized to the input size, i.e.
+    ``encode_decode`` for whole-image inference without the image metas."""
 
     def __init__(self, segmentor: nn.Module):
         super().__init__()
@@ -108,24 +83,11 @@ def build_export_model(config, checkpoint: Optional[str] = None,
                        cfg_options: Optional[dict] = None) -> nn.Module:
     """The module to export for a config (and checkpoint), in eval mode on the CPU.
 
-    Built with upstream's ``mmdet.apis.init_detector`` / ``mmseg.apis.init_model`` and loaded with
-    mmengine's ``load_checkpoint``: ``import xcit_mm`` makes that read safe (the one reader,
-    :mod:`xcit_mm.models.utils.checkpoint_io`) and a file of another model or task an error.
-    Without a checkpoint the weights are the random initialisation (nothing is downloaded).
-
-    Returns:
-        :class:`SegmentorLogits` or :class:`DetectorFeatures`, with the attributes ``task``
-        (``'seg'`` / ``'det'``), ``output_names``, ``metadata`` (str -> str, written into the
-        file) and ``model`` (the detector / segmentor).
-
-    Raises:
-        FileNotFoundError: The config does not exist.
-        TypeError: ``config`` is neither a path nor an mmengine ``Config``.
-        ExportError: The file is no config, or the config is not an mmseg ``EncoderDecoder`` or
-            an mmdet detector with a neck.
-        ValueError: The config's model is neither an mmdet detector nor an mmseg segmentor.
-        xcit_mm.models.utils.checkpoint_io.CheckpointError: A missing, unreadable, unsafe
-            checkpoint, or one of another model.
+    Built by ``mmdet.apis.init_detector`` / ``mmseg.apis.init_model``, the checkpoint (if any)
+    read by mmengine's ``load_checkpoint``, which ``import xcit_mm`` makes safe. Returns a
+    :class:`SegmentorLogits` or :class:`DetectorFeatures` with the attributes ``task``,
+    ``output_names`` and ``metadata`` (written into the file). Raises FileNotFoundError,
+    TypeError, ExportError / ValueError (no supported model) and ``CheckpointError``.
     """
     from mmengine.model import revert_sync_batchnorm
     from mmengine.runner import load_checkpoint
@@ -188,17 +150,9 @@ def build_export_model(config, checkpoint: Optional[str] = None,
     return wrapper.eval()
 
 
-# --------------------------------------------------------------------------------------------
-# export
-# --------------------------------------------------------------------------------------------
 def _upsample_traceable(self, x: torch.Tensor) -> torch.Tensor:
-    """mmseg ``Upsample.forward`` without Python ints of the size.
-
-    Upstream computes ``size = [int(t * scale_factor) for t in x.shape[-2:]]``: ``int()`` of a
-    traced size is a constant, so the graph would resize to the export size's maps at every
-    size. ``recompute_scale_factor=True`` gives the same output size (floor) and the same sampling
-    (input / output ratio) from the traced sizes.
-    """
+    """mmseg ``Upsample.forward`` without ``int()`` of the traced size (a constant in the
+    graph); ``recompute_scale_factor=True`` gives the same output size and sampling."""
     if self.size:
         return F.interpolate(x, self.size, None, self.mode, self.align_corners)
     return F.interpolate(x, scale_factor=self.scale_factor, mode=self.mode,
@@ -217,14 +171,10 @@ def _pool_matrix(length: torch.Tensor, bins: int, like: torch.Tensor) -> torch.T
 
 
 def _adaptive_avg_pool_traceable(self, x: torch.Tensor) -> torch.Tensor:
-    """``nn.AdaptiveAvgPool2d`` as two matmuls with averaging matrices built from the traced
-    input size: the exporter's own ``adaptive_avg_pool2d`` needs static sizes (UperNet's
-    pyramid pooling module would not export with dynamic axes)."""
-    out_h, out_w = (self.output_size, self.output_size) if isinstance(self.output_size, int) \
-        else self.output_size
+    """``nn.AdaptiveAvgPool2d`` as two matmuls with averaging matrices of the traced size (the
+    exporter's own op needs static sizes)."""
     H, W = x.shape[-2:]
-    out_h = H if out_h is None else out_h
-    out_w = W if out_w is None else out_w
+    out_h, out_w = (H if o is None else o for o in _pair(self.output_size))
     rows = _pool_matrix(torch.as_tensor(H), int(out_h), x)  # (out_h, H)
     cols = _pool_matrix(torch.as_tensor(W), int(out_w), x)  # (out_w, W)
     return torch.matmul(torch.matmul(rows, x), cols.t())
@@ -232,23 +182,16 @@ def _adaptive_avg_pool_traceable(self, x: torch.Tensor) -> torch.Tensor:
 
 @contextmanager
 def traceable_upstream_modules(model: nn.Module):
-    """Inside the block, modules of ``model`` whose upstream forward does not trace for dynamic
-    sizes run an equivalent forward that does (instance attributes, removed on exit):
-    mmseg's ``Upsample`` (Semantic FPN's head) -> :func:`_upsample_traceable`;
-    ``nn.AdaptiveAvgPool2d`` (UperNet's pyramid pooling) -> :func:`_adaptive_avg_pool_traceable`.
-    ``verify_onnx`` compares the file with the unpatched model, which checks the equivalence."""
+    """Inside the block, mmseg's ``Upsample`` and ``nn.AdaptiveAvgPool2d`` modules of ``model``
+    run the traceable forwards above (``verify_onnx`` checks them against the unpatched model)."""
+    from mmseg.models.utils import Upsample
+    forwards = {Upsample: _upsample_traceable, nn.AdaptiveAvgPool2d: _adaptive_avg_pool_traceable}
     patched = []
-    try:
-        from mmseg.models.utils import Upsample
-    except ImportError:  # pragma: no cover - mmseg is installed with xcit_mm
-        Upsample = ()
     for module in model.modules():
-        if Upsample and isinstance(module, Upsample):
-            module.forward = types.MethodType(_upsample_traceable, module)
-            patched.append(module)
-        elif isinstance(module, nn.AdaptiveAvgPool2d):
-            module.forward = types.MethodType(_adaptive_avg_pool_traceable, module)
-            patched.append(module)
+        for cls, forward in forwards.items():
+            if isinstance(module, cls):
+                module.forward = types.MethodType(forward, module)
+                patched.append(module)
     try:
         yield model
     finally:
@@ -265,20 +208,8 @@ def _check_shape(shape: Sequence[int], what: str = '--shape') -> Tuple[int, int]
 
 def export_onnx(model: nn.Module, out_file: str, shape: Sequence[int], dynamic: bool = False,
                 opset: int = DEFAULT_OPSET, batch: int = 1) -> str:
-    """Export ``model`` (from :func:`build_export_model`) to ``out_file``.
-
-    Args:
-        model: The module; its ``output_names`` and ``metadata`` are used when present.
-        out_file: The ``.onnx`` path (its folder is created).
-        shape: Export size ``(H, W)``.
-        dynamic: Batch, height and width as dynamic axes (any size >= 32 px then runs); else the
-            file takes exactly ``(batch, 3, H, W)``.
-        opset: ONNX opset (default 17).
-        batch: Batch of the traced example.
-
-    Returns:
-        str: ``out_file``.
-    """
+    """Export ``model`` (from :func:`build_export_model`) traced at ``batch`` x 3 x ``shape`` to
+    ``out_file``; ``dynamic``: batch, height and width as dynamic axes. Returns ``out_file``."""
     onnx, _ = check_onnx_runtime(need_runtime=False)
     h, w = _check_shape(shape)
     names = list(getattr(model, 'output_names', None) or ['output'])
@@ -290,16 +221,14 @@ def export_onnx(model: nn.Module, out_file: str, shape: Sequence[int], dynamic: 
         os.makedirs(osp.dirname(out_file), exist_ok=True)
     example = torch.randn(batch, 3, h, w, generator=torch.Generator().manual_seed(0))
     model.eval()
-    with torch.no_grad(), warnings.catch_warnings():
-        # size checks and asserts of the model read traced sizes as Python values: harmless here
-        # (the values do not shape the graph), but each one warns
+    with torch.no_grad(), warnings.catch_warnings(), traceable_upstream_modules(model):
+        # the model's size checks read traced sizes as Python values: harmless, but each warns
         warnings.simplefilter('ignore', torch.jit.TracerWarning)
         warnings.filterwarnings('ignore', category=DeprecationWarning)
         warnings.filterwarnings('ignore', message='.*dynamo=False.*')
-        with traceable_upstream_modules(model):
-            torch.onnx.export(model, (example,), out_file, dynamo=False, opset_version=opset,
-                              input_names=['image'], output_names=names, dynamic_axes=axes,
-                              do_constant_folding=True)
+        torch.onnx.export(model, (example,), out_file, dynamo=False, opset_version=opset,
+                          input_names=['image'], output_names=names, dynamic_axes=axes,
+                          do_constant_folding=True)
     proto = onnx.load(out_file)
     for key, value in dict(getattr(model, 'metadata', {}),
                            **{'xcit_mm.export_shape': f'{h}x{w}',
@@ -311,9 +240,6 @@ def export_onnx(model: nn.Module, out_file: str, shape: Sequence[int], dynamic: 
     return out_file
 
 
-# --------------------------------------------------------------------------------------------
-# ONNX Runtime
-# --------------------------------------------------------------------------------------------
 def onnx_session(onnx_file: str, threads: Optional[int] = None):
     """An ONNX Runtime CPU session; ``threads`` intra-op threads (default: torch's count)."""
     _, ort = check_onnx_runtime()
@@ -333,8 +259,7 @@ def run_onnx(session, image: torch.Tensor) -> List[torch.Tensor]:
 
 def other_shape(shape: Sequence[int]) -> Tuple[int, int]:
     """The second size ``--verify`` checks a dynamic file at: 32 px more rows, 16 px fewer
-    columns (16 more where that would drop under 64), so that the width is no multiple of 32 and
-    the padded path of the backbone runs."""
+    columns (16 more under 64), so that the backbone's padded path runs."""
     h, w = shape
     return h + 32, (w - 16 if w - 16 >= 64 else w + 16)
 
@@ -342,16 +267,12 @@ def other_shape(shape: Sequence[int]) -> Tuple[int, int]:
 def verify_onnx(model: nn.Module, onnx_file: str, shapes: Sequence[Sequence[int]],
                 tolerance: float = DEFAULT_TOLERANCE, threads: Optional[int] = None,
                 batch: int = 1, seed: int = 0) -> List[Dict]:
-    """Compare the file run by ONNX Runtime with ``model`` run by PyTorch (eager), per size.
-
-    The image is random normal (seeded). Per output: ``max_abs`` = max |onnx - torch| and
-    ``max_rel`` = max_abs / max |torch| (relative to the output's scale; per-element ratios are
-    meaningless where the reference crosses zero). A size passes when every output has the
-    reference's shape and ``max_rel <= tolerance``.
-
-    Returns:
-        list: One dict per size: ``shape``, ``outputs`` (list of dicts ``name``, ``shape``,
-        ``max_abs``, ``max_rel``), ``max_abs``, ``max_rel`` (the worst output), ``ok``.
+    """Compare the file run by ONNX Runtime with ``model`` run by PyTorch, per size, on a seeded
+    random image. ``max_rel`` = max |onnx - torch| / max |torch| (per-element ratios are
+    meaningless where the reference crosses zero); a size is ``ok`` when every output has the
+    reference's shape and ``max_rel <= tolerance``. Returns one dict per size: ``shape``,
+    ``outputs`` (``name``, ``shape``, ``max_abs``, ``max_rel``), the worst ``max_abs`` /
+    ``max_rel`` and ``ok``.
     """
     session = onnx_session(onnx_file, threads)
     names = [o.name for o in session.get_outputs()]
@@ -366,15 +287,11 @@ def verify_onnx(model: nn.Module, onnx_file: str, shapes: Sequence[Sequence[int]
         got = run_onnx(session, image)
         outputs, ok = [], len(ref) == len(got)
         for name, r, g in zip(names, ref, got):
-            if tuple(r.shape) != tuple(g.shape):
-                outputs.append(dict(name=name, shape=list(g.shape), want_shape=list(r.shape),
-                                    max_abs=float('inf'), max_rel=float('inf')))
-                ok = False
-                continue
-            max_abs = (g - r).abs().max().item()
+            same = r.shape == g.shape
+            max_abs = (g - r).abs().max().item() if same else float('inf')
             max_rel = max_abs / max(r.abs().max().item(), 1e-12)
-            outputs.append(dict(name=name, shape=list(r.shape), max_abs=max_abs,
-                                max_rel=max_rel))
+            outputs.append(dict(name=name, shape=list(g.shape), max_abs=max_abs, max_rel=max_rel,
+                                **({} if same else dict(want_shape=list(r.shape)))))
             ok = ok and max_rel <= tolerance
         results.append(dict(shape=[h, w], outputs=outputs,
                             max_abs=max(o['max_abs'] for o in outputs),
