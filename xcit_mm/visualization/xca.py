@@ -1,22 +1,10 @@
 # Copyright (c) xcit_mm contributors. All rights reserved.
 """What XCiT's cross-covariance attention (XCA) looks at: per-head maps and their PNG grid.
 
-For every chosen layer and head (paper Figure D.2 and Section 3):
-
-* ``|q̂|``: for each patch token, the L2 norm over the head's d channels of the queries q̂
-  (queries L2-normalised along the token axis), on the (Hp, Wp) patch grid;
-* ``|k̂|``: the same for the keys;
-* ``XCA``: the d x d channel attention ``softmax(q̂ k̂ᵀ · τ)`` (rows: query channels).
-
-:func:`xca_maps` computes them from ``XCiTBackbone.capture_xca``; :func:`draw_grid` draws them;
-:func:`visualize_xca` does image -> backbone -> PNG. Every map has its own min-max colour scale
-(viridis for norms, magma for attention), printed under it as ``min .. max``.
-
-Figure layout (pixels, at :data:`DPI`): ``1 + heads`` columns (the image, then one per head) of
-``cell`` x ``cell`` cells and ``3 x len(layers)`` rows, plus a left margin of :data:`LEFT_PX` for
-the row titles and a top margin of :data:`TOP_PX` for the title and the column titles:
-``width = LEFT_PX + cell * (1 + heads)``, ``height = TOP_PX + cell * 3 * len(layers)``
-(:func:`figure_size`). The title gives the image and the patch grid both as H x W.
+Per chosen layer and head (paper Figure D.2): ``|q̂|`` and ``|k̂|``, the L2 norm of each patch
+token's normalised query / key over the head's d channels, on the patch grid, and ``XCA``, the
+d x d channel attention ``softmax(q̂ k̂ᵀ · τ)``. Each map has its own min-max colour scale, printed
+under it. Layout: :func:`figure_size`; docs/visualisation.md.
 """
 import os
 import os.path as osp
@@ -40,23 +28,9 @@ class XCAFigure(NamedTuple):
     png_size: Tuple[int, int]  #: (width, height) of the PNG, as :func:`figure_size`
 
 
-# --------------------------------------------------------------------------------------------
-# image
-# --------------------------------------------------------------------------------------------
 def load_image(spec: str) -> Tuple[np.ndarray, str]:
-    """Load an RGB image from a file or one of the offline sample photos.
-
-    Args:
-        spec: Image path, or a name in :data:`SAMPLE_IMAGES` (``grace_hopper`` comes with
-            matplotlib, the others with scikit-image).
-
-    Returns:
-        ``(image, name)``: an (H, W, 3) uint8 RGB array and a short name for titles.
-
-    Raises:
-        FileNotFoundError: If ``spec`` is neither a file nor a sample name.
-        ValueError: If the file cannot be decoded as an image (the message names it).
-    """
+    """``(image, name)``: an (H, W, 3) uint8 RGB array and a short name, from an image file or
+    a name in :data:`SAMPLE_IMAGES` (offline: matplotlib's and scikit-image's sample photos)."""
     if osp.isfile(spec):
         import cv2
         data = np.fromfile(spec, dtype=np.uint8)
@@ -101,25 +75,16 @@ def resize_longer_side(img: np.ndarray, size: int) -> np.ndarray:
 
 def to_tensor(img_rgb: np.ndarray, mean: Sequence[float], std: Sequence[float],
               rgb: bool = True):
-    """Normalise an (H, W, 3) uint8 RGB image into a (1, 3, H, W) float tensor.
-
-    ``mean`` / ``std`` are in the model's channel order; ``rgb=False`` feeds BGR.
-    """
+    """(H, W, 3) uint8 RGB -> normalised (1, 3, H, W) tensor; ``mean`` / ``std`` in the model's
+    channel order, ``rgb=False`` feeds BGR."""
     import torch
     img = img_rgb if rgb else img_rgb[..., ::-1]
     x = (img.astype(np.float32) - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
     return torch.from_numpy(np.ascontiguousarray(x.transpose(2, 0, 1)))[None]
 
 
-# --------------------------------------------------------------------------------------------
-# maps
-# --------------------------------------------------------------------------------------------
 def resolve_layers(layers: Optional[Sequence[int]], num_layers: int) -> List[int]:
-    """Validate layer indices (negative ones count from the end); default first/middle/last.
-
-    Raises:
-        ValueError: If an index is out of range.
-    """
+    """Layer indices checked (negative ones count from the end); default first/middle/last."""
     if not layers:
         layers = [0, num_layers // 2 - 1, num_layers - 1] if num_layers > 2 else \
             list(range(num_layers))
@@ -135,75 +100,32 @@ def resolve_layers(layers: Optional[Sequence[int]], num_layers: int) -> List[int
 
 
 def xca_maps(backbone, x, layers: Sequence[int]) -> Dict[int, Dict[str, np.ndarray]]:
-    """Run the trunk once and turn the captured XCA tensors into per-head maps.
-
-    Uses ``backbone.capture_xca(layers)``; for each layer the captured ``q`` / ``k`` are
-    (B, h, d, N) L2-normalised along N, ``attn`` is (B, h, d, d), ``grid`` is (Hp, Wp).
-
-    Args:
-        backbone: An ``XCiTBackbone``.
-        x: (1, 3, H, W) normalised image tensor.
-        layers: 0-based layer indices.
-
-    Returns:
-        ``{layer: dict(q_norm=(h, Hp, Wp), k_norm=(h, Hp, Wp), attn=(h, d, d), grid=(Hp, Wp))}``
-        as float numpy arrays, for the first image of the batch.
-    """
+    """One trunk pass under ``backbone.capture_xca``, for the first image of ``x``:
+    ``{layer: dict(q_norm=(h, Hp, Wp), k_norm=(h, Hp, Wp), attn=(h, d, d), grid=(Hp, Wp))}``."""
     import torch
     with torch.no_grad(), backbone.capture_xca(list(layers)) as record:
         backbone.forward_trunk(x)
     maps = {}
     for layer in layers:
-        if layer not in record:
-            raise RuntimeError(f'capture_xca recorded nothing for layer {layer}')
         rec = record[layer]
         hp, wp = rec['grid']
-        q, k, attn = rec['q'][0].float(), rec['k'][0].float(), rec['attn'][0].float()
-        heads = q.shape[0]
-        maps[layer] = dict(
-            q_norm=q.norm(dim=1).reshape(heads, hp, wp).cpu().numpy(),
-            k_norm=k.norm(dim=1).reshape(heads, hp, wp).cpu().numpy(),
-            attn=attn.cpu().numpy(),
-            grid=(int(hp), int(wp)))
+        norms = {f'{n}_norm': rec[n][0].float().norm(dim=1).reshape(-1, hp, wp).cpu().numpy()
+                 for n in 'qk'}
+        maps[layer] = dict(norms, attn=rec['attn'][0].float().cpu().numpy(),
+                           grid=(int(hp), int(wp)))
     return maps
 
 
-# --------------------------------------------------------------------------------------------
-# figure
-# --------------------------------------------------------------------------------------------
 def figure_size(num_layers: int, num_heads: int, cell: int = 160) -> Tuple[int, int]:
-    """Pixel size ``(width, height)`` of the grid PNG (the order of ``PIL.Image.size``).
-
-    Args:
-        num_layers: Number of visualised layers (3 rows each).
-        num_heads: Number of heads (one column each, after the image column).
-        cell: Cell side in pixels.
-    """
+    """``(width, height)`` of the grid PNG (as ``PIL.Image.size``): the image column and one per
+    head, 3 rows per layer, of ``cell`` px, plus the title margins."""
     return LEFT_PX + cell * (1 + num_heads), TOP_PX + cell * 3 * num_layers
-
-
-def xca_title(source: str, image_name: str, image_hw: Tuple[int, int],
-              grid_hw: Tuple[int, int]) -> str:
-    """The figure title; the image and the patch grid are both given as H x W, and say so."""
-    return (f'XCA of {source} on {image_name}: image {image_hw[0]}x{image_hw[1]} px, '
-            f'patch grid {grid_hw[0]}x{grid_hw[1]} (both HxW)')
 
 
 def draw_grid(image: np.ndarray, maps: Dict[int, Dict[str, np.ndarray]], out_file: str,
               cell: int = 160, title: str = '', progress: bool = False) -> Tuple[int, int]:
-    """Draw the image, the |q̂| / |k̂| norm maps and the XCA matrices as one PNG.
-
-    Args:
-        image: (H, W, 3) uint8 RGB image that went through the network.
-        maps: Output of :func:`xca_maps`.
-        out_file: PNG path (folders are created).
-        cell: Cell side in pixels (each map is fitted into its cell, aspect kept).
-        title: Figure title, also written as the PNG's ``Title`` metadata.
-        progress: Show a tqdm bar over layers (useful for many layers / heads).
-
-    Returns:
-        The PNG's ``(width, height)`` in pixels, equal to :func:`figure_size`.
-    """
+    """Draw ``image`` and its :func:`xca_maps` as one PNG (``title`` also its ``Title``
+    metadata); returns its :func:`figure_size`."""
     import matplotlib
     matplotlib.use('Agg', force=False)
     import matplotlib.pyplot as plt
@@ -241,8 +163,7 @@ def draw_grid(image: np.ndarray, maps: Dict[int, Dict[str, np.ndarray]], out_fil
             fig.text(8 / width, (height - TOP_PX - (row + 0.5) * cell) / height,
                      f'layer {layer}\n{label}', ha='left', va='center', fontsize=fs * 0.9)
             if key != 'attn':
-                ax = axes_at(row, 0)
-                ax.imshow(image)
+                axes_at(row, 0).imshow(image)
             for h in range(heads):
                 ax = axes_at(row, 1 + h)
                 m = maps[layer][key][h]
@@ -264,25 +185,9 @@ def visualize_xca(image: str, model: str, out_file: str, arch: Union[str, dict] 
                   patch_size: int = 16, checkpoint: Optional[str] = None,
                   layers: Optional[Sequence[int]] = None, size: int = 512, cell: int = 160,
                   device: str = 'cpu', progress: bool = False) -> XCAFigure:
-    """Load an image and a backbone, capture XCA at ``layers`` and write the grid PNG.
-
-    Args:
-        image: Image path or sample name (see :func:`load_image`).
-        model: Config, checkpoint or ``'random'`` (see :func:`xcit_mm.apis.init_backbone`).
-        out_file: Output PNG.
-        arch: Arch for checkpoint / random models.
-        patch_size: Patch size for checkpoint / random models.
-        checkpoint: Weights for a config's (or a random model's) backbone.
-        layers: Layer indices (default: first, middle, last).
-        size: Longer image side fed to the network (0: unchanged).
-        cell: Figure cell size in pixels.
-        device: Torch device.
-        progress: Show a progress bar while drawing.
-
-    Raises:
-        FileNotFoundError / ValueError: a bad image, config or argument;
-        CheckpointError: a bad checkpoint, before the backbone is built.
-    """
+    """Image (resized to a longer side of ``size``) -> backbone (``model``: a config, checkpoint
+    or ``'random'``, see ``init_backbone``) -> XCA grid PNG at ``layers``. Raises
+    FileNotFoundError / ValueError for a bad input, CheckpointError before building."""
     from xcit_mm.apis import init_backbone
     img, name = load_image(image)
     img = resize_longer_side(img, size)
@@ -298,13 +203,8 @@ def visualize_xca(image: str, model: str, out_file: str, arch: Union[str, dict] 
     if checkpoint:
         src += f' + {osp.basename(checkpoint)}'
     image_hw = (int(img.shape[0]), int(img.shape[1]))
-    title = xca_title(src, name, image_hw, grid_hw)
+    # the image and the patch grid both as H x W, saying so
+    title = (f'XCA of {src} on {name}: image {image_hw[0]}x{image_hw[1]} px, '
+             f'patch grid {grid_hw[0]}x{grid_hw[1]} (both HxW)')
     png_size = draw_grid(img, maps, out_file, cell=cell, title=title, progress=progress)
     return XCAFigure(maps, title, image_hw, grid_hw, png_size)
-
-
-__all__ = [
-    'DPI', 'LEFT_PX', 'SAMPLE_IMAGES', 'TOP_PX', 'XCAFigure', 'draw_grid', 'figure_size',
-    'load_image', 'resize_longer_side', 'resolve_layers', 'to_tensor', 'visualize_xca',
-    'xca_maps', 'xca_title'
-]
