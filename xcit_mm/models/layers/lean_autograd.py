@@ -1,32 +1,19 @@
 """Memory-lean autograd for the XCiT layer and the adapter's 2x upsampling.
 
-Plain autograd keeps every intermediate an op needs for its backward: per XCiT layer the three
-LayerNorm outputs, copies of q and k, the LPI's conv / GELU / BN outputs, both sides of the FFN's
-GELU and the three branch outputs (for the layer-scale gradients). At COCO resolution they are
-most of a Mask R-CNN training step's peak. The functions here keep only what is expensive to
-recompute and re-derive the rest in the backward:
+Plain autograd keeps every intermediate of an XCiT layer for the backward, most of a training
+step's peak at detection resolution. These functions keep only what is expensive to recompute:
 
-* :func:`xca_residual` ``x + gamma * XCA(LN(x))``: keeps ``x`` and the qkv projection (plus the
-  small (d x d) attention matrices). LN is recomputed from ``x``, the gradient is hand-derived.
-* :func:`recomputed_residual` for ``x + gamma * LPI(LN(x))``: keeps only ``x``. The branch is all
-  cheap ops (LayerNorm, two depthwise 3x3 convs, GELU, a norm layer), so the backward re-runs it
-  under autograd, with the batch norm's running statistics left alone by the re-run, so they are
-  updated once per step.
-* :func:`ffn_residual` ``x + gamma * FFN(LN(x))``: keeps ``x`` and the pre-GELU hidden layer; the
-  GELU output and LN are recomputed, the gradient is hand-derived.
-* :func:`up2_blockwise`: the adapter's last 2x transposed conv, written block by block into an
-  NCHW or channels-last map, with a backward that reads the gradient block by block too (the
-  in-place block writes under plain autograd clone the whole output gradient once per block).
+* :func:`xca_residual` ``x + gamma * XCA(LN(x))`` keeps ``x`` and qkv (plus the d x d attention);
+* :func:`ffn_residual` ``x + gamma * FFN(LN(x))`` keeps ``x`` and the pre-GELU hidden layer;
+  both recompute LN (and GELU) and hand-derive the gradient;
+* :func:`recomputed_residual` (the LPI branch, cheap ops only) keeps ``x`` and re-runs the branch
+  under autograd in the backward, its batch norm statistics frozen for the re-run;
+* :func:`up2_blockwise` writes the adapter's last 2x transposed conv, and reads its gradient,
+  block by block.
 
-The layer-scale gradient needs no saved branch output: for a branch ending in a linear map
-``y = a W^T + b``, ``sum_n dy_n * y_n = (dy^T a) . W + b sum_n dy_n`` reuses ``dy^T a``, which the
-weight gradient computes anyway. Drop-path enters as a per-sample ``scale`` (B, 1, 1) multiplying
-gamma: the same draws as mmcv's ``DropPath`` on the branch.
-
-Gradients equal plain autograd of the module code (tests/test_gradients.py compares every
-parameter's gradient with mmpretrain's XCiT in float64). Used in eager mode with gradients on and
-autocast off; :class:`~xcit_mm.models.backbones.xcit.XCiTLayer` falls back to the module code
-otherwise (inference, ``torch.compile``, ONNX export, autocast).
+The layer-scale gradient reuses ``dy^T a`` of the branch's last linear map instead of a saved
+branch output; drop-path enters as a per-sample ``scale`` multiplying gamma. Gradients equal plain
+autograd (tests/test_gradients.py); ``XCiTLayer`` uses them in eager training without autocast.
 """
 from contextlib import contextmanager
 from typing import Callable, Optional, Sequence, Tuple
@@ -41,19 +28,10 @@ _NORM_EPS = 1e-12  # as F.normalize: the q / k column norms are clamped from bel
 
 def xca_mixing(q: torch.Tensor, k: torch.Tensor, temperature: torch.Tensor,
                proj_weight: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-    """Channel attention of XCA folded into the output projection.
-
-    Args:
-        q, k: (B, h, N, d) queries and keys (any strides).
-        temperature: (h, 1, 1).
-        proj_weight: (C, C) weight of the output projection, C = h * d.
-
-    Returns:
-        ``(mixing, attn, cosine, q_norm, k_norm)``: ``mixing`` (B, C, C) maps v (B, N, C) to the
-        projected output (``v @ mixing + bias``); ``attn`` the softmaxed (B, h, d, d) attention;
-        ``cosine`` = ``q^T k / (|q| |k|^T)`` before the temperature; the clamped column norms
-        (B, h, d).
-    """
+    """XCA's channel attention folded into the output projection ``proj_weight`` (C, C), from
+    q, k (B, h, N, d) and ``temperature`` (h, 1, 1). Returns ``(mixing, attn, cosine, q_norm,
+    k_norm)``: ``v @ mixing + bias`` is the projected output, ``attn`` (B, h, d, d) the softmax
+    of ``cosine`` = ``q^T k / (|q| |k|^T)`` times the temperature, the norms clamped (B, h, d)."""
     q_norm = torch.linalg.vector_norm(q, dim=-2).clamp_min(_NORM_EPS)  # (B, h, d)
     k_norm = torch.linalg.vector_norm(k, dim=-2).clamp_min(_NORM_EPS)
     mixing, attn, cosine = xca_mixing_of_sums(q.transpose(-2, -1) @ k, q_norm, k_norm,
@@ -91,15 +69,24 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _norm_linear(x, ln_weight, ln_bias, weight, bias, eps) -> torch.Tensor:
+    """``linear(LN(x))``."""
+    return F.linear(torch.native_layer_norm(x, x.shape[-1:], ln_weight, ln_bias, eps)[0], weight,
+                    bias)
+
+
+def _output_grads(grad_out, gamma, scale):
+    """The block output's gradient made contiguous, that of ``gamma * y`` and that of ``y``."""
+    grad_out = grad_out.contiguous()
+    grad_scaled = grad_out if scale is None else grad_out * scale
+    return grad_out, grad_scaled, grad_scaled * gamma
+
+
 def _norm_linear_backward(grad_lin, x, ln_weight, ln_bias, lin_weight, eps, grad_residual,
                           needs) -> tuple:
-    """Gradients through ``x + ... linear(LN(x))`` from the gradient ``grad_lin`` of the linear's
-    output; LN is recomputed from ``x``. ``needs``: for x, the LN weight and bias, the linear's
-    weight and bias. ``grad_residual`` (the block's output gradient) is added to x's gradient.
-
-    Returns:
-        tuple: Gradients of x, LN weight, LN bias, linear weight, linear bias (None if not needed).
-    """
+    """Gradients of x, LN weight and bias, linear weight and bias (``needs``: which) of
+    ``x + ... linear(LN(x))`` from the linear output's gradient ``grad_lin``, LN recomputed;
+    ``grad_residual`` is added to x's."""
     C = x.shape[-1]
     normed, mean, rstd = torch.native_layer_norm(x, (C,), ln_weight, ln_bias, eps)
     grad_weight = _flat(grad_lin).t() @ _flat(normed) if needs[3] else None
@@ -120,10 +107,7 @@ class _XCAResidual(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, qkv_weight, qkv_bias, temperature, proj_weight,
                 proj_bias, gamma, scale, num_heads: int, eps: float):
-        C = x.shape[-1]
-        normed = torch.native_layer_norm(x, (C,), ln_weight, ln_bias, eps)[0]
-        qkv = F.linear(normed, qkv_weight, qkv_bias)
-        del normed
+        qkv = _norm_linear(x, ln_weight, ln_bias, qkv_weight, qkv_bias, eps)
         q, k, v = _split_qkv(qkv, num_heads)
         mixing, attn, cosine, q_norm, k_norm = xca_mixing(q, k, temperature, proj_weight)
         out = torch.addcmul(x, _coef(gamma, scale), torch.baddbmm(proj_bias, v, mixing))
@@ -141,9 +125,7 @@ class _XCAResidual(torch.autograd.Function):
         h = ctx.num_heads
         d = C // h
         q, k, v = _split_qkv(qkv, h)
-        grad_out = grad_out.contiguous()
-        grad_scaled = grad_out if scale is None else grad_out * scale  # d(out)/d(gamma * y)
-        grad_y = grad_scaled * gamma
+        grad_out, grad_scaled, grad_y = _output_grads(grad_out, gamma, scale)
         # dy^T v per image: gives the mixing's gradient and, with the mixing, gamma's.
         v_t_grad = torch.bmm(v.transpose(1, 2), grad_scaled)  # (B, C, C)
         grad_gamma = None
@@ -189,10 +171,7 @@ class _FFNResidual(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, gamma,
                 scale, eps: float):
-        C = x.shape[-1]
-        normed = torch.native_layer_norm(x, (C,), ln_weight, ln_bias, eps)[0]
-        hidden = F.linear(normed, fc1_weight, fc1_bias)
-        del normed
+        hidden = _norm_linear(x, ln_weight, ln_bias, fc1_weight, fc1_bias, eps)
         y = F.linear(F.gelu(hidden), fc2_weight, fc2_bias)
         out = torch.addcmul(x, _coef(gamma, scale), y)
         ctx.save_for_backward(x, ln_weight, ln_bias, fc1_weight, fc2_weight, fc2_bias, gamma,
@@ -205,9 +184,7 @@ class _FFNResidual(torch.autograd.Function):
         (x, ln_weight, ln_bias, fc1_weight, fc2_weight, fc2_bias, gamma, scale,
          hidden) = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        grad_out = grad_out.contiguous()
-        grad_scaled = grad_out if scale is None else grad_out * scale
-        grad_y = grad_scaled * gamma
+        grad_out, grad_scaled, grad_y = _output_grads(grad_out, gamma, scale)
         act = F.gelu(hidden)
         grad_fc2_weight = grad_gamma = None
         if needs[5] or needs[7]:
@@ -246,14 +223,9 @@ def ffn_residual(x: torch.Tensor, norm: nn.LayerNorm, ffn: nn.Module, gamma: tor
 
 @contextmanager
 def batch_norm_stats_frozen(*modules: nn.Module):
-    """Inside the block, the batch norms in ``modules`` normalise as usual but leave their running
-    statistics as they are (momentum 0; ``num_batches_tracked`` restored on exit).
-
-    For re-runs of a forward during the backward (recomputation, ``with_cp``): the statistics are
-    then updated once per step, by the forward, as without recomputation. Momentum 0 changes
-    nothing in the values the re-run computes, and nothing is written to a buffer that an op of
-    the re-run saved for its backward.
-    """
+    """Inside the block, the batch norms in ``modules`` leave their running statistics alone
+    (momentum 0, ``num_batches_tracked`` restored), so that a forward re-run in the backward
+    (recomputation, ``with_cp``) does not update them a second time."""
     norms = [m for module in modules for m in module.modules()
              if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
     saved = [(m.momentum, m.num_batches_tracked.clone()) for m in norms]
@@ -311,9 +283,8 @@ def recomputed_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.
 
 
 def _row_block(B: int, W: int, channels: int, H: int, device: torch.device) -> int:
-    """Input rows per matmul block of :func:`up2_blockwise`. CPU: temporaries of at most ``2**19``
-    elements (they stay in cache), and few calls for small maps. Other devices: the whole map at
-    once, since each block costs kernel launches and memory is not the concern there."""
+    """Input rows per block of :func:`up2_blockwise`: on the CPU, temporaries of at most 2**19
+    elements (they stay in cache); elsewhere the whole map (each block costs kernel launches)."""
     if device.type != 'cpu':
         return H
     return max(1, min(H, (1 << 19) // max(1, B * W * channels)))
@@ -384,15 +355,9 @@ class _Up2Blockwise(torch.autograd.Function):
 def up2_blockwise(conv: nn.ConvTranspose2d, x: torch.Tensor,
                   memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
     """``conv`` (kernel 2, stride 2) of a channels-last map, written into a map laid out in
-    ``memory_format`` (contiguous NCHW or channels-last). Eager only: not for tracing.
-
-    Such a transposed conv is one matmul per kernel offset (di, dj) whose result lands on
-    ``out[..., di::2, dj::2]``. Filling a preallocated output that way, in blocks of input rows,
-    costs little more than the output itself, where conv + ``.contiguous()`` costs two outputs
-    (and an NCHW conv on CPU more still), and a single matmul plus an interleaving copy two as
-    well. The backward reads the output gradient in the same blocks, in whatever layout it comes.
-    Under autocast, plain autograd of the same forward (mixed dtypes).
-    """
+    ``memory_format``, one matmul per kernel offset (di, dj) and block of input rows landing on
+    ``out[..., di::2, dj::2]``: little more memory than the output itself, where conv +
+    ``.contiguous()`` needs two. Eager only; under autocast, plain autograd of the same forward."""
     if torch.is_autocast_enabled(x.device.type):
         return _up2_forward(x, conv.weight, conv.bias, memory_format)
     return _Up2Blockwise.apply(x, conv.weight, conv.bias, memory_format)
