@@ -1,12 +1,7 @@
-"""Write the learning rate of each layer depth to the message hub (layer-wise lr decay).
+"""Record the learning rate of each layer depth (layer-wise lr decay) in the message hub.
 
-mmengine's ``RuntimeInfoHook`` logs one ``lr``: that of the first param group, which
-:class:`~xcit_mm.engine.optimizers.XCiTLayerDecayOptimizerConstructor` makes a head group. This
-hook adds, before every training iteration (when ``RuntimeInfoHook`` records ``lr``), one scalar
-per depth ``d``: ``train/depth_{d}_lr`` (0 = patch embedding, ``L + 1`` = after the trunk). The
-names end in ``lr`` so that mmengine's ``LogProcessor`` prints them like ``lr`` (``1.2345e-06``,
-the current value, never a window mean) instead of rounding them to ``0.0000``; they reach the
-text log, ``scalars.json`` and the visualizer backends like ``lr``. Use::
+mmengine logs one ``lr``, the head's; this hook adds ``train/depth_{d}_lr`` per depth before each
+training iteration (named ``..._lr`` so that ``LogProcessor`` prints them like ``lr``). Use::
 
     custom_hooks = [..., dict(type='LayerDecayLrHook')]
 """

@@ -1,39 +1,12 @@
 """Layer-wise learning-rate decay for XCiT (``constructor='XCiTLayerDecayOptimizerConstructor'``).
 
-Fine-tuning recipes of plain (columnar) transformers (BEiT, MAE, ViTDet) give layers close to the
-input a smaller learning rate than those close to the task head. mmseg's
-``LayerDecayOptimizerConstructor`` only knows ConvNeXt, BEiT and MAE (by class name); this
-constructor does the same for :class:`~xcit_mm.models.backbones.xcit.XCiTBackbone`, from mmdet
-and mmseg configs alike (registered in mmengine's root ``OPTIM_WRAPPER_CONSTRUCTORS``)::
-
-    optim_wrapper = dict(
-        constructor='XCiTLayerDecayOptimizerConstructor',
-        paramwise_cfg=dict(decay_rate=0.75, custom_keys={'norm': dict(decay_mult=0.0)}))
-
-Rule, with ``L`` the number of XCiT layers of the model's backbone (read from the model):
-
-* depth 0: the patch embedding (``patch_embed.*``) and the position projection (``pos_embed.*``);
-* depth ``i + 1``: XCiT layer ``i`` (``layers.{i}.*``);
-* depth ``L + 1``: everything after the trunk -- the backbone's stride adapter (``fpn1``..``fpn4``),
-  necks and heads;
-* learning rate = the lr the config's other rules give (``optimizer.lr``, times a custom key's
-  ``lr_mult`` or ``bias_lr_mult`` where one applies) x ``decay_rate ** (L + 1 - depth)``.
-
-Weight decay (and every other option) is what mmengine's :class:`DefaultOptimWrapperConstructor`
-gives with the same ``paramwise_cfg`` (``custom_keys``, ``norm_decay_mult``, ``bias_decay_mult``,
-``dwconv_decay_mult``, ``flat_decay_mult``...): layer decay only rescales learning rates. Parameters
-with ``requires_grad=False`` (``frozen_stages``) are in no group.
-
-Groups: parameters with the same depth and the same options share one group. The groups are
-ordered from the head down to the patch embedding, so the FIRST group is a head group (depth
-``L + 1``, without a custom ``lr_mult`` where there is such a group): mmengine's
-``RuntimeInfoHook`` logs ``lr`` as the lr of the first group, i.e. the head's lr, the config's
-``optimizer.lr`` under the schedule. Each group carries its depth as ``group['layer_depth']``;
-:class:`~xcit_mm.engine.hooks.LayerDecayLrHook` writes the lr of each depth to the message hub
-(``train/depth_{d}_lr``). One table of the groups is logged when the optimizer is built.
+mmseg's ``LayerDecayOptimizerConstructor`` knows ConvNeXt, BEiT and MAE only. Here depth 0 is the
+patch / position embedding, ``i + 1`` XCiT layer ``i``, ``L + 1`` everything after the trunk, and
+a parameter's lr is what mmengine's default rules give times ``decay_rate ** (L + 1 - depth)``;
+every other option is mmengine's. Groups run from the head down, so the logged ``lr`` (group 0)
+is the head's. See docs/layer_decay.md.
 """
 import logging
-from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.nn as nn
@@ -50,25 +23,19 @@ MMENGINE_PARAMWISE_KEYS = ('bias_decay_mult', 'bias_lr_mult', 'bypass_duplicate'
 LAYER_DECAY_KEYS = ('decay_rate', )
 DEPTH_KEY = 'layer_depth'
 
-# Per-parameter lines of mmengine's add_params: they would state learning rates before layer
-# decay (and one warning per frozen tensor); the table below replaces them.
-_BASE_RULE_MESSAGES = ('paramwise_options -- ', )
-_FROZEN_MESSAGE_END = ' is skipped since its requires_grad=False'
-
 
 class _DropBaseRuleLines(logging.Filter):
+    """Drops mmengine's per-parameter lines (lrs before layer decay, one per frozen tensor): the
+    group table replaces them."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = str(record.msg)
-        return not (msg.startswith(_BASE_RULE_MESSAGES) or msg.endswith(_FROZEN_MESSAGE_END))
+        return not (msg.startswith('paramwise_options -- ')
+                    or msg.endswith(' is skipped since its requires_grad=False'))
 
 
 def find_xcit_backbone(model: nn.Module) -> Tuple[str, XCiTBackbone]:
-    """The (prefix, module) of the one :class:`XCiTBackbone` in ``model``.
-
-    Raises:
-        ValueError: if the model has none, or more than one.
-    """
+    """The (prefix, module) of the one :class:`XCiTBackbone` in ``model`` (else ValueError)."""
     found = [(name, module) for name, module in model.named_modules()
              if isinstance(module, XCiTBackbone)]
     if not found:
@@ -86,15 +53,8 @@ def find_xcit_backbone(model: nn.Module) -> Tuple[str, XCiTBackbone]:
 
 
 def xcit_layer_depth(name: str, num_layers: int, backbone_prefix: str = 'backbone') -> int:
-    """Depth of parameter ``name`` (a full name in the model) for layer-wise lr decay.
-
-    0 for the patch embedding and position projection, ``i + 1`` for XCiT layer ``i``,
-    ``num_layers + 1`` for the adapter (``fpn1``..``fpn4``) and everything outside the backbone.
-
-    Raises:
-        ValueError: for a backbone parameter of no known part (so that a new backbone parameter
-            cannot silently get the head's learning rate).
-    """
+    """Layer depth of the full parameter name ``name``; a ValueError for a backbone parameter of
+    no known part, so that a new one cannot silently train at the head's lr."""
     head = num_layers + 1
     prefix = f'{backbone_prefix}.' if backbone_prefix else ''
     if not name.startswith(prefix):
@@ -113,14 +73,10 @@ def xcit_layer_depth(name: str, num_layers: int, backbone_prefix: str = 'backbon
                      f'layers.{{i}}.* -> i + 1, fpn1..fpn4.* -> {head})')
 
 
-def layer_depth_lrs(param_groups: Sequence[dict]) -> 'OrderedDict[int, float]':
-    """{depth: lr} of optimizer param groups built by :class:`XCiTLayerDecayOptimizerConstructor`.
-
-    The lr of a depth is that of its first group, i.e. the one without a custom ``lr_mult`` where
-    there is one (groups of a depth differ in weight decay, and in lr only through such
-    multipliers). Ordered as the groups: head first. Empty for groups without ``layer_depth``.
-    """
-    lrs: 'OrderedDict[int, float]' = OrderedDict()
+def layer_depth_lrs(param_groups: Sequence[dict]) -> Dict[int, float]:
+    """{depth: lr of its first group (one without a custom ``lr_mult`` if any)}, head first;
+    empty for groups without ``layer_depth``."""
+    lrs: Dict[int, float] = {}
     for group in param_groups:
         depth = group.get(DEPTH_KEY)
         if depth is not None and depth not in lrs:
@@ -130,16 +86,8 @@ def layer_depth_lrs(param_groups: Sequence[dict]) -> 'OrderedDict[int, float]':
 
 @OPTIM_WRAPPER_CONSTRUCTORS.register_module()
 class XCiTLayerDecayOptimizerConstructor(DefaultOptimWrapperConstructor):
-    """mmengine's default constructor plus layer-wise lr decay over the XCiT layers.
-
-    Args:
-        optim_wrapper_cfg (dict): As for :class:`DefaultOptimWrapperConstructor` (``type``,
-            ``optimizer`` with ``lr`` and ``weight_decay``...).
-        paramwise_cfg (dict): ``decay_rate`` (float in (0, 1], required): the lr ratio between
-            consecutive depths; plus any key of mmengine's ``paramwise_cfg``
-            (:data:`MMENGINE_PARAMWISE_KEYS`), applied as mmengine applies them. Any other key is
-            an error. The number of layers is read from the model's :class:`XCiTBackbone`.
-    """
+    """mmengine's default constructor plus layer-wise lr decay over the XCiT layers;
+    ``paramwise_cfg``: ``decay_rate`` (in (0, 1], required) and mmengine's keys only."""
 
     def __init__(self, optim_wrapper_cfg: dict, paramwise_cfg: Optional[dict] = None):
         if paramwise_cfg is not None and not isinstance(paramwise_cfg, dict):
@@ -183,9 +131,7 @@ class XCiTLayerDecayOptimizerConstructor(DefaultOptimWrapperConstructor):
         backbone_prefix, backbone = find_xcit_backbone(module)
         num_layers = backbone.num_layers
         head = num_layers + 1
-        names = {}
-        for name, param in module.named_parameters(prefix=prefix):
-            names.setdefault(id(param), name)
+        names = {id(param): name for name, param in module.named_parameters(prefix=prefix)}
 
         # mmengine's rules: one group per trainable parameter, with its lr / weight decay / ...
         per_param: List[dict] = []
@@ -200,10 +146,10 @@ class XCiTLayerDecayOptimizerConstructor(DefaultOptimWrapperConstructor):
 
         # Layer decay on top, then one group per (depth, options).
         merged: Dict[tuple, dict] = {}
+        sort_keys: Dict[tuple, tuple] = {}  # head first, a group without custom lr_mult first
         for order, group in enumerate(per_param):
             (param, ) = group['params']
-            name = names[id(param)]
-            depth = xcit_layer_depth(name, num_layers, backbone_prefix)
+            depth = xcit_layer_depth(names[id(param)], num_layers, backbone_prefix)
             options = {k: v for k, v in group.items() if k != 'params'}
             options.setdefault('lr', self.base_lr)
             if self.base_wd is not None:
@@ -212,17 +158,12 @@ class XCiTLayerDecayOptimizerConstructor(DefaultOptimWrapperConstructor):
             options['lr'] = options['lr'] * self.decay_rate**(head - depth)
             options[DEPTH_KEY] = depth
             key = (depth, repr(sorted(options.items())))
-            if key not in merged:
-                merged[key] = dict(params=[], _sort=(-depth, custom_lr, order), _names=[],
-                                   **options)
-            merged[key]['params'].append(param)
-            merged[key]['_names'].append(name)
+            merged.setdefault(key, dict(params=[], **options))['params'].append(param)
+            sort_keys.setdefault(key, (-depth, custom_lr, order))
 
-        groups = sorted(merged.values(), key=lambda g: g['_sort'])
+        groups = [merged[key] for key in sorted(merged, key=sort_keys.get)]
         self._log_table(groups, module, backbone_prefix, num_layers)
-        for group in groups:
-            del group['_sort'], group['_names']
-            params.append(group)
+        params.extend(groups)
         if groups and groups[0][DEPTH_KEY] != head:
             print_log(f'XCiTLayerDecayOptimizerConstructor: no trainable parameter after the XCiT '
                       f'trunk, so the logged `lr` is that of depth {groups[0][DEPTH_KEY]}',
