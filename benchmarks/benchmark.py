@@ -34,8 +34,9 @@ from xcit_benchmark.flops import flops_report  # noqa: E402
 from xcit_benchmark.goals import run_goals  # noqa: E402
 from xcit_benchmark.memory import mem_available_bytes  # noqa: E402
 from xcit_benchmark.models import list_models, parse_models  # noqa: E402
-from xcit_benchmark.fresh_points import run_metadata  # noqa: E402
+from xcit_benchmark.fresh_points import run_metadata, write_artifact  # noqa: E402
 from xcit_benchmark.runner import RunOptions, run_points  # noqa: E402
+from xcit_benchmark.runner import log_stderr as log  # noqa: E402
 from xcit_benchmark.spec import SpecError, load_spec  # noqa: E402
 from xcit_benchmark.timing import set_threads  # noqa: E402
 
@@ -154,10 +155,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def log(message: str):
-    print(message, file=sys.stderr)
-
-
 def whole_models(args, limit: float) -> int:
     from xcit_benchmark.whole_model import (run_whole_models, whole_model_ratios,
                                             work_settings, write_whole_outputs)
@@ -209,7 +206,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.flops_report:
         rows = flops_report(spec['flops_report']['paper_table1'], spec['flops_report']['tolerance'])
         print(report.markdown_flops_report(rows))
-        paths = report.write_rows(rows, run_metadata(), args.out_dir, args.name or 'flops')
+        paths = write_artifact(os.path.join(args.out_dir, args.name or 'flops'), run_metadata(),
+                               rows)
         print('wrote ' + ', '.join(paths))
         return 0 if all(r['ok'] for r in rows) else 3
     if args.whole_model:

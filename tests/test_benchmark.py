@@ -331,8 +331,7 @@ def known_run():
         mp.setattr(lib_timing, 'time', clock)
         for module in (lib_flops, lib_runner):
             mp.setattr(module, 'build_model', lambda spec, device='cpu': (model, model))
-        for module in (lib_timing, lib_runner):
-            mp.setattr(module, 'make_matmul_step', make_matmul_step)
+        mp.setattr(lib_timing, 'make_matmul_step', make_matmul_step)
         for mode, resolutions in (('inference', (32, 64)), ('train', (32,))):
             mm_seconds += [0.2] + [0.1] * len(resolutions) + [0.4]
             opts = lib.RunOptions(batch=2, mode=mode, warmup=1, repeats=4, do_mem=False)

@@ -58,16 +58,11 @@ class ModelSpec:
 
 def parse_model(name: str) -> ModelSpec:
     """Parse a model name of ``--models``."""
-    base, compiled = name, False
-    if base.endswith(COMPILE_SUFFIX) or base.endswith(COMPILE_SUFFIX + '+cp'):
-        base, compiled = base.replace(COMPILE_SUFFIX, '', 1), True
-    spec = _parse_eager(base)
-    if compiled:
-        spec = dataclasses.replace(spec, name=spec.name + COMPILE_SUFFIX, compiled=True)
-    return spec
-
-
-def _parse_eager(name: str) -> ModelSpec:
+    if name.endswith((COMPILE_SUFFIX, COMPILE_SUFFIX + '+cp')):
+        spec = parse_model(name.replace(COMPILE_SUFFIX, '', 1))
+        if spec.compiled:
+            raise ValueError(f'unknown model {name!r}; see --list-models')
+        return dataclasses.replace(spec, name=spec.name + COMPILE_SUFFIX, compiled=True)
     base, with_cp = (name[:-3], True) if name.endswith('+cp') else (name, False)
     if base in BASELINES:
         return ModelSpec(name=name, family=base, with_cp=with_cp)
@@ -126,21 +121,18 @@ def paper_out_indices(depth: int) -> Tuple[int, ...]:
 
 
 def load_mmpretrain_xcit():
-    """Import ``mmpretrain.models.backbones.xcit`` without running ``mmpretrain.models``'
-    ``__init__``, which imports torchvision (through its heads and evaluation), not installed
-    here; ``xcit.py`` itself needs none. Where torchvision is missing, bare packages stand for
-    ``mmpretrain.models`` and ``.backbones`` (real ``__path__``, ``__init__`` not run, marked
-    ``__xcit_benchmark_placeholder__``) for the life of the process, since mmpretrain's registry
-    imports them lazily later: so call it only in a process of its own (the tools and their
-    memory processes), never in one that imports ``mmpretrain.models`` for real (pytest)."""
+    """Import ``mmpretrain.models.backbones.xcit`` (which needs no torchvision) without running
+    ``mmpretrain.models``' ``__init__`` (which does). Without torchvision, bare packages marked
+    ``__xcit_benchmark_placeholder__`` stand for ``mmpretrain.models`` and ``.backbones`` for the
+    life of the process (mmpretrain's registry imports them lazily later): so call it only in a
+    process of its own, never in one that imports ``mmpretrain.models`` for real (pytest)."""
     name = 'mmpretrain.models.backbones.xcit'
     if importlib.util.find_spec('mmpretrain') is None:
         raise ImportError('mmpretrain is not installed; it is needed for the mmpretrain_xcit_* '
                           'models and the class-attention part of the FLOPs report')
     if importlib.util.find_spec('torchvision') is not None:
         return importlib.import_module(name)
-    # mmdet's optional `from mmpretrain.models.classifiers import ...` (inside try/except) may
-    # already have failed half-way: the submodules stay in sys.modules, 'mmpretrain.models' not.
+    # mmdet's optional import of mmpretrain.models.classifiers may have failed half-way
     import mmpretrain  # the top-level package does not import mmpretrain.models
     parent = mmpretrain
     for pkg in ('mmpretrain.models', 'mmpretrain.models.backbones'):
@@ -168,15 +160,14 @@ def build_mmpretrain_trunk(xcit_module, arch: str, patch: int) -> nn.Module:
 
 def build_model(spec: ModelSpec, device: str = 'cpu') -> Tuple[nn.Module, Callable]:
     """Build one benchmark model."""
-    cp = spec.with_cp
+    cp, forward = spec.with_cp, None
     if spec.family in ('xcit', 'xcit_trunk'):
         from mmengine.registry import MODELS  # XCiTBackbone is registered by `import xcit_mm`
         model = MODELS.build(dict(type='XCiTBackbone', arch=spec.arch, patch_size=spec.patch,
                                   norm_cfg=dict(type='BN'), drop_path_rate=0.0, with_cp=cp))
-        forward = model.forward_trunk if spec.family == 'xcit_trunk' else model
+        forward = model.forward_trunk if spec.family == 'xcit_trunk' else None
     elif spec.family == 'mmpretrain_xcit':
         model = build_mmpretrain_trunk(load_mmpretrain_xcit(), spec.arch, spec.patch)
-        forward = model
     elif spec.family in ('resnet50', 'swin_t'):
         import mmdet.models  # noqa: F401  (fills mmdet's MODELS registry)
         from mmdet.registry import MODELS as DET_MODELS
@@ -190,7 +181,6 @@ def build_model(spec: ModelSpec, device: str = 'cpu') -> Tuple[nn.Module, Callab
                        drop_path_rate=0.0, patch_norm=True, out_indices=(0, 1, 2, 3),
                        with_cp=cp, convert_weights=False)
         model = DET_MODELS.build(cfg)
-        forward = model
     elif spec.family == 'vit_s16':
         import mmseg.models  # noqa: F401  (fills mmseg's MODELS registry)
         from mmseg.registry import MODELS as SEG_MODELS
@@ -199,10 +189,10 @@ def build_model(spec: ModelSpec, device: str = 'cpu') -> Tuple[nn.Module, Callab
             num_heads=6, mlp_ratio=4, out_indices=(2, 5, 8, 11), qkv_bias=True,
             with_cls_token=True, final_norm=False, interpolate_mode='bicubic',
             drop_path_rate=0.0, with_cp=cp))
-        forward = model
     else:  # pragma: no cover - parse_model guards this
         raise ValueError(f'unknown model family {spec.family!r}')
-    return model.to(device), forward
+    model = model.to(device)
+    return model, forward or model
 
 
 def count_params(model: nn.Module) -> int:

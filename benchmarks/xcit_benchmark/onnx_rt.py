@@ -1,24 +1,20 @@
 """``--onnx CONFIG``: a whole exported model timed in ONNX Runtime against PyTorch eager.
 
 The config's model (random init) is exported by :mod:`xcit_mm.deployment` (static axes at each
-resolution; a segmentor: image -> logits at the input size, a detector: backbone + neck), checked
-against PyTorch (:func:`~xcit_mm.deployment.verify_onnx`, stored in the record's ``note``), then
-both are timed in the same interleaved rounds (with the reference matmul step), single images,
+resolution; a segmentor: image -> logits, a detector: backbone + neck), checked against PyTorch
+(``verify_onnx``, in the record's ``note``), then both are timed in the same interleaved rounds,
 ONNX Runtime with ``intra_op_num_threads`` = torch's thread count.
 """
 import os
 import os.path as osp
-import statistics
 import tempfile
 import time
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .fresh_points import run_metadata
-from .runner import RunOptions, log_stderr
-from .timing import (MATMUL_STEP, make_matmul_step, matmul_gflops, measure_matmul_gflops,
-                     set_threads, time_figures, time_interleaved)
+from .runner import RunOptions, log_stderr, run_meta
+from .timing import measure_matmul_gflops, set_threads, time_figures, time_with_matmul
 
 
 def onnx_model_names(config: str) -> Tuple[str, str]:
@@ -61,10 +57,8 @@ def run_onnx_points(config: str, resolutions: Sequence[int], opts: RunOptions,
                 with torch.no_grad():
                     model(image)
 
-            steps = {eager_name: eager_step, ort_name: lambda: run_onnx(session, image),
-                     MATMUL_STEP: make_matmul_step('cpu')}
-            times = time_interleaved(steps, opts.warmup, opts.repeats, 'cpu')
-            mm = matmul_gflops(statistics.median(times.pop(MATMUL_STEP)))
+            steps = {eager_name: eager_step, ort_name: lambda: run_onnx(session, image)}
+            times, mm = time_with_matmul(steps, opts.warmup, opts.repeats, 'cpu')
             for name, ts in times.items():
                 runtime = (f'ONNX Runtime {onnxruntime.__version__} CPU, static '
                            f'{opts.batch}x3x{res}x{res}' if name == ort_name else
@@ -77,9 +71,6 @@ def run_onnx_points(config: str, resolutions: Sequence[int], opts: RunOptions,
                     with_cp=False, status='ok' if check['ok'] else 'mismatch',
                     warmup=opts.warmup, repeats=opts.repeats, note=note, compiled=False,
                     matmul_gflop_s=mm, **time_figures(ts, opts.batch)))
-    meta = run_metadata()
-    meta.update(matmul_gflop_s_before=matmul_before,
-                matmul_gflop_s_after=measure_matmul_gflops('cpu'),
-                options={k: v for k, v in vars(opts).items()}, onnx_config=config,
-                onnxruntime=onnxruntime.__version__, onnx_export_s=exports)
-    return records, meta
+    return records, run_meta(opts, matmul_before, measure_matmul_gflops('cpu'),
+                             onnx_config=config, onnxruntime=onnxruntime.__version__,
+                             onnx_export_s=exports)

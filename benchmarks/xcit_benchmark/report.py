@@ -2,7 +2,7 @@
 committed results (``markdown_*``: the docs carry figures of artifacts only), and a run's files.
 """
 import os
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 from .fresh_points import write_artifact
 from .whole_model import PARTS_TRAIN
@@ -22,11 +22,6 @@ def fmt(value, digits: int = 1) -> str:
     if isinstance(value, float):
         return f'{value:.{digits}f}'
     return str(value)
-
-
-def verdict(ok: Optional[bool]) -> str:
-    """PASS / FAIL / N/A (not measured)."""
-    return 'PASS' if ok else ('FAIL' if ok is not None else 'N/A')
 
 
 def format_table(records: Sequence[dict]) -> str:
@@ -68,22 +63,15 @@ def _md_row(cells: Sequence[str]) -> str:
     return '| ' + ' | '.join(cells) + ' |'
 
 
-def _sq(text: str) -> str:
-    return text.replace('^2', '²')
-
-
 def markdown_goals(goals: Sequence[dict]) -> str:
     """The goals table (``meta.goals`` of a goals JSON)."""
     lines = ['| goal | target | measured | numbers |', '|---|---|---:|---|']
     for g in goals:
-        value = g['value']
-        if value is None:
-            measured = '-'
-        elif g['target'].endswith('%'):
-            measured = f'**{value:.0%}**'
-        else:
-            measured = f'**{value:.2f}**'
-        lines.append(_md_row([_sq(g['goal']), g['target'], f'{measured} {verdict(g["ok"])}',
+        value, ok = g['value'], g['ok']
+        measured = '-' if value is None else (f'**{value:.0%}**' if g['target'].endswith('%')
+                                              else f'**{value:.2f}**')
+        verdict = 'PASS' if ok else ('FAIL' if ok is not None else 'N/A')
+        lines.append(_md_row([g['goal'].replace('^2', '²'), g['target'], f'{measured} {verdict}',
                               g['detail']]))
     return '\n'.join(lines)
 
@@ -138,13 +126,10 @@ def markdown_whole_model(data: dict) -> str:
     lines = [_md_row([setting, 'step (ms)'] + parts + ['peak RSS (MB)']),
              '|---|' + '---:|' * (len(parts) + 2)]
     for r in data['records']:
-        if r.get('status') != 'ok':
-            lines.append(_md_row([f'`{r["model"]}`', r.get('status', '?')] +
-                                 ['-'] * (len(parts) + 1)))
-            continue
-        lines.append(_md_row([f'`{r["model"]}`', f'{r["time_ms"]:.0f}'] +
-                             [f'{r["parts"][p]["time_ms"]:.0f}' for p in parts] +
-                             [f'+{r["peak_mem_mb"]:.0f}']))
+        cells = ([r.get('status', '?')] + ['-'] * (len(parts) + 1) if r.get('status') != 'ok' else
+                 [f'{r["time_ms"]:.0f}'] + [f'{r["parts"][p]["time_ms"]:.0f}' for p in parts]
+                 + [f'+{r["peak_mem_mb"]:.0f}'])
+        lines.append(_md_row([f'`{r["model"]}`'] + cells))
     ratios = data['meta'].get('ratios') or []
     if ratios:
         lines += ['', '| subject / baseline | time | peak memory | rounds |',
@@ -178,29 +163,14 @@ def write_outputs(records: Sequence[dict], meta: dict, out_dir: str, name: str,
     paths = write_artifact(out, meta, records, CSV_FIELDS, 'records', [
         {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in records])
     if plot:
-        plot_records(records, out + '.png', default_title(meta, records))
+        plot_records(records, out + '.png', meta)
         paths.append(out + '.png')
     return paths
 
 
-def write_rows(rows: Sequence[dict], meta: dict, out_dir: str, name: str) -> List[str]:
-    """``<name>.csv`` and ``<name>.json`` (``{"meta", "rows"}``), as the FLOPs report."""
-    return write_artifact(os.path.join(out_dir, name), meta, rows)
-
-
-def default_title(meta: dict, records: Sequence[dict]) -> str:
-    """Plot title: device, mode, precision, batch, threads, load and date of the run."""
-    if not records:
-        return ''
-    r = records[0]
-    load = meta.get('loadavg_1_5_15')
-    load_s = f', load {load[0]:.1f}' if load else ''
-    return (f'{r["device"]} {r["mode"]} {r["precision"]}, batch {r["batch"]}, '
-            f'threads={r["threads"]}{load_s} ({meta.get("date", "")})')
-
-
-def plot_records(records: Sequence[dict], path: str, title: str = ''):
-    """Plot ms/image and peak memory vs resolution (log-log), one line per model."""
+def plot_records(records: Sequence[dict], path: str, meta: dict):
+    """ms/image and peak memory against the resolution (log-log), a line per model; the title:
+    device, mode, precision, batch, threads, load and date of the run."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -231,6 +201,12 @@ def plot_records(records: Sequence[dict], path: str, title: str = ''):
             ax.legend(fontsize=8)
         else:
             ax.text(0.5, 0.5, 'not measured', ha='center', va='center', transform=ax.transAxes)
+    title, load = '', meta.get('loadavg_1_5_15')
+    if records:
+        r = records[0]
+        title = (f'{r["device"]} {r["mode"]} {r["precision"]}, batch {r["batch"]}, threads='
+                 f'{r["threads"]}' + (f', load {load[0]:.1f}' if load else '')
+                 + f' ({meta.get("date", "")})')
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -1,6 +1,5 @@
 """A list of (model, resolution) points: FLOPs, fresh-process peak memory, interleaved timing."""
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -13,8 +12,8 @@ from .flops import point_flops
 from .fresh_points import run_metadata
 from .memory import run_memory_worker
 from .models import ModelSpec, build_model, compile_forward
-from .timing import (MATMUL_STEP, make_matmul_step, make_step, matmul_gflops,
-                     measure_matmul_gflops, set_threads, time_figures, time_interleaved)
+from .timing import (make_step, measure_matmul_gflops, set_threads, sync, time_figures,
+                     time_with_matmul)
 
 
 def log_stderr(message: str):
@@ -109,26 +108,22 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions,
                 steps[spec.name] = make_step(model, forward, img, opts.mode, opts.device,
                                              opts.precision)
                 if spec.compiled:  # the first call at this size compiles: timed on its own
-                    _sync_device(opts.device)
+                    sync(opts.device)
                     t0 = time.perf_counter()
                     steps[spec.name]()
-                    _sync_device(opts.device)
+                    sync(opts.device)
                     recs[spec.name]['compile_s'] = time.perf_counter() - t0
             progress(f'timing {len(steps)} models at {res}')
-            if steps:  # the reference matmul rate, interleaved with the models: same load
-                steps[MATMUL_STEP] = make_matmul_step(opts.device)
-            try:
-                times = time_interleaved(steps, opts.warmup, opts.repeats,
-                                         opts.device) if steps else {}
+            try:  # the reference matmul rate, interleaved with the models: same load
+                times, mm = time_with_matmul(steps, opts.warmup, opts.repeats,
+                                             opts.device) if steps else ({}, None)
             except torch.cuda.OutOfMemoryError as e:
                 for name in steps:
                     recs[name].update(status='oom', note=f'CUDA OOM while timing: {e}'[:200])
                 times = {}
                 torch.cuda.empty_cache()
-            mm_times = times.pop(MATMUL_STEP, None)
             for name, ts in times.items():
-                recs[name].update(time_figures(ts, opts.batch),
-                                  matmul_gflop_s=matmul_gflops(statistics.median(mm_times)))
+                recs[name].update(time_figures(ts, opts.batch), matmul_gflop_s=mm)
             del img, steps
         records.extend(recs[s.name] for s in specs)
     del flops_models
@@ -141,12 +136,10 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions,
             # against the matmul rate of this record: the one timed in the same rounds where it
             # was, else the mean of the calibrations before and after the run
             rec['matmul_frac'] = rec['achieved_gflop_s'] / rec['matmul_gflop_s']
-    meta = run_metadata()
-    meta.update(matmul_gflop_s_before=matmul_before, matmul_gflop_s_after=matmul_after,
-                options={k: v for k, v in vars(opts).items()})
-    return records, meta
+    return records, run_meta(opts, matmul_before, matmul_after)
 
 
-def _sync_device(device: str):
-    if device == 'cuda':
-        torch.cuda.synchronize()
+def run_meta(opts: RunOptions, matmul_before: float, matmul_after: float, **extra) -> dict:
+    """The run's metadata: machine, software, load, the reference rates, the options."""
+    return dict(run_metadata(), matmul_gflop_s_before=matmul_before,
+                matmul_gflop_s_after=matmul_after, options=dict(vars(opts)), **extra)

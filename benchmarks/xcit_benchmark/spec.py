@@ -1,7 +1,7 @@
 """The benchmark's data: default models and resolutions, the project's goals and paper Table 1.
 
-They live in a JSON file (``docs/benchmark/goals_spec.json`` of the repository,
-:data:`DEFAULT_SPEC_PATH`), not in the code; :func:`load_spec` reads and checks it.  Layout::
+They live in a JSON file (:data:`DEFAULT_SPEC_PATH`), not in the code; :func:`load_spec` reads
+and checks it. Layout::
 
     {"default_models": [NAME, ...], "default_resolutions": [PX, ...],
      "goals": {"batch": 1, "precision": "fp32", "warmup": W, "repeats": R,

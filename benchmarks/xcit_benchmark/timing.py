@@ -1,8 +1,8 @@
 """Steps (one inference call or one train step) and their interleaved timing.
 
 The repeats are *interleaved* across models (round r runs every step once, in an order rotated by
-r), so slow drifts of a shared machine hit all models alike.  A float32 1024x1024 ``torch.mm``
-step (:data:`MATMUL_STEP`) timed in the same rounds gives the reference rate of the machine.
+r), so slow drifts of a shared machine hit all models alike. A float32 1024x1024 ``torch.mm`` step
+(:data:`MATMUL_STEP`) timed in the same rounds gives the reference rate of the machine.
 """
 import contextlib
 import gc
@@ -23,48 +23,38 @@ def set_threads(threads: Optional[int]):
         torch.set_num_threads(threads)
 
 
-def autocast_context(device: str, precision: str):
-    """Autocast context for ``precision`` ('fp32': none; 'amp': bf16 on CPU, fp16 on CUDA)."""
-    if precision == 'fp32':
-        return contextlib.nullcontext()
-    if precision != 'amp':
-        raise ValueError(f'unknown precision {precision!r}')
-    dtype = torch.bfloat16 if device == 'cpu' else torch.float16
-    return torch.autocast(device_type=device, dtype=dtype)
+def sync(device: str):
+    if device == 'cuda':
+        torch.cuda.synchronize()
 
 
 def make_step(model: nn.Module, forward: Callable, img: torch.Tensor, mode: str, device: str,
               precision: str) -> Callable[[], None]:
-    """A zero-argument callable running one inference call or one train step.
+    """One inference call (``eval``, ``no_grad``) or one train step (``train``, forward,
+    ``sum(out.float().mean())``, backward, then ``grad = None``: every step allocates the
+    gradients, as a real step before ``optimizer.step``); ``precision='amp'``: under autocast,
+    bf16 on CPU, fp16 on CUDA."""
+    if mode not in ('inference', 'train') or precision not in ('fp32', 'amp'):
+        raise ValueError(f'unknown mode {mode!r} or precision {precision!r}')
+    model.train(mode == 'train')
+    params = [p for p in model.parameters() if p.requires_grad]
 
-    Inference: ``model.eval()`` and the forward under ``torch.no_grad()``.  Train step:
-    ``model.train()``, forward, ``loss = sum(out.float().mean())``, backward, gradients dropped
-    (``grad = None``, so every step allocates them, as a real step before ``optimizer.step``)."""
-    if mode == 'inference':
-        model.eval()
+    def autocast():
+        if precision == 'fp32':
+            return contextlib.nullcontext()
+        return torch.autocast(device, dtype=torch.bfloat16 if device == 'cpu' else torch.float16)
 
-        def step():
-            with torch.no_grad(), autocast_context(device, precision):
+    def step():
+        if mode == 'inference':
+            with torch.no_grad(), autocast():
                 forward(img)
-    elif mode == 'train':
-        model.train()
-        params = [p for p in model.parameters() if p.requires_grad]
-
-        def step():
-            with autocast_context(device, precision):
-                outs = forward(img)
-                loss = sum(o.float().mean() for o in outs)
-            loss.backward()
-            for p in params:
-                p.grad = None
-    else:
-        raise ValueError(f'unknown mode {mode!r}')
+            return
+        with autocast():
+            loss = sum(o.float().mean() for o in forward(img))
+        loss.backward()
+        for p in params:
+            p.grad = None
     return step
-
-
-def _sync(device: str):
-    if device == 'cuda':
-        torch.cuda.synchronize()
 
 
 def make_matmul_step(device: str) -> Callable[[], None]:
@@ -84,10 +74,16 @@ def matmul_gflops(step_seconds: float) -> float:
 
 
 def measure_matmul_gflops(device: str, repeats: int = 10) -> float:
-    """Rate of a float32 1024x1024 ``torch.mm`` (median over ``repeats`` steps), in GFLOP/s."""
-    step = make_matmul_step(device)
-    times = time_interleaved({MATMUL_STEP: step}, 1, repeats, device)[MATMUL_STEP]
-    return matmul_gflops(statistics.median(times))
+    """Rate of the reference step alone (median over ``repeats`` steps), in GFLOP/s."""
+    return time_with_matmul({}, 1, repeats, device)[1]
+
+
+def time_with_matmul(steps: Dict[str, Callable[[], None]], warmup: int, repeats: int,
+                     device: str):
+    """(times of :func:`time_interleaved`, GFLOP/s of the reference step timed with them)."""
+    times = time_interleaved(dict(steps, **{MATMUL_STEP: make_matmul_step(device)}), warmup,
+                             repeats, device)
+    return times, matmul_gflops(statistics.median(times.pop(MATMUL_STEP)))
 
 
 def time_figures(times: Sequence[float], batch: int) -> dict:
@@ -103,34 +99,29 @@ def round_order(items: Sequence, r: int) -> list:
     """``items`` rotated by ``r``: the order of interleaved round ``r`` (round 0 in the given
     order, round 1 starting at the second item, ...)."""
     items = list(items)
-    if not items:
-        return []
-    shift = r % len(items)
+    shift = r % len(items) if items else 0
     return items[shift:] + items[:shift]
 
 
 def time_interleaved(steps: Dict[str, Callable[[], None]], warmup: int, repeats: int,
                      device: str) -> Dict[str, List[float]]:
-    """Time several steps with interleaved repeats.
-
-    Warm-up: ``warmup`` calls of every step.  Then ``repeats`` rounds; round ``r`` calls every step
-    once, in the list order rotated by ``r``.  The garbage collector is off while timing."""
-    names = list(steps)
+    """``warmup`` calls of every step, then ``repeats`` rounds, round ``r`` calling every step
+    once in the order rotated by ``r``; the garbage collector is off while timing."""
     for _ in range(warmup):
-        for name in names:
-            steps[name]()
-            _sync(device)
-    times: Dict[str, List[float]] = {name: [] for name in names}
+        for step in steps.values():
+            step()
+            sync(device)
+    times: Dict[str, List[float]] = {name: [] for name in steps}
     gc.collect()
     gc_enabled = gc.isenabled()
     gc.disable()
     try:
         for r in range(repeats):
-            for name in round_order(names, r):
-                _sync(device)
+            for name in round_order(steps, r):
+                sync(device)
                 t0 = time.perf_counter()
                 steps[name]()
-                _sync(device)
+                sync(device)
                 times[name].append(time.perf_counter() - t0)
     finally:
         if gc_enabled:
