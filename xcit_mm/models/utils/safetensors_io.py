@@ -1,18 +1,9 @@
-"""safetensors files and Hugging Face Hub names, for the one checkpoint reader.
+"""safetensors files and Hugging Face Hub names (``hf-hub:OWNER/NAME[@REVISION]``), read with no
+unpickling into the ``{'state_dict': tensors, 'meta': meta}`` a ``.pth`` checkpoint holds.
 
-safetensors holds tensors and string metadata only, so reading one runs no code: nothing on this
-path is unpickled. :mod:`.checkpoint_io` hands a file here when its first bytes are a safetensors
-header (or its name ends in ``.safetensors``), and a name ``hf-hub:OWNER/NAME[@REVISION]`` (timm's
-spelling) to :func:`download_from_hub`, which fetches the repository's ``model.safetensors``
-through ``huggingface_hub`` (its cache, ``HF_HUB_CACHE`` / ``HF_HOME``, and ``HF_HUB_OFFLINE``).
-Both come back as a checkpoint dict, ``{'state_dict': tensors, 'meta': meta}``, so every door that
-reads ``.pth`` files reads these the same way.
-
-Metadata: xcit_mm writes each top-level ``meta`` entry (``dataset_meta``, ``layout``, ...) as a
-JSON string under its own key, next to the ``'format': 'pt'`` entry other tools expect; reading
-decodes every entry that is JSON (JSON has no tuples: they come back as lists).
-
-``huggingface_hub`` and ``safetensors`` are imported only when such a file or name is read.
+Each ``meta`` entry is written as a JSON string under its own key next to ``'format': 'pt'``;
+reading decodes every entry that is JSON. ``huggingface_hub`` and ``safetensors`` are imported
+only when such a file or name is read.
 """
 import json
 import os.path as osp
@@ -23,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .checkpoint_error import CheckpointError
+from .checkpoint_error import CheckpointError, not_a_file
 
 SUFFIX = '.safetensors'
 HUB_PREFIXES = ('hf-hub:', 'hf_hub:')
@@ -51,7 +42,6 @@ def is_safetensors(path: str, head: bytes) -> bool:
     return looks_like_safetensors(head) or str(path).lower().endswith(SUFFIX)
 
 
-# ---------------------------------------------------------------------------- reading
 def _decode(value: str):
     try:
         return json.loads(value)
@@ -59,25 +49,10 @@ def _decode(value: str):
         return value
 
 
-def _device(map_location) -> str:
-    """The device ``map_location`` names; a callable or dict map_location keeps the CPU."""
-    if isinstance(map_location, (str, torch.device)):
-        return str(torch.device(map_location))
-    return 'cpu'
-
-
 def read_safetensors(path: str, name: str, map_location='cpu',
                      fresh: str = '') -> Dict[str, object]:
-    """``{'state_dict': tensors, 'meta': decoded metadata}`` of a safetensors file.
-
-    Args:
-        path (str): The local file.
-        name (str): How messages name it (``'checkpoint X'``, or the Hub name and its cache).
-        fresh (str): How to get a fresh copy of a downloaded file, appended to the messages.
-
-    Raises:
-        CheckpointError: for a file that is not safetensors, or is truncated or corrupt.
-    """
+    """``{'state_dict', 'meta'}`` of the local safetensors file ``path``, which messages call
+    ``name``; ``fresh`` says how to get a fresh copy of a downloaded file."""
     try:
         from safetensors import safe_open
     except ImportError:
@@ -93,25 +68,20 @@ def read_safetensors(path: str, name: str, map_location='cpu',
         with open(path, 'rb') as f:
             head = f.read(16)
         if size > 8 and not looks_like_safetensors(head):
-            shown = head.decode('utf-8', 'replace').replace('\n', ' ').strip()
-            raise CheckpointError(
-                f'{name} ({size} bytes) is not a safetensors file (it starts with '
-                f'{shown[:12]!r}...). A failed download often saves an HTML error page or a text '
-                f'message under the file\'s name: download the file again, or check the '
-                f'path.{fresh}') from None
+            raise CheckpointError(not_a_file(name, path, head, 'a safetensors file',
+                                             'the file\'s name', fresh)) from None
         detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else ''
         raise CheckpointError(
             f'Cannot read {name} ({size} bytes): the safetensors file is truncated or corrupt '
             f'({type(e).__name__}: {detail}). A file cut short while being downloaded or written '
             f'looks like this: download or copy it again.{fresh}') from None
-    device = _device(map_location)
-    if device != 'cpu':  # outside the try: a device error is not a corrupt file
-        tensors = OrderedDict((key, value.to(device)) for key, value in tensors.items())
+    # a callable or dict map_location keeps the CPU; outside the try: not a corrupt file
+    if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type != 'cpu':
+        tensors = OrderedDict((key, value.to(map_location)) for key, value in tensors.items())
     meta = {key: _decode(value) for key, value in metadata.items() if key != _FORMAT_KEY}
     return {'state_dict': tensors, 'meta': meta}
 
 
-# ---------------------------------------------------------------------------- writing
 def _jsonable(value):
     """``value`` as JSON data (tuples as lists, numpy and tensor values as numbers or lists)."""
     if isinstance(value, dict):
@@ -127,13 +97,8 @@ def _jsonable(value):
 
 def save_safetensors(state_dict: Dict[str, torch.Tensor], path: str,
                      meta: Optional[dict] = None) -> List[str]:
-    """Write ``state_dict`` as safetensors, each ``meta`` entry as a JSON string.
-
-    Tensors that share memory (tied weights) are written as copies, as safetensors asks.
-
-    Returns:
-        list[str]: The ``meta`` entries that are not JSON data and were left out.
-    """
+    """Write ``state_dict`` (shared tensors as copies) and ``meta`` as safetensors; return the
+    ``meta`` entries left out because they are not JSON data."""
     from safetensors.torch import save_file
     metadata, left_out = {_FORMAT_KEY: 'pt'}, []
     for key, value in (meta or {}).items():
@@ -153,13 +118,8 @@ def save_safetensors(state_dict: Dict[str, torch.Tensor], path: str,
     return left_out
 
 
-# ---------------------------------------------------------------------------- the Hub
 def parse_hub_name(name: str) -> Tuple[str, Optional[str]]:
-    """``'hf-hub:OWNER/NAME@REVISION'`` -> ``('OWNER/NAME', 'REVISION')`` (revision optional).
-
-    Raises:
-        CheckpointError: for a name that is not of that form.
-    """
+    """``'hf-hub:OWNER/NAME@REVISION'`` -> ``('OWNER/NAME', 'REVISION' or None)``."""
     body = str(name).split(':', 1)[1]
     repo_id, at, revision = body.partition('@')
     if not _REPO_ID.match(repo_id) or (at and not revision):
@@ -170,7 +130,7 @@ def parse_hub_name(name: str) -> Tuple[str, Optional[str]]:
 
 
 def _hub():
-    """huggingface_hub's download function, cache constants and error classes."""
+    """huggingface_hub's module, cache constants and error classes."""
     try:
         import huggingface_hub
         from huggingface_hub import constants, utils
@@ -186,76 +146,56 @@ def _offline(constants) -> bool:
     return bool(check() if callable(check) else constants.HF_HUB_OFFLINE)
 
 
-def hub_cache_folder(repo_id: str) -> str:
-    """Where huggingface_hub keeps ``repo_id``'s files (``HF_HUB_CACHE``, else ``HF_HOME/hub``)."""
-    _, constants, _ = _hub()
-    return osp.join(constants.HF_HUB_CACHE, 'models--' + repo_id.replace('/', '--'))
-
-
 def download_from_hub(name: str, what: str = 'checkpoint') -> str:
     """The local copy of a Hub name's ``model.safetensors``, from huggingface_hub's cache or the
-    Hub (into that cache).
-
-    Raises:
-        CheckpointError: in one line naming the fix, when the file is neither cached nor
-            reachable, or the repository, revision or file does not exist.
-    """
+    Hub (into that cache); a one-line :class:`CheckpointError` naming the fix otherwise."""
     repo_id, revision = parse_hub_name(name)
     hub, constants, errors = _hub()
     at = f' at revision {revision!r}' if revision else ''
     page = f'https://huggingface.co/{repo_id}'
     try:
         return hub.hf_hub_download(repo_id, HUB_FILENAME, revision=revision)
-    except errors.LocalEntryNotFoundError as e:  # neither cached nor reachable
-        why = ('HF_HUB_OFFLINE is set' if _offline(constants) else
-               f'the Hub could not be reached ({type(e.__cause__ or e).__name__})')
-        raise CheckpointError(
-            f'{what} {name}: {HUB_FILENAME} of {repo_id}{at} is not in the Hugging Face cache '
-            f'({constants.HF_HUB_CACHE}) and {why}. Download it once with network access '
-            f'(HF_HUB_OFFLINE unset), point HF_HUB_CACHE or HF_HOME at a cache that holds it, or '
-            f'download {HUB_FILENAME} yourself and pass its local path.') from None
-    except errors.RevisionNotFoundError:
-        raise CheckpointError(
-            f'{what} {name}: the repository {repo_id} has no revision {revision!r} (a branch, '
-            f'tag or commit). Check the part after "@" against {page}, or drop it for the '
-            f'default branch.') from None
-    except errors.GatedRepoError:
-        raise CheckpointError(
-            f'{what} {name}: {repo_id} is a gated repository. Accept its terms at {page}, then '
-            f'log in (hf auth login) or set HF_TOKEN.') from None
-    except errors.RepositoryNotFoundError:
-        raise CheckpointError(
-            f'{what} {name}: no repository {repo_id} on the Hugging Face Hub (or it is private). '
-            f'Check the name (OWNER/NAME as in {page}, e.g. {HUB_EXAMPLE}); for a private one, '
-            f'log in (hf auth login) or set HF_TOKEN.') from None
-    except errors.EntryNotFoundError:
-        raise CheckpointError(
-            f'{what} {name}: {repo_id}{at} has no {HUB_FILENAME}. xcit_mm reads only safetensors '
-            f'weights from the Hub (they carry no code); use a repository that has '
-            f'{HUB_FILENAME}, or download its weights and pass the local file.') from None
-    except errors.OfflineModeIsEnabled:
-        raise CheckpointError(
-            f'{what} {name}: HF_HUB_OFFLINE is set and {repo_id}{at} is not in the Hugging Face '
-            f'cache ({constants.HF_HUB_CACHE}). Unset HF_HUB_OFFLINE to download it, or point '
-            f'HF_HUB_CACHE or HF_HOME at a cache that holds it.') from None
-    except Exception as e:  # network, proxy, server errors: huggingface_hub's own message
-        detail = (str(e).strip().splitlines() or [''])[0][:300]
-        raise CheckpointError(
-            f'{what} {name}: cannot download {HUB_FILENAME} of {repo_id}{at} from the Hugging '
-            f'Face Hub ({type(e).__name__}: {detail}). Check the network, or download the file '
-            f'yourself and pass its local path.') from None
+    except Exception as e:  # the most specific class first: Gated is a RepositoryNotFound...
+        if isinstance(e, errors.LocalEntryNotFoundError):  # neither cached nor reachable
+            why = ('HF_HUB_OFFLINE is set' if _offline(constants) else
+                   f'the Hub could not be reached ({type(e.__cause__ or e).__name__})')
+            problem = (
+                f'{HUB_FILENAME} of {repo_id}{at} is not in the Hugging Face cache '
+                f'({constants.HF_HUB_CACHE}) and {why}. Download it once with network access '
+                f'(HF_HUB_OFFLINE unset), point HF_HUB_CACHE or HF_HOME at a cache that holds '
+                f'it, or download {HUB_FILENAME} yourself and pass its local path.')
+        elif isinstance(e, errors.RevisionNotFoundError):
+            problem = (f'the repository {repo_id} has no revision {revision!r} (a branch, tag or '
+                       f'commit). Check the part after "@" against {page}, or drop it for the '
+                       f'default branch.')
+        elif isinstance(e, errors.GatedRepoError):
+            problem = (f'{repo_id} is a gated repository. Accept its terms at {page}, then log in '
+                       f'(hf auth login) or set HF_TOKEN.')
+        elif isinstance(e, errors.RepositoryNotFoundError):
+            problem = (f'no repository {repo_id} on the Hugging Face Hub (or it is private). '
+                       f'Check the name (OWNER/NAME as in {page}, e.g. {HUB_EXAMPLE}); for a '
+                       f'private one, log in (hf auth login) or set HF_TOKEN.')
+        elif isinstance(e, errors.EntryNotFoundError):
+            problem = (f'{repo_id}{at} has no {HUB_FILENAME}. xcit_mm reads only safetensors '
+                       f'weights from the Hub (they carry no code); use a repository that has '
+                       f'{HUB_FILENAME}, or download its weights and pass the local file.')
+        else:  # network, proxy, server errors: huggingface_hub's own message
+            detail = (str(e).strip().splitlines() or [''])[0][:300]
+            problem = (f'cannot download {HUB_FILENAME} of {repo_id}{at} from the Hugging Face '
+                       f'Hub ({type(e).__name__}: {detail}). Check the network, or download the '
+                       f'file yourself and pass its local path.')
+        raise CheckpointError(f'{what} {name}: {problem}') from None
 
 
 def hub_copy_advice(name: str) -> str:
     """How to replace a cached Hub file that turned out truncated or corrupt."""
-    repo_id, _ = parse_hub_name(name)
-    return (f' The Hub file is cached: delete {hub_cache_folder(repo_id)} and run again to '
-            f'download it afresh.')
+    folder = osp.join(_hub()[1].HF_HUB_CACHE,
+                      'models--' + parse_hub_name(name)[0].replace('/', '--'))
+    return f' The Hub file is cached: delete {folder} and run again to download it afresh.'
 
 
 def hub_architecture(repo_id: str, revision: Optional[str]) -> Optional[str]:
-    """The architecture the repository's config.json names (timm's ``architecture``,
-    transformers' ``architectures`` / ``model_type``), or None if it has none at hand."""
+    """The architecture the repository's config.json names, or None if none is at hand."""
     hub, constants, _ = _hub()
     try:
         path = hub.try_to_load_from_cache(repo_id, 'config.json', revision=revision)
@@ -269,6 +209,7 @@ def hub_architecture(repo_id: str, revision: Optional[str]) -> Optional[str]:
         return None
     if not isinstance(config, dict):
         return None
+    # timm's ``architecture``, transformers' ``architectures`` / ``model_type``
     found = config.get('architecture') or config.get('architectures') or config.get('model_type')
     if isinstance(found, list):
         found = found[0] if found else None
