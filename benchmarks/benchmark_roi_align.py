@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """CPU speed of GatherRoIAlign against mmcv's RoIAlign, forward and forward + backward.
 
-Each case is a RoI-pooling call of Mask R-CNN on its stride-4 level (where mmdet's RoI extractor
-sends boxes under 112 px): the shapes quick-start's box / mask branch and COCO's, on seeded
-inputs. Both implementations first run on the same inputs (their largest output and gradient
-difference is recorded), then are timed in rounds whose order alternates, so that drifts of a
-shared machine hit both alike: medians, and speedup = mmcv / gather. docs/benchmark_shapes.md.
+Each case is a RoI-pooling call of Mask R-CNN on its stride-4 level (boxes under 112 px): the
+shapes quick-start's box / mask branch and COCO's, on seeded inputs. Both implementations first
+run on the same inputs (their largest output and gradient difference is recorded), then are timed
+in interleaved rounds (xcit_benchmark.timing): medians, speedup = mmcv / gather.
+docs/benchmark_shapes.md.
 
 Examples::
 
@@ -19,7 +19,6 @@ import math
 import os
 import statistics
 import sys
-import time
 from typing import List, Optional, Sequence
 
 import torch
@@ -30,18 +29,17 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 from training_extras.roi_heads import GatherRoIAlign  # noqa: E402
+from xcit_benchmark.fresh_points import run_metadata, write_artifact  # noqa: E402
+from xcit_benchmark.timing import time_interleaved  # noqa: E402
 
 CASES = (
-    dict(name='shapes_bbox', map=(4, 64, 40, 40), stride=4, rois=128, output=7,
-         sampling_ratio=2),
-    dict(name='shapes_mask', map=(4, 64, 40, 40), stride=4, rois=32, output=14,
-         sampling_ratio=2),
+    dict(name='shapes_bbox', map=(4, 64, 40, 40), stride=4, rois=128, output=7, sampling_ratio=2),
+    dict(name='shapes_mask', map=(4, 64, 40, 40), stride=4, rois=32, output=14, sampling_ratio=2),
     dict(name='coco_bbox', map=(2, 256, 200, 304), stride=4, rois=1024, output=7,
          sampling_ratio=0),
     dict(name='coco_mask', map=(2, 256, 200, 304), stride=4, rois=128, output=14,
          sampling_ratio=0),
 )
-IMPLS = ('mmcv', 'gather')
 BOX_PX = (8.0, 112.0)  # box sides (image pixels) that mmdet's RoI extractor maps to stride 4
 COLUMNS = ('case', 'map', 'RoIs', 'output', 'sampling ratio', 'mmcv fwd ms', 'gather fwd ms',
            'speedup', 'mmcv fwd+bwd ms', 'gather fwd+bwd ms', 'speedup', 'max diff')
@@ -82,12 +80,6 @@ def _run(op, feat, rois, weight, backward: bool):
     return out.detach(), feat.grad
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
-
-
 def measure(case: dict, repeats: int = 10, warmup: int = 2) -> dict:
     """Check agreement and time both implementations on one case."""
     feat, rois, weight = make_inputs(case)
@@ -96,16 +88,11 @@ def measure(case: dict, repeats: int = 10, warmup: int = 2) -> dict:
     out, grad = _run(ops['gather'], feat, rois, weight, True)
     diff_out = (out - ref_out).abs().max().item()
     diff_grad = (grad - ref_grad).abs().max().item()
-    calls = {(impl, kind): (lambda op=op, b=(kind == 'fwd_bwd'): _run(op, feat, rois, weight, b))
+    steps = {f'{impl}_{kind}_ms': (lambda op=op, backward=kind == 'fwd_bwd':
+                                   _run(op, feat, rois, weight, backward))
              for impl, op in ops.items() for kind in ('fwd', 'fwd_bwd')}
-    for _ in range(warmup):
-        for fn in calls.values():
-            fn()
-    times = {f'{impl}_{kind}_ms': [] for impl, kind in calls}
-    for r in range(repeats):
-        for impl in (IMPLS if r % 2 == 0 else IMPLS[::-1]):
-            for kind in ('fwd', 'fwd_bwd'):
-                times[f'{impl}_{kind}_ms'].append(_timed(calls[impl, kind]))
+    times = {key: [t * 1e3 for t in values]
+             for key, values in time_interleaved(steps, warmup, repeats, 'cpu').items()}
     med = {key: statistics.median(values) for key, values in times.items()}
     return dict(
         case=case['name'], map=list(case['map']), stride=case['stride'], rois=case['rois'],
@@ -130,24 +117,6 @@ def _cells(rec: dict) -> List[str]:
 def markdown_table(records: Sequence[dict]) -> str:
     lines = ['| ' + ' | '.join(COLUMNS) + ' |', '|' + '---|' * len(COLUMNS)]
     return '\n'.join(lines + ['| ' + ' | '.join(_cells(r)) + ' |' for r in records])
-
-
-def metadata(argv: Sequence[str]) -> dict:
-    import mmcv
-
-    from xcit_benchmark.fresh_points import run_metadata
-    meta = run_metadata()
-    meta.update(command=' '.join(['benchmarks/benchmark_roi_align.py', *argv]),
-                mmcv=mmcv.__version__, threads=torch.get_num_threads())
-    return meta
-
-
-def write_outputs(records: Sequence[dict], meta: dict, out_dir: str, name: str) -> List[str]:
-    """``<out_dir>/<name>.json`` (meta + records) and ``.csv`` (the scalar fields)."""
-    from xcit_benchmark.fresh_points import write_artifact
-    fields = [k for k in records[0] if k != 'times'] if records else []
-    return write_artifact(os.path.join(out_dir, name), meta, records, fields, 'records',
-                          [{**r, 'map': 'x'.join(map(str, r['map']))} for r in records])
 
 
 def parse_args(argv: Optional[Sequence[str]], cases: Sequence[dict]) -> argparse.Namespace:
@@ -187,7 +156,12 @@ def main(argv: Optional[Sequence[str]] = None, cases: Sequence[dict] = CASES) ->
             print(f"measuring {case['name']}", file=sys.stderr)
         records.append(measure(case, args.repeats, args.warmup))
     print(markdown_table(records))
-    paths = write_outputs(records, metadata(argv), args.out_dir, args.name)
+    import mmcv
+    meta = dict(run_metadata(), command=' '.join(['benchmarks/benchmark_roi_align.py', *argv]),
+                mmcv=mmcv.__version__, threads=torch.get_num_threads())
+    paths = write_artifact(os.path.join(args.out_dir, args.name), meta, records,
+                           [k for k in records[0] if k != 'times'] if records else [], 'records',
+                           [{**r, 'map': 'x'.join(map(str, r['map']))} for r in records])
     print('wrote ' + ', '.join(paths))
     return 0
 

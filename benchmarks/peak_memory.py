@@ -3,17 +3,12 @@
     python benchmarks/peak_memory.py --out docs/results/whole_image_inference
     python benchmarks/peak_memory.py --report docs/results/whole_image_inference.json
 
-A point is (task, backbone, path, size): Semantic FPN (or UperNet: backbone ``uper``) and Mask
-R-CNN of the same neck and heads (:data:`CONFIGS`, random weights), run by the stock or the lean
-model, by the lean one with ``band_mb`` (``bands``, before the stream replaced it), streamed
-(``mode='stream'``: ``stream`` with the token maps in memory, ``stream-disk`` on disk) or in
-``mode='auto'`` within a budget (``auto``, ``--budgets``), on the whole image at full resolution
-(``--pipeline paper`` keeps the config's test Resize; ``network`` times the segmentor's network
-alone). Method and figures: docs/benchmark_high_resolution.md (CPU), docs/benchmark_gpu.md
-(CUDA), docs/benchmark_gigapixel.md (the stream).
-
-On the CPU each point runs in a process of its own, since a process keeps the heap its earlier
-calls grew; on CUDA the peak counters are reset per call, so a process runs a whole series.
+A point is (task, backbone, path, size): a model of :data:`CONFIGS` (random weights) run stock,
+lean, lean with ``band_mb`` (``bands``), streamed (``stream`` / ``stream-disk``: token maps in
+memory / on disk) or in ``mode='auto'`` within a budget (``auto``), on the whole image at full
+resolution. On the CPU each point runs in a process of its own (a process keeps the heap its
+earlier calls grew); on CUDA the peak counters are reset per call, so a process runs a series.
+Method and figures: docs/benchmark_high_resolution.md, benchmark_gpu.md, benchmark_gigapixel.md.
 """
 import argparse
 import contextlib
@@ -135,10 +130,9 @@ def output_digest(task: str, result) -> dict:
         add(labels)
         return dict(digest=digest.hexdigest()[:16], labels_sum=int(labels.sum()),
                     out_shape=list(labels.shape))
-    pred = result.pred_instances
-    for key in ('bboxes', 'labels', 'scores'):
-        add(pred[key])
-    mask_pixels = 0
+    pred, mask_pixels = result.pred_instances, 0
+    for tensor in (pred.bboxes, pred.labels, pred.scores):
+        add(tensor)
     for mask in pred.masks:  # one at a time: the same bytes as the whole tensor's
         add(mask)
         mask_pixels += int(mask.count_nonzero())
