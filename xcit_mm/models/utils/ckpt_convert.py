@@ -1,21 +1,7 @@
 """Pure key conversion of the published XCiT layouts to :class:`XCiTBackbone`'s names.
 
-No file is read here (see :mod:`xcit_mm.models.utils.checkpoint_io`): dicts of tensors in, dicts
-out.
-
-Layouts in the wild (see the README):
-
-* ``official``  - facebookresearch/xcit ImageNet and DINO files, ``{'model': state_dict}``,
-  keys ``blocks.{i}.local_mp.*``, ``pos_embeder.*``, ``patch_embed.proj.{0,2,4,6}.{0,1}.*``.
-  The released COCO / ADE20k models (official detection/ and semantic_segmentation/ code,
-  mmdet 2.11 / mmseg 0.11) use the same names under ``backbone.``, plus the stride adapter built
-  as ``nn.Sequential`` (``fpn1.{0,1,3}``, ``fpn2.0`` for p16; ``fpn1.0`` for p8), which are
-  :class:`XCiTBackbone`'s own adapter names.
-* ``timm``      - the official names with ``pos_embed.`` for ``pos_embeder.``.
-* ``mmpretrain``- ``{'state_dict': ...}`` with ``backbone.xca_layers.{i}.*`` and mmcv brick names.
-* ``xcit_mm``   - this package's names, possibly inside an mmengine checkpoint under
-  ``backbone.``. Files written before the adapter took the official names (0.1: ``fpn2.weight``
-  for p16, ``fpn1.weight`` for p8) are renamed too.
+Dicts of tensors in, dicts out; no file is read here. The layouts (official / DINO, timm,
+mmpretrain, released COCO / ADE20k models, xcit_mm's own): docs/weights.md.
 """
 import re
 from collections import OrderedDict
@@ -28,9 +14,6 @@ LAYOUTS = ('official', 'timm', 'mmpretrain', 'xcit_mm')
 # Keys only the ImageNet classifier has: the dense backbone drops them (and says so).
 CLASSIFIER_KEY = re.compile(r'^(cls_token|cls_attn_blocks\.|ca_layers\.|norm\.|head\.|fc_norm\.)')
 ADAPTER_KEY = re.compile(r'^fpn[1-4]\.')
-
-# A transposed conv of the adapter that an earlier xcit_mm stored outside an nn.Sequential.
-_BARE_ADAPTER_CONV = (r'^(fpn[1-4])\.(weight|bias)$', r'\1.0.\2')
 
 # (pattern, replacement) applied in order to each key, per source layout.
 _RENAMES = {
@@ -51,7 +34,8 @@ _RENAMES = {
         (r'^(layers\.\d+)\.ffn\.layers\.0\.0\.', r'\1.ffn.fc1.'),
         (r'^(layers\.\d+)\.ffn\.layers\.1\.', r'\1.ffn.fc2.'),
     ],
-    'xcit_mm': [_BARE_ADAPTER_CONV],
+    # xcit_mm 0.1 stored the adapter's transposed conv outside an nn.Sequential
+    'xcit_mm': [(r'^(fpn[1-4])\.(weight|bias)$', r'\1.0.\2')],
 }
 _RENAMES['timm'] = _RENAMES['official']
 
@@ -76,10 +60,9 @@ def detect_layout(state_dict: Dict[str, torch.Tensor]) -> str:
 
 def strip_prefix(state_dict, prefix) -> Tuple[Dict[str, torch.Tensor], List[str]]:
     """``(keys under prefix with it removed, the other keys)``."""
-    kept = OrderedDict((k[len(prefix):], v) for k, v in state_dict.items()
-                       if k.startswith(prefix))
-    dropped = [k for k in state_dict if not k.startswith(prefix)]
-    return kept, dropped
+    return (OrderedDict((k[len(prefix):], v) for k, v in state_dict.items()
+                        if k.startswith(prefix)),
+            [k for k in state_dict if not k.startswith(prefix)])
 
 
 def strip_ddp_prefix(state_dict):
@@ -94,18 +77,9 @@ def convert_backbone_state_dict(state_dict: Dict[str, torch.Tensor],
                                 ) -> Tuple['OrderedDict[str, torch.Tensor]', dict]:
     """Convert any published XCiT state dict to :class:`XCiTBackbone`'s keys.
 
-    Args:
-        state_dict: Tensors as found in the file.
-        prefix: Sub-module to take, e.g. ``'backbone.'``. By default ``module.`` (DDP) is stripped
-            and, when ``backbone.`` keys exist (mmpretrain, mmdet/mmseg models), only those are
-            taken.
-
-    Returns:
-        ``(converted, info)`` where ``info`` has ``layout``, ``classifier`` (classification-only
-        keys dropped) and ``outside`` (keys outside the backbone prefix, dropped).
-
-    Raises:
-        LayoutError: if no key has ``prefix`` or the layout is unknown.
+    ``prefix``: the sub-module to take; by default a DDP ``module.`` is stripped and, when there
+    are ``backbone.`` keys, only those are taken. Returns ``(converted, info)``, ``info`` holding
+    the ``layout`` and the dropped ``classifier`` and ``outside`` keys.
     """
     outside: List[str] = []
     if prefix is None:
@@ -131,16 +105,8 @@ def convert_backbone_state_dict(state_dict: Dict[str, torch.Tensor],
 
 def convert_model_state_dict(state_dict: Dict[str, torch.Tensor]
                              ) -> Tuple['OrderedDict[str, torch.Tensor]', dict]:
-    """Convert a whole detector / segmentor (``backbone.*`` plus neck and heads).
-
-    The released COCO / ADE20k models were trained with mmdet 2.11 / mmseg 0.11, whose neck and
-    head names are unchanged in mmdet 3 / mmseg 1; only the backbone trunk keys need renaming
-    (the adapter already has :class:`XCiTBackbone`'s names). A state dict without XCiT backbone
-    keys (another backbone) is returned unchanged, with ``layout=None``.
-
-    Returns:
-        ``(converted, info)``; ``info['layout']`` is the backbone's source layout.
-    """
+    """Convert a whole detector / segmentor: the backbone's keys renamed, the neck and heads kept
+    (mmdet 3 / mmseg 1 use the released names); without an XCiT backbone, ``layout=None``."""
     state_dict = strip_ddp_prefix(state_dict)
     try:
         backbone, info = convert_backbone_state_dict(state_dict, prefix='backbone.')
@@ -175,8 +141,7 @@ _FOREIGN_BACKBONES = [
 
 
 def kind_of_backbone(keys: Iterable[str]) -> Optional[str]:
-    """'a Swin Transformer', 'a ResNet' or 'a ViT / DeiT' when ``keys`` are another backbone's,
-    else None."""
+    """The name of the other backbone whose ``keys`` these are, else None."""
     for pattern, name in _FOREIGN_BACKBONES:
         if any(pattern.search(k) for k in keys):
             return name

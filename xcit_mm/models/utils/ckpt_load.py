@@ -1,14 +1,8 @@
-"""Loading XCiT weights through any loader, exactly or not at all.
+"""XCiT weights through any loader, exactly or not at all (docs/weights.md).
 
-:class:`~xcit_mm.models.backbones.XCiTBackbone` registers :func:`backbone_load_pre_hook` and
-:func:`backbone_load_post_hook` on itself (PyTorch's state-dict load hooks, as timm and
-mmpretrain use to migrate old layouts). Whoever loads a state dict into the backbone or into a
-model holding it -- ``model.load_state_dict``, mmengine's ``load_checkpoint`` / ``load_from`` /
-resume, ``mmdet.apis.init_detector``, ``DetInferencer``, ``mmseg.apis.init_model``,
-``MMSegInferencer`` -- gets the published layouts (official, timm, mmpretrain, released COCO /
-ADE20k, older xcit_mm files) converted to the backbone's names on the fly, and a file that does
-not fit is a :class:`CheckpointError` naming the likely cause, even under mmengine's non-strict
-loading, which would otherwise only warn and leave the backbone at its random initialisation.
+:class:`XCiTBackbone` registers the state-dict load hooks below on itself, so whoever loads into
+it or a model holding it gets every published layout converted, and a file that does not fit is
+a :class:`CheckpointError` naming the cause, even under mmengine's non-strict loading.
 """
 import re
 from collections import OrderedDict
@@ -34,22 +28,10 @@ def _is_counter(key: str) -> bool:
     return key.endswith('num_batches_tracked')
 
 
-def _arch_hint(module, state_dict: Dict[str, torch.Tensor]) -> str:
-    return (f'the weights look like {describe_backbone(state_dict)} while the backbone has '
-            f'embed_dims={module.embed_dims}, depth={module.num_layers}, '
-            f'patch_size={module.patch_size}: pick the arch / patch_size of the checkpoint '
-            f'(e.g. p8 vs p16, or another XCiT size)')
-
-
 def _check_fit(module, converted: Dict[str, torch.Tensor], where: str) -> List[str]:
-    """Raise unless ``converted`` sets every trunk tensor of ``module`` with the right shape.
-
-    The stride adapter (``fpn1``..``fpn4``) is all there (dense-prediction files) or all absent
-    (ImageNet weights: it keeps its fresh initialisation); partly present is an error.
-
-    Returns:
-        list[str]: The adapter branches left at their initialisation.
-    """
+    """Raise unless ``converted`` sets every trunk tensor of ``module`` with the right shape, and
+    the stride adapter whole or not at all (ImageNet weights); return the adapter branches left
+    at their initialisation."""
     own = module.state_dict()
     mismatched = [f'{k}: file {tuple(v.shape)} vs model {tuple(own[k].shape)}'
                   for k, v in converted.items() if k in own and own[k].shape != v.shape]
@@ -58,19 +40,17 @@ def _check_fit(module, converted: Dict[str, torch.Tensor], where: str) -> List[s
     missing_trunk = [k for k in missing if not ADAPTER_KEY.match(k)]
     adapter_own = [k for k in own if ADAPTER_KEY.match(k) and not _is_counter(k)]
     adapter_missing = [k for k in missing if ADAPTER_KEY.match(k)]
-    problems = []
-    if mismatched:
-        problems.append(f'{len(mismatched)} tensors have the wrong shape, e.g. {mismatched[:3]}')
-    if unexpected:
-        problems.append(f'{len(unexpected)} keys do not exist in XCiTBackbone, e.g. '
-                        f'{unexpected[:3]}')
-    if missing_trunk:
-        problems.append(f'{len(missing_trunk)} trunk weights are missing, e.g. '
-                        f'{missing_trunk[:3]}')
+    problems = [f'{len(keys)} {what}, e.g. {keys[:3]}' for keys, what in (
+        (mismatched, 'tensors have the wrong shape'),
+        (unexpected, 'keys do not exist in XCiTBackbone'),
+        (missing_trunk, 'trunk weights are missing')) if keys]
     if problems:
         raise CheckpointError(f'The weights given to XCiTBackbone{where} do not fit it: '
-                              f'{"; ".join(problems)}. Likely cause: '
-                              f'{_arch_hint(module, converted)}.')
+                              f'{"; ".join(problems)}. Likely cause: the weights look like '
+                              f'{describe_backbone(converted)} while the backbone has '
+                              f'embed_dims={module.embed_dims}, depth={module.num_layers}, '
+                              f'patch_size={module.patch_size}: pick the arch / patch_size of '
+                              f'the checkpoint (e.g. p8 vs p16, or another XCiT size).')
     if adapter_missing and len(adapter_missing) < len(adapter_own):
         raise CheckpointError(
             f'The weights given to XCiTBackbone{where} hold only part of the stride adapter: '
@@ -92,18 +72,14 @@ def _check_same_task(unexpected_keys: List[str]) -> None:
 
 
 def refuse_headless_load(model, incompatible_keys) -> None:
-    """Load post-hook of a whole detector / segmentor: a file that leaves one of its heads with no
-    weight at all is not a checkpoint of this model (a backbone-only or classifier file, say), and
-    loading it would give a model whose heads stay random."""
+    """Load post-hook of a whole detector / segmentor: refuse a file that sets no weight of one of
+    its heads (a backbone-only or classifier file), which would leave that head random."""
     missing = set(incompatible_keys.missing_keys)
-    if not missing:
-        return
     heads = {prefix.rstrip('.') for prefixes in TASK_HEADS.values() for prefix in prefixes}
     for name, head in model.named_children():
         if name not in heads:
             continue
-        own = [f'{name}.{key}' for key in head.state_dict()  # BN counters may be absent
-               if not key.endswith('num_batches_tracked')]
+        own = [f'{name}.{key}' for key in head.state_dict() if not _is_counter(key)]
         if own and missing.issuperset(own):
             raise CheckpointError(
                 f'The checkpoint has no weights for {name} ({own[0]}, ...): it is not a checkpoint '
@@ -114,12 +90,8 @@ def refuse_headless_load(model, incompatible_keys) -> None:
 
 def backbone_load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
                            unexpected_keys, error_msgs) -> None:
-    """Convert the backbone's part of ``state_dict`` (keys under ``prefix``) in place.
-
-    At the root of a load (``prefix == ''``, e.g. ``backbone.load_state_dict(...)`` or the
-    ``Pretrained`` init_cfg) a DDP ``module.`` prefix is stripped and, in a whole-model file,
-    only the ``backbone.`` weights are taken; classification-only keys are dropped there too.
-    """
+    """Convert the backbone's part of ``state_dict`` (keys under ``prefix``) in place; at the root
+    of a load (``prefix == ''``) a whole-model or DDP file gives its ``backbone.`` keys."""
     # The model holding the backbone is loaded first: heads it lacks are already unexpected.
     # Another task's file names that cause, not the backbone it happens to hold (e.g. p16 in p8).
     _check_same_task(unexpected_keys)
@@ -164,12 +136,8 @@ def _no_weights_cause(unexpected: List[str]) -> str:
 
 
 def backbone_load_post_hook(module, incompatible_keys) -> None:
-    """After the load: fail if the backbone received no weights, or if the file is a model of
-    another task (a segmentor file loaded into a detector, or the reverse).
-
-    BN counters and an adapter left at its initialisation on purpose (ImageNet weights, logged
-    by the pre-hook) are taken off the missing keys, so that a strict load accepts them.
-    """
+    """Fail if the backbone received no weights or the file is a model of another task; take BN
+    counters and an adapter left fresh on purpose off the missing keys (a strict load passes)."""
     report = getattr(module, 'last_load_report', None)
     unexpected = list(incompatible_keys.unexpected_keys)
     if report is None:
@@ -178,25 +146,17 @@ def backbone_load_post_hook(module, incompatible_keys) -> None:
             f'would stay randomly initialised. Likely cause: {_no_weights_cause(unexpected)}. '
             f'First unexpected keys: {unexpected[:4]}')
     _check_same_task(unexpected)
-    fresh = tuple(report['prefix'] + name + '.' for name in report['adapter_fresh'])
-    missing = incompatible_keys.missing_keys
     ours = report['prefix']
+    fresh = tuple(ours + name + '.' for name in report['adapter_fresh'])
+    missing = incompatible_keys.missing_keys
     missing[:] = [k for k in missing
                   if not (k.startswith(ours) and (_is_counter(k) or k.startswith(fresh)))]
 
 
 def load_backbone_checkpoint(model: torch.nn.Module, checkpoint: str,
                              prefix: Optional[str] = None, weights_only: bool = True) -> dict:
-    """Read ``checkpoint`` (any layout) safely and load it into an ``XCiTBackbone``.
-
-    Args:
-        prefix (str, optional): Take only the keys under this prefix (e.g. ``'backbone.'``);
-            by default the backbone's load hook finds them.
-        weights_only (bool): False unpickles arbitrary objects: only for files you trust.
-
-    Returns:
-        dict: ``layout``, ``loaded``, ``adapter_fresh``, ``classifier``, ``outside``.
-    """
+    """Read ``checkpoint`` (any layout) safely and load it into an ``XCiTBackbone``, taking only
+    the keys under ``prefix`` if given; return the backbone's ``last_load_report``."""
     source = str(checkpoint)
     state_dict = extract_state_dict(
         load_checkpoint_file(checkpoint, 'pretrained checkpoint', weights_only), source)
@@ -213,39 +173,19 @@ def load_backbone_checkpoint(model: torch.nn.Module, checkpoint: str,
     return dict(model.last_load_report)
 
 
-def _likely_cause(model: torch.nn.Module, own_keys, state_dict) -> str:
-    """Explain a whole-model mismatch outside the backbone: another task, or another model."""
-    for task, heads in TASK_HEADS.items():
-        if any(k.startswith(heads) for k in state_dict) and \
-                not any(k.startswith(heads) for k in own_keys):
-            return f'the file is a {task} checkpoint, the config builds another kind of model'
-    return 'the config does not build the model this file was saved from'
-
-
 def load_model_state_dict(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor],
                           source: str = 'checkpoint') -> dict:
-    """Strictly load a whole detector / segmentor (released XCiT layouts are converted by the
-    backbone's load hook): every model tensor must come from the file (BN counters excepted)
-    and every file tensor must fit the model.
-
-    Returns:
-        dict: ``layout`` of the backbone in the file (None without an XCiT backbone),
-        ``loaded`` (tensors in the file).
-
-    Raises:
-        CheckpointError: naming the keys and the likely cause.
-    """
+    """Strictly load a whole detector / segmentor: every model tensor from the file (BN counters
+    excepted), every file tensor into the model; return the backbone's ``layout`` in the file
+    (None without an XCiT backbone) and the number of tensors ``loaded``."""
     state_dict = OrderedDict(strip_ddp_prefix(state_dict))
+    parts = []
     try:
         result = model.load_state_dict(state_dict, strict=False)
-        error = None
+    except CheckpointError as e:
+        raise CheckpointError(f'{source}: {e}') from None
     except RuntimeError as e:  # shape mismatches outside the backbone
-        result, error = None, e
-    if isinstance(error, CheckpointError):
-        raise CheckpointError(f'{source}: {error}') from None
-    parts = []
-    if error is not None:
-        sizes = re.findall(r'size mismatch for ([^:]+):', str(error))
+        sizes = re.findall(r'size mismatch for ([^:]+):', str(e))
         parts.append(f'{len(sizes)} tensors have the wrong shape, e.g. {sizes[:4]}')
     else:
         missing = [k for k in result.missing_keys if not _is_counter(k)]
@@ -255,10 +195,16 @@ def load_model_state_dict(model: torch.nn.Module, state_dict: Dict[str, torch.Te
             parts.append(f'{len(result.unexpected_keys)} keys of the file do not exist in the '
                          f'model, e.g. {result.unexpected_keys[:4]}')
     if parts:
+        own = model.state_dict()
+        cause = next((f'the file is a {task} checkpoint, the config builds another kind of model'
+                      for task, heads in TASK_HEADS.items()
+                      if any(k.startswith(heads) for k in state_dict)
+                      and not any(k.startswith(heads) for k in own)),
+                     'the config does not build the model this file was saved from')
         raise CheckpointError(
-            f'{source} does not fit the model: {"; ".join(parts)}. Likely cause: '
-            f'{_likely_cause(model, model.state_dict(), state_dict)}. Loading stopped, so that '
-            f'no part of the model is silently left at its random initialisation.')
+            f'{source} does not fit the model: {"; ".join(parts)}. Likely cause: {cause}. Loading '
+            f'stopped, so that no part of the model is silently left at its random '
+            f'initialisation.')
     reports = [m.last_load_report for m in model.modules()
                if getattr(m, 'last_load_report', None)]
     return dict(layout=reports[0]['layout'] if reports else None, loaded=len(state_dict))
@@ -266,12 +212,7 @@ def load_model_state_dict(model: torch.nn.Module, state_dict: Dict[str, torch.Te
 
 def load_model_checkpoint(model: torch.nn.Module, filename: str, map_location='cpu',
                           what: str = 'checkpoint'):
-    """Read a whole-model checkpoint safely and load it strictly (released layouts converted).
-
-    Returns:
-        tuple: ``(checkpoint, report)``: the checkpoint dict as read, and
-        :func:`load_model_state_dict`'s report.
-    """
+    """Read a whole-model checkpoint safely and load it strictly: ``(checkpoint, report)``."""
     checkpoint = load_checkpoint_file(filename, what, map_location=map_location)
     source = f'{what} {filename}'
     report = load_model_state_dict(model, extract_state_dict(checkpoint, source), source=source)

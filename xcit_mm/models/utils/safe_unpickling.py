@@ -1,25 +1,10 @@
 """What ``torch.load(weights_only=True)`` may rebuild beyond tensors once ``xcit_mm`` is imported.
 
-mmengine 0.10 pickles its message hub into every training checkpoint: ``HistoryBuffer`` objects
-holding numpy arrays, numpy scalars and dtypes. torch >= 2.6 loads with ``weights_only=True`` by
-default and refuses them, so a checkpoint written by any config (ours, mmdet's / mmseg's own
-``train.py``, ``mim``) would open in no door: ``init_detector``, the inferencers, the upstream
-``tools/test.py``, ``load_from``, ``--resume``. :func:`allow_training_state` adds exactly these
-pure-data types to torch's allow-list, each through a stand-in that checks what the file gives it
-and runs no code named by the file:
-
-- ``HistoryBuffer``: rebuilt from its data (``max_length``, the log and count histories). Its own
-  ``__setstate__`` never runs: it would copy functions named by the file into a registry shared
-  by every buffer of the process;
-- ``getattr``, only for the four statistics methods of ``HistoryBuffer`` (how mmengine pickles
-  them);
-- numpy arrays, scalars and dtypes of bool, integer, float, complex and string kinds, under both
-  the numpy 1 (``numpy.core``) and numpy 2 (``numpy._core``) module names, so a file written under
-  either major version opens under the other. Object arrays and structured dtypes are refused;
-- ``argparse.Namespace``: the training arguments official XCiT files carry (attributes only).
-
-Anything else pickled (a function, a class with a ``__reduce__`` such as ``os.system``) is still
-refused by torch, and nothing from the file runs.
+mmengine pickles its message hub (``HistoryBuffer``: numpy arrays, scalars, dtypes) into every
+training checkpoint, which torch >= 2.6 refuses by default. These pure-data types are
+allow-listed, each through a stand-in that checks what the file gives it and runs no code the file
+names (no ``HistoryBuffer.__setstate__``, no object or structured arrays); ``argparse.Namespace``
+too (official XCiT files). Anything else is still refused by torch (docs/weights.md).
 """
 import argparse
 import pickle
@@ -39,16 +24,11 @@ def _refuse(what: str) -> pickle.UnpicklingError:
 
 
 def _build_only(cls) -> tuple:
-    """An allow-list entry for a type that may receive ``BUILD`` state but is never named by a file.
-
-    torch looks ``GLOBAL`` names up in the allow-list by the string ``module.name`` read from the
-    file, one line each; this entry's name holds a newline, so no file can spell it. The type
-    still counts as allowed when a stand-in has created its instance and the file sets its state.
-    """
+    """An allow-list entry for a type that may receive ``BUILD`` state but is never named by a
+    file: torch reads ``GLOBAL`` names one line each, and this name holds a newline."""
     return (cls, f'{cls.__module__}.{cls.__qualname__}\n(state only)')
 
 
-# ---------------------------------------------------------------------------- numpy
 def _plain_dtype(spec, align=False, copy=False, *rest):
     """``numpy.dtype`` for plain kinds only: no object, structured or sub-array dtypes."""
     try:
@@ -105,10 +85,8 @@ def _numpy_entries() -> list:
     return entries
 
 
-# ---------------------------------------------------------------------------- mmengine
 class HistoryBufferState(HistoryBuffer):
-    """What a file gets for ``HistoryBuffer``: an instance that becomes a real ``HistoryBuffer``
-    once its state is checked to be data only."""
+    """What a file gets for ``HistoryBuffer``: becomes one once its state is checked as data."""
 
     def __init__(self, *args, **kwargs):  # a REDUCE would run __init__ on what the file gives
         raise _refuse('HistoryBuffer(...) (it is rebuilt from its state only)')
@@ -132,8 +110,7 @@ class HistoryBufferState(HistoryBuffer):
 
 
 def _statistics_getattr(obj, name):
-    """``getattr`` for ``HistoryBuffer.min/max/current/mean`` only (how mmengine pickles the
-    statistics registry); any other attribute of any object is refused."""
+    """``getattr`` for ``HistoryBuffer.min/max/current/mean`` only (mmengine's statistics)."""
     if obj in (HistoryBuffer, HistoryBufferState) and name in _STATISTICS:
         return getattr(HistoryBuffer, name)
     shown = 'HistoryBuffer' if obj is HistoryBufferState else repr(obj)
