@@ -12,79 +12,50 @@ the stride-4 ones being the largest.
 :class:`LeanEncoderDecoder` computes the same labels with less memory, by exact means only:
 
 * **Post-processing in class chunks.** Bilinear resizing works on each channel independently, so
-  resizing a chunk of classes gives the values the full call gives for those classes; a running
-  maximum with a strict ``>`` (the earlier class wins a tie, as ``argmax`` returns the first
-  maximum; a NaN wins as in ``argmax``) gives ``argmax`` of the full tensor. Only one chunk of
-  full-size logits exists at a time. On this CPU torch's bilinear kernels give bit-identical
-  channel results only for some chunk widths (a 1-channel call vectorises differently; in
-  channels-last a chunk narrower than 24 channels, or not a multiple of 8, takes another path):
-  chunks are multiples of 8 channels (at least 24 in channels-last), which
-  ``tests/test_lean_segmentation.py`` checks against stock labels and logits.
-* **Semantic FPN in the order the data flows** (:meth:`LeanEncoderDecoder._semantic_fpn_forward`):
-  the XCiT levels are made one at a time (stride 32 first, the stride-4 map last), each FPN level
-  as soon as its inputs exist, and every map is freed when the next step no longer needs it; the
-  head sums its four branches into one accumulator. UperNet likewise
-  (:meth:`LeanEncoderDecoder._upernet_forward`, ``xcit_mm/models/inference/uper_data_flow.py``): its
-  FPN outputs are upsampled one at a time into a preallocated buffer of ``torch.cat``'s layout
-  instead of a list and a concatenated copy. Each operation is the stock one on the same full
-  tensor (no tiling): convolutions on differently sized inputs can take another oneDNN
-  algorithm and differ in the last bit, which can flip an argmax at a near-tie, so spatial tiles
-  were measured and rejected (they were not bit-identical here).
+  resizing a chunk of classes gives the full call's values for those classes; a running maximum
+  with a strict ``>`` (the earlier class wins a tie, as ``argmax`` returns the first maximum; a NaN
+  wins as in ``argmax``) gives ``argmax`` of the full tensor. Only one chunk of full-size logits
+  exists at a time. torch's CPU bilinear kernels give bit-identical channel results only for some
+  chunk widths (a 1-channel call vectorises differently; in channels-last a chunk narrower than 24
+  channels, or not a multiple of 8, takes another path): chunks are multiples of 8 channels (at
+  least 24 in channels-last).
+* **Semantic FPN and UperNet in the order the data flows** (:meth:`_semantic_fpn_forward`,
+  ``uper_data_flow.py``): the XCiT levels are made one at a time, stride 32 first, each later
+  map as soon as its inputs exist, and every map is freed when the next step no longer needs it.
+  Each operation is the stock one on the same full tensor: convolutions on differently sized
+  inputs can take another oneDNN algorithm and differ in the last bit, which can flip an argmax at
+  a near-tie, so spatial tiles were rejected.
 * **Sliding windows without the full map** (``mode='slide'``). Each window's logits are kept at
-  the head's own resolution (before the head's resize to the window), which costs num_windows x
-  C x (crop / 4)^2 floats for mmseg's stride-4 heads instead of C x H x W. Then, class chunk by
-  class chunk, the chunk's part of stock's map is rebuilt as stock builds it (the same windows in
-  the same order, each resized to the window by the head's bilinear resize, added into a zero map,
-  divided by the window count map) and goes through the post-processing above. Each window is
+  the head's own resolution; then, class chunk by class chunk, the chunk's part of stock's map is
+  rebuilt as stock builds it (the same windows in the same order, each resized to the window,
+  added into a zero map, divided by the count map) and post-processed as above. Each window is
   added into its own region in place, where stock adds a zero-padded full-size copy: the bits are
   the same, since ``x + 0.0 == x`` for every value the map can hold (it starts at +0.0, and a sum
   of floats is -0.0 only when both terms are).
-* **Within a memory budget** (``mode='auto'``). The whole image runs where the estimate of its
-  peak fits ``max_memory``, otherwise the sliding windows (:meth:`LeanEncoderDecoder.memory_plans`
-  lists the estimates, :func:`~xcit_mm.models.utils.memory_budget.choose_plan` picks and logs).
-  The network's part of an estimate is a line fitted to its measured peak at a few small sizes
-  (calibrated once per model, on the first auto ``predict``), raised by 5% because it is
-  extrapolated; the rest are the tensors this module allocates, counted from their shapes, the
-  input batch the caller holds, and a fixed slack for kernels' scratch.
+* **Within a memory budget** (``mode='auto'``). The first plan whose estimated peak fits
+  ``max_memory`` runs (:meth:`LeanEncoderDecoder.memory_plans`,
+  :func:`~xcit_mm.models.utils.memory_budget.choose_plan`). Both parts of an estimate are
+  measured, not counted: the network's line at a few small sizes (once per model), the
+  post-processing on zeros at the batch's own geometry scaled down (once per geometry).
 
 Labels are those of stock ``EncoderDecoder.predict`` (with the mode actually run) on the same
 weights; logits, when kept, equal stock's. Configs: ``model = dict(type='LeanEncoderDecoder',
 ...)`` is the one key (``custom_imports`` of ``xcit_mm``, which the backbone needs anyway,
 registers the name; the class is imported on first build, so ``import xcit_mm`` does not import
-mmseg). Our ADE20k segmentation configs use it by default. ``test_cfg`` keys, all optional:
-
-* ``lean`` (bool, default True): False gives the stock ``EncoderDecoder.predict``.
-* ``keep_seg_logits`` (bool, default False): also store the full-size ``seg_logits`` that stock
-  stores (assembled chunk by chunk, one C x H x W tensor per image). Without it the results carry
-  ``pred_sem_seg`` only: IoUMetric, the visualizer, ``MMSegInferencer`` and ``inference_model``'s
-  callers read nothing else, and a reader of ``seg_logits`` gets a clear AttributeError rather
-  than logits of another size.
-* ``lean_chunk_mb`` (int, default 256): memory of one chunk of full-size logits; the chunk is
-  rounded to the widths above.
-* ``mode`` ('whole' default, 'slide', 'stream' or 'auto'): 'slide' needs ``crop_size`` and
-  ``stride``, as stock's does; 'auto' needs ``max_memory`` and runs the first of whole, stream
-  (token maps in memory), stream (token maps on disk) and slide whose estimate fits.
-* 'stream' (Semantic FPN or UperNet on XCiT): the whole image's context in bounded memory. The
-  trunk runs layer by layer over bands of token rows, and every later map is made a band of rows
-  at a time (``xcit_mm/models/inference/row_stream.py``, ``seg_stream.py``); logits equal the
-  whole-map ones up to float rounding, not bit for bit. ``band_mb`` (default 512 on the CPU, 4096
-  on a GPU; under ``max_memory`` as large as fits) sizes the bands;
-  ``token_maps`` ('memory' or 'disk'; default memory, or what ``max_memory`` leaves room for)
-  says where the trunk's token maps live, ``token_dir`` the folder of the disk ones (default the
-  temporary folder; a subfolder is made and removed).
-* ``crop_size``, ``stride`` ((h, w)): the windows of 'slide'. 'auto' defaults them to the
-  training crop (``data_preprocessor.size``, else 512 x 512) and two thirds of it (341 for 512).
-* ``max_memory`` (MB, 'auto' only): how much memory inference may add to the process (what
-  ``predict`` allocates, and the input batch it is given).
-* ``memory_model`` (``dict(base_mb=..., mb_per_mpix=...)``, 'auto' only): the network's line
-  (the one a calibration logs), which skips the calibration.
-
-``memory_model`` with a mode other than 'auto' is an error, not a silently ignored key; so is
-``max_memory`` outside 'auto' and 'stream', a stream key with a mode or a model it does not
-apply to, and any other key.
+mmseg). The ``test_cfg`` keys (``TEST_CFG_KEYS``: ``mode`` 'whole', 'slide', 'stream' or 'auto',
+and each mode's own) are in ``docs/lean_segmentation.md``. 'stream' (Semantic FPN or UperNet on
+XCiT) keeps the whole image's context in bounded memory: the trunk runs layer by layer over bands
+of token rows, every later map is made a band of rows at a time (``row_stream.py``,
+``seg_stream.py``); its logits equal the whole-map ones up to float rounding, not bit for bit.
+Without ``keep_seg_logits`` the results carry ``pred_sem_seg`` only, which is all IoUMetric, the
+visualizer and ``MMSegInferencer`` read: a reader of ``seg_logits`` gets a clear AttributeError
+rather than logits of another size. A key the mode (or the model) does not read is an error, not
+a silently ignored key.
 """
 import math
 import tempfile
+from contextlib import contextmanager
+from functools import partial
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -107,7 +78,7 @@ from ..inference.row_stream import TokenMaps, TokenRows, read_band_mb, stream_ro
 from ..inference.seg_stream import labels_rows, logits_rows, why_not_streamed
 from ..inference.uper_data_flow import uper_head_in_data_flow_order
 from ..utils.ckpt_load import refuse_headless_load
-from ..utils.memory_budget import (MB, MemoryModel, Plan, calibrate, choose_plan,
+from ..utils.memory_budget import (MB, MemoryModel, Plan, calibrate, choose_plan, measure_line,
                                    read_budget_mb, read_memory_model, release_free_heap)
 
 # Chunk widths whose bilinear results equal the full call's, channel by channel (module docstring).
@@ -120,35 +91,29 @@ TEST_CFG_KEYS = ('mode', 'lean', 'keep_seg_logits', 'lean_chunk_mb', 'crop_size'
                  'max_memory', 'memory_model', 'band_mb', 'token_maps', 'token_dir')
 STREAM_KEYS = ('band_mb', 'token_maps', 'token_dir')
 # The stream's band size when test_cfg.band_mb gives none: bands of many rows keep the share of
-# context rows and per-call costs small (a GPU's kernels want larger ones); under a budget it
-# shrinks to fit, down to the minimum.
-STREAM_BAND_MB = dict(cpu=512, cuda=4096)
+# context rows and per-call costs small, and on the CPU bands this size keep the work small beside
+# a large image's token maps (a GPU's kernels want larger ones); under a budget it shrinks to
+# fit, down to the minimum.
+STREAM_BAND_MB = dict(cpu=128, cuda=4096)
 MIN_STREAM_BAND_MB = 32
 # The window of mode='auto' when neither test_cfg.crop_size nor data_preprocessor.size gives one:
-# mmseg's usual training crop; the stride is two thirds of the window, as in mmseg's slide
-# configs (ConvNeXt / SETR on ADE20k: 512 and 341, Cityscapes: 769 and 513).
+# mmseg's usual training crop; the stride is two thirds of it, as in mmseg's slide configs.
 DEFAULT_CROP = (512, 512)
-# Square sizes at which the network's peak is measured (mode='auto', first predict): small enough
-# to cost seconds, spread enough (a factor 12 in pixels) that a size whose peak sits off the line
-# moves the fitted slope little.
+# Square sizes at which the network's peak is measured (mode='auto', first predict): cheap, and
+# spread enough that a size whose peak sits off the line moves the fitted slope little.
 CALIBRATION_SIZES = ((256, 256), (512, 512), (896, 896))
-# The network's line is extrapolated far beyond those sizes, where a slope a few percent off
-# becomes that many percent of the estimate: its estimates are raised by this factor.
-NETWORK_MARGIN = 1.05
+# The longer side to which a batch's post-processing is scaled down to be measured, and half of
+# it (mode='auto'): small enough that measuring stays well below any budget the network needs.
+POST_CALIBRATION_SIDE = 384
+# Both lines are extrapolated far beyond the sizes they are measured at, where a slope a few
+# percent off becomes that many percent of the estimate: their estimates are raised by this factor.
+MARGIN = 1.05
 # Input side of the one small forward that finds the head's output stride (window logits' size).
 STRIDE_PROBE = 128
-# Bytes per output pixel of the running argmax (_RunningArgmax): its best value (float32) and
-# label (int64); a chunk's maxima and their classes; while merging, those plus every temporary
-# of the update (six boolean masks, the new best and labels, the shifted classes), all counted
-# as if the allocator kept each one until the step ends. Labels (int64) are kept until predict
-# returns.
-STATE_BYTES = 4 + 8
-MAX_BYTES = 4 + 8
-MERGE_BYTES = MAX_BYTES + 6 + 4 + 8 + 8
-LABEL_BYTES = 8
+LABEL_BYTES = 8  # the labels (int64) each image keeps until predict returns
 FLOAT_BYTES = 4
-# What the shape-counted terms leave out: kernels' scratch (a resize's index and weight tables, a
-# reduction's buffers) and the allocator's rounding; added to every estimate.
+# What the stream's shape-counted terms leave out: kernels' scratch (a resize's index and weight
+# tables, a reduction's buffers) and the allocator's rounding.
 SLACK_MB = 16
 # The stream's working memory beyond its token maps: a fixed part (the coarse maps made whole,
 # kernels' scratch) and bands of band_mb (the trunk's band with its FFN hidden layer and the
@@ -158,8 +123,7 @@ SLACK_MB = 16
 STREAM_WORK_MB = 64
 STREAM_WORK_BANDS = 2.5
 # Bytes per input element that mmseg's doors (inference_model, the test loop) hold while predict
-# runs: the float batch and the packed uint8 image. They exist before predict, but the memory a
-# caller sees grow includes them, so every estimate counts them.
+# runs (the float batch, the packed uint8 image): the growth a caller sees includes them.
 INPUT_BYTES = 4 + 1
 
 
@@ -272,6 +236,7 @@ class LeanEncoderDecoder(EncoderDecoder):
         self.calibrated_memory_model: Optional[MemoryModel] = None
         self._release_heap = False  # set by each predict: mode='auto' (_step_done)
         self._head_geometry: Optional[Tuple[float, float, bool]] = None
+        self._post_lines = {}  # the post-processing's measured line per batch geometry
         self._check_test_cfg_keys()  # a misspelt key in the config fails at build
 
     # ------------------------------------------------------------------ settings
@@ -387,11 +352,9 @@ class LeanEncoderDecoder(EncoderDecoder):
         return self._whole_predict(inputs, batch_img_metas, data_samples)
 
     def _step_done(self) -> None:
-        """Between the steps of a mode='auto' run (the network, each window, each window added
-        into a chunk, each chunk made and merged): return the freed heap to the OS. glibc keeps
-        freed heap pages resident (and, once a large tensor is freed, serves tensors up to 32 MB
-        from the heap), so without this a step's freed memory would add to the next step's,
-        where the estimate counts the larger step."""
+        """Between the steps of a mode='auto' run: return the freed heap to the OS. glibc keeps
+        freed heap pages resident, so a step's freed memory would otherwise add to the next
+        step's, where the estimate measures the larger step."""
         if self._release_heap:
             release_free_heap()
 
@@ -434,7 +397,7 @@ class LeanEncoderDecoder(EncoderDecoder):
         if self._is_semantic_fpn():
             return self._semantic_fpn_forward(inputs)
         if self._is_upernet():
-            return self._upernet_forward(inputs)
+            return uper_head_in_data_flow_order(self.backbone, self.decode_head, inputs)
         return self.decode_head.forward(self.extract_feat(inputs))
 
     def _is_semantic_fpn(self) -> bool:
@@ -448,14 +411,10 @@ class LeanEncoderDecoder(EncoderDecoder):
                 and len(head.in_index) <= neck.num_outs)
 
     def _semantic_fpn_forward(self, inputs: Tensor) -> Tensor:
-        """``FPNHead.forward(FPN.forward(backbone(inputs)))`` with each map freed when done.
-
-        The same operations on the same tensors as stock, in data-flow order: the backbone and
-        FPN by :func:`~xcit_mm.models.inference.fpn_data_flow.fpn_in_data_flow_order`, then the
-        head's branch 0, then branches 1..3 added into it one at a time in stock's order (float
-        addition is not associative). ``a.add_(b)`` on a tensor that only this function holds
-        gives the bits of ``a + b``.
-        """
+        """``FPNHead.forward(FPN.forward(backbone(inputs)))`` with each map freed when done:
+        stock's operations in data-flow order (``fpn_in_data_flow_order``), the head's branches
+        added into branch 0 in stock's order (float addition is not associative); ``a.add_(b)``
+        on a tensor only this function holds gives the bits of ``a + b``."""
         head = self.decode_head
         fpn_out = fpn_in_data_flow_order(self.backbone, self.neck, inputs)
         num_branches = len(head.feature_strides)
@@ -471,19 +430,12 @@ class LeanEncoderDecoder(EncoderDecoder):
 
     def _is_upernet(self) -> bool:
         """mmseg's UPerHead (not a subclass) on the backbone's levels 0..n-1 in order, no neck:
-        what :meth:`_upernet_forward` computes as stock does."""
+        what ``uper_head_in_data_flow_order`` computes as stock does."""
         head = self.decode_head
         return (not self.with_neck and type(head) is UPerHead
                 and head.input_transform == 'multiple_select'
                 and list(head.in_index) == list(range(len(head.in_index)))
                 and len(head.lateral_convs) == len(head.fpn_convs) == len(head.in_index) - 1)
-
-    def _upernet_forward(self, inputs: Tensor) -> Tensor:
-        """``UPerHead.forward(backbone(inputs))`` with each map freed when done and the FPN
-        outputs upsampled one at a time into the concatenation buffer
-        (:func:`~xcit_mm.models.inference.uper_data_flow.uper_head_in_data_flow_order`): the same
-        operations on the same tensors as stock, bit for bit."""
-        return uper_head_in_data_flow_order(self.backbone, self.decode_head, inputs)
 
     # ------------------------------------------------------------------ streamed
     def stream_labels(self, read_rows: Callable[[int, int], 'np.ndarray'],
@@ -624,30 +576,32 @@ class LeanEncoderDecoder(EncoderDecoder):
     # ------------------------------------------------------------------ sliding windows
     def _slide_predict(self, inputs: Tensor, data_samples: OptSampleList,
                        crop_size: Tuple[int, int], stride: Tuple[int, int]) -> SampleList:
-        """Stock ``slide_inference`` + ``postprocess_result``, one class chunk at a time.
-
-        The window logits stay at the head's resolution (num_windows x batch x C x the head's
-        window size, e.g. (crop / 4)^2, floats: the one cost that grows with the window count);
-        each class chunk's stock map is rebuilt from them by :meth:`_slide_chunk`, post-processed
-        per image and merged into each image's running argmax.
-        """
+        """Stock ``slide_inference`` + ``postprocess_result``, one class chunk at a time: the
+        window logits stay at the head's resolution (the one cost that grows with the window
+        count), and :meth:`_slide_post` rebuilds each chunk of stock's map from them."""
         windows = slide_windows(inputs.shape[2:], crop_size, stride)
         window_logits = self._window_logits(inputs, windows)
-        count = self._window_count(inputs, windows)
+        count = self._window_count(inputs, inputs.shape, windows)
+        return self._slide_post(window_logits, windows, count, data_samples)
+
+    def _slide_post(self, window_logits: List[Tensor], windows: list, count: Tensor,
+                    data_samples: OptSampleList, width: Optional[int] = None) -> SampleList:
+        """Each class chunk (``width`` classes, default :meth:`_slide_chunk_width`) of stock's
+        map (:meth:`_slide_chunk`), post-processed per image into its running argmax."""
         C = window_logits[0].shape[1]
         if C == 1:  # binary head: one channel, nothing to chunk; stock code on the full map
             return self.postprocess_result(
                 self._slide_chunk(window_logits, windows, count, 0, 1), data_samples)
-        metas = ([None] * inputs.shape[0] if data_samples is None
-                 else [sample.metainfo for sample in data_samples])
-        width = self._slide_chunk_width(C, inputs.shape, metas,
-                                        any(_is_channels_last(x) for x in window_logits))
+        metas = self._metas(data_samples, count.shape[0])
+        width = width or self._slide_chunk_width(
+            C, count.shape, metas, any(map(_is_channels_last, window_logits)))
         states = [_RunningArgmax(C, self._test_option('keep_seg_logits', False), self._step_done)
                   for _ in metas]
         for c0 in range(0, C, width):
-            c1 = min(c0 + width, C)
-            self._merge_chunk(states, metas, c0,
-                              self._slide_chunk(window_logits, windows, count, c0, c1))
+            chunk = self._slide_chunk(window_logits, windows, count, c0, min(c0 + width, C))
+            for i, (state, meta) in enumerate(zip(states, metas)):
+                state.add(c0, partial(self._image_chunk, chunk, i, 0, chunk.shape[1], None, meta))
+            del chunk
             self._step_done()
         for state in states:
             state.finish()
@@ -663,20 +617,13 @@ class LeanEncoderDecoder(EncoderDecoder):
         return window_logits
 
     @staticmethod
-    def _window_count(inputs: Tensor, windows: list) -> Tensor:
+    def _window_count(like: Tensor, shape: Sequence[int], windows: list) -> Tensor:
         """Stock's count map: how many windows cover each pixel, (batch, 1, H, W)."""
-        count = inputs.new_zeros((inputs.shape[0], 1) + tuple(inputs.shape[2:]))
+        count = like.new_zeros((shape[0], 1) + tuple(shape[2:]))
         for y1, y2, x1, x2 in windows:
             count[:, :, y1:y2, x1:x2] += 1
         assert (count == 0).sum() == 0
         return count
-
-    def _merge_chunk(self, states: List[_RunningArgmax], metas: List[Optional[dict]], c0: int,
-                     chunk: Tensor) -> None:
-        """Post-process each image's part of a chunk of the batch's map (classes from c0) and
-        merge it into that image's running argmax."""
-        for i, (state, meta) in enumerate(zip(states, metas)):
-            state.add(c0, lambda: self._image_chunk(chunk, i, 0, chunk.shape[1], None, meta))
 
     def _slide_chunk(self, window_logits: List[Tensor], windows: list, count: Tensor, c0: int,
                      c1: int) -> Tensor:
@@ -692,33 +639,52 @@ class LeanEncoderDecoder(EncoderDecoder):
             self._step_done()
         return acc.div_(count)
 
-    def _slide_chunk_width(self, num_classes: int, input_shape: Sequence[int],
-                           metas: List[Optional[dict]], channels_last: bool) -> int:
-        """Classes per chunk of the sliding path: its two full-size planes per class are the
-        batch's map (``_slide_chunk``) and one image's map at its original size."""
-        B, _, H, W = input_shape
-        out_numel = max(math.prod(self._output_hw(meta, (H, W))) for meta in metas)
-        return chunk_width(num_classes, B * H * W + out_numel,
-                           self._test_option('lean_chunk_mb', 256), channels_last)
-
     # ------------------------------------------------------------------ post-processing
-    def _postprocess(self, seg_logits: Tensor, head_size, data_samples: OptSampleList) -> list:
+    def _postprocess(self, seg_logits: Tensor, head_size, data_samples: OptSampleList,
+                     widths: Optional[List[int]] = None) -> list:
         """Stock ``postprocess_result`` (and, when ``head_size`` is given, the head's resize to
-        it before), class chunk by class chunk, with a running argmax."""
+        it before), class chunk by class chunk (``widths`` classes per image, default
+        :meth:`_chunk_widths`), with a running argmax."""
         batch_size, C = seg_logits.shape[:2]
         if C == 1:  # binary head: one channel, nothing to chunk; stock code on the full map
             if head_size is not None:
                 seg_logits = resize(seg_logits, size=head_size, mode='bilinear',
                                     align_corners=self.decode_head.align_corners)
             return self.postprocess_result(seg_logits, data_samples)
-        keep_logits = self._test_option('keep_seg_logits', False)
-        budget_mb = self._test_option('lean_chunk_mb', 256)
+        metas = self._metas(data_samples, batch_size)
+        widths = widths or self._chunk_widths(C, head_size or seg_logits.shape[2:], metas,
+                                              _is_channels_last(seg_logits))
         states = []
-        for i in range(batch_size):
-            meta = None if data_samples is None else data_samples[i].metainfo
-            states.append(self._labels_of_image(seg_logits, i, head_size, meta, budget_mb,
-                                                keep_logits))
+        for i, (meta, width) in enumerate(zip(metas, widths)):
+            state = _RunningArgmax(C, self._test_option('keep_seg_logits', False), self._step_done)
+            for c0 in range(0, C, width):
+                state.add(c0, lambda: self._image_chunk(seg_logits, i, c0, min(c0 + width, C),
+                                                        head_size, meta))
+            state.finish()
+            states.append(state)
         return self._set_results(data_samples, states)
+
+    def _chunk_widths(self, num_classes: int, head_hw: Sequence[int],
+                      metas: List[Optional[dict]], channels_last: bool,
+                      batch_map: int = 0) -> List[int]:
+        """Classes per chunk of each image's post-processing: its planes per class are the
+        image's labels and, for the windows, the batch's map (``batch_map`` pixels)."""
+        return [chunk_width(num_classes, batch_map + math.prod(self._output_hw(meta, head_hw)),
+                            self._test_option('lean_chunk_mb', 256), channels_last)
+                for meta in metas]
+
+    def _slide_chunk_width(self, num_classes: int, shape: Sequence[int],
+                           metas: List[Optional[dict]], channels_last: bool) -> int:
+        """The narrowest of the images' widths beside the batch's map (``shape``: B, _, H, W)."""
+        B, _, H, W = shape
+        return min(self._chunk_widths(num_classes, (H, W), metas, channels_last, B * H * W))
+
+    @staticmethod
+    def _metas(data_samples: OptSampleList, batch_size: int) -> List[Optional[dict]]:
+        """Each image's meta, None for every image without data samples."""
+        if data_samples is None:
+            return [None] * batch_size
+        return [sample.metainfo for sample in data_samples]
 
     def _set_results(self, data_samples: OptSampleList,
                      states: List[_RunningArgmax]) -> SampleList:
@@ -766,20 +732,6 @@ class LeanEncoderDecoder(EncoderDecoder):
         return resize(x, size=meta['ori_shape'], mode='bilinear',
                       align_corners=self.align_corners, warning=False)[0]
 
-    def _labels_of_image(self, seg_logits: Tensor, i: int, head_size, meta: Optional[dict],
-                         budget_mb: float, keep_logits: bool) -> _RunningArgmax:
-        """Image i's running argmax (labels (1, H, W) int64, full logits or None) over chunks."""
-        C = seg_logits.shape[1]
-        out_hw = self._output_hw(meta, head_size if head_size is not None
-                                 else seg_logits.shape[2:])
-        width = chunk_width(C, out_hw[0] * out_hw[1], budget_mb, _is_channels_last(seg_logits))
-        state = _RunningArgmax(C, keep_logits, self._step_done)
-        for c0 in range(0, C, width):
-            c1 = min(c0 + width, C)
-            state.add(c0, lambda: self._image_chunk(seg_logits, i, c0, c1, head_size, meta))
-        state.finish()
-        return state
-
     # ------------------------------------------------------------------ memory budget
     def _choose_memory_plan(self, inputs: Tensor, data_samples: OptSampleList,
                             stream_only: bool = False) -> Plan:
@@ -787,11 +739,9 @@ class LeanEncoderDecoder(EncoderDecoder):
         ``test_cfg.max_memory`` (logged), kept in ``last_memory_plan``."""
         budget_mb = read_budget_mb(self.test_cfg, type(self).__name__)  # before calibrating
         if stream_only:
-            metas = self._batch_img_metas(inputs, data_samples)
-            out = math.prod(self._output_hw(data_samples and metas[0], self._head_resize_size(
-                metas)))
-            plans = self._stream_plans(inputs.shape[2:], (INPUT_BYTES * inputs.numel() + (
-                LABEL_BYTES * out * inputs.shape[0])) / MB, budget_mb)
+            head_hw = self._head_resize_size(self._batch_img_metas(inputs, data_samples))
+            plans = self._stream_plans(inputs.shape[2:], self._held_mb(
+                inputs, self._metas(data_samples, inputs.shape[0]), head_hw), budget_mb)
         else:
             plans = self.memory_plans(inputs, data_samples)
         B, _, H, W = inputs.shape
@@ -806,178 +756,120 @@ class LeanEncoderDecoder(EncoderDecoder):
         peak (MB) that ``predict`` adds running each.
 
         A run has two phases, and its estimate is the larger: the network (its line,
-        :meth:`network_memory_model`, raised by ``NETWORK_MARGIN``, at the pixels it runs on)
-        with what is kept from before, then the post-processing beside the network's output.
-        The post-processing terms are the tensors this module allocates, counted from their
-        shapes (:meth:`_whole_bytes`, :meth:`_slide_bytes`); the chunk widths are the ones the
-        run will take, and the head's output size and layout come from one small forward
-        (:meth:`_head_output_geometry`). Both estimates add ``SLACK_MB`` and the input batch
-        (``INPUT_BYTES`` per element).
+        :meth:`network_memory_model`) with what is kept from before, then the post-processing
+        beside the network's output (:meth:`_post_mb`). Both lines are extrapolated, so their
+        estimates are raised by ``MARGIN``; both add the input batch (``INPUT_BYTES``).
         """
         crop, stride = self._slide_settings(auto=True)
         line = self.network_memory_model(inputs)
-
-        def network_mb(num_pixels):
-            return NETWORK_MARGIN * line.estimate_mb(num_pixels)
-
+        self._release_heap = True  # the post-processing is measured as mode='auto' runs it
         B, _, H, W = inputs.shape
-        metas = ([None] * B if data_samples is None
-                 else [sample.metainfo for sample in data_samples])
+        metas = self._metas(data_samples, B)
         head_hw = tuple(self._head_resize_size(self._batch_img_metas(inputs, data_samples)))
-        fixed_mb = SLACK_MB + INPUT_BYTES * inputs.numel() / MB
-        whole_mb = fixed_mb + max(network_mb(B * H * W),
-                                  self._whole_bytes(inputs, metas, head_hw) / MB)
+        input_mb = INPUT_BYTES * inputs.numel() / MB
         windows = slide_windows((H, W), crop, stride)
         win_hw = (min(crop[0], H), min(crop[1], W))
-        window_logits = self._logits_bytes(inputs, B, win_hw)
-        slide_mb = fixed_mb + max(
-            network_mb(B * win_hw[0] * win_hw[1]) + (len(windows) - 1) * window_logits / MB,
-            (len(windows) * window_logits + self._slide_bytes(inputs, metas, win_hw)) / MB)
+        s_h, s_w, _ = self._head_output_geometry(inputs)
+        held_mb = ((len(windows) - 1) * FLOAT_BYTES * B * self.out_channels
+                   * math.ceil(win_hw[0] / s_h) * math.ceil(win_hw[1] / s_w) / MB)
+        whole_mb = input_mb + MARGIN * max(line.estimate_mb(B * H * W),
+                                           self._post_mb(inputs, metas, head_hw))
+        slide_mb = input_mb + MARGIN * max(line.estimate_mb(B * win_hw[0] * win_hw[1]) + held_mb,
+                                           self._post_mb(inputs, metas, head_hw, windows))
         stream = []
         if self._why_not_streamed() is None:
-            labels_mb = sum(LABEL_BYTES * out for out, _, _ in self._image_terms(metas, head_hw))
-            held_mb = (INPUT_BYTES * inputs.numel() + labels_mb) / MB
-            stream = self._stream_plans((H, W), held_mb, self._test_option('max_memory', None))
+            stream = self._stream_plans((H, W), self._held_mb(inputs, metas, head_hw),
+                                        self._test_option('max_memory', None))
         return [Plan('whole', whole_mb, f'({H}x{W} px)')] + stream + [
                 Plan('slide', slide_mb, f'({len(windows)} windows {win_hw[0]}x{win_hw[1]}, '
                      f'stride {stride[0]}x{stride[1]})')]
 
-    def _logits_bytes(self, inputs: Tensor, batch: int, input_hw: Sequence[int]) -> int:
-        """Bytes of the head's output for ``batch`` inputs of ``input_hw`` pixels."""
-        s_h, s_w, _ = self._head_output_geometry(inputs)
-        return (FLOAT_BYTES * batch * self.out_channels * math.ceil(input_hw[0] / s_h)
-                * math.ceil(input_hw[1] / s_w))
+    def _held_mb(self, inputs: Tensor, metas: List[Optional[dict]], head_hw) -> float:
+        """What a stream's caller holds: the input batch and every image's labels."""
+        labels = sum(math.prod(self._output_hw(meta, head_hw)) for meta in metas)
+        return (INPUT_BYTES * inputs.numel() + LABEL_BYTES * labels) / MB
 
-    def _image_terms(self, metas: List[Optional[dict]], head_hw: Sequence[int]):
-        """Per image: (output pixels, pixels of its flipped copy or 0, bytes of its results
-        (labels, and logits with ``keep_seg_logits``) kept until predict returns)."""
-        keep = self._test_option('keep_seg_logits', False)
-        terms = []
-        for meta in metas:
-            out = math.prod(self._output_hw(meta, head_hw))
-            flipped = math.prod(head_hw) if meta is not None and meta.get('flip') else 0
-            terms.append((out, flipped, out * (FLOAT_BYTES * self.out_channels if keep else 0)))
-        return terms
-
-    @staticmethod
-    def _merge_bytes(width: int, out: int) -> int:
-        """Peak of merging a chunk of ``width`` classes of ``out`` pixels into the running argmax,
-        beyond the running best and labels: the chunk, or once it is freed the maxima (float) and
-        their classes (int64), the masks, the new best and labels and the shifted classes."""
-        return max(FLOAT_BYTES * width + MAX_BYTES, MERGE_BYTES) * out
-
-    @staticmethod
-    def _first_and_later_width(num_classes: int, width: int) -> Tuple[int, int]:
-        """The widest first chunk and the widest later one (0 if there is none): the running
-        best and labels (and the kept logits) exist only from the second chunk on."""
-        return min(width, num_classes), min(width, max(num_classes - width, 0))
-
-    def _whole_bytes(self, inputs: Tensor, metas: List[Optional[dict]],
-                     head_hw: Sequence[int]) -> int:
-        """Post-processing peak of the whole image: the network's output, the results of the
-        images before, and for each chunk the larger of making it (``_image_chunk``: the head's
-        resize, a flipped copy, the resize to the original size) and merging it, beside the
-        running best and labels from the second chunk on."""
-        B, C = inputs.shape[0], self.out_channels
-        _, _, channels_last = self._head_output_geometry(inputs)
-        head = math.prod(head_hw)
-        network_output = self._logits_bytes(inputs, B, inputs.shape[2:])
-        if C == 1:  # stock post-processing of the batch resized at once (_postprocess)
-            return (network_output + FLOAT_BYTES * B * head
-                    + self._binary_post_bytes(self._image_terms(metas, head_hw)))
-        done, peak = 0, 0
-        for (out, flipped, kept), meta in zip(self._image_terms(metas, head_hw), metas):
-            first, later = self._first_and_later_width(C, chunk_width(
-                C, out, self._test_option('lean_chunk_mb', 256), channels_last))
-
-            def make(width):  # all of _image_chunk's tensors, as if none were freed
-                return FLOAT_BYTES * width * (head + (flipped + out if meta else 0))
-
-            # the kept logits are allocated once the first chunk is made
-            peak = max(peak, done + max(make(first), kept + self._merge_bytes(first, out)),
-                       done + (STATE_BYTES * out + kept + max(
-                           make(later), self._merge_bytes(later, out)) if later else 0))
-            done += LABEL_BYTES * out + kept
-        return network_output + peak
-
-    @staticmethod
-    def _binary_post_bytes(terms) -> int:
-        """Stock ``postprocess_result`` of a one-channel map: per image a flipped copy, the
-        resize to the original size, its sigmoid, the thresholded mask and the float prediction;
-        the sigmoid and the prediction stay in every image's results."""
-        return (sum(2 * FLOAT_BYTES * out for out, _, _ in terms)
-                + max(FLOAT_BYTES * flipped + (FLOAT_BYTES + 1) * out for out, flipped, _ in terms))
-
-    def _slide_bytes(self, inputs: Tensor, metas: List[Optional[dict]],
-                     win_hw: Sequence[int]) -> int:
-        """Post-processing peak of the windows, beyond their stored logits: the count map and,
-        for each chunk, the chunk of the batch's map with the larger of one resized window (and
-        its class slice) and one image's post-processing and merge, beside the images' running
-        best and labels (and kept logits) from the second chunk on."""
+    def _post_mb(self, inputs: Tensor, metas: List[Optional[dict]], head_hw: Sequence[int],
+                 windows: Optional[list] = None) -> float:
+        """Peak (MB) of the post-processing of this batch, with the tensors it starts from (the
+        network's output, or the windows' logits and count map), measured as the network is:
+        on zeros, at this batch's geometry scaled down to ``POST_CALIBRATION_SIDE``, at the
+        chunk widths of the full-size run, and extrapolated along the line through those peaks
+        (every tensor the post-processing makes has a fixed number of elements per pixel). One
+        measurement per geometry, kept."""
         B, _, H, W = inputs.shape
         C = self.out_channels
-        _, _, channels_last = self._head_output_geometry(inputs)
-        terms = self._image_terms(metas, (H, W))
-        width = 1 if C == 1 else self._slide_chunk_width(C, inputs.shape, metas, channels_last)
+        s_h, s_w, channels_last = self._head_output_geometry(inputs)
+        widths = (self._chunk_widths(C, head_hw, metas, channels_last) if windows is None
+                  else self._slide_chunk_width(C, inputs.shape, metas, channels_last))
+        key = (tuple(inputs.shape), tuple(head_hw), tuple(windows or ()), str(widths),
+               self._test_option('keep_seg_logits', False),
+               tuple((self._output_hw(m, head_hw), self._padding(m), m and m.get('flip'),
+                      m and m.get('flip_direction')) for m in metas))
+        if key in self._post_lines:
+            return self._post_lines[key].estimate_mb(H * W)
 
-        def add_window(width):  # the chunk of the batch's map and one window resized into it
-            return FLOAT_BYTES * width * B * (H * W + win_hw[0] * win_hw[1]) + (
-                self._logits_bytes(inputs, B, win_hw) * width // C)
+        def scaled(f: float, *sizes) -> tuple:
+            return tuple(max(1, round(v * f)) for v in sizes)
 
-        if C == 1:  # stock post-processing of the one-channel map (_slide_predict)
-            return (FLOAT_BYTES * B * H * W
-                    + max(add_window(1), FLOAT_BYTES * B * H * W + self._binary_post_bytes(terms)))
-        first, later = self._first_and_later_width(C, width)
-        peak, before = add_window(first), 0
-        for out, flipped, kept in terms:
-            peak = max(peak, FLOAT_BYTES * first * B * H * W + before + max(
-                FLOAT_BYTES * first * (flipped + out), kept + self._merge_bytes(first, out)))
-            before += STATE_BYTES * out + kept
-        if later:
-            peak = max(peak, before + add_window(later), before + max(
-                FLOAT_BYTES * later * B * H * W + max(FLOAT_BYTES * later * (flipped + out),
-                                                      self._merge_bytes(later, out))
-                for out, flipped, _ in terms))
-        return FLOAT_BYTES * B * H * W + peak
+        def logits(f: float, h: int, w: int) -> Tensor:
+            out = inputs.new_zeros((B, C) + scaled(f, math.ceil(h / s_h), math.ceil(w / s_w)))
+            return out.contiguous(memory_format=torch.channels_last) if channels_last else out
+
+        def sample(meta: dict, f: float) -> SegDataSample:
+            top, bottom, left, right = (round(p * f) for p in self._padding(meta))
+            return SegDataSample(metainfo=dict(
+                ori_shape=scaled(f, *meta['ori_shape']), padding_size=[left, right, top, bottom],
+                flip=meta.get('flip'), flip_direction=meta.get('flip_direction')))
+
+        def run(h: int, w: int):
+            f = h / H
+            samples = None if metas[0] is None else [sample(meta, f) for meta in metas]
+            if windows is None:
+                return self._postprocess(logits(f, H, W), scaled(f, *head_hw), samples, widths)
+            boxes = [tuple(round(v * f) for v in box) for box in windows]
+            count = self._window_count(inputs, (B, 1) + scaled(f, H, W), boxes)
+            return self._slide_post([logits(f, y2 - y1, x2 - x1) for y1, y2, x1, x2 in windows],
+                                    boxes, count, samples, widths)
+
+        top = min(max(H, W), POST_CALIBRATION_SIDE)
+        sides = [scaled(side / max(H, W), H, W) for side in (top / 2, top)]
+        self._post_lines[key] = measure_line(run, sides, inputs.device)[0]
+        return self._post_lines[key].estimate_mb(H * W)
 
     def network_memory_model(self, inputs: Tensor) -> MemoryModel:
         """The network's peak line: ``test_cfg.memory_model`` if given, else the one measured
         by :func:`~xcit_mm.models.utils.memory_budget.calibrate` on this model's first call (the
-        network forward on zeros at ``CALIBRATION_SIZES``, measured on the inputs' device: the
-        resident set on the CPU, the memory held by tensors on a GPU)."""
+        network forward on zeros at ``CALIBRATION_SIZES``, on the inputs' device)."""
         given = read_memory_model(self._test_option('memory_model', None), type(self).__name__)
         if given is not None:
             return given
         if self.calibrated_memory_model is None:
-            self.calibrated_memory_model = self._calibrate(inputs)
-        return self.calibrated_memory_model
-
-    def _calibrate(self, inputs: Tensor) -> MemoryModel:
-        """Measure ``_network_forward`` on zeros at each of ``CALIBRATION_SIZES`` (in eval mode,
-        so that batch norm statistics stay as they are)."""
-        was_training = self.training
-        self.eval()
-        try:
-            with torch.no_grad():
-                return calibrate(
-                    lambda h, w: self._network_forward(
-                        inputs.new_zeros((1, inputs.shape[1], h, w))),
+            channels = inputs.shape[1]
+            with self._eval_no_grad():
+                self.calibrated_memory_model = calibrate(
+                    lambda h, w: self._network_forward(inputs.new_zeros((1, channels, h, w))),
                     CALIBRATION_SIZES, f'{type(self).__name__} network', device=inputs.device)
-        finally:
-            self.train(was_training)
+        return self.calibrated_memory_model
 
     def _head_output_geometry(self, inputs: Tensor) -> Tuple[float, float, bool]:
         """Input pixels per head output pixel (h, w) and whether the output is channels-last
         (which sets the chunk widths), from one small forward on zeros, kept."""
         if self._head_geometry is None:
-            was_training = self.training
-            self.eval()
-            try:
-                with torch.no_grad():
-                    out = self._network_forward(
-                        inputs.new_zeros((1, inputs.shape[1], STRIDE_PROBE, STRIDE_PROBE)))
-            finally:
-                self.train(was_training)
+            with self._eval_no_grad():
+                out = self._network_forward(
+                    inputs.new_zeros((1, inputs.shape[1], STRIDE_PROBE, STRIDE_PROBE)))
             self._head_geometry = (STRIDE_PROBE / out.shape[2], STRIDE_PROBE / out.shape[3],
                                    _is_channels_last(out))
         return self._head_geometry
+
+    @contextmanager
+    def _eval_no_grad(self) -> Iterator[None]:
+        """Eval mode (batch norm statistics stay as they are) without autograd, then as before."""
+        was_training = self.training
+        self.eval()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            self.train(was_training)

@@ -141,21 +141,26 @@ def _cuda_peak_growth_mb(call: Callable[[], object], device: torch.device) -> fl
     return (peak - base) / MB
 
 
-def calibrate(run_at: Callable[[int, int], object], sizes: Iterable[Tuple[int, int]],
-              what: str, fixed_mb: float = 0.0, fixed_what: str = '',
-              device=None) -> MemoryModel:
-    """Fit a :class:`MemoryModel` to the peak growth of ``run_at(h, w)`` at each of ``sizes``,
-    measured on ``device`` (:func:`measure_peak_growth_mb`).
-
-    The first size is run once more beforehand, unmeasured: first calls set up thread pools and
-    kernels whose memory stays. ``fixed_mb`` (named ``fixed_what`` in the log) is added to the
-    line's base: a part measured apart that costs the same at any size. The line is logged, with
-    the measured points and the ``memory_model`` setting (rounded up) that skips calibrating.
-    """
+def measure_line(run_at: Callable[[int, int], object], sizes: Iterable[Tuple[int, int]],
+                 device=None) -> Tuple[MemoryModel, List[Tuple[int, float]]]:
+    """The line fitted to the peak growth of ``run_at(h, w)`` at each of ``sizes``, measured on
+    ``device``, and the measured ``(pixels, MB)`` points. The first size is run once more
+    beforehand, unmeasured: first calls set up thread pools and kernels whose memory stays."""
     sizes = list(sizes)
     run_at(*sizes[0])
     points = [(h * w, measure_peak_growth_mb(lambda: run_at(h, w), device)) for h, w in sizes]
-    line = MemoryModel.fit(points)
+    return MemoryModel.fit(points), points
+
+
+def calibrate(run_at: Callable[[int, int], object], sizes: Iterable[Tuple[int, int]],
+              what: str, fixed_mb: float = 0.0, fixed_what: str = '',
+              device=None) -> MemoryModel:
+    """:func:`measure_line` of ``run_at`` at ``sizes``, with ``fixed_mb`` (named ``fixed_what``
+    in the log) added to the line's base: a part measured apart that costs the same at any size.
+    The line is logged, with the measured points and the ``memory_model`` setting (rounded up)
+    that skips calibrating.
+    """
+    line, points = measure_line(run_at, sizes, device)
     model = MemoryModel(line.base_mb + fixed_mb, line.mb_per_mpix)
     measured = ', '.join(f'{int(p**0.5)}^2 px: {m:.0f} MB' for p, m in points)
     if fixed_what:
