@@ -44,14 +44,11 @@ def compare_pairs(specs: Sequence[ModelSpec]) -> Tuple[List[ModelSpec], List[Tup
     """``--compare``: for every XCiT model, XCiTBackbone.forward_trunk vs mmpretrain's trunk."""
     out, pairs = [], []
     for spec in specs:
-        if spec.family not in ('xcit', 'xcit_trunk'):
-            continue
-        ours = parse_model(f'xcit_{spec.arch}_p{spec.patch}_trunk')
-        port = parse_model(f'mmpretrain_xcit_{spec.arch}_p{spec.patch}')
-        for s in (ours, port):
-            if s not in out:
-                out.append(s)
-        pairs.append((ours.name, port.name))
+        if spec.family in ('xcit', 'xcit_trunk'):
+            ours = parse_model(f'xcit_{spec.arch}_p{spec.patch}_trunk')
+            port = parse_model(f'mmpretrain_xcit_{spec.arch}_p{spec.patch}')
+            out += [s for s in (ours, port) if s not in out]
+            pairs.append((ours.name, port.name))
     if not pairs:
         raise ValueError('--compare needs at least one xcit_* model in --models')
     return out, pairs
@@ -83,8 +80,9 @@ def compile_variants(specs, mode: str, pairs) -> List[ModelSpec]:
 
 
 def check_same_trunk(arch: str, patch: int, resolution: int = 64) -> str:
-    """``--compare`` times the same computation: the port's weights, loaded into XCiTBackbone
-    through its ``Pretrained`` loader, give the same trunk maps; a one-line verdict."""
+    """A one-line verdict that ``--compare`` times the same computation: the port's weights,
+    loaded into XCiTBackbone through its ``Pretrained`` loader, give the same trunk maps."""
+    name = f'same trunk check XCiT-{arch.upper()}/{patch}'
     try:
         torch.manual_seed(0)
         port, _ = build_model(parse_model(f'mmpretrain_xcit_{arch}_p{patch}'))
@@ -102,16 +100,12 @@ def check_same_trunk(arch: str, patch: int, resolution: int = 64) -> str:
                                      norm_cfg=dict(type='BN'),
                                      init_cfg=dict(type='Pretrained', checkpoint=path)))
             ours.init_weights()
-        port.eval()
-        ours.eval()
         img = torch.randn(1, 3, resolution, resolution)
         with torch.no_grad():
-            a, b = ours.forward_trunk(img), port(img)
+            a, b = ours.eval().forward_trunk(img), port.eval()(img)
         diff = max((x - y).abs().max().item() for x, y in zip(a, b))
         scale = max(y.abs().max().item() for y in b)
-        return (f'same trunk check XCiT-{arch.upper()}/{patch}: port weights loaded into '
-                f'XCiTBackbone, max |diff| of the {len(a)} trunk maps = {diff:.2e} '
-                f'(max |value| {scale:.2e})')
+        return (f'{name}: port weights loaded into XCiTBackbone, max |diff| of the {len(a)} '
+                f'trunk maps = {diff:.2e} (max |value| {scale:.2e})')
     except Exception as e:  # report, do not abort the benchmark
-        return f'same trunk check XCiT-{arch.upper()}/{patch} not possible: ' \
-               f'{type(e).__name__}: {e}'
+        return f'{name} not possible: {type(e).__name__}: {e}'

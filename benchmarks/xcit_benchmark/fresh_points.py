@@ -1,9 +1,6 @@
 """What every fresh-process measurement shares: the child process under an RSS and time limit,
-the peak measurement of one call, the test image and the artifact files.
-
-The peak is xcit_mm's own (``memory_budget.measure_peak_growth_mb``, what ``mode='auto'``
-calibrates with), so a benchmark and a memory budget mean the same megabytes.
-"""
+the peak of one call (xcit_mm's ``measure_peak_growth_mb``, what ``mode='auto'`` calibrates with:
+a benchmark and a memory budget mean the same megabytes), the test image, the artifact files."""
 import csv
 import gc
 import json
@@ -34,8 +31,7 @@ def test_image(size: int):
 def measure(call, device='cpu'):
     """(result, peak growth MB, memory in use before the call MB, seconds) of ``call()``."""
     import torch
-    cuda = str(device).startswith('cuda')
-    held = {}
+    cuda, held = str(device).startswith('cuda'), {}
 
     def timed():
         held['base'] = torch.cuda.memory_allocated(device) / MIB if cuda else rss_mb()
@@ -63,10 +59,10 @@ def child_rss(pid: int) -> int:
 
 
 def run_process(cmd, limit_bytes: float, seconds: float, env=None, cwd=None, on_line=None):
-    """Run ``cmd``, killing it above ``limit_bytes`` of RSS or after ``seconds``, so that a point
-    that does not fit never reaches the kernel's OOM killer on a shared machine. ``on_line`` gets
-    each stdout line as it comes. Returns returncode, lines, stderr, killed ('rss', 'timeout' or
-    None), rss (the highest seen) and note (why it was killed)."""
+    """Run ``cmd``, killed above ``limit_bytes`` of RSS or after ``seconds`` (a point that does not
+    fit never reaches the kernel's OOM killer); ``on_line`` gets each stdout line as it comes.
+    Returns returncode, lines, stderr, killed ('rss', 'timeout' or None), rss (the highest seen),
+    note (why it was killed)."""
     with tempfile.TemporaryFile('w+') as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
                                 cwd=cwd)

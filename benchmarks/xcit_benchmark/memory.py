@@ -1,9 +1,7 @@
-"""Peak memory of one (backbone, resolution) point in a fresh process:
-``python -m xcit_benchmark.memory CFG_JSON`` prints ``WORKER_MARK + json(result)``.
-
-The figure is the memory the forward (or train step, with the parameter gradients) needs on top
-of the weights and the input: measured after the build, a warm-up call (code pages, thread
-pools) and the input, with the method of :func:`.fresh_points.measure`.
+"""Peak memory of one (backbone, resolution) point in a fresh process (``python -m
+xcit_benchmark.memory CFG_JSON`` prints ``WORKER_MARK + json(result)``): what the forward (or
+train step, with the gradients) needs on top of the weights and the input, measured after the
+build, a warm-up call (code pages, thread pools) and the input, by :func:`.fresh_points.measure`.
 """
 import json
 import os
@@ -18,7 +16,6 @@ from .models import build_model, compile_forward, parse_model
 from .timing import make_step, set_threads
 
 WORKER_MARK = '@@XCIT_BENCHMARK_WORKER@@'
-# the directory that holds this package (benchmarks/)
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -46,11 +43,9 @@ def worker_main(cfg: dict) -> dict:
     """Measure the peak memory of one point (``cfg``: model, resolution, batch, mode,
     precision, device, threads, mem_iters); runs in a fresh process."""
     set_threads(cfg.get('threads'))
-    device = cfg['device']
-    spec = parse_model(cfg['model'])
+    device, spec, res = cfg['device'], parse_model(cfg['model']), cfg['resolution']
     torch.manual_seed(0)
     model, forward = build_model(spec, device)
-    res = cfg['resolution']
     if spec.compiled:  # warm up (= compile) at the measured size: one static graph
         forward = compile_forward(forward)
         tiny = torch.randn(cfg['batch'], 3, res, res, device=device)
@@ -78,11 +73,10 @@ def run_memory_worker(cfg: dict, limit_bytes: int, timeout_s: float) -> dict:
     """:func:`worker_main` (or, for ``cfg['kind'] == 'whole_model'``, the whole-model module's) in
     a fresh process, killed above ``limit_bytes`` of RSS (status 'oom') or after ``timeout_s``
     ('timeout'); ``cfg['cpu_mem_mode']`` 'process' keeps glibc's default malloc."""
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k != 'MALLOC_MMAP_THRESHOLD_'}
     env['PYTHONPATH'] = os.pathsep.join(p for p in (PACKAGE_PARENT, env.get('PYTHONPATH')) if p)
     if cfg.get('threads'):
         env['OMP_NUM_THREADS'] = env['MKL_NUM_THREADS'] = str(cfg['threads'])
-    env.pop('MALLOC_MMAP_THRESHOLD_', None)
     if cfg.get('cpu_mem_mode', 'live') == 'live':
         env.update(LIVE_MALLOC)
     module = 'xcit_benchmark.' + ('whole_model' if cfg.get('kind') == 'whole_model' else 'memory')
