@@ -1,34 +1,15 @@
 #!/usr/bin/env python
 """Convert any published XCiT checkpoint to xcit_mm's backbone layout.
 
-    python tools/model_converters/convert_checkpoint.py xcit_small_12_p8_224.pth xcit_s12_p8.pth
+    python tools/model_converters/convert_checkpoint.py SRC DST [--full-model] [--arch s12]
 
-Reads official/DINO (``{'model': ...}``), timm, mmpretrain and xcit_mm/mmengine files (training
-checkpoints included) with ``torch.load(weights_only=True)``; ``--trust`` unpickles a file you
-trust that pickles other Python objects. Writes ``{'state_dict': ..., 'meta': {...}}`` (the
-source's ``meta``, ``dataset_meta`` included, plus where it came from) loadable with
-``init_cfg=dict(type='Pretrained', checkpoint=DST)``. Pass ``--arch/--patch-size`` to also check
-that the result loads into that backbone. ``--full-model`` converts a whole released detector /
-segmentor (backbone renamed, neck and heads kept) for ``tools/test.py CONFIG DST``:
-
-    python tools/model_converters/convert_checkpoint.py maskrcnn_xcit_small_12_p8.pth \\
-        mask_rcnn_s12_p8.pth --full-model
-
-(``tools/test.py`` also reads the released files as downloaded; converting is optional.)
-
-SRC may also be a safetensors file or a Hugging Face Hub name (``hf-hub:OWNER/NAME[@REVISION]``,
-e.g. ``hf-hub:timm/xcit_small_12_p16_384.fb_dist_in1k``). ``--format safetensors`` (the default
-for a DST ending in ``.safetensors``) writes the same layout as safetensors, a format that cannot
-carry code; ``meta`` goes into its string metadata, one JSON string per entry (``dataset_meta``,
-``layout``, ``source``; tuples come back as lists):
-
-    python tools/model_converters/convert_checkpoint.py hf-hub:timm/xcit_nano_12_p16_224.fb_in1k \
-        xcit_n12_p16.safetensors
+SRC: a .pth or safetensors file, URL or hf-hub:OWNER/NAME, read with weights_only unless --trust.
+DST keeps the source's meta; a DST ending in .safetensors is written as safetensors. Examples and
+layouts: docs/weights.md.
 """
 import argparse
 import os
 import sys
-from collections import OrderedDict
 
 import torch
 
@@ -37,6 +18,7 @@ from xcit_mm.models import arch_zoo  # noqa: E402
 from xcit_mm.models.utils import (CheckpointError, LayoutError,  # noqa: E402
                                   convert_backbone_state_dict, convert_model_state_dict,
                                   extract_state_dict, load_checkpoint_file)
+from xcit_mm.models.utils.ckpt_convert import strip_prefix  # noqa: E402
 from xcit_mm.models.utils.safetensors_io import (SUFFIX, is_hub_name,  # noqa: E402
                                                  save_safetensors)
 from training_extras.hooks.portable_checkpoint_hook import to_plain_data  # noqa: E402
@@ -68,8 +50,7 @@ def main(argv=None):
         raw = extract_state_dict(checkpoint, args.src)
         if args.full_model:
             converted, info = convert_model_state_dict(raw)
-            backbone = OrderedDict((k[len('backbone.'):], v) for k, v in converted.items()
-                                   if k.startswith('backbone.'))
+            backbone = strip_prefix(converted, 'backbone.')[0]
         else:
             converted, info = convert_backbone_state_dict(raw, args.prefix)
             backbone = converted

@@ -1,11 +1,6 @@
 # Copyright (c) xcit_mm contributors. All rights reserved.
-"""A bare XCiT backbone for XCA visualisation, and a config's input normalisation.
-
-Whole detectors and segmentors are built and run by upstream (``mmdet.apis.DetInferencer`` /
-``init_detector``, ``mmseg.apis.MMSegInferencer`` / ``init_model``); ``import xcit_mm`` makes
-their checkpoint loading safe and exact. What is left here has no upstream counterpart: an
-``XCiTBackbone`` alone, from a config, a checkpoint or nothing.
-"""
+"""A bare XCiT backbone (for XCA visualisation) and a config's input normalisation; whole models
+are built by upstream's ``init_detector`` / ``init_model`` and inferencers."""
 from typing import Optional, Union
 
 from xcit_mm.models.utils.checkpoint_io import (CheckpointError, check_checkpoint,
@@ -29,31 +24,14 @@ def preprocess_cfg(cfg) -> dict:
 
 def init_backbone(model: str, arch: Union[str, dict] = 's12', patch_size: int = 16,
                   checkpoint: Optional[str] = None, device: str = 'cpu'):
-    """Build an ``XCiTBackbone`` from a config, a checkpoint or nothing, in eval mode.
+    """Build an ``XCiTBackbone`` in eval mode; return it and :func:`preprocess_cfg`'s dict.
 
-    Args:
-        model (str): A config (``*.py``: its ``model.backbone``, SyncBN made BN, ``init_cfg``
-            applied unless ``checkpoint`` replaces it), a checkpoint file or URL (any layout the
-            backbone's ``Pretrained`` loader accepts), or ``'random'``.
-        arch (str | dict): Arch when ``model`` is a checkpoint or ``'random'``.
-        patch_size (int): 8 or 16, when ``model`` is a checkpoint or ``'random'``.
-        checkpoint (str, optional): With a config or ``'random'``: the weights to load (e.g. a
-            detector / segmentor trained with the config).
-        device (str): Torch device.
-
-    Returns:
-        ``(backbone, preprocess)``: the backbone and a dict with ``mean``, ``std``, ``rgb`` (see
-        :func:`preprocess_cfg`).
-
-    Raises:
-        FileNotFoundError: The config does not exist.
-        ValueError: The config's backbone is not an XCiTBackbone, or bad arguments.
-        CheckpointError: A missing, unreadable or unsafe checkpoint (checked before the backbone
-            is built), or one of another arch / patch size.
+    ``model``: a config (its ``model.backbone``, SyncBN made BN, its ``init_cfg`` unless
+    ``checkpoint`` replaces it), a checkpoint file or URL (of ``arch`` / ``patch_size``), or
+    ``'random'``. The checkpoint is checked (a ``CheckpointError``) before anything is built.
     """
     from xcit_mm.models import XCiTBackbone
-    preprocess = dict(mean=IMAGENET_MEAN, std=IMAGENET_STD, rgb=True)
-    what = '--checkpoint' if checkpoint is not None else 'checkpoint'
+    cfg, what = {}, '--checkpoint' if checkpoint is not None else 'checkpoint'
     if model.endswith('.py'):
         cfg = read_config(model)
         bb_cfg = cfg.get('model', {}).get('backbone', None)
@@ -66,28 +44,23 @@ def init_backbone(model: str, arch: Union[str, dict] = 's12', patch_size: int = 
         norm = bb_cfg.get('norm_cfg', None)
         if isinstance(norm, dict) and 'SyncBN' in str(norm.get('type', '')):
             bb_cfg['norm_cfg'] = dict(norm, type='BN')  # same weights, runs on one device
-        if checkpoint is not None:
-            bb_cfg['init_cfg'] = dict(type='Pretrained', checkpoint=checkpoint)
-        else:
+        if checkpoint is None:
             what = f'model.backbone.init_cfg.checkpoint of {model}'
-        # forward_trunk stops at max(out_indices); the default ends at the last layer, so every
-        # layer can be captured. out_indices change no weight.
+        # forward_trunk stops at max(out_indices): None runs (and lets one capture) every layer
         bb_cfg['out_indices'] = None
-        preprocess = preprocess_cfg(cfg)
     elif model == 'random':
         bb_cfg = dict(arch=arch, patch_size=patch_size)
-        if checkpoint is not None:
-            bb_cfg['init_cfg'] = dict(type='Pretrained', checkpoint=checkpoint)
+    elif checkpoint is not None:
+        raise ValueError('MODEL is already a checkpoint; --checkpoint only goes with a '
+                         "config or 'random'")
     else:
-        if checkpoint is not None:
-            raise ValueError('MODEL is already a checkpoint; --checkpoint only goes with a '
-                             "config or 'random'")
         bb_cfg = dict(arch=arch, patch_size=patch_size,
                       init_cfg=dict(type='Pretrained', checkpoint=model))
+    if checkpoint is not None:
+        bb_cfg['init_cfg'] = dict(type='Pretrained', checkpoint=checkpoint)
     init = bb_cfg.get('init_cfg', None)
     if isinstance(init, dict) and init.get('type') == 'Pretrained' and init.get('checkpoint'):
-        # Checked before anything is built; a URL is downloaded once and read from the cache.
-        # A config that opts out of weights_only (a file its author trusts) is only resolved.
+        # a URL is downloaded once; a config that opts out of weights_only is only resolved
         check = resolve_checkpoint_path if init.get('weights_only', True) is False \
             else check_checkpoint
         try:
@@ -99,12 +72,8 @@ def init_backbone(model: str, arch: Union[str, dict] = 's12', patch_size: int = 
                     f'config), or use MODEL=random.') from e
             raise
     backbone = XCiTBackbone(**bb_cfg)
-    # Truncated-normal init, then the checkpoint if any, loaded strictly (a checkpoint of another
-    # arch / patch size is a CheckpointError naming the tensors).
-    backbone.init_weights()
-    backbone.to(device)
-    backbone.eval()
-    return backbone, preprocess
+    backbone.init_weights()  # the checkpoint if any, loaded strictly
+    return backbone.to(device).eval(), preprocess_cfg(cfg)
 
 
 __all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'init_backbone', 'preprocess_cfg']

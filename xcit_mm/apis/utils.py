@@ -15,22 +15,14 @@ _TASKS = {'det': ('mmdet', 'BaseDetector', 'xcit_mm.models.detectors'),
 
 
 def error_line(error) -> str:
-    """``error: MESSAGE`` on one line, without terminal escape codes, for a CLI's stderr.
-
-    Messages may quote third-party text (torch's load errors carry ANSI bold codes and
-    several lines); a user, a log file or a script reading stderr gets one clean line.
-    """
+    """``error: MESSAGE`` on one line, without the terminal escape codes (torch's load errors
+    carry ANSI bold codes and several lines), for a CLI's stderr."""
     text = _ANSI.sub('', str(error))
     return 'error: ' + ' '.join(text.split())
 
 
 def read_config(config, cfg_options: Optional[dict] = None):
-    """An mmengine ``Config`` from a path (or a copy of one), ``cfg_options`` merged.
-
-    Raises:
-        FileNotFoundError: ``config not found: PATH``.
-        TypeError: ``config`` is neither a path nor a ``Config``.
-    """
+    """An mmengine ``Config`` from a path (or a copy of one), ``cfg_options`` merged."""
     from mmengine.config import Config
     if isinstance(config, Config):
         cfg = copy.deepcopy(config)
@@ -48,13 +40,7 @@ def read_config(config, cfg_options: Optional[dict] = None):
 
 def config_task(cfg) -> str:
     """``'det'`` or ``'seg'``: whether ``cfg.model.type`` is an mmdet detector or an mmseg
-    segmentor, as their ``MODELS`` registries resolve it (``LeanMaskRCNN`` and
-    ``LeanEncoderDecoder`` included). A task whose package is not installed is skipped.
-
-    Raises:
-        ValueError: The model is neither (e.g. an mmpretrain classifier), naming its type and
-            the config's ``default_scope``.
-    """
+    segmentor, as their ``MODELS`` registries resolve it (a ValueError if neither)."""
     model_type = (cfg.get('model', None) or {}).get('type', None)
     missing = []
     for task, (package, base_name, ours) in _TASKS.items():

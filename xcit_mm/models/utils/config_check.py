@@ -1,9 +1,5 @@
-"""Config mistakes found before the Runner is built, so they end in one clear line.
-
-mmengine's ``Runner`` logs the environment and the whole config (hundreds of lines) before it
-builds the model; a wrong ``arch`` or ``patch_size`` would otherwise end under that dump. (A
-checkpoint of another task is named by the backbone's load hook, on the load path of every door.)
-"""
+"""Config mistakes found before the Runner is built (and logs hundreds of lines of config), so
+that a wrong ``arch`` or ``patch_size`` ends in one clear line."""
 import torch
 from mmengine.registry import MODELS, DefaultScope, init_default_scope
 
@@ -13,11 +9,7 @@ class ConfigError(ValueError):
 
 
 def check_backbone_config(cfg) -> None:
-    """Build ``cfg.model.backbone`` alone (its arguments are checked at construction).
-
-    Raises:
-        ConfigError: naming ``model.backbone`` and the problem.
-    """
+    """Build ``cfg.model.backbone`` alone (its arguments are checked at construction)."""
     backbone = (cfg.get('model') or {}).get('backbone')
     if not isinstance(backbone, dict) or backbone.get('type') != 'XCiTBackbone':
         return
