@@ -2,8 +2,7 @@
 """Speed, peak memory and FLOPs of XCiT backbones and the usual alternatives, or of whole configs.
 
 Method, figures and the committed runs: docs/benchmark.md, docs/benchmark_whole_model.md,
-docs/flops.md. The default models and sizes, the goals and paper Table 1 are data
-(docs/benchmark/goals_spec.json); the measuring code is the library ``xcit_benchmark``.
+docs/flops.md; defaults, goals and paper Table 1: docs/benchmark/goals_spec.json.
 
 Examples::
 
@@ -57,37 +56,31 @@ def build_parser(spec: Optional[dict]) -> argparse.ArgumentParser:
     add('--precision', choices=['fp32', 'amp'], default='fp32',
         help='amp: autocast, bf16 on CPU / fp16 on CUDA')
     add('--device', choices=['cpu', 'cuda'], default='cpu')
-    add('--threads', type=int, default=None,
-        help='torch threads (and OMP/MKL threads of the memory workers)')
-    add('--warmup', type=int, default=None,
-        help='untimed calls per model and size (default 1; --goals: the spec\'s)')
-    add('--repeats', type=int, default=None,
-        help='timed interleaved rounds (default 5; --goals: the spec\'s; --whole-model: 3 '
-        'steps per process); a shared CPU is noisy by ~10%%: use >= 10 for decisions')
+    add('--threads', type=int, help='torch threads (and OMP/MKL threads of the memory workers)')
+    add('--warmup', type=int, help="untimed calls per model and size (1; --goals: the spec's)")
+    add('--repeats', type=int, help="timed interleaved rounds (5; --goals: the spec's; "
+        '--whole-model: 3 steps per process); >= 10 for decisions on a shared CPU')
     add('--with-cp', choices=['off', 'on', 'both'], default='off',
         help='gradient checkpointing (both: each model with and without, with ratios)')
     add('--compile', choices=['off', 'on', 'both'], default='off',
         help='torch.compile (inductor, dynamic=False) the timed step (both: with ratios)')
-    add('--onnx', metavar='CONFIG', default=None,
-        help="instead of --models: CONFIG's model exported to ONNX, ONNX Runtime against "
-        'PyTorch eager (CPU fp32 inference)')
-    add('--whole-model', nargs='+', metavar='CONFIG', default=None,
-        help='instead of --models: whole detectors / segmentors on --shape images, time and '
-        'peak RSS by part, a fresh process per config and round; the first config is the '
-        'subject, every other one a baseline (ratios)')
+    add('--onnx', metavar='CONFIG',
+        help="instead of --models: CONFIG's model in ONNX Runtime against PyTorch eager (CPU)")
+    add('--whole-model', nargs='+', metavar='CONFIG',
+        help='instead of --models: whole detectors / segmentors on --shape images, by part; '
+        'the first config is the subject, the others baselines (ratios)')
     add('--detections', type=int, default=100,
         help='--whole-model: detections kept per image by every detector (score_thr 0)')
     add('--own-settings', action='store_true',
         help="--whole-model: each config's own detector settings and optimizer flags, not "
         "the first config's")
-    add('--rounds', type=int, default=None, help='--whole-model: interleaved rounds (3)')
-    add('--shape', nargs=2, type=int, metavar=('H', 'W'), default=None,
-        help='input height and width of --whole-model')
+    add('--rounds', type=int, help='--whole-model: interleaved rounds (3)')
+    add('--shape', nargs=2, type=int, metavar=('H', 'W'), help='--whole-model: input size')
     add('--mem-iters', type=int, default=2, help='calls measured in each memory process')
     add('--cpu-mem-mode', choices=['live', 'process'], default='live',
         help='live: memory processes under MALLOC_MMAP_THRESHOLD_=65536 (the RSS follows the '
         "live tensors); process: glibc's defaults, the RSS a plain process shows")
-    add('--mem-limit-gb', type=float, default=None,
+    add('--mem-limit-gb', type=float,
         help='kill a memory process above this RSS (OOM; default: 80%% of MemAvailable)')
     add('--mem-timeout', type=float, default=1800., help='seconds per memory process')
     add('--no-time', action='store_true', help='no timing')
@@ -100,22 +93,21 @@ def build_parser(spec: Optional[dict]) -> argparse.ArgumentParser:
     add('--fail-on-goal-miss', action='store_true', help='--goals: exit 3 if a goal fails')
     add('--flops-report', action='store_true',
         help='GMACs of every XCiT arch at 224/p16 and 384/p8 against paper Table 1')
-    add('--spec', default=None, metavar='JSON', help='default: docs/benchmark/goals_spec.json')
+    add('--spec', metavar='JSON', help='default: docs/benchmark/goals_spec.json')
     add('--out-dir', default='work_dirs/benchmark', help='where CSV/JSON/PNG go')
-    add('--name', default=None, help='file name stem')
+    add('--name', help='file name stem')
     add('--no-plot', action='store_true', help='no PNG')
     add('--quiet', action='store_true', help='no progress lines')
     add('--list-models', action='store_true', help='list model names and exit')
-    add('--markdown', metavar='JSON', default=None,
-        help='print the Markdown tables of a result (those the docs quote)')
+    add('--markdown', metavar='JSON', help='print the Markdown tables the docs quote of a result')
     return p
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parse and check the command line (a bad one is a usage error, exit 2)."""
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument('--spec', default=None)
-    spec, spec_error = None, None
+    pre.add_argument('--spec')
+    spec = spec_error = None
     try:
         spec = load_spec(pre.parse_known_args(argv)[0].spec)
     except SpecError as e:
@@ -125,12 +117,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if spec_error:
         p.error(spec_error)
     args.spec_data = spec
-    for name in ('batch_size', 'repeats', 'mem_iters', 'rounds'):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            p.error(f'--{name.replace("_", "-")} must be >= 1')
-    if args.warmup is not None and args.warmup < 0:
-        p.error('--warmup must be >= 0')
+    for name, least in (('batch_size', 1), ('repeats', 1), ('mem_iters', 1), ('rounds', 1),
+                        ('warmup', 0)):
+        if getattr(args, name) is not None and getattr(args, name) < least:
+            p.error(f'--{name.replace("_", "-")} must be >= {least}')
     if any(r < 32 for r in args.resolutions):
         p.error('--resolutions must be >= 32 (the stride-32 level of the dense backbones)')
     if args.no_time and args.no_mem and args.no_flops and not (args.flops_report or args.goals):
@@ -165,11 +155,10 @@ def whole_models(args, limit: float) -> int:
         repeats=repeats, threads=args.threads, cpu_mem_mode=args.cpu_mem_mode,
         limit_bytes=limit, timeout_s=args.mem_timeout, log=None if args.quiet else log,
         rounds=rounds, work=work)
-    meta = run_metadata()
-    meta.update(whole_model=dict(configs=args.whole_model, mode=args.mode, shape=args.shape,
-                                 batch=args.batch_size, repeats=repeats, rounds=rounds,
-                                 cpu_mem_mode=args.cpu_mem_mode, work=work),
-                ratios=whole_model_ratios(records))
+    meta = dict(run_metadata(), whole_model=dict(
+        configs=args.whole_model, mode=args.mode, shape=args.shape, batch=args.batch_size,
+        repeats=repeats, rounds=rounds, cpu_mem_mode=args.cpu_mem_mode, work=work),
+        ratios=whole_model_ratios(records))
     print(report.markdown_whole_model(dict(meta=meta, records=records)))
     for r in records:
         if r['status'] != 'ok':
@@ -193,8 +182,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     spec, goals_spec = args.spec_data, args.spec_data['goals']
     limit = args.mem_limit_gb * 2 ** 30 if args.mem_limit_gb else 0.8 * mem_available_bytes()
-    warmup = args.warmup if args.warmup is not None else (
-        goals_spec['warmup'] if args.goals else 1)
+    warmup = args.warmup if args.warmup is not None else (goals_spec['warmup'] if args.goals else 1)
     repeats = args.repeats or (goals_spec['repeats'] if args.goals else 5)
     opts = RunOptions(batch=args.batch_size, mode=args.mode, precision=args.precision,
                       device=args.device, threads=args.threads, warmup=warmup, repeats=repeats,

@@ -3,11 +3,10 @@
     python benchmarks/large_image_tool.py --size 16384 --budgets none 3000 \
         --out docs/results/large_image_tool.json
 
-The input (made once, tile by tile, in ``--work-dir``): a ``--size``² RGB BigTIFF of 512 x 512
-deflate tiles, smooth gradients with noise, with GeoTIFF tags. The model: the paper's Semantic
-FPN XCiT-S12/16 ADE20k config with random weights (saved once). Each run is the tool in a fresh
-process; its peak RSS is the kernel's (``ru_maxrss`` of the tool's process), its time the
-wall clock.
+The input (made once in ``--work-dir``, tile by tile): a ``--size``² RGB BigTIFF of 512² deflate
+tiles, gradients with noise, GeoTIFF tags. The model: the paper's Semantic FPN XCiT-S12/16 ADE20k
+config with random weights. Each run is the tool in a fresh process: the kernel's peak RSS of it
+(``ru_maxrss``), the wall time.
 """
 import argparse
 import json
@@ -17,6 +16,10 @@ import subprocess
 import sys
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+sys.path[:0] = [ROOT, osp.join(ROOT, 'benchmarks')]
+from training_extras.run_results import cpu_description  # noqa: E402
+from xcit_benchmark.fresh_points import random_segmentor, write_json  # noqa: E402
+
 CONFIG = 'configs/sem_fpn_xcit_s12_p16_80k_ade20k.py'
 TILE = 512
 
@@ -45,18 +48,6 @@ def make_image(path: str, size: int) -> None:
     os.replace(path + '.partial', path)
 
 
-def make_checkpoint(path: str) -> None:
-    """Random weights of the config's model (the backbone's Pretrained init dropped)."""
-    import torch
-    from mmengine.config import Config
-    from mmseg.apis import init_model
-    cfg = Config.fromfile(osp.join(ROOT, CONFIG))
-    cfg.model.backbone.init_cfg = None
-    torch.manual_seed(0)
-    model = init_model(cfg, device='cpu')
-    torch.save(dict(state_dict=model.state_dict()), path)  # the tool takes the config's palette
-
-
 def run_tool(image: str, checkpoint: str, out: str, budget, token_dir: str) -> dict:
     """The tool in a fresh process: exit status, wall time, the child's peak RSS."""
     cmd = [sys.executable, osp.join(ROOT, 'tools/segment_large_image.py'), osp.join(ROOT, CONFIG),
@@ -69,9 +60,9 @@ def run_tool(image: str, checkpoint: str, out: str, budget, token_dir: str) -> d
                'time.time() - start, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss]))')
     proc = subprocess.run([sys.executable, '-c', wrapper] + cmd, capture_output=True, text=True)
     returncode, wall, peak_kb = json.loads(proc.stdout.strip().splitlines()[-1])
-    peak_mb = peak_kb / 1024
     return dict(max_memory=budget, returncode=returncode, wall_s=round(wall, 1),
-                peak_rss_mb=round(peak_mb), stderr_tail=proc.stderr.strip().splitlines()[-3:],
+                peak_rss_mb=round(peak_kb / 1024),
+                stderr_tail=proc.stderr.strip().splitlines()[-3:],
                 out_bytes=osp.getsize(out) if osp.exists(out) else None,
                 token_dir_left=sorted(os.listdir(token_dir)), command=' '.join(cmd[1:]))
 
@@ -87,18 +78,17 @@ def main(argv=None):
     os.makedirs(args.work_dir, exist_ok=True)
     image = osp.join(args.work_dir, f'input_{args.size}.tif')
     checkpoint = osp.join(args.work_dir, 'sem_fpn_xcit_s12_p16_random.pth')
-    if not osp.exists(image):
-        make_image(image, args.size)
-    if not osp.exists(checkpoint):
-        make_checkpoint(checkpoint)
+    baseline_image = osp.join(args.work_dir, 'input_256.tif')
+    for path, size in ((image, args.size), (baseline_image, 256)):
+        if not osp.exists(path):
+            make_image(path, size)
+    if not osp.exists(checkpoint):  # the tool takes the config's palette
+        import torch
+        torch.save(dict(state_dict=random_segmentor(osp.join(ROOT, CONFIG)).state_dict()),
+                   checkpoint)
     token_dir = osp.join(args.work_dir, 'tokens')
     os.makedirs(token_dir, exist_ok=True)
-    sys.path.insert(0, ROOT)
-    from training_extras.run_results import cpu_description
     rows = []
-    baseline_image = osp.join(args.work_dir, 'input_256.tif')
-    if not osp.exists(baseline_image):
-        make_image(baseline_image, 256)
     baseline = run_tool(baseline_image, checkpoint, osp.join(args.work_dir, 'labels_256.tif'),
                         None, token_dir)
     for budget in args.budgets:
@@ -108,13 +98,11 @@ def main(argv=None):
                               budget, token_dir))
         print(json.dumps(row), flush=True)
         rows.append(row)
-        with open(args.out, 'w') as f:
-            json.dump(dict(meta=dict(command=' '.join(sys.argv), cpu=cpu_description(),
-                                     threads=os.cpu_count(),
-                                     baseline_peak_rss_mb=baseline['peak_rss_mb'],
-                                     baseline_note='the same tool on a 256² image: Python, '
-                                     'torch, mmseg and the model, the floor of every run'),
-                           rows=rows), f, indent=1)
+        write_json(args.out, dict(command=' '.join(sys.argv), cpu=cpu_description(),
+                                  threads=os.cpu_count(),
+                                  baseline_peak_rss_mb=baseline['peak_rss_mb'],
+                                  baseline_note='the same tool on a 256² image: Python, torch, '
+                                  'mmseg and the model, the floor of every run'), rows)
 
 
 if __name__ == '__main__':

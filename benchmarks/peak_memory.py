@@ -13,6 +13,7 @@ Method and figures: docs/benchmark_high_resolution.md, benchmark_gpu.md, benchma
 import argparse
 import contextlib
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -141,8 +142,8 @@ def output_digest(task: str, result) -> dict:
 
 
 class PartMeter:
-    """Peak RSS growth while each wrapped method runs (``--parts``): each part's start resets
-    the peak counter, folding the peak so far into the overall one and each open part's."""
+    """Peak RSS growth while each method of :data:`PARTS` runs (``--parts``): each part's start
+    and end fold the peak so far into the overall one and each open part's, then reset it."""
 
     def __init__(self, model):
         from xcit_mm.models.utils.memory_budget import peak_rss_mb, reset_peak_rss, rss_mb
@@ -150,9 +151,7 @@ class PartMeter:
         self.base = self.peak = 0.0
         self.parts, self.open = [], []
         for label, path, method in PARTS:
-            obj = model
-            for name in filter(None, path.split('.')):
-                obj = getattr(obj, name)
+            obj = functools.reduce(getattr, filter(None, path.split('.')), model)
             if hasattr(obj, method):
                 self.wrap(obj, method, label)
 
@@ -269,44 +268,44 @@ def device_info(device: str) -> dict:
 def child(spec: dict, out=None) -> None:
     """Build the series' model once, warm it up, then measure its points in order: a line per
     point on ``out`` (stdout; every other print goes to stderr)."""
-    out = out or sys.stdout
-    with contextlib.redirect_stdout(sys.stderr):
-        _child(spec, lambda row: out.write(ROW + json.dumps(row) + '\n') or out.flush())
-
-
-def _child(spec: dict, send) -> None:
     import numpy as np
     import torch
     from mmengine.utils import import_modules_from_strings
 
     import xcit_mm  # noqa: F401  (the lean models and XCiTBackbone, also for upstream configs)
-
-    points, device = spec['points'], spec['device']
-    model = previous = None
+    out, points, model, previous = out or sys.stdout, spec['points'], None, None
     for point in points:
-        auto = point['path'] == 'auto'  # a budget point does not depend on the one before
-        why = (dict(note='not run: the budget was spent') if time.time() > spec['deadline']
-               else skip_reason(None if auto else previous, point['size'], None))
-        if not why and model is None:  # built for the first point that runs
-            cfg = build_cfg(points[0])
-            if cfg.get('custom_imports', None):
-                import_modules_from_strings(**cfg.custom_imports)
-            if points[0]['task'] == 'segmentor':
-                from mmseg.apis import inference_model as infer
-                from mmseg.apis import init_model as init
-            else:
-                from mmdet.apis import inference_detector as infer
-                from mmdet.apis import init_detector as init
-            torch.manual_seed(0)
-            model = init(cfg, device=device)
-            infer(model, np.zeros((spec['warmup'],) * 2 + (3,), np.uint8))  # pools, calibration
-        row = dict(point, status='skipped', **why) if why else \
-            dict(point, **measure_point(model, infer, point, spec))
-        send(row)
-        previous = previous if auto else row
+        with contextlib.redirect_stdout(sys.stderr):
+            why = why_not(previous, point, spec['deadline'])
+            if not why and model is None:  # built for the first point that runs
+                cfg = build_cfg(points[0])
+                if cfg.get('custom_imports', None):
+                    import_modules_from_strings(**cfg.custom_imports)
+                if points[0]['task'] == 'segmentor':
+                    from mmseg.apis import inference_model as infer
+                    from mmseg.apis import init_model as init
+                else:
+                    from mmdet.apis import inference_detector as infer
+                    from mmdet.apis import init_detector as init
+                torch.manual_seed(0)
+                model = init(cfg, device=spec['device'])
+                infer(model, np.zeros((spec['warmup'],) * 2 + (3,), np.uint8))  # pools, calibration
+            row = dict(point, **(why or measure_point(model, infer, point, spec)))
+        out.write(ROW + json.dumps(row) + '\n')
+        out.flush()
+        previous = previous if point['path'] == 'auto' else row
 
 
 # ---------------------------------------------------------------------------- the parent
+def why_not(previous, point: dict, deadline: float, limit_mb=None) -> dict:
+    """``{}`` to run ``point``, else its skipped row's fields: the budget is spent, or
+    :func:`skip_reason` (a budget point does not depend on the one before)."""
+    if time.time() > deadline:
+        return dict(status='skipped', note='not run: the budget was spent')
+    why = skip_reason(None if point['path'] == 'auto' else previous, point['size'], limit_mb)
+    return dict(status='skipped', **why) if why else {}
+
+
 def skip_reason(previous, size: int, limit_mb) -> dict:
     """``{}`` to run the point of ``size``, else why not (``note``, ``extrapolated_mb``), from
     its series' previous point: after one that did not finish larger sizes cannot fit either;
@@ -430,14 +429,13 @@ def run(args, configs: dict, runner=run_child) -> list:
 
     spec = dict(device=args.device, warmup=args.warmup, repeat_below_s=args.repeat_below_s,
                 parts=args.parts, deadline=deadline)
-    for group in groups(points, args.device):
-        previous = None if group[0]['path'] == 'auto' else last.get(series_key(group[0]))
-        why = (dict(note='not run: the budget was spent') if time.time() > deadline else
-               len(group) == 1 and skip_reason(previous, group[0]['size'], args.limit_gb * 1024))
+    for group in groups(points, args.device):  # a series' child skips its own points
+        previous = last.get(series_key(group[0])) if len(group) == 1 else None
+        why = why_not(previous, group[0], deadline, args.limit_gb * 1024)
         clock.update(time=time.time(), load=os.getloadavg()[0])
         if why:
             for point in group:
-                on_row(dict(point, status='skipped', **why))
+                on_row(dict(point, **why))
         else:
             runner(group, spec, args, on_row)
     meta.update(complete=True, wall_s=round(time.time() - start, 1),

@@ -15,7 +15,9 @@ import time
 import torch
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, osp.join(ROOT, 'benchmarks')]
+from xcit_benchmark.fresh_points import random_segmentor, write_json  # noqa: E402
+
 CONFIGS = dict(sem_fpn='configs/sem_fpn_xcit_s12_p16_80k_ade20k.py',
                upernet='configs/upernet_xcit_s12_p16_160k_ade20k.py')
 
@@ -60,15 +62,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.no_tf32:
         torch.backends.cudnn.allow_tf32 = False
-    from mmengine.config import Config
-    from mmseg.apis import init_model
     rows = []
     device = torch.cuda.get_device_name(0) if args.device.startswith('cuda') else 'cpu'
     for head in args.heads:
-        cfg = Config.fromfile(osp.join(ROOT, CONFIGS[head]))
-        cfg.model.backbone.init_cfg = None
-        torch.manual_seed(0)
-        model = init_model(cfg, device=args.device)
+        model = random_segmentor(osp.join(ROOT, CONFIGS[head]), args.device)
         for size in args.sizes:
             try:
                 row = dict(head=head, **agreement(model, size, args.device))
@@ -77,11 +74,9 @@ def main(argv=None):
                 torch.cuda.empty_cache()
             print(json.dumps(row), flush=True)
             rows.append(row)
-            with open(args.out, 'w') as f:  # after each row: a later one may not come
-                json.dump(dict(meta=dict(command=' '.join(sys.argv), device=device,
-                                         torch=torch.__version__,
-                                         cudnn_tf32=torch.backends.cudnn.allow_tf32),
-                               rows=rows), f, indent=1)
+            write_json(args.out, dict(command=' '.join(sys.argv), device=device,
+                                      torch=torch.__version__,
+                                      cudnn_tf32=torch.backends.cudnn.allow_tf32), rows)
         del model
 
 

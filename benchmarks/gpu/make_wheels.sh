@@ -1,17 +1,13 @@
 #!/usr/bin/env bash
-# Build .whl/ (ignored by git): the wheels that bring mmengine / mmcv (lite) / mmseg to a GPU
-# machine with torch, numpy, opencv, matplotlib, scipy, ... but no OpenMMLab package and no
-# network; benchmarks/gpu/run_points.sh installs them there and runs benchmarks/peak_memory.py.
+# Build .whl/ (ignored by git): the pure-Python wheels that bring mmengine / mmcv (lite) / mmseg
+# to a GPU machine with torch, numpy, opencv, ... but no OpenMMLab package and no network
+# (benchmarks/gpu/run_points.sh installs them there).
 #
 #   PYTHON=/path/to/python bash benchmarks/gpu/make_wheels.sh   # any Python >= 3.8 with pip
 #
-# All pure Python or abi3 (they install on cp312 too): mmengine 0.10.7 and mmsegmentation 1.2.2
-# (--no-deps); mmcv 2.1.0 built without ops (mmcv_lite; its setup.py needs setuptools<82 for
-# pkg_resources); mmcv_ext_stub, an mmcv._ext whose ops raise NotImplementedError (mmseg imports
-# mmcv.ops at import time, which needs mmcv._ext; Semantic FPN and UperNet inference call no op);
-# the requirements addict, yapf, termcolor, platformdirs, prettytable, wcwidth, ftfy (imported by
-# mmseg.utils.tokenizer); setuptools<82 (mmengine's Config resolves mmseg:: bases with
-# pkg_resources, which setuptools 82, pulled in by torch on Python >= 3.12, removed).
+# mmcv 2.1.0 is built without ops; mmcv_ext_stub stands for mmcv._ext, which mmseg's import of
+# mmcv.ops needs (Semantic FPN and UperNet inference call no op); setuptools<82 keeps
+# pkg_resources (mmcv's setup.py; mmengine's Config resolving mmseg:: bases).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python}
@@ -37,11 +33,7 @@ MMCV_WITH_OPS=0 "$TMP/venv/bin/pip" wheel -q --no-deps --no-build-isolation \
 # the mmcv._ext stand-in, as its own wheel (a file in mmcv/, no mmcv/__init__.py)
 mkdir -p "$TMP/stub/mmcv"
 cat > "$TMP/stub/mmcv/_ext.py" <<'PYEOF'
-"""Stand-in for mmcv's compiled ops module (mmcv-lite has none).
-
-``mmcv.ops`` checks at import that this module has each op's name; mmseg imports ``mmcv.ops``
-at import time. Every name is here, and calling one raises NotImplementedError.
-"""
+"""Stand-in for mmcv's compiled ops (mmcv-lite has none): every name, raising when called."""
 
 
 def __getattr__(name):

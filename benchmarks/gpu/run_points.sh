@@ -1,17 +1,12 @@
 #!/usr/bin/env bash
-# On a GPU machine without network or OpenMMLab packages, from the repository root: install the
-# wheels of .whl/ (benchmarks/gpu/make_wheels.sh) into /tmp/site, print the device and versions,
-# then run benchmarks/peak_memory.py on CUDA into $OUT: the Semantic FPN / UperNet grid and the
-# budget points of docs/benchmark_gpu.md, or with `stream` first the XCiT Semantic FPN streamed
-# (8192² to 32768²) and whole (8192², 16384²) of docs/benchmark_gigapixel.md. Arguments passed
-# on override them (--device cpu --sizes 256 tries it on a CPU).
+# On a GPU machine without network or OpenMMLab packages: install .whl/ (make_wheels.sh) into
+# $SITE, print the device and versions, then run benchmarks/peak_memory.py on CUDA into $OUT: the
+# points of docs/benchmark_gpu.md, or with `stream` those of docs/benchmark_gigapixel.md. Further
+# arguments override them (--device cpu --sizes 256 tries it on a CPU). REVISION=<commit> names
+# the code measured where the copy has no .git. Needs python3 with torch, numpy, opencv, scipy,
+# matplotlib, pyyaml, packaging, pillow, rich, regex.
 #
 #   OUT=/some/dir bash benchmarks/gpu/run_points.sh [stream] [--budget-s 300] [--sizes ...] ...
-#
-# REVISION=<commit> names the code measured in the artifact where the copy has no .git.
-#
-# Needs there: python3 with torch (CUDA), numpy, opencv-python-headless, matplotlib, scipy,
-# pyyaml, packaging, pillow, rich, regex (what the wheels' requirements name and .whl lacks).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/peak_memory}

@@ -94,6 +94,24 @@ def run_process(cmd, limit_bytes: float, seconds: float, env=None, cwd=None, on_
                     rss=rss, note=note)
 
 
+def random_segmentor(config: str, device: str = 'cpu'):
+    """``mmseg.apis.init_model`` of ``config`` with random weights (seed 0, the backbone's
+    Pretrained init dropped)."""
+    import torch
+    from mmengine.config import Config
+    from mmseg.apis import init_model
+    cfg = Config.fromfile(config)
+    cfg.model.backbone.init_cfg = None
+    torch.manual_seed(0)
+    return init_model(cfg, device=device)
+
+
+def write_json(path: str, meta: dict, rows: list) -> None:
+    """``{"meta", "rows"}`` at ``path``, written again after each row: a later one may not come."""
+    with open(path, 'w') as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
 def cpu_model() -> str:
     return read_cpuinfo()[0] or platform.processor()
 

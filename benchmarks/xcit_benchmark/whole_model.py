@@ -1,16 +1,12 @@
 """``--whole-model CONFIG ...``: a whole detector / segmentor, train step or inference, by part.
 
-Each config runs in a fresh process (random weights, SyncBN -> BN, CPU) on synthetic images. With
-random weights the detections and positive RoIs, and so the heads' work, depend on the model: so
-every config gets the first config's (the subject's) detector ``train_cfg`` / ``test_cfg``,
-inference keeps exactly ``detections`` boxes (``score_thr=0``), every optimizer is the same AdamW
-with the subject's kernel flags, and the work done is counted (``work``).
-
-Times come from steps under glibc's default malloc (as a training process runs), the peaks from as
-many more steps under the 64 KiB mmap threshold (the RSS follows the live tensors, but page faults
-would be timed too). Wrappers cut each step at the parts, reading the time and the peak RSS since
-the previous boundary. Round ``r`` measures every config once, in the order rotated by ``r``; a
-record's figures are medians over its rounds, a ratio the median (min-max) of per-round ratios.
+Each config runs in a fresh process (random weights, SyncBN -> BN, CPU) on synthetic images. The
+heads' work depends on the model's detections, so every config gets the first config's detector
+settings, keeps exactly ``detections`` boxes and the same AdamW, and the work is counted. Times
+come from steps under glibc's default malloc (as training runs), peaks from as many more under
+the 64 KiB mmap threshold (the RSS follows the live tensors); wrappers cut each step at the parts.
+Rounds are interleaved; a figure is the median over the rounds, a ratio the median (min-max) of
+the per-round ratios.
 """
 import copy
 import gc
@@ -100,8 +96,7 @@ def work_settings(config: str, detections: int = 100) -> dict:
 
 
 def build_whole_model(config: str, work: Optional[dict] = None):
-    """(model, task, AdamW kernel flags) of a config: random init, SyncBN -> BN, on the CPU;
-    a detector gets the shared ``work`` settings."""
+    """(model, task, AdamW flags) of a config: random init, SyncBN -> BN, the ``work`` settings."""
     from mmengine.config import ConfigDict
     from mmengine.model import revert_sync_batchnorm
     from mmengine.registry import init_default_scope
@@ -199,8 +194,7 @@ def _wrap(obj, attr: str, after: Callable[[], None]):
 
 
 def count_rois(model) -> dict:
-    """``{'bbox_rois': n, 'mask_rois': n}``: the RoIs that entered the detector's box and mask
-    RoI extractors since the dict was last cleared (empty counts for a segmentor)."""
+    """``{'bbox_rois': n, 'mask_rois': n}``, counted by the detector's RoI extractors."""
     counts = dict(bbox_rois=0, mask_rois=0)
     for key in counts:
         extractor = getattr(getattr(model, 'roi_head', None), key[:-5] + '_roi_extractor', None)
@@ -329,9 +323,8 @@ def run_whole_models(configs: Sequence[str], mode: str, height: int, width: int,
                      cpu_mem_mode: str = 'process', limit_bytes: float = 8 * 2 ** 30,
                      timeout_s: float = 1800., log: Optional[Callable[[str], None]] = None,
                      rounds: int = 1, work: Optional[dict] = None) -> List[dict]:
-    """One record per config, a fresh process per config and round, rounds interleaved; a config
-    that fails is not measured in later rounds. ``per_round`` keeps each round's figures, with
-    its position and load."""
+    """A record per config (a fresh process per config and round; not measured again after a
+    failure); ``per_round`` keeps each round's figures, position and load."""
     n, log = len(configs), log or (lambda message: None)
     per_round: List[List[dict]] = [[] for _ in configs]
     for r in range(rounds):
