@@ -207,7 +207,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         meta['goals'] = goals
         name, plot = args.name or 'goals', False
     elif args.onnx:
-        from xcit_benchmark.onnx_rt import onnx_model_names, run_onnx_points
+        from xcit_benchmark.runner import onnx_model_names, run_onnx_points
         records, meta = run_onnx_points(args.onnx, args.resolutions, opts, log=log)
         pairs = [onnx_model_names(args.onnx)[::-1]]
         name, plot = args.name or 'onnx', False

@@ -3,7 +3,7 @@
 
 models (names, factory), flops (the counter, Table 1), timing (interleaved rounds), memory /
 worker (the backbone memory process), fresh_points (what every fresh-process measurement
-shares), runner, compare, goals, spec, report / plot, whole_model, onnx_rt.
+shares), runner, compare, goals, spec, report / plot, whole_model.
 """
 from .compare import compile_variants
 from .flops import count_flops
