@@ -2,12 +2,10 @@
 
 mmseg's ``EncoderDecoder.predict`` (1.2.2) resizes the C-class logits of the decode head to the
 network input, crops the padding, resizes them again to the original image and only then takes the
-argmax, keeping the full-size logits in every result: C x H x W floats for each of those
-full-size tensors, whatever size the network ran at (docs/lean_segmentation.md gives their size
-for ADE20k's 150 classes at 4096 x 4096). Its ``slide_inference`` adds every window's logits into
-one such C x H x W map (and a zero-padded full-size copy of each window on the way). At full
-resolution the Semantic FPN neck and head also keep all four levels of three stages alive at once,
-the stride-4 ones being the largest.
+argmax, keeping the full-size logits in every result: C x H x W floats per full-size tensor,
+whatever size the network ran at. Its ``slide_inference`` adds every window's logits into one such
+map (via a zero-padded full-size copy of each window). The Semantic FPN neck and head also keep
+all four levels of three stages alive at once.
 
 :class:`LeanEncoderDecoder` computes the same labels with less memory, by exact means only:
 
@@ -791,12 +789,11 @@ class LeanEncoderDecoder(EncoderDecoder):
 
     def _post_mb(self, inputs: Tensor, metas: List[Optional[dict]], head_hw: Sequence[int],
                  windows: Optional[list] = None) -> float:
-        """Peak (MB) of the post-processing of this batch, with the tensors it starts from (the
-        network's output, or the windows' logits and count map), measured as the network is:
-        on zeros, at this batch's geometry scaled down to ``POST_CALIBRATION_SIDE``, at the
-        chunk widths of the full-size run, and extrapolated along the line through those peaks
-        (every tensor the post-processing makes has a fixed number of elements per pixel). One
-        measurement per geometry, kept."""
+        """Peak (MB) of the post-processing of this batch with the tensors it starts from (the
+        network's output; or the windows' logits and count map), measured on zeros at the batch's
+        geometry scaled down (``POST_CALIBRATION_SIDE``) at the full-size run's chunk widths, and
+        extrapolated: each of its tensors has a fixed number of elements per pixel. Kept per
+        geometry."""
         B, _, H, W = inputs.shape
         C = self.out_channels
         s_h, s_w, channels_last = self._head_output_geometry(inputs)
