@@ -384,16 +384,13 @@ def run_child(group: list, spec: dict, args, on_row) -> None:
     if args.log:
         with open(args.log, 'a') as f:
             f.write(out['stderr'])
-    stop = None
-    for point in (p for p in group if point_key(p) not in done):
-        if stop is None:
-            status = 'killed' if out['killed'] else 'error'
-            note = out['note'] or (f"exit {out['returncode']}: "
-                                   + ' | '.join(out['stderr'].strip().splitlines()[-3:]))
-            on_row(dict(point, status=status, note=note))
-            stop = f"not run: {status} at {point['size']}"
-        else:
-            on_row(dict(point, status='skipped', note=stop))
+    missing = [p for p in group if point_key(p) not in done]
+    if missing:
+        status = 'killed' if out['killed'] else 'error'
+        on_row(dict(missing[0], status=status, note=out['note'] or (
+            f"exit {out['returncode']}: " + ' | '.join(out['stderr'].strip().splitlines()[-3:]))))
+        for point in missing[1:]:
+            on_row(dict(point, status='skipped', note=f"not run: {status} at {missing[0]['size']}"))
 
 
 def run(args, configs: dict, runner=run_child) -> list:
@@ -409,9 +406,7 @@ def run(args, configs: dict, runner=run_child) -> list:
                 doors=DOORS, configs={f'{t}:{b}': c for (t, b), c in configs.items()},
                 weights='random (Pretrained init dropped)', device_info=device_info(args.device),
                 note=args.note or 'one fresh process per point', revision=revision(),
-                complete=False)
-    for key, values in earlier.items():
-        meta[f'earlier_{key}'] = values
+                complete=False, **earlier)
     rows, last = [], {}
     deadline = start + args.budget_s
     clock = dict(time=time.time(), load=os.getloadavg()[0])
@@ -453,12 +448,11 @@ def write(out, meta: dict, rows: list) -> None:
 def revision() -> str:
     """The checkout's commit, ``+dirty`` if xcit_mm/ differs from it; without git, $REVISION."""
     import subprocess
-    git = ['git', '-C', ROOT]
     try:
-        commit = subprocess.run(git + ['rev-parse', '--short', 'HEAD'], capture_output=True,
-                                text=True, check=True).stdout.strip()
-        dirty = subprocess.run(git + ['status', '--porcelain', '--', 'xcit_mm'],
-                               capture_output=True, text=True, check=True).stdout.strip()
+        commit, dirty = [subprocess.run(['git', '-C', ROOT, *cmd], capture_output=True, text=True,
+                                        check=True).stdout.strip()
+                         for cmd in (['rev-parse', '--short', 'HEAD'],
+                                     ['status', '--porcelain', '--', 'xcit_mm'])]
     except (OSError, subprocess.CalledProcessError):
         return os.environ.get('REVISION')
     return commit + ('+dirty' if dirty else '')
@@ -473,13 +467,12 @@ def kept_rows(args, points: list):
     again = {point_key(p) for p in points}
     meta = artifact.get('meta', {})
     kept = [r for r in artifact['rows'] if point_key(r) not in again]
-    for row in kept:
-        if meta.get('revision'):
-            row.setdefault('revision', meta['revision'])
+    for row in kept if meta.get('revision') else []:
+        row.setdefault('revision', meta['revision'])
     commands = meta.get('earlier_commands', [])
     notes = meta.get('earlier_notes', [None] * len(commands))  # one per command
-    return kept, dict(commands=commands + [meta.get('command', '?')],
-                      notes=notes + [meta.get('note')])
+    return kept, dict(earlier_commands=commands + [meta.get('command', '?')],
+                      earlier_notes=notes + [meta.get('note')])
 
 
 def digest_agreement(rows: list, path: str = 'lean', other: str = 'stock') -> dict:

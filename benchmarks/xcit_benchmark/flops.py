@@ -1,11 +1,9 @@
 """FLOPs: the exact counter, the XCiT trunk formula, per-point FLOPs and the paper Table 1 report.
 
-``torch.utils.flop_counter.FlopCounterMode`` counts mm/bmm/baddbmm, convolutions and SDPA
-(XCA's products included; not norms, softmax or element-wise ops); ``gmacs`` are forward
-multiply-accumulates per image (the papers' "GFLOPs"), ``gflop_exec`` 2 FLOPs per MAC of all
-that runs (train: backward and checkpoint recomputation too). mmengine's ``FlopAnalyzer`` (what
-mmdet's ``get_flops.py`` runs) counts the same once ``import xcit_mm`` gave it XCA; this counter
-stays for what jit tracing cannot do: fake tensors (any size for free) and the backward.
+``torch.utils.flop_counter.FlopCounterMode`` counts matrix products, convolutions and SDPA (not
+norms, softmax or element-wise ops); ``gmacs`` are forward multiply-accumulates per image (the
+papers' "GFLOPs"), ``gflop_exec`` 2 FLOPs per MAC of all that runs (train: the backward too). It
+stays beside mmengine's ``FlopAnalyzer`` for what jit tracing cannot do: fake tensors, backward.
 """
 import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -37,11 +35,9 @@ def count_flops(fn: Callable[[], object]) -> int:
 
 
 def analytic_trunk_macs(arch: str, patch: int, height: int, width: int) -> int:
-    """Multiply-accumulates of an XCiT trunk by formula (cross-check of the counter).
-
-    Counts the conv patch embedding, the 1x1 position projection and per layer
-    ``N * (12 D^2 + 2 D d_h + 18 D)``: qkv 3D^2, XCA ``q k^T`` and ``A v`` 2 D d_h, proj D^2,
-    LPI 2 depthwise 3x3 = 18 D, FFN 8 D^2.  No biases, norms or softmax (as the counter)."""
+    """Multiply-accumulates of an XCiT trunk by formula (a cross-check of the counter): the conv
+    patch embedding, the 1x1 position projection and per layer ``N * (12 D^2 + 2 D d_h + 18 D)``
+    (qkv 3D^2, XCA 2 D d_h, proj D^2, LPI 18 D, FFN 8 D^2); no biases, norms or softmax."""
     dims, depth, heads = XCIT_ARCHS[arch]
     chans = [3, dims // 8, dims // 4, dims // 2, dims] if patch == 16 else \
         [3, dims // 4, dims // 2, dims]
@@ -65,11 +61,8 @@ def _count_model_flops(model: nn.Module, forward: Callable, resolution: int,
     if mode == 'inference':
         return fwd, fwd
     model.train()
-
-    def train_step():
-        sum(o.float().mean() for o in forward(img)).backward()
     try:
-        return fwd, count_flops(train_step)
+        return fwd, count_flops(lambda: sum(o.float().mean() for o in forward(img)).backward())
     finally:
         for p in model.parameters():
             p.grad = None
@@ -97,11 +90,11 @@ def point_flops(spec: ModelSpec, resolution: int, mode: str,
 
 
 def flops_report(paper_table: Dict[str, Dict[str, float]], tolerance: float = 0.05,
-                 archs: Optional[Sequence[str]] = None, xcit_module=None) -> List[dict]:
+                 archs: Optional[Sequence[str]] = None) -> List[dict]:
     """GMACs of every XCiT arch at 224/p16 and 384/p8 against paper Table 1: the trunk plus
     what the ImageNet classifier adds (mmpretrain's class-attention blocks, norm and head),
     with mmpretrain's whole classifier and the formula as independent checks (docs/flops.md)."""
-    xcit_mod = xcit_module if xcit_module is not None else load_mmpretrain_xcit()
+    xcit_mod = load_mmpretrain_xcit()
     rows = []
     for arch in (archs if archs is not None else list(paper_table)):
         dims, depth, heads = XCIT_ARCHS[arch]
@@ -109,28 +102,18 @@ def flops_report(paper_table: Dict[str, Dict[str, float]], tolerance: float = 0.
         for res, patch, key in ((224, 16, 'gmacs_224_p16'), (384, 8, 'gmacs_384_p8')):
             trunk_info = point_flops(parse_model(f'xcit_{arch}_p{patch}_trunk'), res, 'inference')
             tokens = math.ceil(res / patch) ** 2
-            with torch.device('meta'):
-                cls_part = nn.ModuleList(
-                    [xcit_mod.ClassAttentionBlock(dim=dims, num_heads=heads, qkv_bias=True,
-                                                  layer_scale_init_value=eta)
-                     for _ in range(2)] + [nn.LayerNorm(dims), nn.Linear(dims, 1000)])
-                tok = torch.randn(1, tokens + 1, dims)
-
-            def run_cls():
-                x = tok
-                for blk in cls_part[:2]:
-                    x = blk(x)
-                return cls_part[3](cls_part[2](x)[:, 0])
-            with torch.no_grad():
-                cls_macs = count_flops(run_cls) / 2
-            with torch.device('meta'):
+            with torch.device('meta'):  # shapes only
+                cls_blocks = nn.Sequential(*[xcit_mod.ClassAttentionBlock(
+                    dim=dims, num_heads=heads, qkv_bias=True, layer_scale_init_value=eta)
+                    for _ in range(2)], nn.LayerNorm(dims))
                 port = xcit_mod.XCiT(img_size=res, patch_size=patch, embed_dims=dims, depth=depth,
                                      num_heads=heads, cls_attn_layers=2, out_type='cls_token',
                                      layer_scale_init_value=eta, init_cfg=None)
                 head = nn.Linear(dims, 1000)
-                img = torch.randn(1, 3, res, res)
-            port.eval()
+                tok, img = torch.randn(1, tokens + 1, dims), torch.randn(1, 3, res, res)
+            port.eval()  # (mmpretrain's train() returns None)
             with torch.no_grad():
+                cls_macs = count_flops(lambda: head(cls_blocks(tok)[:, 0])) / 2
                 port_macs = count_flops(lambda: head(port(img)[-1])) / 2
             trunk = trunk_info['gmacs']
             classifier = trunk + cls_macs / 1e9
