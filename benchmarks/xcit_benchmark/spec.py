@@ -37,66 +37,61 @@ class SpecError(ValueError):
     """The spec file is missing a key or names something unknown."""
 
 
-def _check(cond: bool, path: str, message: str):
-    if not cond:
-        raise SpecError(f'{path}: {message}')
-
-
-def _check_model(name, path: str, where: str):
-    try:
-        parse_model(name)
-    except (ValueError, AttributeError, TypeError) as e:
-        raise SpecError(f'{path}: {where}: {e}') from None
-
-
-def _check_point(point, path: str, where: str):
-    _check(isinstance(point, list) and len(point) == 2 and isinstance(point[1], int),
-           path, f'{where} must be [model name, resolution], got {point!r}')
-    _check_model(point[0], path, where)
-
-
 def validate_spec(spec: dict, path: str = '<spec>') -> dict:
     """Check the layout described in the module docstring; return ``spec``."""
+    def check(cond: bool, message: str):
+        if not cond:
+            raise SpecError(f'{path}: {message}')
+
+    def check_model(name, where: str):
+        try:
+            parse_model(name)
+        except (ValueError, AttributeError, TypeError) as e:
+            raise SpecError(f'{path}: {where}: {e}') from None
+
+    def check_point(point, where: str):
+        check(isinstance(point, list) and len(point) == 2 and isinstance(point[1], int),
+              f'{where} must be [model name, resolution], got {point!r}')
+        check_model(point[0], where)
+
     for key in ('default_models', 'default_resolutions', 'goals', 'flops_report'):
-        _check(key in spec, path, f'missing key {key!r}')
+        check(key in spec, f'missing key {key!r}')
     for name in spec['default_models']:
-        _check_model(name, path, 'default_models')
-    _check(all(isinstance(r, int) and r >= 32 for r in spec['default_resolutions']), path,
-           'default_resolutions must be integers >= 32')
+        check_model(name, 'default_models')
+    check(all(isinstance(r, int) and r >= 32 for r in spec['default_resolutions']),
+          'default_resolutions must be integers >= 32')
     goals = spec['goals']
     for key in ('batch', 'precision', 'warmup', 'repeats', 'runs', 'checks'):
-        _check(key in goals, path, f'missing key goals.{key}')
+        check(key in goals, f'missing key goals.{key}')
     measured = set()
     for i, run in enumerate(goals['runs']):
         where = f'goals.runs[{i}]'
-        _check(run.get('mode') in MODES, path, f'{where}.mode must be one of {MODES}')
-        _check(isinstance(run.get('time'), bool), path, f'{where}.time must be true or false')
+        check(run.get('mode') in MODES, f'{where}.mode must be one of {MODES}')
+        check(isinstance(run.get('time'), bool), f'{where}.time must be true or false')
         for point in run.get('points', []):
-            _check_point(point, path, f'{where}.points')
+            check_point(point, f'{where}.points')
             measured.add((point[0], point[1], run['mode'], run['time']))
-    for i, check in enumerate(goals['checks']):
+    for i, goal in enumerate(goals['checks']):
         where = f'goals.checks[{i}]'
         for key, allowed in (('metric', METRICS), ('mode', MODES), ('value', VALUE_KINDS),
                              ('op', OPS)):
-            _check(check.get(key) in allowed, path, f'{where}.{key} must be one of {allowed}')
-        _check(isinstance(check.get('goal'), str), path, f'{where}.goal must be a string')
-        _check(isinstance(check.get('threshold'), (int, float)), path,
-               f'{where}.threshold must be a number')
+            check(goal.get(key) in allowed, f'{where}.{key} must be one of {allowed}')
+        check(isinstance(goal.get('goal'), str), f'{where}.goal must be a string')
+        check(isinstance(goal.get('threshold'), (int, float)),
+              f'{where}.threshold must be a number')
         for side in ('a', 'b'):
-            _check_point(check.get(side), path, f'{where}.{side}')
-            name, res = check[side]
-            timed = check['metric'] == 'ms_per_img'
-            _check(any(m[:3] == (name, res, check['mode']) and (m[3] or not timed)
-                       for m in measured), path,
-                   f'{where}.{side}: {name}@{res} ({check["mode"]}) is measured by no run of '
-                   f'goals.runs' + (' with "time": true' if timed else ''))
-    table = spec['flops_report'].get('paper_table1', {})
-    _check(isinstance(spec['flops_report'].get('tolerance'), (int, float)), path,
-           'flops_report.tolerance must be a number')
-    for arch, row in table.items():
-        _check(arch in XCIT_ARCHS, path, f'flops_report.paper_table1: unknown arch {arch!r}')
+            check_point(goal.get(side), f'{where}.{side}')
+            (name, res), timed = goal[side], goal['metric'] == 'ms_per_img'
+            check(any(m[:3] == (name, res, goal['mode']) and (m[3] or not timed)
+                      for m in measured),
+                  f'{where}.{side}: {name}@{res} ({goal["mode"]}) is measured by no run of '
+                  'goals.runs' + (' with "time": true' if timed else ''))
+    check(isinstance(spec['flops_report'].get('tolerance'), (int, float)),
+          'flops_report.tolerance must be a number')
+    for arch, row in spec['flops_report'].get('paper_table1', {}).items():
+        check(arch in XCIT_ARCHS, f'flops_report.paper_table1: unknown arch {arch!r}')
         for key in ('params_m', 'gmacs_224_p16', 'gmacs_384_p8'):
-            _check(key in row, path, f'flops_report.paper_table1.{arch}: missing {key!r}')
+            check(key in row, f'flops_report.paper_table1.{arch}: missing {key!r}')
     return spec
 
 
@@ -111,5 +106,6 @@ def load_spec(path: Optional[str] = None) -> dict:
                         'checkout; pass its path with --spec)') from None
     except json.JSONDecodeError as e:
         raise SpecError(f'{path}: not valid JSON: {e}') from None
-    _check(isinstance(spec, dict), path, 'the top level must be an object')
+    if not isinstance(spec, dict):
+        raise SpecError(f'{path}: the top level must be an object')
     return validate_spec(spec, path)
