@@ -22,8 +22,9 @@ import xcit_mm  # noqa: F401  (registers XCiTBackbone and LeanEncoderDecoder)
 from mmseg.registry import MODELS
 from test_lean_segmentation import (BACKBONE, SEM_FPN, UPERNET, _meta, _predict,
                                     spread_statistics_and_logits)
-from xcit_mm.models.inference.row_stream import TokenMaps, TokenRows, materialize
-from xcit_mm.models.inference.seg_stream import logits_rows
+from xcit_mm.models.inference.row_stream import (Combine, Local, Resize, Strided, TokenMaps,
+                                                 TokenRows, materialize, stream_rows)
+from xcit_mm.models.inference.seg_stream import labels_rows, logits_rows
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 
@@ -89,6 +90,31 @@ def test_stream_logits_and_labels_equal_the_whole_forward(heads, patch_size):
             got = _predict(model, x, None)[0].pred_sem_seg.data
             assert got.shape == expected.shape
             assert (got != expected).sum() <= 1e-4 * got.numel(), (img_hw, band_mb)
+
+
+def test_each_row_is_made_once_and_only_maps_read_again_keep_rows(monkeypatch):
+    """The engine's time and memory over many bands: no map makes a row twice (the rows it keeps
+    cover every consumer's context), and a map read once a row keeps none, so the
+    full-resolution logits of a band are not held while the next band is made."""
+    model, img_hw = _model(SEM_FPN), (97, 131)
+    made = {}
+    for cls in (Local, Combine, Strided, Resize):
+        def spy(self, start, stop, real=cls._make):
+            made[self] = made.get(self, 0) + stop - start
+            return real(self, start, stop)
+        monkeypatch.setattr(cls, '_make', spy)
+    x = torch.randn(1, 3, *img_hw, generator=torch.Generator().manual_seed(3))
+    with TokenMaps('cpu') as maps, torch.no_grad():
+        trunk = model.backbone.stream_trunk(lambda a, b: x[:, :, a:b], img_hw, maps, 1e-3)
+        logits = logits_rows(model.backbone, model.neck, model.decode_head,
+                             [TokenRows(m) for m in trunk], img_hw)
+        labels = labels_rows(logits, img_hw, (0, 0, 0, 0), img_hw, False, False)
+        bands = [stop - start for start, stop, _ in stream_rows(labels, 1e-3)]
+    assert len(bands) > 4
+    assert {m: made[m] for m in made if made[m] > m.height} == {}  # no row made twice
+    full_resolution = [m for m in made if (m.height, m.width) == img_hw]
+    assert full_resolution and all(m._rows is None for m in full_resolution)
+    assert any(m._rows is not None for m in made)
 
 
 def test_predict_through_the_test_resize_and_padding_equals_whole():

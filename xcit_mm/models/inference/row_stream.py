@@ -156,30 +156,35 @@ class TokenMaps:
 class RowMap:
     """Rows of a (B, C, height, width) map on demand.
 
-    Subclasses make rows ``start:stop`` from the rows of their inputs (:meth:`_make`). The rows
-    last made are kept (and up to ``LOOKBACK`` rows above the latest request): bands move down
-    the image, and each consumer asks for its context rows, so most requests overlap the last
-    one and only their new rows are made."""
+    Subclasses make rows ``start:stop`` from the rows of their inputs (:meth:`_make`). A map that
+    is read again (by a consumer with rows of context, or by two consumers) keeps the rows it
+    last made, from ``LOOKBACK`` rows above the latest request: bands move down the image, and
+    each consumer asks for its context rows, so most requests overlap the last one and only
+    their new rows are made. A map read once a row keeps nothing (:func:`stream_rows` decides),
+    so that a wide band (the full-resolution logits) is not held while the next one is made."""
 
-    LOOKBACK = 16
+    LOOKBACK = 2  # the consumers' halos differ by less; a request above it makes its rows again
+    keeps = True
 
     def __init__(self, height: int, width: int):
         self.height, self.width = height, width
         self._rows: Optional[Tensor] = None
-        self._first = 0
+        self._first = self._row_bytes = 0
 
     def rows(self, start: int, stop: int) -> Tensor:
         start, stop = max(0, start), min(self.height, stop)
         kept, first = self._rows, self._first
         last = first + (kept.shape[2] if kept is not None else 0)
-        if kept is None or not first <= start < last:  # nothing made can be reused
+        if kept is None or not first <= start <= last:  # nothing made can be reused
             kept, first = self._make(start, stop), start
         elif stop > last:
             keep_from = max(first, start - self.LOOKBACK)
             kept = torch.cat([kept[:, :, keep_from - first:], self._make(last, stop)], dim=2)
             first = keep_from
-        keep_from = max(first, start - self.LOOKBACK)
-        self._rows, self._first = kept[:, :, keep_from - first:], keep_from
+        self._row_bytes = kept[:, :, :1].numel() * kept.element_size()
+        if self.keeps:
+            keep_from = max(first, start - self.LOOKBACK)
+            self._rows, self._first = kept[:, :, keep_from - first:], keep_from
         return kept[:, :, start - first:stop - first]
 
     def _make(self, start: int, stop: int) -> Tensor:
@@ -187,8 +192,7 @@ class RowMap:
 
     def row_bytes(self) -> int:
         """Bytes of one of its rows (0 before any is made)."""
-        rows = self._rows
-        return 0 if rows is None else rows[:, :, :1].numel() * rows.element_size()
+        return self._row_bytes
 
 
 class TensorRows(RowMap):
@@ -416,22 +420,34 @@ def module_rows(module: nn.Module, source: RowMap) -> RowMap:
                       'stride-2 transposed conv or a max pool of kernel = stride can)')
 
 
+def _inputs(node: RowMap) -> List[RowMap]:
+    inputs = getattr(node, 'sources', None) or [getattr(node, 'source', None)]
+    return [source for source in inputs if isinstance(source, RowMap)]
+
+
 def maps_of(node: RowMap) -> List[RowMap]:
     """Every map ``node`` is made from, itself included (each once)."""
     seen, order, todo = set(), [], [node]
     while todo:
         current = todo.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        order.append(current)
-        for attr in ('source', 'sources'):
-            inputs = getattr(current, attr, None)
-            if isinstance(inputs, RowMap):
-                todo.append(inputs)
-            elif isinstance(inputs, tuple):
-                todo.extend(inputs)
+        if id(current) not in seen:
+            seen.add(id(current))
+            order.append(current)
+            todo.extend(_inputs(current))
     return order
+
+
+def _read_once(node: RowMap, consumers: dict) -> bool:
+    """Whether each row of ``node`` is read once: by the stream itself, or by one consumer that
+    reads just the rows it makes (a sum, a per-pixel function, a crop that passes them on to
+    such a consumer)."""
+    users = consumers.get(id(node), [])
+    if len(users) != 1:
+        return not users
+    user = users[0]
+    if isinstance(user, Crop):
+        return _read_once(user, consumers)
+    return isinstance(user, Combine) or isinstance(user, Local) and user.halo == 0
 
 
 def stream_rows(node: RowMap, band_mb: float, first_rows: int = 8) -> Iterator[Tuple[int, int,
@@ -439,8 +455,13 @@ def stream_rows(node: RowMap, band_mb: float, first_rows: int = 8) -> Iterator[T
     """``(start, stop, rows)`` of ``node`` band by band, top to bottom. The first band has
     ``first_rows`` rows; then each band has as many rows as keep near ``band_mb`` the band and
     the rows each map makes for it (a map of ``h`` rows makes ``h / height`` rows a band row),
-    as measured on the band before."""
-    maps = maps_of(node)
+    as measured on the band before. Only the maps read again keep their last rows."""
+    maps, consumers = maps_of(node), {}
+    for current in maps:
+        for source in _inputs(current):
+            consumers.setdefault(id(source), []).append(current)
+    for current in maps:
+        current.keeps = not _read_once(current, consumers)
     start, rows = 0, first_rows
     while start < node.height:
         stop = min(node.height, start + rows)
