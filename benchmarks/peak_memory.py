@@ -22,11 +22,8 @@ import shlex
 import sys
 import time
 
-HERE = osp.dirname(osp.abspath(__file__))
-ROOT = osp.dirname(HERE)
-for _path in (ROOT, HERE):  # xcit_mm from this checkout; xcit_benchmark
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+sys.path[:0] = [ROOT, osp.join(ROOT, 'benchmarks')]  # xcit_mm of this checkout; xcit_benchmark
 from xcit_benchmark.fresh_points import (LIVE_MALLOC, MIB, cpu_model, measure,  # noqa: E402
                                          package_version, run_process, test_image,
                                          write_artifact)

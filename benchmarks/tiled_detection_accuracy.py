@@ -5,10 +5,9 @@
     python benchmarks/tiled_detection_accuracy.py configs/shapes/mask_rcnn_xcit_shapes_coco.py \
         work_dirs/shapes_det/iter_1200.pth --out docs/results/shapes_mask_rcnn_tiles
 
-Each variant is the config's own test (``Runner.test``: its dataloader and ``CocoMetric``) with
-``model.test_cfg`` updated: whole (stock's results bit for bit), bands (equal up to float
-rounding: the AP should not move), tiles of each ``--tiles SIZE:OVERLAP`` (network pixels: each
-tile sees less context, and objects larger than the overlap may be cut in every tile).
+Each variant is the config's own test (``Runner.test``, ``CocoMetric``) with ``model.test_cfg``
+updated: whole (stock's results bit for bit), bands (equal up to float rounding), tiles of each
+``--tiles SIZE:OVERLAP`` (network pixels: less context, objects larger than the overlap cut).
 """
 import argparse
 import json
@@ -17,11 +16,8 @@ import sys
 import tempfile
 import time
 
-HERE = osp.dirname(osp.abspath(__file__))
-ROOT = osp.dirname(HERE)
-sys.path.insert(0, HERE)
-if ROOT not in sys.path:  # xcit_mm from this checkout, installed or not
-    sys.path.insert(1, ROOT)
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+sys.path[:0] = [ROOT, osp.join(ROOT, 'benchmarks')]  # xcit_mm of this checkout; xcit_benchmark
 from xcit_benchmark.fresh_points import run_metadata, write_artifact  # noqa: E402
 
 COLUMNS = ['variant', 'test_cfg', 'coco/bbox_mAP', 'coco/bbox_mAP_50', 'coco/segm_mAP',
@@ -43,9 +39,7 @@ def test_variant(config: str, checkpoint: str, update: dict, work_dir: str) -> d
     from mmengine.runner import Runner
     cfg = Config.fromfile(config)
     cfg.model.test_cfg.update(update)
-    cfg.load_from = checkpoint
-    cfg.work_dir = work_dir
-    cfg.resume = False
+    cfg.update(load_from=checkpoint, work_dir=work_dir, resume=False)
     return Runner.from_cfg(cfg).test()
 
 
