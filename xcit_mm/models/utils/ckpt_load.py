@@ -194,17 +194,11 @@ def load_model_state_dict(model: torch.nn.Module, state_dict: Dict[str, torch.Te
         if result.unexpected_keys:
             parts.append(f'{len(result.unexpected_keys)} keys of the file do not exist in the '
                          f'model, e.g. {result.unexpected_keys[:4]}')
-    if parts:
-        own = model.state_dict()
-        cause = next((f'the file is a {task} checkpoint, the config builds another kind of model'
-                      for task, heads in TASK_HEADS.items()
-                      if any(k.startswith(heads) for k in state_dict)
-                      and not any(k.startswith(heads) for k in own)),
-                     'the config does not build the model this file was saved from')
+    if parts:  # another task's file was named by the backbone's hooks during the load
         raise CheckpointError(
-            f'{source} does not fit the model: {"; ".join(parts)}. Likely cause: {cause}. Loading '
-            f'stopped, so that no part of the model is silently left at its random '
-            f'initialisation.')
+            f'{source} does not fit the model: {"; ".join(parts)}. Likely cause: the config does '
+            f'not build the model this file was saved from. Loading stopped, so that no part of '
+            f'the model is silently left at its random initialisation.')
     reports = [m.last_load_report for m in model.modules()
                if getattr(m, 'last_load_report', None)]
     return dict(layout=reports[0]['layout'] if reports else None, loaded=len(state_dict))
