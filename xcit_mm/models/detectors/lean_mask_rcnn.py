@@ -1,72 +1,38 @@
 """Mask R-CNN with fewer live maps, whole or in tiles within a memory budget: :class:`LeanMaskRCNN`.
 
-mmdet's ``TwoStageDetector.predict`` (3.3) keeps every backbone level until the neck returns,
-every neck level (the stride-4 one is 256 x H/4 x W/4 floats) until the RoI head returns, and so
-through the RPN (whose 3x3 conv output and its ReLU are two more maps of that size at stride 4)
-and through the mask pasting, which fills an N x H x W boolean tensor while all the feature maps
-are still alive.
+mmdet's ``TwoStageDetector.predict`` keeps every backbone and neck level alive until the RoI head
+returns, and pastes the N x H x W masks while they are all still there.
 
-**Whole image** (``test_cfg.mode='whole'``, the default). :class:`LeanMaskRCNN` computes the same
-detections with fewer maps alive, by exact means only (each operation is the stock one on the same
-full tensor; no convolution is tiled, because a oneDNN convolution of another size picks another
-algorithm and differs in the last bit -- a row-tiled 1x1 lateral conv was measured to differ
-here):
+**Whole image** (``test_cfg.mode='whole'``, the default): the same detections as stock, bit for
+bit, with fewer maps alive, by exact means only (each operation is the stock one on the same full
+tensor; no convolution is tiled, as a oneDNN convolution of another size may pick another
+algorithm and differ in the last bit):
 
-* **Backbone + FPN in data-flow order** (:meth:`LeanMaskRCNN._lean_extract_feat`, for a backbone
-  with ``forward_trunk`` / ``forward_level`` such as XCiT and mmdet's ``FPN``): the levels are
-  made top-down, the large stride-4 backbone map last, each freed by its lateral conv; each
-  lateral is freed by its FPN conv; the top-down sum is added in place (``a.add_(b)`` gives the
-  bits of ``a + b``) with the nearest upsampling done in row blocks (a copy: exact).
-* **RPN with an in-place ReLU** (``relu_`` gives the bits of ``relu``), level by level, then
-  mmdet's own ``predict_by_feat``.
-* **Feature maps freed before the masks are pasted**: the RoI head's bbox and mask branches run
-  as in ``StandardRoIHead.predict``; the mask logits (N x classes x 28 x 28) are computed, then
-  every feature map is dropped, then mmdet's ``FCNMaskHead.predict_by_feat`` pastes the masks
-  (on CPU mmdet already pastes each mask into its box region only).
+* backbone + FPN in data-flow order (``fpn_data_flow.fpn_in_data_flow_order``), each map
+  freed once used, the top-down sums added in place;
+* the RPN with an in-place ReLU (``relu_`` gives the bits of ``relu``), level by level;
+* the RoI head's bbox branch and mask logits (:meth:`LeanMaskRCNN._lean_roi_predict`), then every
+  feature map dropped, then mmdet's ``FCNMaskHead.predict_by_feat`` pastes the masks.
 
-Boxes, labels, scores and masks equal stock ``MaskRCNN.predict`` on the same weights
-(``tests/test_lean_detection.py``).
+**Bands** (``test_cfg.band_mb``, any mode): the stride-4 maps besides the FPN output (XCiT's
+adapter map, the lateral map, the RPN conv's map) are made in bands of rows of about that many MB
+with the rows of context their convs need, so only the FPN output is whole. That tiles
+convolutions: equal to stock up to float rounding, not bit for bit.
 
-**Bands** (``test_cfg.band_mb``, any mode): after the above, the stride-4 maps besides the FPN's
-output (the XCiT adapter's map, the lateral map, the RPN conv's map) still exist whole, one or two
-at a time. With ``band_mb`` they are made in bands of rows of about that many MB, each with the
-rows of context its convs need (row maps: ``fpn_data_flow.fpn_bottom_rows``, XCiT's
-``level_rows``), so only the FPN output is whole. That tiles convolutions: results equal
-stock's up to float rounding (``tests/test_feature_bands.py``), not bit for bit.
-
-**Tiles** (``test_cfg.mode='tiles'``): a whole image's feature maps grow with its pixels; tiles
-bound them by the tile's. The network-scale batch input is cut into overlapping tiles covering
-each image (the last ones aligned to the image border, each padded to the preprocessor's size
-divisor); each tile runs the lean path above (features, RPN, bbox branch in tile coordinates,
-then the mask logits of its detections, of their class only) and its maps are dropped before the
-next tile starts. Boxes are shifted to image coordinates, and detections that touch a tile edge
-inside the image ("cut") rank after the uncut ones: a cut detection lying mostly inside a kept one
-of its class (or overlapping it beyond the NMS threshold) is the same object seen whole in a
-neighbouring tile and is dropped; class-wise NMS with the RoI head's ``nms`` config then removes
-objects seen whole in two tiles, and ``max_per_img`` remain. mmdet's ``FCNMaskHead.predict_by_feat``
-pastes the kept masks at the original size, exactly as in the whole-image path, so the result is
-an ordinary ``pred_instances`` for ``CocoMetric``, ``DetInferencer`` and the visualizer. One tile
-covering the image gives the whole-image result bit for bit. The pieces are in
-:mod:`~xcit_mm.models.detectors.tiled_inference`.
+**Tiles** (``test_cfg.mode='tiles'``): a whole image's maps grow with its pixels, tiles bound them
+by the tile's. Each overlapping tile of the batch input runs the path above up to the mask logits
+of its detections' classes, and its maps are dropped before the next tile. Detections are shifted
+to image coordinates and merged (:mod:`~xcit_mm.models.detectors.tiled_inference`), then the kept
+masks are pasted at the original size as in the whole-image path, so one tile over the image is
+the whole-image result bit for bit.
 
 **Auto** (``test_cfg.mode='auto'``, ``max_memory`` in MB): the whole image if a calibrated
 estimate of its peak fits the budget, else tiles (:mod:`xcit_mm.models.utils.memory_budget`).
-The network part's peak (features, RPN, bbox branch, mask logits) is bounded by a line in the
-input pixels, calibrated once per model on the first auto ``predict`` (the peak of features and
-proposals at a few small sizes, plus the RoI branch's growth at its most proposals) or given by
-``test_cfg.memory_model``; the masks and their pasting are counted from their sizes. The choice
-and every estimate are logged; the plan run is ``last_memory_plan`` and the line
-``memory_model``.
 
-Configs: ``model = dict(type='LeanMaskRCNN', ...)`` is the one key (``custom_imports`` of
-``xcit_mm``, which the backbone needs anyway, registers the name; the class is imported on first
-build, so ``import xcit_mm`` does not import mmdet). ``model.test_cfg`` keys next to ``rpn`` and
-``rcnn`` (``docs/lean_detection.md``): ``lean`` (default True; False gives the stock ``predict``,
-and so does a whole-image ``predict`` under autograd, where the in-place sums would break it),
-``mode`` ('whole', 'tiles', 'auto'), ``tile_size`` (default 1024), ``tile_overlap`` (default 256),
-``max_memory``, ``memory_model`` and ``band_mb`` (default None: every map whole). Tiles and auto
-run under ``torch.no_grad``. Parts that are not the stock ones (another neck, RPN head or RoI head
-class) run stock in whole mode, only the ordering around them is lean; tiles need mmdet's
+``test_cfg`` keys next to ``rpn`` and ``rcnn`` (``docs/lean_detection.md``): ``lean`` (False, or a
+whole-image ``predict`` under autograd, where in-place sums would break it, gives stock
+``predict``), ``mode``, ``tile_size``, ``tile_overlap``, ``max_memory``, ``memory_model`` and
+``band_mb``. Parts other than the stock ones run stock in whole mode; tiles need mmdet's
 ``StandardRoIHead`` and ``FCNMaskHead``. Training, ``_forward`` and ``tensor`` mode are stock.
 """
 from typing import List, Optional
@@ -82,7 +48,6 @@ from mmdet.models.necks import FPN
 from mmdet.models.roi_heads import StandardRoIHead
 from mmdet.models.roi_heads.base_roi_head import BaseRoIHead
 from mmdet.models.roi_heads.mask_heads import FCNMaskHead
-from mmdet.models.utils import empty_instances
 from mmdet.registry import MODELS
 from mmdet.structures import DetDataSample, SampleList
 from mmdet.structures.bbox import bbox2roi
@@ -100,18 +65,13 @@ from .tiled_inference import TiledTestCfg
 @MODELS.register_module()
 class LeanMaskRCNN(MaskRCNN):
     """mmdet's ``MaskRCNN`` whose ``predict`` keeps fewer full-resolution maps alive, on the whole
-    image, in tiles, or whichever fits a memory budget.
-
-    Same constructor, training and ``_forward`` as ``MaskRCNN``; only ``predict`` changes (see
-    the module docstring for what is freed when and why each step is exact, and for the tiles and
-    the budget).
+    image, in tiles, or whichever fits a memory budget (module docstring).
 
     Attributes:
         memory_model: the line bounding the network part's peak memory over its input pixels
             (``mode='auto'``): ``test_cfg.memory_model`` or calibrated on the first auto
             ``predict``; None before.
-        last_memory_plan: the plan the last auto ``predict`` ran (``'whole'`` or ``'tiles'``)
-            with its estimate, so that a benchmark can report the estimate's error.
+        last_memory_plan: the plan the last auto ``predict`` ran, with its estimate.
     """
 
     def __init__(self, *args, **kwargs):
@@ -124,13 +84,9 @@ class LeanMaskRCNN(MaskRCNN):
         self.last_memory_plan: Optional[Plan] = None
         self._last_plans = None  # (plans, budget) of the last logged choice
 
-    def _lean(self) -> bool:
-        cfg = self.test_cfg
-        return bool(cfg.get('lean', True)) if cfg is not None else True
-
     def _band_mb(self) -> Optional[float]:
-        """``test_cfg.band_mb``: make the stride-4 level and its RPN conv in bands of rows (in
-        eval mode: a BatchNorm in training mode normalises over the whole map)."""
+        """``test_cfg.band_mb`` in eval mode (a BatchNorm in training mode normalises over the
+        whole map)."""
         return None if self.training else tiling.read_tiled_test_cfg(self.test_cfg).band_mb
 
     def _check_bands(self, band_mb: Optional[float]) -> None:
@@ -139,7 +95,6 @@ class LeanMaskRCNN(MaskRCNN):
         if band_mb is None:
             return
         rpn = self.rpn_head
-        why = None
         if self._lean_fpn() or not isinstance(self.backbone, LevelByLevelBackbone):
             why = why_not_bottom_in_bands(self.backbone, getattr(self, 'neck', None))
         else:
@@ -155,13 +110,24 @@ class LeanMaskRCNN(MaskRCNN):
     # ------------------------------------------------------------------ predict
     def predict(self, batch_inputs: Tensor, batch_data_samples: SampleList,
                 rescale: bool = True) -> SampleList:
-        """Detections of the whole image (equal to ``TwoStageDetector.predict``'s, with maps freed
-        early), of tiles, or of whichever fits ``test_cfg.max_memory`` (module docstring)."""
+        """Detections of the whole image (stock's, with maps freed early), of tiles, or of
+        whichever fits ``test_cfg.max_memory``."""
         settings = tiling.read_tiled_test_cfg(self.test_cfg)
         self._check_bands(settings.band_mb)
         if settings.mode == 'whole':
+            if not settings.lean or torch.is_grad_enabled():
+                return super().predict(batch_inputs, batch_data_samples, rescale=rescale)
             return self._predict_whole(batch_inputs, batch_data_samples, rescale)
-        self._check_tiles_supported(batch_data_samples)
+        if not self._stock_roi_head():
+            raise ValueError(
+                f"{type(self).__name__}: test_cfg.mode='tiles' / 'auto' need mmdet's "
+                f'StandardRoIHead with an FCNMaskHead (stock predict, predict_bbox, predict_mask '
+                f'and predict_by_feat), got {type(self.roi_head).__name__} / '
+                f'{type(getattr(self.roi_head, "mask_head", None)).__name__}; use mode=\'whole\'')
+        if batch_data_samples[0].get('proposals', None) is not None:
+            raise ValueError(
+                f"{type(self).__name__}: test_cfg.mode='tiles' / 'auto' make proposals per tile; "
+                "precomputed proposals (data_samples.proposals) need mode='whole'")
         with torch.no_grad():
             if settings.mode == 'auto':
                 plan = self._choose_memory_plan(settings, batch_inputs, batch_data_samples,
@@ -170,11 +136,20 @@ class LeanMaskRCNN(MaskRCNN):
                     return self._predict_whole(batch_inputs, batch_data_samples, rescale)
             return self._predict_tiles(batch_inputs, batch_data_samples, rescale, settings)
 
+    def _stock_roi_head(self) -> bool:
+        """Whether the RoI head is mmdet's ``StandardRoIHead`` with an ``FCNMaskHead``, whose
+        steps :meth:`_lean_roi_predict` and :meth:`_paste_masks` run in their stead."""
+        head = self.roi_head
+        return (isinstance(head, StandardRoIHead) and head.with_mask
+                and type(head).predict is BaseRoIHead.predict
+                and type(head).predict_bbox is StandardRoIHead.predict_bbox
+                and type(head).predict_mask is StandardRoIHead.predict_mask
+                and isinstance(head.mask_head, FCNMaskHead)
+                and type(head.mask_head).predict_by_feat is FCNMaskHead.predict_by_feat)
+
     def _predict_whole(self, batch_inputs: Tensor, batch_data_samples: SampleList,
                        rescale: bool) -> SampleList:
-        """The whole batch input at once, lean (stock with ``lean=False`` or under autograd)."""
-        if not self._lean() or torch.is_grad_enabled():
-            return super().predict(batch_inputs, batch_data_samples, rescale=rescale)
+        """The whole batch input at once, lean."""
         assert self.with_bbox, 'Bbox head must be implemented.'
         x = self._lean_extract_feat(batch_inputs)  # a list this method alone holds
         batch_img_metas = [data_sample.metainfo for data_sample in batch_data_samples]
@@ -182,13 +157,19 @@ class LeanMaskRCNN(MaskRCNN):
             rpn_results_list = self._lean_rpn_predict(x, batch_data_samples, batch_img_metas)
         else:
             rpn_results_list = [data_sample.proposals for data_sample in batch_data_samples]
-        results_list = self._lean_roi_predict(x, rpn_results_list, batch_data_samples, rescale)
+        if self._stock_roi_head():
+            results_list = self._paste_masks(
+                self._lean_roi_predict(x, rpn_results_list, batch_img_metas), batch_img_metas,
+                rescale)
+        else:
+            results_list = self.roi_head.predict(tuple(x), rpn_results_list, batch_data_samples,
+                                                 rescale=rescale)
         return self.add_pred_to_datasample(batch_data_samples, results_list)
 
     # ------------------------------------------------------------------ features
     def _lean_extract_feat(self, batch_inputs: Tensor) -> List[Tensor]:
-        """``list(self.extract_feat(batch_inputs))``, computed in data-flow order when the
-        backbone makes its levels one at a time and the neck is mmdet's ``FPN``."""
+        """``list(self.extract_feat(batch_inputs))``, in data-flow order where
+        :meth:`_lean_fpn`."""
         if not self._lean_fpn():
             return list(self.extract_feat(batch_inputs))  # e.g. RetinaNet-style extra convs
         neck = self.neck
@@ -208,86 +189,89 @@ class LeanMaskRCNN(MaskRCNN):
     # ------------------------------------------------------------------ RPN
     def _lean_rpn_predict(self, x: List[Tensor], batch_data_samples: SampleList,
                           batch_img_metas: List[dict]):
-        """``rpn_head.predict(x, batch_data_samples, rescale=False)`` with an in-place ReLU."""
+        """``rpn_head.predict(x, batch_data_samples, rescale=False)`` with an in-place ReLU, its
+        stride-4 level in bands with ``band_mb`` (the parts checked by :meth:`_check_bands`)."""
         head = self.rpn_head
         if type(head) is not RPNHead:
             return head.predict(x, batch_data_samples, rescale=False)
-        cls_scores, bbox_preds = [], []
-        band_mb = self._band_mb()  # parts checked by _check_bands
-        for level, feat in enumerate(x):
-            if level == 0 and band_mb is not None:
-                cls_score, bbox_pred = self._rpn_level_in_bands(feat, band_mb)
-                cls_scores.append(cls_score)
-                bbox_preds.append(bbox_pred)
-                continue
+
+        def scores_and_deltas(feat: Tensor) -> Tensor:
             hidden = F.relu_(head.rpn_conv(feat))
-            cls_scores.append(head.rpn_cls(hidden))
-            bbox_preds.append(head.rpn_reg(hidden))
-            del hidden
+            return torch.cat([head.rpn_cls(hidden), head.rpn_reg(hidden)], dim=1)
+
+        band_mb = self._band_mb()
+        cls_scores, bbox_preds = [], []
+        for level, feat in enumerate(x):
+            if level == 0 and band_mb is not None:  # the conv's map one band at a time
+                both = materialize(Local(scores_and_deltas, TensorRows(feat),
+                                         conv_halo(head.rpn_conv)), band_mb)
+            else:
+                both = scores_and_deltas(feat)
+            cls_score, bbox_pred = both.split(
+                [head.rpn_cls.out_channels, head.rpn_reg.out_channels], dim=1)
+            cls_scores.append(cls_score)
+            bbox_preds.append(bbox_pred)
         return head.predict_by_feat(cls_scores, bbox_preds, batch_img_metas=batch_img_metas,
                                     rescale=False)
 
-    def _rpn_level_in_bands(self, feat: Tensor, band_mb: float):
-        """The RPN's (scores, deltas) of one level, its conv's map made one band of rows (with
-        the conv's context) at a time: the 1x1 outputs are small, the conv's map is not."""
-        head = self.rpn_head
-
-        def scores_and_deltas(band: Tensor) -> Tensor:
-            hidden = F.relu_(head.rpn_conv(band))
-            return torch.cat([head.rpn_cls(hidden), head.rpn_reg(hidden)], dim=1)
-
-        both = materialize(Local(scores_and_deltas, TensorRows(feat), conv_halo(head.rpn_conv)),
-                           band_mb)
-        return both.split([head.rpn_cls.out_channels, head.rpn_reg.out_channels], dim=1)
-
     # ------------------------------------------------------------------ RoI head
     def _lean_roi_predict(self, x: List[Tensor], rpn_results_list,
-                          batch_data_samples: SampleList, rescale: bool):
-        """``StandardRoIHead.predict`` (bbox branch, then mask branch), emptying ``x`` once the
-        mask logits exist, before the masks are pasted."""
+                          batch_img_metas: List[dict]) -> List[InstanceData]:
+        """``StandardRoIHead``'s bbox branch (``rescale=False``: input coordinates) and, per
+        detection, the mask logits of its class (``mask_logits``, n x 28 x 28, from one mask
+        forward over the batch as stock's); then ``x`` (the caller's list: the last reference to
+        the feature maps) is emptied, before any mask is pasted (:meth:`_paste_masks`)."""
         head = self.roi_head
-        if not (isinstance(head, StandardRoIHead) and type(head).predict is BaseRoIHead.predict
-                and type(head).predict_mask is StandardRoIHead.predict_mask and head.with_mask):
-            return head.predict(tuple(x), rpn_results_list, batch_data_samples, rescale=rescale)
-        batch_img_metas = [data_sample.metainfo for data_sample in batch_data_samples]
         feats = tuple(x)
         results_list = head.predict_bbox(feats, batch_img_metas, rpn_results_list,
                                          rcnn_test_cfg=head.test_cfg, rescale=False)
-        mask_rois = bbox2roi([res.bboxes for res in results_list])
-        if mask_rois.shape[0] == 0:
-            return empty_instances(batch_img_metas, mask_rois.device, task_type='mask',
-                                   instance_results=results_list,
-                                   mask_thr_binary=head.test_cfg.mask_thr_binary)
-        mask_preds = head._mask_forward(feats, mask_rois)['mask_preds']
+        rois = bbox2roi([res.bboxes for res in results_list])
+        if rois.shape[0] == 0:
+            logits = rois.new_zeros((0, ) + (self._mask_side(), ) * 2)
+        else:
+            mask_preds = head._mask_forward(feats, rois)['mask_preds']
+            labels = torch.cat([res.labels for res in results_list])
+            # the logits of the detection's class: a copy, not a view of mask_preds
+            logits = mask_preds[torch.arange(len(labels)),
+                                0 if head.mask_head.class_agnostic else labels]
+            del mask_preds
         del feats
-        x.clear()  # the caller's list: the last reference to the feature maps
-        num_mask_rois_per_img = [len(res) for res in results_list]
-        mask_preds = mask_preds.split(num_mask_rois_per_img, 0)
-        return head.mask_head.predict_by_feat(mask_preds=mask_preds, results_list=results_list,
-                                              batch_img_metas=batch_img_metas,
-                                              rcnn_test_cfg=head.test_cfg, rescale=rescale)
+        x.clear()
+        for res, part in zip(results_list, logits.split([len(res) for res in results_list])):
+            res.mask_logits = part
+        return results_list
+
+    def _paste_masks(self, results_list: List[InstanceData], batch_img_metas: List[dict],
+                     rescale: bool) -> List[InstanceData]:
+        """mmdet's ``FCNMaskHead.predict_by_feat`` on detections with ``mask_logits``
+        (network-scale boxes; rescaled, and pasted at the original size, when ``rescale``).
+        Each detection's logits go back into an n x classes x 28 x 28 tensor laid out as the
+        head's own output (the other classes zero: the head reads the detection's class only),
+        so the masks are pasted bit for bit as from that output."""
+        channels = self._mask_channels()
+        mask_preds = []
+        for results in results_list:
+            logits = results.pop('mask_logits')
+            results.pop('cut', None)
+            full = logits.new_zeros((len(results), channels) + tuple(logits.shape[1:]))
+            full[torch.arange(len(results)), 0 if channels == 1 else results.labels] = logits
+            mask_preds.append(full)
+        return self.roi_head.mask_head.predict_by_feat(
+            mask_preds=tuple(mask_preds), results_list=results_list,
+            batch_img_metas=batch_img_metas, rcnn_test_cfg=self.roi_head.test_cfg,
+            rescale=rescale)
+
+    def _mask_side(self) -> int:
+        """The side of the mask head's logits (28 for mmdet's Mask R-CNN)."""
+        mask_head = self.roi_head.mask_head
+        upsample = mask_head.scale_factor if mask_head.upsample is not None else 1
+        return int(mask_head.roi_feat_size[0] * (upsample or 1))
+
+    def _mask_channels(self) -> int:
+        mask_head = self.roi_head.mask_head
+        return 1 if mask_head.class_agnostic else mask_head.num_classes
 
     # ------------------------------------------------------------------ tiles
-    def _check_tiles_supported(self, batch_data_samples: SampleList) -> None:
-        """Tiles need the parts whose per-tile steps this class runs: mmdet's ``StandardRoIHead``
-        with its stock bbox and mask ``predict`` and an ``FCNMaskHead``, and no given proposals
-        (proposals are made per tile)."""
-        head = self.roi_head
-        if not (isinstance(head, StandardRoIHead) and head.with_mask
-                and type(head).predict_bbox is StandardRoIHead.predict_bbox
-                and type(head).predict_mask is StandardRoIHead.predict_mask
-                and isinstance(head.mask_head, FCNMaskHead)
-                and type(head.mask_head).predict_by_feat is FCNMaskHead.predict_by_feat):
-            raise ValueError(
-                f"{type(self).__name__}: test_cfg.mode='tiles' / 'auto' need mmdet's "
-                f'StandardRoIHead with an FCNMaskHead (stock predict_bbox / predict_mask), got '
-                f'{type(head).__name__} / {type(getattr(head, "mask_head", None)).__name__}; '
-                "use mode='whole'")
-        if batch_data_samples[0].get('proposals', None) is not None:
-            raise ValueError(
-                f"{type(self).__name__}: test_cfg.mode='tiles' / 'auto' make proposals per tile; "
-                "precomputed proposals (data_samples.proposals) need mode='whole'")
-
     def _tile_grids(self, batch_inputs: Tensor, batch_img_metas: List[dict],
                     settings: TiledTestCfg) -> List[List[tiling.Tile]]:
         """The tiles of each image of the batch (network scale)."""
@@ -300,9 +284,8 @@ class LeanMaskRCNN(MaskRCNN):
         per image, then the kept masks pasted for the whole batch."""
         head = self.roi_head
         batch_img_metas = [data_sample.metainfo for data_sample in batch_data_samples]
-        grids = self._tile_grids(batch_inputs, batch_img_metas, settings)
         results_list = []
-        for i, tiles in enumerate(grids):
+        for i, tiles in enumerate(self._tile_grids(batch_inputs, batch_img_metas, settings)):
             per_tile = []
             for tile in tiles:
                 per_tile.append(self._tile_detections(batch_inputs[i:i + 1], tile))
@@ -332,63 +315,16 @@ class LeanMaskRCNN(MaskRCNN):
         return dets
 
     def _detect_in_tile(self, tile_input: Tensor, meta: dict) -> InstanceData:
-        """The lean network part on one input (1, C, h, w) seen as an image of its own: features,
-        RPN, bbox branch (``rescale=False``: input coordinates) and the mask logits of each
-        detection's class (``mask_logits``, n x 28 x 28); every feature map is freed on return."""
+        """The lean network part on one input (1, C, h, w) seen as an image of its own, up to
+        the mask logits (:meth:`_lean_roi_predict`); every feature map is freed on return."""
         x, rpn_results_list = self._features_and_proposals(tile_input, meta)
-        return self._roi_detections(x, rpn_results_list, meta)
+        return self._lean_roi_predict(x, rpn_results_list, [meta])[0]
 
     def _features_and_proposals(self, inputs: Tensor, meta: dict):
         """(feature maps as a list, RPN proposals) of one input (1, C, h, w): the first stage of
         :meth:`_detect_in_tile`, whose peak grows with the pixels."""
         x = self._lean_extract_feat(inputs)
-        samples = [DetDataSample(metainfo=meta)]
-        return x, self._lean_rpn_predict(x, samples, [meta])
-
-    def _roi_detections(self, x: List[Tensor], rpn_results_list, meta: dict) -> InstanceData:
-        """The second stage of :meth:`_detect_in_tile`: bbox branch and mask logits on the maps
-        ``x``, which it empties (the caller's list: their last reference) once the logits exist."""
-        head = self.roi_head
-        feats = tuple(x)
-        dets = head.predict_bbox(feats, [meta], rpn_results_list, rcnn_test_cfg=head.test_cfg,
-                                 rescale=False)[0]
-        side = self._mask_side()
-        if len(dets) == 0:
-            dets.mask_logits = feats[0].new_zeros((0, side, side))
-            return dets
-        mask_preds = head._mask_forward(feats, bbox2roi([dets.bboxes]))['mask_preds']
-        del feats
-        x.clear()
-        if head.mask_head.class_agnostic:
-            dets.mask_logits = mask_preds[:, 0].clone()
-        else:
-            dets.mask_logits = mask_preds[torch.arange(len(dets)), dets.labels]
-        return dets
-
-    def _mask_side(self) -> int:
-        """The side of the mask head's logits (28 for mmdet's Mask R-CNN)."""
-        mask_head = self.roi_head.mask_head
-        upsample = mask_head.scale_factor if mask_head.upsample is not None else 1
-        return int(mask_head.roi_feat_size[0] * (upsample or 1))
-
-    def _paste_masks(self, results_list: List[InstanceData], batch_img_metas: List[dict],
-                     rescale: bool) -> List[InstanceData]:
-        """mmdet's ``FCNMaskHead.predict_by_feat`` on the merged detections (network-scale boxes;
-        it rescales them, and pastes at the original size, when ``rescale``): each detection's
-        class logits go back into an n x classes x 28 x 28 tensor laid out as the head's own
-        output, so the masks are pasted bit for bit as in the whole-image path."""
-        mask_head = self.roi_head.mask_head
-        channels = 1 if mask_head.class_agnostic else mask_head.num_classes
-        mask_preds = []
-        for results in results_list:
-            logits = results.mask_logits
-            full = logits.new_zeros((len(results), channels) + tuple(logits.shape[1:]))
-            full[torch.arange(len(results)), 0 if channels == 1 else results.labels] = logits
-            mask_preds.append(full)
-            del results.mask_logits, results.cut
-        return mask_head.predict_by_feat(mask_preds=tuple(mask_preds), results_list=results_list,
-                                         batch_img_metas=batch_img_metas,
-                                         rcnn_test_cfg=self.roi_head.test_cfg, rescale=rescale)
+        return x, self._lean_rpn_predict(x, [DetDataSample(metainfo=meta)], [meta])
 
     # ------------------------------------------------------------------ memory plans
     def _choose_memory_plan(self, settings: TiledTestCfg, batch_inputs: Tensor,
@@ -420,13 +356,11 @@ class LeanMaskRCNN(MaskRCNN):
         the masks are pasted). Tiles: the network part on the largest tile plus what every tile's
         detections hold until the merge, or those plus the same masks and pasting.
         """
-        head = self.roi_head
         max_per_img = self._max_detections()
         side = self._mask_side()
-        channels = 1 if head.mask_head.class_agnostic else head.mask_head.num_classes
         paste_mb = tiling.paste_estimate_mb(
             [tiling.mask_output_hw(meta, rescale) for meta in batch_img_metas], max_per_img,
-            channels, side)
+            self._mask_channels(), side)
         B, _, H, W = batch_inputs.shape
         # the heap a network run leaves (the line's base) is still resident while masks are pasted
         paste_mb += model.base_mb
@@ -459,17 +393,13 @@ class LeanMaskRCNN(MaskRCNN):
         input pixels, measured on fixed random inputs (random rather than zeros, so that the RPN
         finds as many distinct proposals as on a real image).
 
-        The peak of Mask R-CNN is not one line: the features and proposals (first stage) grow
-        with the pixels, while the RoI branch (second stage) adds about the same on top of the
-        feature maps at any size, and at the small sizes a calibration can afford that fixed part
-        is the peak, so a line through whole runs would have the slope of the feature maps only
-        and undercut large images. So the second stage's growth is measured once, on the maps of
-        a first, unmeasured run at the smallest size (which also sets up the thread pools and
-        kernels whose memory stays), with the most proposals and detections the test config
-        allows (``rpn.max_per_img``, ``rcnn.max_per_img``); the first stage's line is fitted at
-        ``tiling.CALIBRATION_SIDES``; the bounding line is the first stage's with the second
-        stage's growth added to its base. The line and the fix to skip this calibration are
-        logged.
+        The peak is not one line: the features and proposals grow with the pixels, while the RoI
+        branch adds about the same at any size, and at the small sizes a calibration can afford
+        that fixed part is the peak, so a line through whole runs would undercut large images.
+        So the RoI branch's growth is measured once at its most proposals and detections (on the
+        maps of a first, unmeasured run, which also sets up the memory that stays), the first
+        stage's line is fitted at ``tiling.CALIBRATION_SIDES``, and the RoI growth is added to
+        its base.
         """
         generator = torch.Generator().manual_seed(0)
         channels = batch_inputs.shape[1]
@@ -480,9 +410,6 @@ class LeanMaskRCNN(MaskRCNN):
                                 pad_shape=(side, side), batch_input_shape=(side, side),
                                 scale_factor=(1.0, 1.0))
 
-        def first_stage(side: int):
-            return self._features_and_proposals(*square(side))[1]
-
         sides = list(tiling.CALIBRATION_SIDES)
         inputs, meta = square(sides[0])
         maps = self._features_and_proposals(inputs, meta)[0]  # also the unmeasured first run
@@ -490,15 +417,15 @@ class LeanMaskRCNN(MaskRCNN):
         device = batch_inputs.device  # measured where it runs: host or GPU memory
         roi_mb = measure_peak_growth_mb(lambda: self._worst_case_roi_stage(maps, meta), device)
         maps.clear()
-        return calibrate(lambda h, w: first_stage(h), [(s, s) for s in sides],
-                         f'{type(self).__name__} (features + proposals)', fixed_mb=roi_mb,
-                         fixed_what='RoI branch', device=device)
+        return calibrate(lambda h, w: self._features_and_proposals(*square(h))[1],
+                         [(s, s) for s in sides], f'{type(self).__name__} (features + proposals)',
+                         fixed_mb=roi_mb, fixed_what='RoI branch', device=device)
 
     def _worst_case_roi_stage(self, x: List[Tensor], meta: dict) -> Tensor:
-        """The RoI branch of :meth:`_roi_detections` on maps ``x`` with as many proposals and
+        """The RoI branch of :meth:`_lean_roi_predict` on maps ``x`` with as many proposals and
         detections as the test config allows: the bbox branch on ``rpn.max_per_img`` random
-        boxes, the mask branch on ``rcnn.max_per_img`` of them (the branch's cost depends on
-        these counts, not on the image; a random image may yield fewer)."""
+        boxes, the mask branch on ``rcnn.max_per_img`` of them (its cost depends on these counts,
+        not on the image; a random image may yield fewer)."""
         head = self.roi_head
         num_proposals = self._max_proposals()
         num_dets = min(self._max_detections(), num_proposals)
