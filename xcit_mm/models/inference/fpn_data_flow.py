@@ -1,7 +1,7 @@
 """An FPN (mmdet's or mmseg's) computed in data-flow order, for whole-image inference.
 
-Stock inference makes all four backbone levels, then all lateral maps, then all FPN outputs, so
-at high resolution several maps of the stride-4 level's size are alive at once.
+Stock inference makes all backbone levels, then all lateral maps, then all FPN outputs, so at high
+resolution several maps of the stride-4 level's size are alive at once.
 :func:`fpn_in_data_flow_order` gives the same outputs bit for bit with each map freed as soon as
 the next step no longer needs it: the backbone levels are made top-down, the large stride-4 one
 last (XCiT's ``forward_trunk`` / ``forward_level``); each lateral map is freed by its FPN conv;
@@ -9,15 +9,15 @@ the top-down sum is added in place and in bands of rows (:func:`add_top_down_`).
 convolution runs on the same whole tensor as in stock: a oneDNN convolution of another size can
 take another algorithm and differ in the last bit, so nothing is tiled.
 
-With ``band_mb``, the stride-4 level goes further: its FPN output is a row map
-(:mod:`.row_stream`) made from the backbone's rows where its adapter is row-local (XCiT's
-``level_rows``), through the lateral conv, the top-down sum and the FPN conv with the rows of
-context the convs need, band by band into the output map; so of that level's maps only the FPN
-output ever exists whole. The values equal the whole-tensor path up to float rounding.
+With ``band_mb``, the stride-4 level's FPN output is a row map (:mod:`.row_stream`) made band by
+band from the backbone's rows (XCiT's ``level_rows``) with the rows of context the convs need, so
+of that level's maps only the FPN output exists whole; equal to the whole-tensor path up to float
+rounding.
 
-Used by ``LeanEncoderDecoder`` (mmseg) and ``LeanMaskRCNN`` (mmdet); torch only, no task package.
+:func:`add_as_stock` is the one rule for adding in place with the bits and strides of stock's
+out-of-place sum (also ``uper_data_flow``'s). Torch only, no task package.
 """
-from typing import List, Optional, Protocol, Tuple, runtime_checkable
+from typing import Callable, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -39,46 +39,77 @@ class LevelByLevelBackbone(Protocol):
         ...
 
 
-def _upsample(x: Tensor, size, upsample_cfg: dict) -> Tensor:
-    """The FPN's top-down resize of ``x`` to ``size``, with its arguments (mmdet's and mmseg's
-    FPN both call ``F.interpolate`` so)."""
-    if 'scale_factor' in upsample_cfg:
-        return F.interpolate(x, **upsample_cfg)
-    return F.interpolate(x, size=size, **upsample_cfg)
+# ---------------------------------------------------------------------- in-place sums
+def suggests_channels_last(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether a 4-d tensor of these sizes and strides has ``suggest_memory_format()`` channels
+    last: c10's ``is_channels_last_strides_2d_s4``, which decides the layout of the tensors that
+    ``F.interpolate`` and ``torch.cat`` allocate (ambiguous strides count as NCHW)."""
+    if len(shape) != 4 or strides[1] == 0:
+        return False
+    low = 0
+    for d in (1, 3, 2, 0):
+        if shape[d] == 0 or strides[d] < low or (d == 0 and low == strides[1]):
+            return False
+        low = strides[d] * shape[d] if shape[d] > 1 else strides[d]
+    return True
 
 
-def nearest_source(top_hw, lat_hw, upsample_cfg: dict) -> Tuple[Tensor, Tensor]:
-    """For a nearest resize from ``top_hw`` to ``lat_hw``: the source row of every output row and
-    the source column of every output column, read off the very same resize call (so they are
-    the FPN's own, whatever its ``upsample_cfg``)."""
-    kwargs = dict(upsample_cfg, mode='nearest')
-    return (nearest_index(top_hw[0], lat_hw[0], 0, kwargs),
-            nearest_index(top_hw[1], lat_hw[1], 1, kwargs))
+def standard_strides(shape: Sequence[int], channels_last: bool) -> Tuple[int, ...]:
+    """The strides of ``torch.empty(shape)`` in NCHW or channels-last memory format."""
+    n, c, h, w = shape
+    return (c * h * w, 1, w * c, c) if channels_last else (c * h * w, h * w, w, 1)
 
 
-def add_top_down_(lat: Tensor, top: Tensor, upsample_cfg: dict, band_mb: float = 64,
-                  source: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
-    """``lat + resize(top)`` as the FPN computes it, in place and without a map of ``lat``'s size.
+def resized_channels_last(x: Tensor, size) -> bool:
+    """Whether ``F.interpolate(x, size)`` suggests channels last: its output is allocated in
+    ``x``'s suggested memory format."""
+    shape = tuple(x.shape[:2]) + tuple(size)
+    return suggests_channels_last(
+        shape, standard_strides(shape, suggests_channels_last(x.shape, x.stride())))
 
-    Nearest resizing copies pixels (:func:`nearest_source`), and ``lat`` receives its sum in bands
-    of about ``band_mb`` (the bits of ``a + b``). ``source``: the rows and columns of ``top`` that
-    ``lat``'s rows and columns read, when ``lat`` is a band of the full lateral map. Other modes
-    resize whole; under autograd the sum is not in place.
-    """
-    if lat.requires_grad or upsample_cfg.get('mode', 'nearest') != 'nearest':
-        top_down = _upsample(top, lat.shape[2:], upsample_cfg)
-        return lat + top_down if lat.requires_grad else lat.add_(top_down)
-    row_of, col_of = source if source is not None else nearest_source(
-        top.shape[2:], lat.shape[2:], upsample_cfg)
-    row_of, col_of = row_of.to(top.device), col_of.to(top.device)  # built on the CPU
-    row_bytes = lat.shape[0] * lat.shape[1] * lat.shape[3] * lat.element_size()
-    band = band_rows_for(band_mb, row_bytes)
-    for r0 in range(0, lat.shape[2], band):
-        rows_of_band = top.index_select(2, row_of[r0:r0 + band])
-        lat[:, :, r0:r0 + band].add_(rows_of_band.index_select(3, col_of))
+
+def adds_in_place(a: Tensor, b_shape, b_strides, *operands: Tensor) -> bool:
+    """Whether ``a.add_(b)``, ``b`` of these sizes and strides, gives the bits and strides of
+    ``a + b``: where TensorIterator's fast setup for two operands of the same shape and strides
+    (standard NCHW, else standard channels-last) gives the out-of-place sum ``a``'s strides, and
+    autograd needs none of ``operands`` (the caller holds ``a`` alone)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
+        return False
+    if not (a.dim() == 4 and a.shape == b_shape and a.stride() == tuple(b_strides)):
+        return False
+    if a.is_contiguous():
+        return a.stride() == standard_strides(a.shape, False)
+    return (a.is_contiguous(memory_format=torch.channels_last)
+            and a.stride() == standard_strides(a.shape, True))
+
+
+def add_as_stock(a: Tensor, b: Tensor) -> Tensor:
+    """``a + b``, added into ``a`` where that gives the same bits and strides
+    (:func:`adds_in_place`)."""
+    return a.add_(b) if adds_in_place(a, b.shape, b.stride(), a, b) else a + b
+
+
+def add_top_down_(lat: Tensor, top: Tensor, upsample_cfg: dict, band_mb: float = 64) -> Tensor:
+    """``lat + resize(top)`` as the FPN computes it, by :func:`add_as_stock`'s rule; where that
+    adds in place and the resize is nearest (a copy of pixels), without a map of ``lat``'s size:
+    ``lat`` receives the resized rows in bands of about ``band_mb``."""
+    size = lat.shape[2:]
+    up_strides = standard_strides(lat.shape, resized_channels_last(top, size))
+    if (upsample_cfg.get('mode', 'nearest') != 'nearest'
+            or not adds_in_place(lat, lat.shape, up_strides, lat, top)):
+        kwargs = upsample_cfg if 'scale_factor' in upsample_cfg else dict(upsample_cfg, size=size)
+        return add_as_stock(lat, F.interpolate(top, **kwargs))
+    kwargs = dict(upsample_cfg, mode='nearest')  # the FPN's own source rows and columns
+    row_of = nearest_index(top.shape[2], size[0], 0, kwargs).to(top.device)
+    col_of = nearest_index(top.shape[3], size[1], 1, kwargs).to(top.device)
+    band = band_rows_for(band_mb, lat[:, :, :1].numel() * lat.element_size())
+    for r0 in range(0, size[0], band):
+        rows = top.index_select(2, row_of[r0:r0 + band])
+        lat[:, :, r0:r0 + band].add_(rows.index_select(3, col_of))
     return lat
 
 
+# ---------------------------------------------------------------------- data-flow order
 class BackboneLevels:
     """Backbone level ``i`` on demand, where the backbone can make its levels one at a time
     (XCiT's trunk once, its adapter per level)."""
@@ -98,6 +129,22 @@ class BackboneLevels:
         return self.backbone.forward_level(out, i, self.image_hw) if self.per_level else out
 
 
+def top_down_sums(levels: BackboneLevels, lateral_convs, fpn_convs, add: Callable,
+                  upper: Tensor, outs: list, bottom: int, last_conv: int) -> Tensor:
+    """The top-down pass of an FPN (mmdet's, mmseg's, UPerHead's) below the lateral sum
+    ``upper`` of level ``len(outs) - 1``: for each level ``i`` down to ``bottom``, its lateral
+    conv (the level made now) plus ``add(lat, upper)``, then the FPN conv of the level above
+    (``outs[i + 1]``, up to level ``last_conv``), whose lateral sum is freed. Returns level
+    ``bottom``'s lateral sum, the caller's."""
+    for i in range(len(outs) - 2, bottom - 1, -1):
+        lat = add(lateral_convs[i](levels.pop(i)), upper)
+        if i + 1 <= last_conv:  # the level above has given its top-down term
+            outs[i + 1] = fpn_convs[i + 1](upper)
+        upper = lat
+        del lat
+    return upper
+
+
 def fpn_in_data_flow_order(backbone, neck, inputs: Tensor,
                            band_mb: Optional[float] = None) -> List[Tensor]:
     """``neck(backbone(inputs))`` for the neck's own levels (no extra outputs), each map freed
@@ -105,7 +152,11 @@ def fpn_in_data_flow_order(backbone, neck, inputs: Tensor,
     level in (the caller checks). ``band_mb``: level 0 in bands of about that many MB (the parts
     must pass :func:`why_not_bottom_in_bands`; None: whole, bit for bit as stock)."""
     levels = BackboneLevels(backbone, inputs)
-    outs, top = fpn_upper_levels(levels, neck)
+    n = len(levels)
+    outs = [None] * n
+    top = top_down_sums(levels, neck.lateral_convs, neck.fpn_convs,
+                        lambda lat, up: add_top_down_(lat, up, neck.upsample_cfg),
+                        neck.lateral_convs[n - 1](levels.pop(n - 1)), outs, 1, n - 1)
     if band_mb is not None:
         trunk = TensorRows(levels.maps[0])
         levels.maps[0] = None
@@ -120,26 +171,7 @@ def fpn_in_data_flow_order(backbone, neck, inputs: Tensor,
     return outs
 
 
-def fpn_upper_levels(levels: BackboneLevels, neck) -> Tuple[List[Optional[Tensor]], Tensor]:
-    """The FPN outputs of levels 2..n-1 (indices 0 and 1 left None) in data-flow order, and
-    level 1's finished lateral sum: the top-down term of level 0, then the input of level 1's
-    FPN conv, both the caller's. Each other lateral map is freed by its FPN conv once the level
-    below has its term."""
-    num_levels = len(levels)
-    lateral = [None] * num_levels
-    outs = [None] * num_levels
-    for i in range(num_levels - 1, 0, -1):
-        lat = neck.lateral_convs[i](levels.pop(i))
-        if i + 1 < num_levels:
-            lat = add_top_down_(lat, lateral[i + 1], neck.upsample_cfg)
-            # the level above has given its top-down term: its FPN conv can run, then it goes
-            outs[i + 1] = neck.fpn_convs[i + 1](lateral[i + 1])
-            lateral[i + 1] = None
-        lateral[i] = lat
-        del lat
-    return outs, lateral[1]
-
-
+# ---------------------------------------------------------------------- bands of rows
 def fpn_bottom_rows(backbone, neck, trunk: RowMap, top: RowMap, image_hw) -> RowMap:
     """The FPN output of level 0 as rows: the backbone's level 0 from its trunk map's rows, the
     lateral conv, the sum with ``top`` (level 1's finished lateral sum) resized as the FPN
