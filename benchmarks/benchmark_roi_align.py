@@ -48,15 +48,12 @@ COLUMNS = ('case', 'map', 'RoIs', 'output', 'sampling ratio', 'mmcv fwd ms', 'ga
 def make_inputs(case: dict, seed: int = 0):
     """Feature map, (R, 5) RoIs in image pixels and output weighting ``w`` of a case."""
     gen = torch.Generator().manual_seed(seed)
-    n, c, h, w = case['map']
-    img_h, img_w = h * case['stride'], w * case['stride']
+    (n, c, h, w), num = case['map'], case['rois']
+    image = torch.tensor([w * case['stride'], h * case['stride']], dtype=torch.float32)
     feat = torch.randn(n, c, h, w, generator=gen)
-    num = case['rois']
     lo, hi = math.log(BOX_PX[0]), math.log(BOX_PX[1])
-    size = torch.exp(lo + (hi - lo) * torch.rand(num, 2, generator=gen))
-    size = torch.minimum(size, torch.tensor([img_w, img_h], dtype=size.dtype))
-    room = torch.tensor([img_w, img_h], dtype=size.dtype) - size
-    corner = torch.rand(num, 2, generator=gen) * room
+    size = torch.minimum(torch.exp(lo + (hi - lo) * torch.rand(num, 2, generator=gen)), image)
+    corner = torch.rand(num, 2, generator=gen) * (image - size)
     index = (torch.arange(num) % n).to(feat.dtype)[:, None]
     rois = torch.cat([index, corner, corner + size], 1)
     weight = torch.randn(num, c, case['output'], case['output'], generator=gen)
@@ -127,12 +124,11 @@ def parse_args(argv: Optional[Sequence[str]], cases: Sequence[dict]) -> argparse
     p.add_argument('--cases', nargs='+', choices=names, default=names, metavar='NAME')
     p.add_argument('--repeats', type=int, default=10, help='timed rounds')
     p.add_argument('--warmup', type=int, default=2, help='untimed calls')
-    p.add_argument('--threads', type=int, default=None, help='torch.set_num_threads')
+    p.add_argument('--threads', type=int, help='torch.set_num_threads')
     p.add_argument('--out-dir', default='docs/benchmark')
     p.add_argument('--name', default='roi_align_cpu', help='file stem')
     p.add_argument('--quiet', action='store_true', help='no progress lines')
-    p.add_argument('--markdown', metavar='JSON', default=None,
-                   help='print the Markdown table of a saved JSON (what the docs quote)')
+    p.add_argument('--markdown', metavar='JSON', help='print the Markdown table the docs quote')
     args = p.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0 or (args.threads is not None and args.threads < 1):
         p.error('need --repeats >= 1, --warmup >= 0 and --threads >= 1')

@@ -24,8 +24,8 @@ import time
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path[:0] = [ROOT, osp.join(ROOT, 'benchmarks')]  # xcit_mm of this checkout; xcit_benchmark
-from xcit_benchmark.fresh_points import (LIVE_MALLOC, MIB, cpu_model, measure,  # noqa: E402
-                                         package_version, run_process, test_image,
+from xcit_benchmark.fresh_points import (LIVE_MALLOC, MIB, cpu_model, hooked,  # noqa: E402
+                                         measure, package_version, run_process, test_image,
                                          write_artifact)
 
 TASKS = ('segmentor', 'detector')
@@ -188,22 +188,12 @@ def measure_point(model, infer, point: dict, spec: dict) -> dict:
                else lambda x: model.decode_head.forward(model.extract_feat(x)))
         call = lambda: net(inputs)  # noqa: E731
     at_predict = []
-    if point['path'] == 'auto':
+    if point['path'] == 'auto':  # the memory when predict starts: the input exists
         model.test_cfg['max_memory'] = point['max_memory']
-        predict = model.predict
-
-        def noting(*args, **kwargs):  # the memory when predict starts: the input exists
-            at_predict.append(in_use())
-            return predict(*args, **kwargs)
-
-        model.predict = noting
+        model.predict = hooked(model.predict, before=lambda: at_predict.append(in_use()))
     meter = PartMeter(model) if spec.get('parts') and task == 'detector' else None
     if meter:
-        door = call
-
-        def call():
-            meter.base = meter.rss()
-            return door()
+        call = hooked(call, before=lambda: setattr(meter, 'base', meter.rss()))
 
     try:
         with torch.no_grad():
@@ -254,11 +244,10 @@ def device_info(device: str) -> dict:
     info = dict(torch=torch.__version__, cuda=torch.version.cuda, device=device,
                 threads=torch.get_num_threads(), device_name=cpu_model())
     if device.startswith('cuda'):
-        props = torch.cuda.get_device_properties(device)
+        props, backends = torch.cuda.get_device_properties(device), torch.backends
         info.update(device_name=props.name, device_total_mb=round(props.total_memory / MIB),
-                    cudnn=torch.backends.cudnn.version(),
-                    allow_tf32=[torch.backends.cudnn.allow_tf32,
-                                torch.backends.cuda.matmul.allow_tf32])
+                    cudnn=backends.cudnn.version(),
+                    allow_tf32=[backends.cudnn.allow_tf32, backends.cuda.matmul.allow_tf32])
     return info
 
 
@@ -738,6 +727,10 @@ def parse_args(parser, argv):
         parser.error('--sizes: each size once')
     if not (args.limit_gb > 0 and args.timeout > 0):
         parser.error('--limit-gb and --timeout must be positive')
+    if 'auto' in args.paths and not args.budgets:
+        parser.error('--paths auto needs --budgets')
+    if args.pipeline == 'network' and args.tasks != ['segmentor']:
+        parser.error('--pipeline network: --tasks segmentor only')
     try:
         args.budgets = [[int(v) for v in b.split(':')] for b in args.budgets]
         assert all(len(b) in (2, 3) for b in args.budgets)
@@ -747,21 +740,18 @@ def parse_args(parser, argv):
         args.skip = [[p, int(s)] for p, s in (v.split(':') for v in args.skip)]
     except ValueError:
         parser.error('--skip takes PATH:SIZE points, e.g. lean:32768')
-    if 'auto' in args.paths and not args.budgets:
-        parser.error('--paths auto needs --budgets')
-    if args.pipeline == 'network' and args.tasks != ['segmentor']:
-        parser.error('--pipeline network: --tasks segmentor only')
     from xcit_benchmark.whole_model import WholeModelError, check_config_path
     args.configs = dict(CONFIGS)
     for value in args.config or []:
         key, _, path = value.partition('=')
-        if tuple(key.split(':')) not in CONFIGS or not path:
+        key = tuple(key.split(':'))
+        if key not in CONFIGS or not path:
             parser.error(f'--config {value!r}: expected TASK:BACKBONE=PATH, one of {CONFIGS}')
         try:
             check_config_path(resolve_config(path))
         except WholeModelError as e:
             parser.error(f'--config {value!r}: {e}')
-        args.configs[tuple(key.split(':'))] = path
+        args.configs[key] = path
     if args.update:
         try:
             load_artifact(f'{args.out}.json' if args.out else '')

@@ -100,9 +100,10 @@ def check_same_trunk(arch: str, patch: int, resolution: int = 64) -> str:
                                      norm_cfg=dict(type='BN'),
                                      init_cfg=dict(type='Pretrained', checkpoint=path)))
             ours.init_weights()
+        port.eval()  # (mmpretrain's train() returns None)
         img = torch.randn(1, 3, resolution, resolution)
         with torch.no_grad():
-            a, b = ours.eval().forward_trunk(img), port.eval()(img)
+            a, b = ours.eval().forward_trunk(img), port(img)
         diff = max((x - y).abs().max().item() for x, y in zip(a, b))
         scale = max(y.abs().max().item() for y in b)
         return (f'{name}: port weights loaded into XCiTBackbone, max |diff| of the {len(a)} '

@@ -49,6 +49,18 @@ def measure(call, device='cpu'):
     return held['result'], growth, held['base'], held['seconds']
 
 
+def hooked(fn, before=None, after=None):
+    """``fn`` calling ``before()`` ahead of it and ``after()`` when it returns."""
+    def call(*args, **kwargs):
+        if before:
+            before()
+        out = fn(*args, **kwargs)
+        if after:
+            after()
+        return out
+    return call
+
+
 def child_rss(pid: int) -> int:
     """Resident bytes of process ``pid`` (0 once it is gone)."""
     try:

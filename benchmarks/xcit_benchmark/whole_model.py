@@ -22,7 +22,7 @@ import torch
 from xcit_mm.models.utils.memory_budget import (peak_rss_mb, release_free_heap, reset_peak_rss,
                                                 rss_mb)
 
-from .fresh_points import write_artifact
+from .fresh_points import hooked, write_artifact
 from .memory import main as memory_process_main
 from .memory import mallopt_mmap_threshold, run_memory_worker
 from .timing import round_order, set_threads
@@ -182,17 +182,6 @@ class PartClock:
         return {k: tuple(v) for k, v in out.items()}
 
 
-def _wrap(obj, attr: str, after: Callable[[], None]):
-    """``obj.attr`` (a bound method) calling ``after()`` when it returns."""
-    fn = getattr(obj, attr)
-
-    def wrapped(*args, **kwargs):
-        out = fn(*args, **kwargs)
-        after()
-        return out
-    setattr(obj, attr, wrapped)
-
-
 def count_rois(model) -> dict:
     """``{'bbox_rois': n, 'mask_rois': n}``, counted by the detector's RoI extractors."""
     counts = dict(bbox_rois=0, mask_rois=0)
@@ -208,12 +197,14 @@ def count_rois(model) -> dict:
 def instrument(model, clock: PartClock) -> bool:
     """Put the part boundaries on ``model``; returns whether the backbone is XCiT."""
     from xcit_mm.models.backbones.xcit import XCiTBackbone
-    is_xcit = isinstance(model.backbone, XCiTBackbone)
+    backbone, neck = model.backbone, getattr(model, 'neck', None)
+    is_xcit = isinstance(backbone, XCiTBackbone)
     if is_xcit:
-        _wrap(model.backbone, 'forward_trunk', lambda: clock.mark('trunk'))
-    _wrap(model.backbone, 'forward', lambda: clock.mark('adapter' if is_xcit else 'trunk'))
-    if getattr(model, 'neck', None) is not None:
-        _wrap(model.neck, 'forward', lambda: clock.mark('neck'))
+        backbone.forward_trunk = hooked(backbone.forward_trunk, after=lambda: clock.mark('trunk'))
+    backbone.forward = hooked(backbone.forward,
+                              after=lambda: clock.mark('adapter' if is_xcit else 'trunk'))
+    if neck is not None:
+        neck.forward = hooked(neck.forward, after=lambda: clock.mark('neck'))
     return is_xcit
 
 
