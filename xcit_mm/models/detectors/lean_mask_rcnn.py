@@ -11,8 +11,8 @@ algorithm and differ in the last bit):
 * backbone + FPN in data-flow order (``fpn_data_flow.fpn_in_data_flow_order``), each map
   freed once used, the top-down sums added in place;
 * the RPN with an in-place ReLU (``relu_`` gives the bits of ``relu``), level by level;
-* the RoI head's bbox branch and mask logits (:meth:`LeanMaskRCNN._lean_roi_predict`), then every
-  feature map dropped, then mmdet's ``FCNMaskHead.predict_by_feat`` pastes the masks.
+* the RoI head's bbox branch and each detection's mask logits (``_lean_roi_predict``), then
+  every feature map dropped, then the masks pasted (``_paste_masks``).
 
 **Bands** (``test_cfg.band_mb``, any mode): the stride-4 maps besides the FPN output (XCiT's
 adapter map, the lateral map, the RPN conv's map) are made in bands of rows of about that many MB
@@ -35,7 +35,7 @@ whole-image ``predict`` under autograd, where in-place sums would break it, give
 ``band_mb``. Parts other than the stock ones run stock in whole mode; tiles need mmdet's
 ``StandardRoIHead`` and ``FCNMaskHead``. Training, ``_forward`` and ``tensor`` mode are stock.
 """
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -227,13 +227,13 @@ class LeanMaskRCNN(MaskRCNN):
                                          rcnn_test_cfg=head.test_cfg, rescale=False)
         rois = bbox2roi([res.bboxes for res in results_list])
         if rois.shape[0] == 0:
-            logits = rois.new_zeros((0, ) + (self._mask_side(), ) * 2)
+            logits = rois.new_zeros((0, ) + (self._mask_shape()[1], ) * 2)
         else:
             mask_preds = head._mask_forward(feats, rois)['mask_preds']
             labels = torch.cat([res.labels for res in results_list])
             # the logits of the detection's class: a copy, not a view of mask_preds
             logits = mask_preds[torch.arange(len(labels)),
-                                0 if head.mask_head.class_agnostic else labels]
+                                labels if mask_preds.shape[1] > 1 else 0]
             del mask_preds
         del feats
         x.clear()
@@ -248,7 +248,7 @@ class LeanMaskRCNN(MaskRCNN):
         Each detection's logits go back into an n x classes x 28 x 28 tensor laid out as the
         head's own output (the other classes zero: the head reads the detection's class only),
         so the masks are pasted bit for bit as from that output."""
-        channels = self._mask_channels()
+        channels = self._mask_shape()[0]
         mask_preds = []
         for results in results_list:
             logits = results.pop('mask_logits')
@@ -261,15 +261,12 @@ class LeanMaskRCNN(MaskRCNN):
             batch_img_metas=batch_img_metas, rcnn_test_cfg=self.roi_head.test_cfg,
             rescale=rescale)
 
-    def _mask_side(self) -> int:
-        """The side of the mask head's logits (28 for mmdet's Mask R-CNN)."""
+    def _mask_shape(self) -> Tuple[int, int]:
+        """(channels, side) of the mask head's logits (classes or 1, 28 for Mask R-CNN)."""
         mask_head = self.roi_head.mask_head
         upsample = mask_head.scale_factor if mask_head.upsample is not None else 1
-        return int(mask_head.roi_feat_size[0] * (upsample or 1))
-
-    def _mask_channels(self) -> int:
-        mask_head = self.roi_head.mask_head
-        return 1 if mask_head.class_agnostic else mask_head.num_classes
+        return (1 if mask_head.class_agnostic else mask_head.num_classes,
+                int(mask_head.roi_feat_size[0] * (upsample or 1)))
 
     # ------------------------------------------------------------------ tiles
     def _tile_grids(self, batch_inputs: Tensor, batch_img_metas: List[dict],
@@ -349,18 +346,15 @@ class LeanMaskRCNN(MaskRCNN):
 
     def _memory_plans(self, model: MemoryModel, settings: TiledTestCfg, batch_inputs: Tensor,
                       batch_img_metas: List[dict], rescale: bool) -> List[Plan]:
-        """The estimated peak growth (MB) of the whole-image plan and of the tiles plan.
-
-        Whole: the network part on the batch input (the line, per image), or, after it, the masks
-        of all images and their pasting, whichever is larger (the feature maps are freed before
-        the masks are pasted). Tiles: the network part on the largest tile plus what every tile's
-        detections hold until the merge, or those plus the same masks and pasting.
-        """
+        """The estimated peak growth (MB) of the whole-image plan (the network part on the batch
+        input, or after it the masks and their pasting) and of the tiles plan (the network part
+        on the largest tile, or the masks and pasting, plus what every tile's detections hold
+        until the merge)."""
         max_per_img = self._max_detections()
-        side = self._mask_side()
+        channels, side = self._mask_shape()
         paste_mb = tiling.paste_estimate_mb(
             [tiling.mask_output_hw(meta, rescale) for meta in batch_img_metas], max_per_img,
-            self._mask_channels(), side)
+            channels, side)
         B, _, H, W = batch_inputs.shape
         # the heap a network run leaves (the line's base) is still resident while masks are pasted
         paste_mb += model.base_mb
@@ -390,16 +384,13 @@ class LeanMaskRCNN(MaskRCNN):
 
     def _calibrate_memory(self, batch_inputs: Tensor) -> MemoryModel:
         """The line bounding the network part's peak growth (:meth:`_detect_in_tile`) over its
-        input pixels, measured on fixed random inputs (random rather than zeros, so that the RPN
-        finds as many distinct proposals as on a real image).
+        input pixels, on fixed random inputs (the RPN finds as many proposals as on an image).
 
-        The peak is not one line: the features and proposals grow with the pixels, while the RoI
-        branch adds about the same at any size, and at the small sizes a calibration can afford
-        that fixed part is the peak, so a line through whole runs would undercut large images.
-        So the RoI branch's growth is measured once at its most proposals and detections (on the
-        maps of a first, unmeasured run, which also sets up the memory that stays), the first
-        stage's line is fitted at ``tiling.CALIBRATION_SIDES``, and the RoI growth is added to
-        its base.
+        The RoI branch adds about the same at any size, and at the small sizes a calibration can
+        afford it is the peak, so a line through whole runs would undercut large images: the
+        features + proposals line is fitted at ``tiling.CALIBRATION_SIDES``, and the RoI
+        branch's growth at its most proposals (measured once, on the maps of a first, unmeasured
+        run) is added to its base.
         """
         generator = torch.Generator().manual_seed(0)
         channels = batch_inputs.shape[1]

@@ -1,19 +1,9 @@
-"""Tiled Mask R-CNN inference: settings, tile grid, merge across tiles and memory estimates.
-
-The pieces of ``LeanMaskRCNN``'s ``test_cfg.mode='tiles'`` / ``'auto'`` that need no model, kept
-apart so that each can be tested on hand-made inputs:
-
-* :func:`read_tiled_test_cfg` checks the top-level ``test_cfg`` keys (mode, tile size and overlap,
-  memory budget) and names the fix for each malformed one;
-* :func:`tile_grid` cuts an image (network scale) into overlapping tiles that cover it, the last
-  tile of a row or column aligned to the image border, and :func:`cut_tile` copies one out of the
-  padded batch input, padded to the data preprocessor's size divisor;
-* :func:`touches_cut_edge` marks detections that touch a tile edge inside the image (the object
-  may continue in the next tile), and :func:`merge_tile_detections` merges the detections of all
-  tiles into one image's: a detection cut by a tile edge must not survive next to the same object
-  seen whole in a neighbouring tile;
-* :func:`paste_estimate_mb` and :func:`held_bytes_per_detection` are the parts of a plan's memory
-  estimate that are not the network's calibrated line.
+"""Tiled Mask R-CNN inference: the pieces of ``LeanMaskRCNN``'s ``test_cfg.mode='tiles'`` /
+``'auto'`` that need no model, apart so that each can be tested on hand-made inputs: the checked
+``test_cfg`` (:func:`read_tiled_test_cfg`), the tile grid (:func:`tile_grid`, :func:`cut_tile`),
+the merge of the tiles' detections (:func:`merge_tile_detections`: a detection cut by a tile edge
+must not survive next to the same object seen whole in a neighbouring tile) and the parts of a
+plan's memory estimate that are not the network's calibrated line.
 """
 import math
 from typing import List, NamedTuple, Optional, Sequence, Tuple
@@ -85,16 +75,10 @@ def _read_tile_size(value, owner: str) -> Tuple[int, int]:
 
 
 def read_tiled_test_cfg(test_cfg, owner: str = 'LeanMaskRCNN') -> TiledTestCfg:
-    """Check the top-level keys of ``test_cfg`` (next to ``rpn`` and ``rcnn``).
-
-    A key the mode does not use is an error rather than silently ignored (``max_memory`` with
-    ``mode='whole'`` would otherwise promise a budget nothing keeps), and so is an unknown key (a
-    misspelt ``tile_overlap`` would otherwise leave the default in force).
-
-    Raises:
-        ValueError: a malformed or misplaced key; ``MemoryBudgetError`` (a ``ValueError``) for
-            ``max_memory`` and ``memory_model``. The message names the key and the fix.
-    """
+    """The top-level keys of ``test_cfg`` (next to ``rpn`` and ``rcnn``), checked: a
+    ``ValueError`` naming the key and the fix for a malformed one, and for a key the mode does
+    not use (``max_memory`` with ``mode='whole'`` would promise a budget nothing keeps) or an
+    unknown one (a misspelt ``tile_overlap`` would leave the default in force)."""
     if test_cfg is None:
         return TiledTestCfg()
     unknown = sorted(set(test_cfg) - set(KNOWN_KEYS))
@@ -120,7 +104,10 @@ def read_tiled_test_cfg(test_cfg, owner: str = 'LeanMaskRCNN') -> TiledTestCfg:
     if mode != 'whole' and not lean:
         raise ValueError(f"{owner}: test_cfg.mode={mode!r} runs the lean path on each tile; "
                          "it does not combine with lean=False (remove one of them)")
-    band_mb = _read_band_mb(test_cfg.get('band_mb', None), lean, owner)
+    band_mb = read_band_mb(test_cfg.get('band_mb', None), owner)
+    if band_mb is not None and not lean:
+        raise ValueError(f'{owner}: test_cfg.band_mb makes the lean path run in bands; it does '
+                         'not combine with lean=False (remove one of them)')
     if mode == 'whole':
         return TiledTestCfg(lean=lean, band_mb=band_mb)
     tile_size = test_cfg.get('tile_size', None)
@@ -139,26 +126,12 @@ def read_tiled_test_cfg(test_cfg, owner: str = 'LeanMaskRCNN') -> TiledTestCfg:
                         read_memory_model(test_cfg.get('memory_model', None), owner), band_mb)
 
 
-def _read_band_mb(value, lean: bool, owner: str) -> Optional[float]:
-    """``test_cfg.band_mb`` (:func:`read_band_mb`): the MB of a band of rows in which the
-    stride-4 level and its RPN conv are made, with the lean path only."""
-    value = read_band_mb(value, owner)
-    if value is None:
-        return None
-    if not lean:
-        raise ValueError(f'{owner}: test_cfg.band_mb makes the lean path run in bands; it does '
-                         'not combine with lean=False (remove one of them)')
-    return value
-
-
 # ---------------------------------------------------------------------- tile grid
 class Tile(NamedTuple):
-    """One tile of an image, in the network-scale coordinates of the batch input.
-
-    ``(y0, x0)`` is its top-left corner and ``(h, w)`` the extent cut from the batch input;
-    ``(valid_h, valid_w)`` the part of it inside the image (the tile's ``img_shape``). ``cut_*``:
-    whether that side of the tile lies inside the image, where an object may continue.
-    """
+    """One tile of an image (network-scale coordinates of the batch input): top-left corner
+    ``(y0, x0)``, extent ``(h, w)``, the part inside the image ``(valid_h, valid_w)`` (its
+    ``img_shape``), and whether each side lies inside the image (``cut_*``: an object may
+    continue there)."""
     y0: int
     x0: int
     h: int
@@ -172,12 +145,9 @@ class Tile(NamedTuple):
 
 
 def axis_tiles(length: int, input_length: int, tile: int, overlap: int) -> List[Tuple[int, int]]:
-    """(start, extent) of the tiles along one axis of an image of ``length`` pixels.
-
-    An image no longer than a tile gets one tile from 0 (the whole batch input when that is no
-    longer than a tile, so one tile is the whole-image run). Otherwise tiles step by
-    ``tile - overlap`` and the last one ends on the image border (its overlap with the one before
-    may be larger): every tile holds image pixels only.
+    """(start, extent) of the tiles along one axis of an image of ``length`` pixels: one from 0
+    if the image fits a tile (the whole batch input if that fits: the whole-image run), else
+    stepping by ``tile - overlap``, the last one ending on the image border (image pixels only).
     """
     if length <= tile:
         return [(0, min(tile, input_length))]
@@ -245,18 +215,14 @@ def touches_cut_edge(bboxes: Tensor, tile: Tile, margin: float = EDGE_MARGIN) ->
 def drop_cut_duplicates(bboxes: Tensor, scores: Tensor, labels: Tensor, cut: Tensor,
                         iou_thr: Optional[float],
                         contained_thr: float = CONTAINED_THR) -> Tensor:
-    """Which detections to keep (bool): every uncut one, and each cut one that duplicates none of
-    the detections kept before it.
+    """Which detections to keep (bool): every uncut one, then each cut one, in descending score,
+    that duplicates none kept before it (the cut view of an object may score higher than its
+    whole view in a neighbouring tile, yet only the whole box is right).
 
-    Uncut detections rank first, cut ones after them in descending score: an object crossing a
-    tile border is seen whole in the tile that holds it (when the overlap exceeds it) and cut in
-    its neighbour, and the cut view may score higher, yet only the whole box is right. A cut
-    detection is a duplicate of a kept one of the same class when ``contained_thr`` of its box
-    lies inside the kept box (the cut box is the kept box's part inside its tile: plain NMS would
-    keep it, its IoU with the whole box being the visible fraction) or when their IoU exceeds
-    ``iou_thr`` (the NMS threshold, as NMS would suppress it, here in favour of the uncut box).
-    A cut detection without such a match (an object larger than the overlap, seen whole nowhere)
-    is kept.
+    A duplicate is of the same class and has ``contained_thr`` of its box inside the kept box
+    (plain NMS would keep it: its IoU with the whole box is the visible fraction) or an IoU above
+    ``iou_thr`` (the NMS threshold). A cut detection seen whole nowhere (an object larger than
+    the overlap) is kept.
     """
     keep = ~cut
     order = cut.nonzero(as_tuple=False)[:, 0]
@@ -276,16 +242,11 @@ def drop_cut_duplicates(bboxes: Tensor, scores: Tensor, labels: Tensor, cut: Ten
 
 def merge_tile_detections(dets: InstanceData, nms_cfg: dict, max_per_img: int,
                           contained_thr: float = CONTAINED_THR) -> InstanceData:
-    """One image's detections from the detections of all its tiles.
-
-    ``dets``: the tiles' detections concatenated, with ``bboxes`` in image coordinates, ``scores``,
-    ``labels``, ``cut`` (:func:`touches_cut_edge`) and any per-detection fields (mask logits),
-    which follow their detection. Three steps: cut duplicates of kept detections are dropped
-    (:func:`drop_cut_duplicates`); class-wise NMS with the RoI head's ``nms`` config
-    (``mmcv.ops.batched_nms``, as the head's own ``multiclass_nms``) removes the same object seen
-    whole in two overlapping tiles while keeping distinct neighbours; the ``max_per_img`` best
-    remain, in descending score as the head returns them. On one tile nothing is cut and the
-    tile's detections, already NMS-ed, come out unchanged.
+    """One image's detections from its tiles' (concatenated ``dets``: image-coordinate
+    ``bboxes``, ``scores``, ``labels``, ``cut`` and per-detection fields such as mask logits):
+    cut duplicates dropped (:func:`drop_cut_duplicates`), class-wise NMS with the RoI head's
+    ``nms`` config (as its ``multiclass_nms``: the same object seen whole in two tiles), the
+    ``max_per_img`` best in descending score. One tile's detections come out unchanged.
     """
     if len(dets) == 0:
         return dets

@@ -1,21 +1,16 @@
 """An FPN (mmdet's or mmseg's) computed in data-flow order, for whole-image inference.
 
 Stock inference makes all backbone levels, then all lateral maps, then all FPN outputs, so at high
-resolution several maps of the stride-4 level's size are alive at once.
-:func:`fpn_in_data_flow_order` gives the same outputs bit for bit with each map freed as soon as
-the next step no longer needs it: the backbone levels are made top-down, the large stride-4 one
-last (XCiT's ``forward_trunk`` / ``forward_level``); each lateral map is freed by its FPN conv;
-the top-down sum is added in place and in bands of rows (:func:`add_top_down_`). Every
-convolution runs on the same whole tensor as in stock: a oneDNN convolution of another size can
-take another algorithm and differ in the last bit, so nothing is tiled.
+resolution several stride-4 maps are alive at once. :func:`fpn_in_data_flow_order` gives the same
+outputs bit for bit with each map freed once the next step no longer needs it: the levels made
+top-down, the stride-4 one last (XCiT's ``forward_trunk`` / ``forward_level``), each lateral freed
+by its FPN conv, the top-down sums added in place (:func:`add_as_stock`, the one rule, also
+UPerHead's) and in bands of rows. Every convolution runs on the same whole tensor as stock's (a
+oneDNN convolution of another size can take another algorithm and differ in the last bit).
 
-With ``band_mb``, the stride-4 level's FPN output is a row map (:mod:`.row_stream`) made band by
-band from the backbone's rows (XCiT's ``level_rows``) with the rows of context the convs need, so
-of that level's maps only the FPN output exists whole; equal to the whole-tensor path up to float
-rounding.
-
-:func:`add_as_stock` is the one rule for adding in place with the bits and strides of stock's
-out-of-place sum (also ``uper_data_flow``'s). Torch only, no task package.
+With ``band_mb``, the stride-4 FPN output is a row map (:mod:`.row_stream`) made band by band
+from the backbone's rows with the rows of context the convs need: only that output exists whole,
+equal to the whole-tensor path up to float rounding. Torch only, no task package.
 """
 from typing import Callable, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
