@@ -1,10 +1,8 @@
 """XCiT backbone for dense prediction (El-Nouby et al., NeurIPS 2021).
 
-The trunk is columnar: a conv patch embedding brings the image to stride ``patch_size`` and every
-XCiT layer keeps that resolution. Cross-covariance attention (XCA) attends over channels instead of
-tokens, so time and memory grow linearly with the number of pixels. For detection and
-segmentation the features of four layers are rescaled by transposed convolutions / max-pooling to
-strides 4, 8, 16 and 32 (paper appendix B.2), which is what FPN-style necks consume.
+A conv stem brings the image to stride ``patch_size``, which every XCiT layer keeps; attention
+over channels (XCA) makes cost linear in pixels. The features of four layers are rescaled to
+strides 4, 8, 16 and 32 (paper appendix B.2) for FPN-style necks.
 
 State-dict keys (xcit_mm's layout; :mod:`xcit_mm.models.utils.ckpt_convert` converts the
 official, timm and mmpretrain layouts to it)::
@@ -57,16 +55,8 @@ MIN_INPUT_SIZE = STRIDES[-1]
 
 
 class FourierPositionEncoding(nn.Module):
-    """2-D sine/cosine position code of the patch grid, projected to the embedding width.
-
-    Computed on the fly for any grid, so no interpolation is needed when the image size changes.
-    The 64-d code (16 frequencies x sin/cos x 2 axes, DETR style) goes through a 1x1 conv.
-
-    Args:
-        embed_dims (int): Output width.
-        hidden_dims (int): Code width per axis. Defaults to 32.
-        temperature (float): Frequency base. Defaults to 10000.
-    """
+    """2-D sine/cosine code of the patch grid (DETR style, ``hidden_dims`` per axis) through a
+    1x1 conv to ``embed_dims``; computed for any grid, so no interpolation across image sizes."""
 
     def __init__(self, embed_dims: int, hidden_dims: int = 32, temperature: float = 10000.):
         super().__init__()
@@ -102,11 +92,8 @@ class FourierPositionEncoding(nn.Module):
 
 
 class ConvPatchEmbed(nn.Module):
-    """LeViT-style stem: log2(patch_size) 3x3 stride-2 convs with BN, GELU between them.
-
-    Channels grow as in_channels -> D/8 -> D/4 -> D/2 -> D (p16) or in_channels -> D/4 -> D/2 -> D
-    (p8).
-    """
+    """LeViT-style stem: log2(patch_size) 3x3 stride-2 convs with BN, GELU between them, widths
+    in_channels -> ... -> D/4 -> D/2 -> D."""
 
     def __init__(self, in_channels: int, embed_dims: int, patch_size: int, norm_cfg: dict):
         super().__init__()
@@ -118,7 +105,6 @@ class ConvPatchEmbed(nn.Module):
                 act_cfg=dict(type='GELU') if i < num_convs - 1 else None)
             for i in range(num_convs)
         ])
-
         self.patch_size = 2**num_convs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,11 +115,9 @@ class ConvPatchEmbed(nn.Module):
 
     def rows(self, read_pixels: Callable[[int, int], torch.Tensor], image_hw: Tuple[int, int],
              start: int, stop: int) -> torch.Tensor:
-        """Token rows ``start:stop`` (1, D, rows, ceil(W / p)) of the zero-padded image whose
-        pixel rows ``read_pixels(a, b)`` gives (1, C, b - a, W), from those rows and one patch
-        row above them: output row ``r`` of the chain of 3x3 stride-2 convs reads input rows
-        ``p r - (p - 1)`` to ``p r + (p - 1)``, and BN in eval and GELU act per pixel. Eval only
-        (BN in training normalises over the whole batch)."""
+        """Token rows ``start:stop`` (1, D, rows, ceil(W / p)) of the zero-padded image given by
+        pixel rows (``read_pixels(a, b)``: (1, C, b - a, W)): token row r of the 3x3 stride-2
+        chain reads pixel rows p r - (p - 1) .. p r + (p - 1), so one patch row above suffices."""
         if self.training:
             raise RuntimeError('ConvPatchEmbed.rows is for eval only (BN in training '
                                'normalises over the whole batch); call .eval() first')
@@ -145,31 +129,18 @@ class ConvPatchEmbed(nn.Module):
 
 
 class XCAProbe(nn.Module):
-    """Identity point inside XCA where forward hooks can read the attention.
-
-    It receives ``(q, k, attn, grid_hw)``: L2-normalised queries and keys (B, heads, d, N), the
-    softmaxed channel attention (B, heads, d, d) and the patch grid. Nothing is stored unless a
-    hook is registered (see :meth:`XCiTBackbone.capture_xca`), so it costs nothing otherwise.
-    """
+    """Identity point inside XCA where forward hooks (:meth:`XCiTBackbone.capture_xca`) read
+    ``(q, k, attn, grid_hw)``; without a hook XCA does not call it."""
 
     def forward(self, q, k, attn, grid_hw):
         return attn
 
 
 class XCA(nn.Module):
-    """Cross-covariance attention: a (d x d) attention between channels, per head.
-
-    With q and k L2-normalised along the tokens, ``q^T k`` is a cross-covariance whose cost is
-    linear in the number of tokens. Two equivalent rewrites keep it cheap on CPU:
-
-    * the normalisation is applied to the small (d x d) product instead of to q and k
-      (``q^T k / (|q| |k|^T)``), so no normalised copy of q and k is made;
-    * the per-head mixing ``attn @ v`` is folded into the output projection: per image,
-      ``proj(mix(v)) = v @ (blockdiag(attn)^T W^T) + b``, one matmul on a view of the qkv output
-      instead of a batched matmul, a transpose copy and the projection.
-
-    The normalisation, the product and the softmax run in float32 even under autocast: the
-    normalised entries are small and bf16 would lose them.
+    """Cross-covariance attention: a (d x d) attention between channels, per head, linear in
+    the number of tokens. The L2 normalisation is applied to the (d x d) product and the mixing
+    ``attn @ v`` is folded into the output projection (one matmul on a view of qkv). Attention
+    runs in float32 even under autocast: bf16 would lose the small normalised entries.
     """
 
     def __init__(self, embed_dims: int, num_heads: int):
@@ -182,29 +153,22 @@ class XCA(nn.Module):
         self.proj = nn.Linear(embed_dims, embed_dims)
         self.probe = XCAProbe()
 
-    def _attention_and_mixing(self, q: torch.Tensor, k: torch.Tensor,
-                              grid_hw: Tuple[int, int]) -> torch.Tensor:
-        """(B, C, C) matrix that maps v to the projected output, at least float32."""
-        dtype = torch.promote_types(q.dtype, torch.float32)  # fp16/bf16 -> fp32, fp64 stays
-        q, k = q.to(dtype), k.to(dtype)
-        mixing, attn, _, q_norm, k_norm = xca_mixing(q, k, self.temperature.to(dtype),
-                                                     self.proj.weight.to(dtype))
-        if self.probe._forward_hooks:  # only materialise normalised q/k for a listener
-            self.probe((q / q_norm[..., None, :]).transpose(-2, -1),
-                       (k / k_norm[..., None, :]).transpose(-2, -1), attn, grid_hw)
-        return mixing
-
     def forward(self, x: torch.Tensor, grid_hw: Tuple[int, int]) -> torch.Tensor:
         B, N, C = x.shape
         qkv = self.qkv(x)
         # (B, N, 3, h, d) -> 3 x (B, h, N, d): views, no copy
         q, k, _ = qkv.reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(
             2, 0, 3, 1, 4).unbind(0)
-        if torch.is_autocast_enabled(x.device.type):
-            with torch.autocast(device_type=x.device.type, enabled=False):
-                mixing = self._attention_and_mixing(q, k, grid_hw)
-        else:
-            mixing = self._attention_and_mixing(q, k, grid_hw)
+        autocast = torch.is_autocast_enabled(x.device.type)
+        with torch.autocast(x.device.type, enabled=False) if autocast else nullcontext():
+            dtype = torch.promote_types(q.dtype, torch.float32)  # fp16/bf16 -> fp32, fp64 stays
+            q, k = q.to(dtype), k.to(dtype)
+            # mixing: the (B, C, C) matrix that maps v to the projected output
+            mixing, attn, _, q_norm, k_norm = xca_mixing(q, k, self.temperature.to(dtype),
+                                                         self.proj.weight.to(dtype))
+            if self.probe._forward_hooks:  # only materialise normalised q/k for a listener
+                self.probe((q / q_norm[..., None, :]).transpose(-2, -1),
+                           (k / k_norm[..., None, :]).transpose(-2, -1), attn, grid_hw)
         v = qkv[..., 2 * C:]  # (B, N, C) view
         return torch.baddbmm(self.proj.bias.to(v.dtype), v, mixing.to(v.dtype))
 
@@ -246,11 +210,8 @@ class FFN(nn.Module):
 
 
 class XCiTLayer(nn.Module):
-    """One XCiT layer: pre-norm XCA, LPI and FFN, each scaled by a learned gamma (layer scale).
-
-    The order XCA -> LPI (norm3, gamma3) -> FFN (norm2, gamma2) is the released code's, which the
-    published weights expect.
-    """
+    """One XCiT layer: pre-norm XCA, LPI and FFN, each scaled by a learned gamma (layer scale),
+    in the released code's order XCA -> LPI (norm3, gamma3) -> FFN (norm2, gamma2)."""
 
     def __init__(self, embed_dims: int, num_heads: int, mlp_ratio: float, drop_path: float,
                  layer_scale_init_value: float, norm_cfg: dict):
@@ -278,15 +239,11 @@ class XCiTLayer(nn.Module):
             return None
         return self.drop_path(x.new_ones(x.shape[0], 1, 1))
 
-    def _use_lean_autograd(self, x: torch.Tensor) -> bool:
-        """Eager training: the memory-lean functions of :mod:`xcit_mm.models.layers`. Otherwise
-        (no grad, compile / export tracing, autocast, an XCA probe listening) the module code."""
-        return (torch.is_grad_enabled() and not _tracing()
-                and not torch.is_autocast_enabled(x.device.type)
-                and not self.attn.probe._forward_hooks)
-
     def forward(self, x: torch.Tensor, grid_hw: Tuple[int, int]) -> torch.Tensor:
-        if self._use_lean_autograd(x):
+        # eager training: the memory-lean functions of xcit_mm.models.layers; otherwise (no grad,
+        # compile / export tracing, autocast, an XCA probe listening) the module code
+        if (torch.is_grad_enabled() and not _tracing() and not self.attn.probe._forward_hooks
+                and not torch.is_autocast_enabled(x.device.type)):
             x = xca_residual(x, self.norm1, self.attn, self.gamma1, self._drop_scale(x))
             x = recomputed_residual(x, lambda t: self.lpi(self.norm3(t), grid_hw),
                                     (self.norm3, self.lpi), self.gamma3, self._drop_scale(x))
@@ -298,15 +255,10 @@ class XCiTLayer(nn.Module):
 
     @torch.no_grad()
     def forward_streamed(self, x: TokenMap, band_rows: int) -> None:
-        """This layer on the token map ``x`` (H, W, C), in place, ``band_rows`` token rows at a
-        time (at least 2), eval mode: the same values as :meth:`forward` up to float rounding.
-
-        Three passes: XCA's global sums (per head q^T k and the squared column norms of q and k,
-        in float32), which give its channel attention folded into the output projection; each
-        band's attention output and residual; then LPI, from the band and the 2 rows its two 3x3
-        convs read on either side (the rows above as they were before this pass overwrote them),
-        and the FFN.
-        """
+        """This layer on the token map ``x`` (H, W, C), in place, ``band_rows`` (>= 2) token rows
+        at a time, eval mode: :meth:`forward`'s values up to float rounding. Three passes: XCA's
+        global sums (q^T k and squared norms, float32); each band's attention and residual; LPI
+        (from the band and 2 rows either side, those above as attention left them) and FFN."""
         H, W, C = x.shape
         attn, h = self.attn, self.attn.num_heads
         w_q, w_k, w_v = attn.qkv.weight.split(C)
@@ -343,12 +295,9 @@ class XCiTLayer(nn.Module):
 
 
 def _build_adapter(embed_dims: int, patch_size: int, norm_cfg: dict) -> List[nn.Module]:
-    """Modules taking the stride-``patch_size`` trunk maps to strides 4, 8, 16, 32 (paper B.2).
-
-    Wrapped in ``nn.Sequential`` exactly where the official detection / segmentation code wraps
-    them, so that parameter names (``fpn2.0.weight``, ``fpn1.1.running_mean``...) are those of the
-    released COCO / ADE20k files.
-    """
+    """Modules taking the stride-``patch_size`` trunk maps to strides 4, 8, 16, 32 (paper B.2),
+    in ``nn.Sequential`` exactly where the official code has one, so the released files' names
+    (``fpn2.0.weight``, ``fpn1.1.running_mean``...) load."""
 
     def up2():
         return nn.ConvTranspose2d(embed_dims, embed_dims, kernel_size=2, stride=2)
@@ -365,32 +314,17 @@ def _build_adapter(embed_dims: int, patch_size: int, norm_cfg: dict) -> List[nn.
 
 
 def _tracing() -> bool:
-    """Whether ``torch.compile`` / ``torch.export`` (dynamo) or a TorchScript trace (what
-    ``torch.onnx.export(..., dynamo=False)`` runs) is recording the forward.
-
-    The eager CPU path is hand-scheduled (in-place writes of row blocks, Python branches on the
-    image size); while tracing, :class:`XCiTBackbone` takes an equivalent path of plain tensor
-    code instead, so that one graph serves every image size (tests/test_compile.py,
-    tests/test_onnx.py check that both paths give the same values).
-    """
+    """Whether dynamo (``torch.compile`` / ``torch.export``) or a TorchScript trace (ONNX) is
+    recording: then the backbone takes plain tensor code instead of its hand-scheduled eager path
+    (in-place row blocks, branches on the size), so that one graph serves every image size."""
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
 def _up2_traceable(conv: nn.ConvTranspose2d, x: torch.Tensor,
                    layout: torch.memory_format) -> torch.Tensor:
-    """``conv`` (kernel 2, stride 2) of a channels-last map as plain tensor code, for compilers
-    and exporters: one matmul for the four kernel offsets, then one copy that interleaves them
-    and adds the bias (under inductor fused with the caller's crop and layout into one kernel).
-
-    No in-place writes and no Python loop over size-dependent row blocks, which is what
-    :func:`~xcit_mm.models.layers.up2_blockwise` does: ``torch.compile`` turns each block write
-    into a full-size copy (and specialises on the size), ``torch.onnx.export`` bakes the blocks
-    of the export size into the graph. The module's own forward traces too, but its compiled
-    forward + backward is slower than this one. The matmul's orientation follows ``layout``
-    (``tokens (B*H*W, C) @ W (C, 4 C_out)`` for channels-last, its transpose for NCHW), so that
-    the interleaving copy reads contiguous rows (the other orientation compiles to a slower
-    forward).
-    """
+    """``conv`` (kernel 2, stride 2) of a channels-last map as plain tensor code for compilers and
+    exporters (no in-place row blocks as in ``up2_blockwise``): one matmul for the four kernel
+    offsets, oriented by ``layout`` so that the one interleaving copy reads contiguous rows."""
     B, C, H, W = x.shape
     out_channels = conv.out_channels
     weight = conv.weight.permute(0, 2, 3, 1).reshape(C, 4 * out_channels)  # (di, dj, o) columns
@@ -404,34 +338,6 @@ def _up2_traceable(conv: nn.ConvTranspose2d, x: torch.Tensor,
     if conv.bias is not None:
         y = y + conv.bias.view(out_channels, 1, 1, 1, 1)
     return y.reshape(B, out_channels, 2 * H, 2 * W)
-
-
-def _adapt(adapter: nn.Module, feat: torch.Tensor, tracing: bool = False,
-           layout: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
-    """Run one adapter branch on a channels-last trunk map; return a map in ``layout``:
-    contiguous NCHW (the default) or channels-last.
-
-    Downstream ops such as mmcv's CPU ``RoIAlign`` read raw NCHW memory and return wrong values
-    for channels-last maps, hence NCHW by default. The branch runs channels-last like the trunk
-    (faster on CPU); a final 2x upsampling writes its (largest) map straight into the output
-    layout, in row blocks (:func:`~xcit_mm.models.layers.up2_blockwise`: the output plus small
-    temporaries, forward and backward); identity and pooled maps (small) are copied (not at all
-    when channels-last: the identity level is then a view of the trunk's tokens). ``tracing``:
-    that upsampling is :func:`_up2_traceable` and the result is returned as computed (the caller
-    crops and lays it out). Inner upsamplings (p16 ``fpn1.0``) feed a BN, not the output: the
-    module's own forward.
-    """
-    *body, last = adapter if isinstance(adapter, nn.Sequential) else [adapter]
-    for module in body:
-        feat = module(feat)
-    if isinstance(last, nn.ConvTranspose2d):
-        return _up2_traceable(last, feat, layout) if tracing else up2_blockwise(last, feat, layout)
-    return last(feat) if tracing else last(feat).contiguous(memory_format=layout)
-
-
-def _default_out_indices(depth: int) -> Tuple[int, ...]:
-    """Layers depth/3, depth/2, 2*depth/3 and depth (1-based): (3, 5, 7, 11) / (7, 11, 15, 23)."""
-    return (depth // 3 - 1, depth // 2 - 1, 2 * depth // 3 - 1, depth - 1)
 
 
 @MODELS.register_module()
@@ -460,13 +366,9 @@ class XCiTBackbone(BaseModule):
         norm_eval (bool): Keep every norm layer (BN and LN) in eval mode during training, so BN
             statistics stay those of the pretrained weights.
         with_cp (bool): Gradient checkpointing per layer: trades compute for activation memory.
-        out_channels_last (bool): Return the four maps in channels-last memory layout (same logical
-            NCHW shape), which is the trunk's own layout: no transposing copies, and on CPU the neck
-            and head convolutions / bilinear upsampling that follow run in the layout they are
-            fastest in (docs/benchmark.md). Defaults to False: contiguous NCHW, which ops that read
-            raw NCHW memory need (mmcv's CPU ``RoIAlign``, i.e. Mask R-CNN with mmdet's
-            ``SingleRoIExtractor``; :class:`~training_extras.roi_heads.GatherRoIExtractor` reads
-            either layout).
+        out_channels_last (bool): Return the four maps channels-last (the trunk's own layout: no
+            transposing copies). Defaults to False: contiguous NCHW, which ops that read raw NCHW
+            memory need (mmcv's CPU ``RoIAlign`` in mmdet's ``SingleRoIExtractor``).
         init_cfg (dict, optional): ``dict(type='Pretrained', checkpoint=PATH_OR_URL)`` loads any
             published layout (official / DINO ``{'model': ...}``, timm, mmpretrain, xcit_mm or
             mmengine checkpoints; ``prefix`` selects a sub-module, ``weights_only=False`` opts in
@@ -526,14 +428,12 @@ class XCiTBackbone(BaseModule):
         ])
         self.fpn1, self.fpn2, self.fpn3, self.fpn4 = _build_adapter(
             self.embed_dims, patch_size, norm_cfg)
-        # Their inputs are channels-last (conv stem, token views), so their weight gradients are
-        # too: channels-last weights keep DDP's gradient buckets free of stride-mismatch copies.
+        # Their inputs are channels-last, so their weight gradients are too: channels-last weights
+        # keep DDP's gradient buckets free of stride-mismatch copies (and warnings).
         for module in [self.patch_embed] + self.adapters:
             module.to(memory_format=torch.channels_last)
-        # The LPI depthwise convs run on channels-last token views too, but their (D, 1, 3, 3)
-        # weights count as contiguous in both formats, so .to() keeps the NCHW strides (9, 9, 3, 1)
-        # while their gradients come as (9, 1, 3, 1); DDP compares every stride and warns ("Grad
-        # strides do not match bucket view strides") on each CPU distributed run. Restride them.
+        # The LPI's (D, 1, 3, 3) weights count as contiguous in both formats, so .to() keeps their
+        # NCHW strides: restride them by hand.
         for layer in self.layers:
             for conv in (layer.lpi.conv1, layer.lpi.conv2):
                 conv.weight.data = torch.empty_like(
@@ -583,20 +483,21 @@ class XCiTBackbone(BaseModule):
         raise TypeError(f'arch must be a str or a dict, got {type(arch).__name__}')
 
     def _parse_out_indices(self, out_indices) -> Tuple[int, ...]:
-        if out_indices is None:
-            return _default_out_indices(self.num_layers)
+        if out_indices is None:  # layers depth/3, depth/2, 2*depth/3 and depth (1-based)
+            d = self.num_layers
+            return (d // 3 - 1, d // 2 - 1, 2 * d // 3 - 1, d - 1)
         out_indices = tuple(out_indices)
         if len(out_indices) != len(STRIDES):
             raise ValueError(f'out_indices needs exactly {len(STRIDES)} layer indices, one per '
                              f'output stride {STRIDES}; got {out_indices}')
-        parsed = []
-        for index in out_indices:
-            if not -self.num_layers <= index < self.num_layers:
-                raise ValueError(f'out_indices {out_indices}: index {index} is out of range for '
-                                 f'a {self.num_layers}-layer model (valid: 0..'
-                                 f'{self.num_layers - 1} or negative from the end)')
-            parsed.append(index % self.num_layers)
-        return tuple(parsed)
+        return tuple(self._layer_index(i, f'out_indices {out_indices}') for i in out_indices)
+
+    def _layer_index(self, index: int, what: str) -> int:
+        """``index`` as 0..num_layers - 1, negative ones counted from the end."""
+        if not -self.num_layers <= index < self.num_layers:
+            raise ValueError(f'{what}: layer {index} is out of range for a {self.num_layers}-layer '
+                             f'model (valid: 0..{self.num_layers - 1} or negative from the end)')
+        return index % self.num_layers
 
     @property
     def adapters(self) -> List[nn.Module]:
@@ -697,38 +598,44 @@ class XCiTBackbone(BaseModule):
 
     def forward_level(self, feat: torch.Tensor, level: int,
                       image_hw: Tuple[int, int]) -> torch.Tensor:
-        """Adapter output of one level from its trunk map (one item of :meth:`forward_trunk`).
+        """Adapter output of one level from its trunk map (one item of :meth:`forward_trunk`),
+        for callers that need the levels one at a time; :meth:`forward` runs it on every level.
 
-        :meth:`forward` is ``forward_level`` of every level; callers that need the levels one at
-        a time (``xcit_mm.models.segmentors.LeanEncoderDecoder`` computes the large stride-4
-        map last and frees it early) get the same values from the same code.
+        The branch runs channels-last like the trunk; a final 2x upsampling (the largest map)
+        writes straight into the output layout in row blocks (``up2_blockwise``). NCHW by
+        default: mmcv's CPU ``RoIAlign`` reads raw NCHW memory.
         """
         H, W = image_hw
         stride = self.strides[level]
         layout = torch.channels_last if self.out_channels_last else torch.contiguous_format
         tracing = _tracing()
-        out = _adapt(self.adapters[level], feat, tracing, layout)
+        adapter = self.adapters[level]
+        *body, last = adapter if isinstance(adapter, nn.Sequential) else [adapter]
+        for module in body:  # p16's inner upsampling feeds a BN: the module's own forward
+            feat = module(feat)
+        if not isinstance(last, nn.ConvTranspose2d):
+            out = last(feat)
+        elif tracing:
+            out = _up2_traceable(last, feat, layout)
+        else:
+            out = up2_blockwise(last, feat, layout)
         # ceil(H / stride) in integer arithmetic: also right for traced (symbolic) sizes
         h, w = (H + stride - 1) // stride, (W + stride - 1) // stride
         if tracing:  # crop and lay out unconditionally: no guard on the padding
-            out = torch.clone(out[..., :h, :w], memory_format=layout)
-        elif out.shape[-2:] != (h, w):  # input padded to the patch size: crop, keep layout
-            out = out[..., :h, :w].contiguous(memory_format=layout)
-        return out
+            return torch.clone(out[..., :h, :w], memory_format=layout)
+        if out.shape[-2:] != (h, w):  # input padded to the patch size
+            out = out[..., :h, :w]
+        return out.contiguous(memory_format=layout)  # no copy if already in the layout
 
     @torch.no_grad()
     def stream_trunk(self, read_pixels: Callable[[int, int], torch.Tensor],
                      image_hw: Tuple[int, int], maps: TokenMaps, band_mb: float,
                      progress: Callable[[], None] = lambda: None) -> List[TokenMap]:
-        """What :meth:`forward_trunk` returns for one image, as token maps (ceil(H/p),
-        ceil(W/p), D) in ``maps`` (memory or disk), the image read a band of pixel rows at a time
-        (``read_pixels(a, b)``: rows a..b-1, (1, C, b - a, W)).
-
-        The stem makes the first map band by band, with the position code of the whole grid;
-        each layer then updates it in place (:meth:`XCiTLayer.forward_streamed`); a copy is kept
-        after each layer of ``out_indices`` but the last, whose map is the one updated. Eval
-        mode; equal to :meth:`forward_trunk` up to float rounding. ``progress`` is called after
-        each layer.
+        """:meth:`forward_trunk` of one image as token maps (ceil(H/p), ceil(W/p), D) in ``maps``
+        (memory or disk), the image read by bands of pixel rows (``read_pixels(a, b)``: (1, C,
+        b - a, W)). Each layer updates the map in place (:meth:`XCiTLayer.forward_streamed`); a
+        copy is kept at each ``out_indices`` layer but the last. Eval mode; equal up to float
+        rounding. ``progress`` is called after each layer.
         """
         if self.training:
             raise RuntimeError('XCiTBackbone.stream_trunk is for inference: call .eval() first')
@@ -757,9 +664,7 @@ class XCiTBackbone(BaseModule):
 
     def level_rows(self, trunk_map: RowMap, level: int, image_hw: Tuple[int, int]) -> RowMap:
         """:meth:`forward_level` of a trunk map given by rows, as rows: every adapter branch is
-        row-local (2x2 stride-2 transposed convs, BN in eval, GELU, identity, max pools whose
-        kernel is their stride), so a band of a large level (the stride-4 map) is made from the
-        trunk rows that make it, and the whole level never exists."""
+        row-local, so a band of a large level is made from its trunk rows alone."""
         H, W = image_hw
         stride = self.strides[level]
         out = module_rows(self.adapters[level], trunk_map)
@@ -768,13 +673,9 @@ class XCiTBackbone(BaseModule):
     # ------------------------------------------------------------------ introspection
     @contextmanager
     def capture_xca(self, layers: Optional[Sequence[int]] = None):
-        """Record XCA internals of the given layers during forward passes inside the block.
-
-        Yields a dict ``{layer_index: dict(q, k, attn, grid)}`` with the L2-normalised queries and
-        keys (B, heads, d, N), the softmaxed channel attention (B, heads, d, d) and the patch grid
-        (Hp, Wp), detached, of the last forward pass. Hooks are removed on exit.
-
-        Example::
+        """Yield ``{layer_index: dict(q, k, attn, grid)}``, filled by forward passes inside the
+        block: L2-normalised q and k (B, heads, d, N), softmaxed attention (B, heads, d, d) and the
+        patch grid (Hp, Wp), detached, of the last pass. Example::
 
             with backbone.capture_xca([3, 11]) as xca:
                 backbone(img)
@@ -784,10 +685,7 @@ class XCiTBackbone(BaseModule):
         records: Dict[int, dict] = {}
         handles = []
         for index in layers:
-            if not -self.num_layers <= index < self.num_layers:
-                raise ValueError(f'capture_xca: layer {index} out of range for a '
-                                 f'{self.num_layers}-layer model')
-            index = index % self.num_layers
+            index = self._layer_index(index, 'capture_xca')
 
             def hook(module, inputs, output, index=index):
                 q, k, attn, grid_hw = inputs
