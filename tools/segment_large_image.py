@@ -49,17 +49,15 @@ def parse_args(argv=None):
 
 
 def _palette(model, cfg, num_classes):
-    """The checkpoint's palette, else the config's test dataset's, else None (a grey label
-    file)."""
+    """The checkpoint's palette, else the config's test dataset's, where it covers every class;
+    else None (a grey label file)."""
     palette = (getattr(model, 'dataset_meta', None) or {}).get('palette')
-    if palette is not None and len(palette) >= num_classes:
-        return palette
-    try:
-        from mmseg.registry import DATASETS
-        dataset_type = cfg.test_dataloader.dataset.type
-        palette = DATASETS.get(dataset_type).METAINFO.get('palette')
-    except (AttributeError, KeyError, TypeError):
-        return None
+    if palette is None or len(palette) < num_classes:
+        try:
+            from mmseg.registry import DATASETS
+            palette = DATASETS.get(cfg.test_dataloader.dataset.type).METAINFO.get('palette')
+        except (AttributeError, KeyError, TypeError):
+            return None
     return palette if palette is not None and len(palette) >= num_classes else None
 
 
@@ -100,8 +98,7 @@ def run(args) -> None:
                    unit='band', disable=None, file=sys.stderr)
 
         def progress(done, total):
-            bar.total = total
-            bar.n = done
+            bar.total, bar.n = total, done
             bar.refresh()
 
         def label_rows(rows):
@@ -127,13 +124,10 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f'error: interrupted; no {args.out} written', file=sys.stderr)
         return 130
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
+    except (OSError, ValueError, RuntimeError) as e:  # ours, the engine's (budget, memory)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             e = (f'no space left on the device ({e.filename or "token maps"}); free space or '
                  'choose another --out / --token-dir')
-        print(error_line(e), file=sys.stderr)
-        return 1
-    except (ValueError, RuntimeError) as e:  # ours, the engine's (budget, device memory)
         print(error_line(e), file=sys.stderr)
         return 1
     print(f'labels written: {args.out}')

@@ -226,11 +226,8 @@ class _TiffSource(_Source):
         parts = []
         for p, page in enumerate(self.pages):
             th = self._grid(page)[0]
-            bands = []
-            for ty in range(start // th, (stop - 1) // th + 1):
-                block = self._tile_row(p, ty)
-                y0 = ty * th
-                bands.append(block[max(start - y0, 0):min(stop - y0, block.shape[0])])
+            bands = [self._tile_row(p, ty)[max(start - ty * th, 0):stop - ty * th]
+                     for ty in range(start // th, (stop - 1) // th + 1)]
             parts.append(np.concatenate(bands, axis=0) if len(bands) > 1 else bands[0])
         return np.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
 
@@ -336,33 +333,13 @@ def nodata_rows(source: _Source) -> Optional[Callable[[int, int], np.ndarray]]:
     return mask
 
 
-def label_dtype(num_classes: int) -> np.dtype:
-    """uint8 up to 255 classes (255 stays free for nodata), else uint16."""
-    if num_classes <= 255:
-        return np.dtype(np.uint8)
-    if num_classes <= 65535:
-        return np.dtype(np.uint16)
-    raise LargeImageError(f'{num_classes} classes do not fit a 16-bit label file')
-
-
-def colormap(palette: Optional[Sequence[Sequence[int]]], dtype: np.dtype) -> Optional[np.ndarray]:
-    """The TIFF ColorMap (3 x 2**bits, 16-bit values) of an RGB palette, entries past the
-    palette black."""
-    if not palette:
-        return None
-    cmap = np.zeros((3, 2 ** (8 * dtype.itemsize)), np.uint16)
-    rgb = np.asarray(palette, np.uint16)[:cmap.shape[1]]
-    cmap[:, :len(rgb)] = rgb.T * 257
-    return cmap
-
-
 def _tiles(bands: Iterable[Tuple[int, int, object]], hw: Tuple[int, int], dtype: np.dtype,
            tile: int, nodata: Optional[Tuple[Callable, int]],
            on_rows: Optional[Callable[[int], None]]) -> Iterator[np.ndarray]:
     """Tiles in file order from label bands in row order: rows are buffered until a full row
     of tiles (or the image's last rows) is there."""
     height, width = hw
-    buffer = np.zeros((tile, width), dtype)
+    buffer = np.zeros((tile, -(-width // tile) * tile), dtype)  # whole tiles: zeros past width
     filled = 0  # rows of the current tile row in the buffer
     y = 0  # first image row not yet received
     top = 0  # first image row of the current tile row
@@ -381,24 +358,15 @@ def _tiles(bands: Iterable[Tuple[int, int, object]], hw: Tuple[int, int], dtype:
             on_rows(y)
         while len(labels):
             take = min(tile - filled, len(labels))
-            buffer[filled:filled + take] = labels[:take]
+            buffer[filled:filled + take, :width] = labels[:take]
             labels, filled = labels[take:], filled + take
             if filled == tile or top + filled == height:
-                block = buffer if filled == tile else np.where(
-                    np.arange(tile)[:, None] < filled, buffer, 0).astype(dtype)
+                buffer[filled:] = 0  # the last tile row's rows past the image
                 for x in range(0, width, tile):
-                    piece = block[:, x:x + tile]
-                    if piece.shape[1] < tile:
-                        piece = np.pad(piece, ((0, 0), (0, tile - piece.shape[1])))
-                    yield np.ascontiguousarray(piece)
+                    yield buffer[:, x:x + tile].copy()
                 top, filled = top + filled, 0
     if y != height:
         raise RuntimeError(f'the label bands stopped at row {y} of {height}')
-
-
-def partial_path(out: str) -> str:
-    """Where the labels are written until complete: beside ``out``, so the rename is atomic."""
-    return out + '.partial'
 
 
 def check_output(out: str) -> None:
@@ -425,21 +393,28 @@ def write_labels(out: str, bands: Iterable[Tuple[int, int, object]], hw: Tuple[i
     dtype's largest value, written as GDAL_NODATA.
 
     ``bands`` is consumed while the tiles are written, so at most one row of tiles is held. The
-    file is written under :func:`partial_path` and renamed to ``out`` once complete; on any
-    error or interruption the partial file is removed.
+    file is written as ``out + '.partial'`` (beside ``out``: the rename is atomic) and renamed
+    once complete; on any error or interruption the partial file is removed.
 
     Raises:
         LargeImageError: no space left on the device (ENOSPC).
     """
     import tifffile
-    dtype = label_dtype(num_classes)
-    cmap = colormap(palette, dtype)
+    if num_classes > 65535:
+        raise LargeImageError(f'{num_classes} classes do not fit a 16-bit label file')
+    # uint8 up to 255 classes: 255 stays free for nodata
+    dtype = np.dtype(np.uint8 if num_classes <= 255 else np.uint16)
+    cmap = None
+    if palette:  # the TIFF ColorMap: 16-bit RGB, 2**bits entries, those past the palette black
+        cmap = np.zeros((3, 2 ** (8 * dtype.itemsize)), np.uint16)
+        rgb = np.asarray(palette, np.uint16)[:cmap.shape[1]]
+        cmap[:, :len(rgb)] = rgb.T * 257
     extratags = list(geotags)
     nodata = None
     if nodata_mask is not None:
         nodata = (nodata_mask, int(np.iinfo(dtype).max))
         extratags.append((GDAL_NODATA, 's', 0, str(nodata[1]), True))
-    partial = partial_path(out)
+    partial = out + '.partial'
     done = False
     tiles = _tiles(bands, hw, dtype, tile, nodata, on_rows)
     try:
@@ -466,5 +441,5 @@ def write_labels(out: str, bands: Iterable[Tuple[int, int, object]], hw: Tuple[i
             os.remove(partial)
 
 
-__all__ = ['GEO_TAGS', 'LargeImageError', 'check_output', 'colormap', 'label_dtype',
-           'model_rows', 'nodata_rows', 'open_image', 'partial_path', 'write_labels']
+__all__ = ['GEO_TAGS', 'LargeImageError', 'check_output', 'model_rows', 'nodata_rows',
+           'open_image', 'write_labels']
