@@ -63,12 +63,11 @@ class FourierPositionEncoding(nn.Module):
         self.proj = nn.Conv2d(hidden_dims * 2, embed_dims, kernel_size=1)
         self.hidden_dims = hidden_dims
         self.temperature = temperature
-        self.eps = 1e-6
 
     def _axis_code(self, length: int, device: torch.device) -> torch.Tensor:
         """Code of coordinates 1..length normalised to (0, 2*pi]: (length, hidden_dims)."""
         coords = torch.arange(1, length + 1, device=device, dtype=torch.float32)
-        coords = coords / (length + self.eps) * (2 * math.pi)
+        coords = coords / (length + 1e-6) * (2 * math.pi)
         dim_t = torch.arange(self.hidden_dims, device=device, dtype=torch.float32)
         exponent = 2 * torch.div(dim_t, 2, rounding_mode='floor') / self.hidden_dims
         dim_t = self.temperature**exponent
@@ -117,10 +116,9 @@ class ConvPatchEmbed(nn.Module):
              start: int, stop: int) -> torch.Tensor:
         """Token rows ``start:stop`` (1, D, rows, ceil(W / p)) of the zero-padded image given by
         pixel rows (``read_pixels(a, b)``: (1, C, b - a, W)): token row r of the 3x3 stride-2
-        chain reads pixel rows p r - (p - 1) .. p r + (p - 1), so one patch row above suffices."""
-        if self.training:
-            raise RuntimeError('ConvPatchEmbed.rows is for eval only (BN in training '
-                               'normalises over the whole batch); call .eval() first')
+        chain reads pixel rows p r - (p - 1) .. p r + (p - 1), so one patch row above suffices.
+        Eval only (BN in training normalises over the batch), as its caller
+        :meth:`XCiTBackbone.stream_trunk` checks."""
         p = self.patch_size
         (H, W), lo, hi = image_hw, max(0, start - 1) * p, stop * p
         x = read_pixels(lo, min(H, hi))
@@ -174,12 +172,8 @@ class XCA(nn.Module):
 
 
 class LPI(nn.Module):
-    """Local patch interaction: depthwise 3x3 conv -> GELU -> BN -> depthwise 3x3 conv.
-
-    XCA mixes tokens only through channel statistics; LPI adds explicit exchange between
-    neighbouring patches. Tokens (B, N, C) are viewed as a channels-last image, so no copy is made
-    and the depthwise convs run on their fast channels-last path.
-    """
+    """Local patch interaction (depthwise 3x3 conv -> GELU -> BN -> depthwise 3x3 conv): exchange
+    between neighbouring patches, on the tokens viewed as a channels-last image (no copy)."""
 
     def __init__(self, embed_dims: int, norm_cfg: dict):
         super().__init__()
@@ -351,11 +345,8 @@ class XCiTBackbone(BaseModule):
         in_channels (int): Image channels. Defaults to 3.
         out_indices (Sequence[int], optional): Four 0-based layer indices whose outputs feed the
             stride 4/8/16/32 levels. Defaults to the paper's (3, 5, 7, 11) / (7, 11, 15, 23).
-            Layers after the last index never run: they are kept (checkpoints still load) with
-            ``requires_grad=False``, so that DDP with ``find_unused_parameters=False`` accepts
-            the model.
-        drop_path_rate (float): Stochastic depth, the same for every layer as in the reference
-            code. Defaults to 0.
+            Later layers never run: kept (checkpoints load) with ``requires_grad=False`` for DDP.
+        drop_path_rate (float): Stochastic depth, the same for every layer. Defaults to 0.
         layer_scale_init_value (float, optional): Initial gamma. Defaults to 1.0 for up to 12
             layers and 1e-5 for deeper models, as in the paper.
         mlp_ratio (float): FFN width ratio. Defaults to 4.
@@ -370,9 +361,8 @@ class XCiTBackbone(BaseModule):
             transposing copies). Defaults to False: contiguous NCHW, which ops that read raw NCHW
             memory need (mmcv's CPU ``RoIAlign`` in mmdet's ``SingleRoIExtractor``).
         init_cfg (dict, optional): ``dict(type='Pretrained', checkpoint=PATH_OR_URL)`` loads any
-            published layout (official / DINO ``{'model': ...}``, timm, mmpretrain, xcit_mm or
-            mmengine checkpoints; ``prefix`` selects a sub-module, ``weights_only=False`` opts in
-            to unpickling a file you trust). See :mod:`xcit_mm.models.utils`.
+            published layout (``prefix`` selects a sub-module, ``weights_only=False`` unpickles a
+            file you trust). See :mod:`xcit_mm.models.utils`.
         pretrained (str, optional): Deprecated, as in mmseg's backbones (its ``EncoderDecoder``
             passes ``model.pretrained`` here): a path or URL becomes ``init_cfg``. mmseg's model
             bases set it to their ResNet's ``open-mmlab://`` weights, which is an error here.
@@ -576,13 +566,12 @@ class XCiTBackbone(BaseModule):
         x = x.permute(0, 2, 3, 1).reshape(B, Hp * Wp, D) + self.pos_embed(grid_hw)  # (B, N, D)
         taps = {}
         for i, layer in enumerate(self.layers[:max(self.out_indices) + 1]):
-            if self.with_cp and x.requires_grad and _tracing():
-                x = cp.checkpoint(layer, x, grid_hw, use_reentrant=False)  # dynamo: no context_fn
-            elif self.with_cp and x.requires_grad:
+            if self.with_cp and x.requires_grad:
                 # the re-run in the backward leaves the LPI's BN statistics alone: updated once
-                x = cp.checkpoint(layer, x, grid_hw, use_reentrant=False,
-                                  context_fn=lambda layer=layer: (
-                                      nullcontext(), batch_norm_stats_frozen(layer)))
+                # (dynamo takes no context_fn)
+                frozen_bn = {} if _tracing() else dict(context_fn=lambda layer=layer: (
+                    nullcontext(), batch_norm_stats_frozen(layer)))
+                x = cp.checkpoint(layer, x, grid_hw, use_reentrant=False, **frozen_bn)
             else:
                 x = layer(x, grid_hw)
             if i in self.out_indices:
