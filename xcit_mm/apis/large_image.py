@@ -2,13 +2,10 @@
 """Images larger than memory in, tiled labels out: what ``tools/segment_large_image.py`` needs
 around ``LeanEncoderDecoder.stream_labels``.
 
-- :func:`open_image`: a source that reads any window of rows of a TIFF (tiled or striped,
-  BigTIFF, OME-TIFF, GeoTIFF; compressed tiles through ``imagecodecs``) by decoding only the
-  tiles or strips that window touches, so a gigapixel file is never held whole. Other formats go
-  through ``mmcv.imread`` (whole: they are not made for sizes beyond memory).
-- :func:`model_rows`: the rows as the model's pipeline reads an image (3 bands, uint8, BGR like
-  ``mmcv.imread``), refusing 1-, 2-, 4-band or 16-bit input unless the caller chose the
-  conversion.
+- :func:`open_image`: windows of rows of a TIFF (tiled or striped, BigTIFF, OME-TIFF, GeoTIFF),
+  decoding only the tiles or strips a window touches; other formats whole via ``mmcv.imread``.
+- :func:`model_rows`: the rows as the model's pipeline reads an image (3 bands, uint8, BGR),
+  refusing 1-, 2-, 4-band or 16-bit input unless the caller chose the conversion.
 - :func:`write_labels`: labels, band by band, into a tiled deflate BigTIFF with the dataset's
   palette and the input's georeferencing; the file appears only when complete.
 
@@ -248,10 +245,8 @@ def open_image(path: str) -> _Source:
     if not osp.isfile(path):
         raise LargeImageError(f'image not found: {path}')
     with open(path, 'rb') as f:
-        magic = f.read(4)
-    if magic in _TIFF_MAGIC:
-        return _TiffSource(path)
-    return _ArraySource(path)
+        tiff = f.read(4) in _TIFF_MAGIC
+    return _TiffSource(path) if tiff else _ArraySource(path)
 
 
 def model_rows(source: _Source, channels: int = 3, rgb_from: Optional[str] = None,
