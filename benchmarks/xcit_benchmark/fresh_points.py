@@ -18,7 +18,7 @@ from xcit_mm.models.utils.memory_budget import measure_peak_growth_mb, rss_mb
 MIB = 2**20
 # glibc: every block of 64 KiB or more (every tensor that matters) gets its own mapping,
 # unmapped when freed, so that the RSS follows the live tensors (default malloc keeps freed
-# blocks: peaks +-15% run to run and up to 2x the need)
+# blocks: the peaks vary run to run and overstate the need)
 LIVE_MALLOC = dict(MALLOC_MMAP_THRESHOLD_='65536')
 
 
