@@ -1,6 +1,6 @@
 """Peak RSS and time of ``tools/segment_large_image.py`` on a tiled BigTIFF, one process a run.
 
-    python benchmarks/large_image_tool.py --size 16384 --budgets none 3000 \
+    python benchmarks/large_image_tool.py --size 16384 --budgets none 3000 [--update] \
         --out docs/results/large_image_tool.json
 
 The input (made once in ``--work-dir``, tile by tile): a ``--size``² RGB BigTIFF of 512² deflate
@@ -18,7 +18,7 @@ import sys
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path[:0] = [ROOT, osp.join(ROOT, 'benchmarks')]
 from training_extras.run_results import cpu_description  # noqa: E402
-from xcit_benchmark.fresh_points import random_segmentor, write_json  # noqa: E402
+from xcit_benchmark.fresh_points import random_segmentor, revision, write_json  # noqa: E402
 
 CONFIG = 'configs/sem_fpn_xcit_s12_p16_80k_ade20k.py'
 TILE = 512
@@ -74,6 +74,8 @@ def main(argv=None):
                    help="--max-memory of each run ('none': no budget)")
     p.add_argument('--work-dir', default='/tmp/large_image_tool')
     p.add_argument('--out', required=True, help='the JSON artifact (rows added as they come)')
+    p.add_argument('--update', action='store_true',
+                   help="keep the artifact's rows of other sizes and budgets")
     args = p.parse_args(argv)
     os.makedirs(args.work_dir, exist_ok=True)
     image = osp.join(args.work_dir, f'input_{args.size}.tif')
@@ -88,17 +90,23 @@ def main(argv=None):
                    checkpoint)
     token_dir = osp.join(args.work_dir, 'tokens')
     os.makedirs(token_dir, exist_ok=True)
-    rows = []
+    rows, commands = [], [' '.join(sys.argv)]
+    if args.update and osp.exists(args.out):  # the rows this run does not measure, as they were
+        with open(args.out) as f:
+            earlier = json.load(f)
+        measured = {(args.size, None if b == 'none' else float(b)) for b in args.budgets}
+        rows = [r for r in earlier['rows'] if (r['size'], r['max_memory']) not in measured]
+        commands = earlier['meta'].get('commands', [earlier['meta']['command']]) + commands
     baseline = run_tool(baseline_image, checkpoint, osp.join(args.work_dir, 'labels_256.tif'),
                         None, token_dir)
     for budget in args.budgets:
         budget = None if budget == 'none' else float(budget)
-        row = dict(size=args.size, image_bytes=osp.getsize(image),
+        row = dict(size=args.size, image_bytes=osp.getsize(image), revision=revision(),
                    **run_tool(image, checkpoint, osp.join(args.work_dir, f'labels_{budget}.tif'),
                               budget, token_dir))
         print(json.dumps(row), flush=True)
         rows.append(row)
-        write_json(args.out, dict(command=' '.join(sys.argv), cpu=cpu_description(),
+        write_json(args.out, dict(command=commands[-1], commands=commands, cpu=cpu_description(),
                                   threads=os.cpu_count(),
                                   baseline_peak_rss_mb=baseline['peak_rss_mb'],
                                   baseline_note='the same tool on a 256² image: Python, torch, '

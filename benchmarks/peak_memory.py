@@ -25,8 +25,8 @@ import time
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path[:0] = [ROOT, osp.join(ROOT, 'benchmarks')]  # xcit_mm of this checkout; xcit_benchmark
 from xcit_benchmark.fresh_points import (LIVE_MALLOC, MIB, cpu_model, hooked,  # noqa: E402
-                                         measure, package_version, run_process, test_image,
-                                         write_artifact)
+                                         measure, package_version, revision, run_process,
+                                         test_image, write_artifact)
 
 TASKS = ('segmentor', 'detector')
 BACKBONES = ('xcit', 'swin', 'vit', 'uper')
@@ -432,19 +432,6 @@ def write(out, meta: dict, rows: list) -> None:
     if out:
         write_artifact(out, meta, rows, [c for c in COLUMNS if c == 'note' or any(
             c in r for r in rows)])
-
-
-def revision() -> str:
-    """The checkout's commit, ``+dirty`` if xcit_mm/ differs from it; without git, $REVISION."""
-    import subprocess
-    try:
-        commit, dirty = [subprocess.run(['git', '-C', ROOT, *cmd], capture_output=True, text=True,
-                                        check=True).stdout.strip()
-                         for cmd in (['rev-parse', '--short', 'HEAD'],
-                                     ['status', '--porcelain', '--', 'xcit_mm'])]
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get('REVISION')
-    return commit + ('+dirty' if dirty else '')
 
 
 def kept_rows(args, points: list):

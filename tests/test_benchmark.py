@@ -1198,3 +1198,29 @@ def test_cli_end_to_end_in_a_fresh_process(end_to_end_run):
     assert data['meta']['options']['repeats'] == 3
     png = (out_dir / 'tiny.png').read_bytes()
     assert png[:8] == b'\x89PNG\r\n\x1a\n' and len(png) > 10_000
+
+
+def test_large_image_tool_update_keeps_the_other_budgets_rows(tmp_path, monkeypatch):
+    """``benchmarks/large_image_tool.py --update`` replaces the rows of the budgets it runs and
+    keeps the others with the revision that measured them, and the commands of both runs."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        'large_image_tool', os.path.join(ROOT, 'benchmarks', 'large_image_tool.py'))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    for name in ('input_64.tif', 'input_256.tif', 'sem_fpn_xcit_s12_p16_random.pth'):
+        (tmp_path / name).write_bytes(b'')  # made already: the tool is faked below
+    runs = iter(range(1, 10))
+    monkeypatch.setattr(tool, 'run_tool', lambda image, ckpt, out, budget, tokens: dict(
+        max_memory=budget, peak_rss_mb=next(runs)))
+    monkeypatch.setattr(tool, 'revision', lambda: 'first')
+    out = str(tmp_path / 'artifact.json')
+    common = ['--size', '64', '--work-dir', str(tmp_path), '--out', out]
+    tool.main(common + ['--budgets', 'none', '3000'])
+    monkeypatch.setattr(tool, 'revision', lambda: 'second')
+    tool.main(common + ['--budgets', '3000', '--update'])
+    with open(out) as f:
+        artifact = json.load(f)
+    got = {row['max_memory']: (row['revision'], row['peak_rss_mb']) for row in artifact['rows']}
+    assert got == {None: ('first', 2), 3000.0: ('second', 5)}
+    assert len(artifact['meta']['commands']) == 2

@@ -15,6 +15,8 @@ import time
 from training_extras.cpu_info import read_cpuinfo
 from xcit_mm.models.utils.memory_budget import measure_peak_growth_mb, rss_mb
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 MIB = 2**20
 # glibc: every block of 64 KiB or more (every tensor that matters) gets its own mapping,
 # unmapped when freed, so that the RSS follows the live tensors (default malloc keeps freed
@@ -116,6 +118,18 @@ def random_segmentor(config: str, device: str = 'cpu'):
     cfg.model.backbone.init_cfg = None
     torch.manual_seed(0)
     return init_model(cfg, device=device)
+
+
+def revision() -> str:
+    """The checkout's commit, ``+dirty`` if xcit_mm/ differs from it; without git, $REVISION."""
+    try:
+        commit, dirty = [subprocess.run(['git', '-C', REPO, *cmd], capture_output=True, text=True,
+                                        check=True).stdout.strip()
+                         for cmd in (['rev-parse', '--short', 'HEAD'],
+                                     ['status', '--porcelain', '--', 'xcit_mm'])]
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get('REVISION')
+    return commit + ('+dirty' if dirty else '')
 
 
 def write_json(path: str, meta: dict, rows: list) -> None:
