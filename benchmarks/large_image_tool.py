@@ -90,13 +90,14 @@ def main(argv=None):
                    checkpoint)
     token_dir = osp.join(args.work_dir, 'tokens')
     os.makedirs(token_dir, exist_ok=True)
-    rows, commands = [], [' '.join(sys.argv)]
+    rows, earlier = [], {}
     if args.update and osp.exists(args.out):  # the rows this run does not measure, as they were
         with open(args.out) as f:
-            earlier = json.load(f)
+            artifact = json.load(f)
         measured = {(args.size, None if b == 'none' else float(b)) for b in args.budgets}
-        rows = [r for r in earlier['rows'] if (r['size'], r['max_memory']) not in measured]
-        commands = earlier['meta'].get('commands', [earlier['meta']['command']]) + commands
+        rows = [r for r in artifact['rows'] if (r['size'], r['max_memory']) not in measured]
+        meta = artifact['meta']  # as peak_memory.py --update keeps them
+        earlier = dict(earlier_commands=meta.get('earlier_commands', []) + [meta['command']])
     baseline = run_tool(baseline_image, checkpoint, osp.join(args.work_dir, 'labels_256.tif'),
                         None, token_dir)
     for budget in args.budgets:
@@ -106,7 +107,7 @@ def main(argv=None):
                               budget, token_dir))
         print(json.dumps(row), flush=True)
         rows.append(row)
-        write_json(args.out, dict(command=commands[-1], commands=commands, cpu=cpu_description(),
+        write_json(args.out, dict(command=' '.join(sys.argv), **earlier, cpu=cpu_description(),
                                   threads=os.cpu_count(),
                                   baseline_peak_rss_mb=baseline['peak_rss_mb'],
                                   baseline_note='the same tool on a 256² image: Python, torch, '
