@@ -186,3 +186,23 @@ def test_import_xcit_mm_imports_neither_mmdet_nor_mmseg():
             'assert "LeanMaskRCNN" in MODELS.module_dict; '
             'assert "mmdet" not in sys.modules and "mmseg" not in sys.modules, "imported"')
     subprocess.run([sys.executable, '-c', code], check=True)
+
+
+def test_banded_rpn_conv_map_stays_within_band_mb():
+    """With ``band_mb`` the RPN conv's wide map (``feat_channels`` a pixel) is made a band at a
+    time of about ``band_mb``, not sized by the narrow scores and deltas it becomes."""
+    cfg = _model_cfg()
+    cfg.rpn_head.feat_channels = 128
+    band_mb = 1.0
+    cfg.test_cfg.band_mb = band_mb
+    torch.manual_seed(0)
+    model = MODELS.build(dict(cfg, type='LeanMaskRCNN')).eval()
+    made = []
+    model.rpn_head.rpn_conv.register_forward_hook(
+        lambda m, args, out: made.append(out.numel() * out.element_size()))
+    inputs = torch.randn(1, 3, 512, 256, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model._features_and_proposals(inputs, _meta((512, 256), (512, 256), (512, 256)))
+    level0 = 128 * (512 // 4) * (256 // 4) * 4  # the whole stride-4 map is 4 MB
+    assert len(made) > 3 + 4 and sum(made[:-4]) >= level0  # bands of level 0, 4 levels whole
+    assert max(made[:-4]) <= band_mb * 2**20

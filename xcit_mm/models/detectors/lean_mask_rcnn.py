@@ -195,18 +195,21 @@ class LeanMaskRCNN(MaskRCNN):
         if type(head) is not RPNHead:
             return head.predict(x, batch_data_samples, rescale=False)
 
-        def scores_and_deltas(feat: Tensor) -> Tensor:
-            hidden = F.relu_(head.rpn_conv(feat))
+        def hidden(feat: Tensor) -> Tensor:
+            return F.relu_(head.rpn_conv(feat))
+
+        def scores_and_deltas(hidden: Tensor) -> Tensor:
             return torch.cat([head.rpn_cls(hidden), head.rpn_reg(hidden)], dim=1)
 
         band_mb = self._band_mb()
         cls_scores, bbox_preds = [], []
         for level, feat in enumerate(x):
             if level == 0 and band_mb is not None:  # the conv's map one band at a time
-                both = materialize(Local(scores_and_deltas, TensorRows(feat),
-                                         conv_halo(head.rpn_conv)), band_mb)
+                # two row maps, so that the bands are sized by the conv's wide map too
+                hidden_rows = Local(hidden, TensorRows(feat), conv_halo(head.rpn_conv))
+                both = materialize(Local(scores_and_deltas, hidden_rows), band_mb)
             else:
-                both = scores_and_deltas(feat)
+                both = scores_and_deltas(hidden(feat))
             cls_score, bbox_pred = both.split(
                 [head.rpn_cls.out_channels, head.rpn_reg.out_channels], dim=1)
             cls_scores.append(cls_score)
