@@ -17,7 +17,6 @@ from xcit_reference import mmpretrain_trunk, to_official
 
 from xcit_mm import XCiTBackbone
 from xcit_mm.models.utils import LayoutError, convert_backbone_state_dict as convert_state_dict
-from xcit_mm.models.utils.ckpt_convert import detect_layout
 from xcit_mm.models.utils.ckpt_load import load_backbone_checkpoint as load_pretrained
 from xcit_mm.models.utils.checkpoint_io import (CheckpointError, extract_state_dict,
                                                 load_checkpoint_file as read_checkpoint)
@@ -135,6 +134,10 @@ def test_converter_cli_round_trip(mmpretrain_xcit, tmp_path, capsys):
     with torch.no_grad():
         for g, e in zip(model.forward_trunk(x), ref(x)):
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+def detect_layout(state_dict):
+    return convert_state_dict(state_dict, prefix='')[1]['layout']
 
 
 def test_detect_layout():

@@ -174,7 +174,7 @@ def test_other_paramwise_rules_still_apply_and_head_group_without_lr_mult_comes_
     cfg = small_cfg('mask_rcnn', 12)
     cfg.optim_wrapper.paramwise_cfg = dict(
         decay_rate=0.5, bias_decay_mult=0.0,
-        custom_keys={'norm': dict(decay_mult=0.0), 'neck.lateral_convs': dict(lr_mult=10.0),
+        custom_keys={'norm': dict(decay_mult=0.0), 'backbone.fpn': dict(lr_mult=10.0),
                      'layers.4.ffn': dict(lr_mult=2.0)})
     model = build_model(cfg)
     wrapper = build_optim_wrapper(model, cfg.optim_wrapper)
@@ -182,13 +182,13 @@ def test_other_paramwise_rules_still_apply_and_head_group_without_lr_mult_comes_
     assert set(groups) == {n for n, _ in model.named_parameters()}
     lr, wd = cfg.optim_wrapper.optimizer.lr, cfg.optim_wrapper.optimizer.weight_decay
     for name, group in groups.items():
-        mult = 10.0 if 'neck.lateral_convs' in name else 2.0 if 'layers.4.ffn' in name else 1.0
+        mult = 10.0 if 'backbone.fpn' in name else 2.0 if 'layers.4.ffn' in name else 1.0
         assert group['lr'] == pytest.approx(
             lr * mult * 0.5**(13 - expected_depth(name, 12)), rel=1e-12), name
-        custom = 'neck.lateral_convs' in name or 'layers.4.ffn' in name
+        custom = 'backbone.fpn' in name or 'layers.4.ffn' in name
         no_decay = 'norm' in name or (name.endswith('.bias') and not custom)
         assert group['weight_decay'] == (0.0 if no_decay else wd), name
-    # neck.lateral_convs.0.conv.weight is the first head parameter, but its group has lr_mult.
+    # backbone.fpn1.0.weight is the first head parameter, but its group has lr_mult.
     assert wrapper.optimizer.param_groups[0]['lr'] == lr
     assert wrapper.optimizer.param_groups[0]['layer_depth'] == 13
 

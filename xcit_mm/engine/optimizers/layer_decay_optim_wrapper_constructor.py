@@ -20,13 +20,11 @@ from xcit_mm.models.backbones.xcit import XCiTBackbone
 MMENGINE_PARAMWISE_KEYS = ('bias_decay_mult', 'bias_lr_mult', 'bypass_duplicate', 'custom_keys',
                            'dcn_offset_lr_mult', 'dwconv_decay_mult', 'flat_decay_mult',
                            'norm_decay_mult')
-LAYER_DECAY_KEYS = ('decay_rate', )
 DEPTH_KEY = 'layer_depth'
 
 
 class _DropBaseRuleLines(logging.Filter):
-    """Drops mmengine's per-parameter lines (lrs before layer decay, one per frozen tensor): the
-    group table replaces them."""
+    """Drops mmengine's per-parameter lines (lrs before decay): the group table replaces them."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = str(record.msg)
@@ -35,7 +33,6 @@ class _DropBaseRuleLines(logging.Filter):
 
 
 def find_xcit_backbone(model: nn.Module) -> Tuple[str, XCiTBackbone]:
-    """The (prefix, module) of the one :class:`XCiTBackbone` in ``model`` (else ValueError)."""
     found = [(name, module) for name, module in model.named_modules()
              if isinstance(module, XCiTBackbone)]
     if not found:
@@ -53,8 +50,8 @@ def find_xcit_backbone(model: nn.Module) -> Tuple[str, XCiTBackbone]:
 
 
 def xcit_layer_depth(name: str, num_layers: int, backbone_prefix: str = 'backbone') -> int:
-    """Layer depth of the full parameter name ``name``; a ValueError for a backbone parameter of
-    no known part, so that a new one cannot silently train at the head's lr."""
+    """Layer depth of a parameter; an error for an unknown backbone part, which would otherwise
+    train at the head's lr."""
     head = num_layers + 1
     prefix = f'{backbone_prefix}.' if backbone_prefix else ''
     if not name.startswith(prefix):
@@ -62,10 +59,9 @@ def xcit_layer_depth(name: str, num_layers: int, backbone_prefix: str = 'backbon
     parts = name[len(prefix):].split('.')
     if parts[0] in ('patch_embed', 'pos_embed'):
         return 0
-    if parts[0] == 'layers' and len(parts) > 2 and parts[1].isdigit():
-        index = int(parts[1])
-        if index < num_layers:
-            return index + 1
+    if parts[0] == 'layers' and len(parts) > 2 and parts[1].isdigit() \
+            and int(parts[1]) < num_layers:
+        return int(parts[1]) + 1
     if parts[0] in ('fpn1', 'fpn2', 'fpn3', 'fpn4'):
         return head
     raise ValueError(f'XCiTLayerDecayOptimizerConstructor: no layer depth is defined for the '
@@ -74,13 +70,11 @@ def xcit_layer_depth(name: str, num_layers: int, backbone_prefix: str = 'backbon
 
 
 def layer_depth_lrs(param_groups: Sequence[dict]) -> Dict[int, float]:
-    """{depth: lr of its first group (one without a custom ``lr_mult`` if any)}, head first;
-    empty for groups without ``layer_depth``."""
+    """{depth: lr of its first group (one without a custom ``lr_mult`` if any)}, head first."""
     lrs: Dict[int, float] = {}
     for group in param_groups:
-        depth = group.get(DEPTH_KEY)
-        if depth is not None and depth not in lrs:
-            lrs[depth] = group['lr']
+        if group.get(DEPTH_KEY) is not None:
+            lrs.setdefault(group[DEPTH_KEY], group['lr'])
     return lrs
 
 
@@ -90,39 +84,31 @@ class XCiTLayerDecayOptimizerConstructor(DefaultOptimWrapperConstructor):
     ``paramwise_cfg``: ``decay_rate`` (in (0, 1], required) and mmengine's keys only."""
 
     def __init__(self, optim_wrapper_cfg: dict, paramwise_cfg: Optional[dict] = None):
+        name = 'XCiTLayerDecayOptimizerConstructor'
         if paramwise_cfg is not None and not isinstance(paramwise_cfg, dict):
-            raise TypeError(f'XCiTLayerDecayOptimizerConstructor: paramwise_cfg must be a dict, '
+            raise TypeError(f'{name}: paramwise_cfg must be a dict, '
                             f'got {type(paramwise_cfg).__name__}')
-        paramwise_cfg = dict(paramwise_cfg or {})
-        self.decay_rate = self._check_layer_decay_cfg(paramwise_cfg)
+        base_cfg = dict(paramwise_cfg or {})
+        valid = sorted(('decay_rate', ) + MMENGINE_PARAMWISE_KEYS)
+        unknown = sorted(set(base_cfg) - set(valid))
+        if unknown:
+            hint = (' (num_layers is not a setting here: it is read from the model\'s '
+                    'XCiTBackbone)') if 'num_layers' in unknown else ''
+            raise KeyError(f'{name}: unknown paramwise_cfg key(s) {unknown}{hint}; '
+                           f'valid keys: {valid}')
+        if 'decay_rate' not in base_cfg:
+            raise KeyError(f'{name}: paramwise_cfg needs `decay_rate` (e.g. 0.75); '
+                           f'valid keys: {valid}')
+        rate = base_cfg.pop('decay_rate')
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1:
+            raise ValueError(f'{name}: decay_rate must be a number in (0, 1], got {rate!r}')
+        self.decay_rate = float(rate)
         super().__init__(optim_wrapper_cfg, paramwise_cfg)
         if self.base_lr is None:
-            raise ValueError('XCiTLayerDecayOptimizerConstructor: optim_wrapper.optimizer needs '
-                             'an explicit `lr` to scale')
+            raise ValueError(f'{name}: optim_wrapper.optimizer needs an explicit `lr` to scale')
         # mmengine's own rules, applied per parameter by an mmengine constructor (its add_params
         # recurses through self.add_params, which is overridden here).
-        base_cfg = {k: v for k, v in paramwise_cfg.items() if k not in LAYER_DECAY_KEYS}
         self._base_rules = DefaultOptimWrapperConstructor(optim_wrapper_cfg, base_cfg)
-
-    @staticmethod
-    def _check_layer_decay_cfg(paramwise_cfg: dict) -> float:
-        valid = sorted(LAYER_DECAY_KEYS + MMENGINE_PARAMWISE_KEYS)
-        unknown = sorted(set(paramwise_cfg) - set(valid))
-        if unknown:
-            hint = ''
-            if 'num_layers' in unknown:
-                hint = (' (num_layers is not a setting here: it is read from the model\'s '
-                        'XCiTBackbone)')
-            raise KeyError(f'XCiTLayerDecayOptimizerConstructor: unknown paramwise_cfg key(s) '
-                           f'{unknown}{hint}; valid keys: {valid}')
-        if 'decay_rate' not in paramwise_cfg:
-            raise KeyError(f'XCiTLayerDecayOptimizerConstructor: paramwise_cfg needs '
-                           f'`decay_rate` (e.g. 0.75); valid keys: {valid}')
-        rate = paramwise_cfg['decay_rate']
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1:
-            raise ValueError(f'XCiTLayerDecayOptimizerConstructor: decay_rate must be a number '
-                             f'in (0, 1], got {rate!r}')
-        return float(rate)
 
     def add_params(self, params: List[dict], module: nn.Module, prefix: str = '',
                    is_dcn_module=None) -> None:

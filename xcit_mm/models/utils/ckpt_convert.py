@@ -44,9 +44,8 @@ class LayoutError(ValueError):
     """A state dict that is not in any known XCiT layout."""
 
 
-def detect_layout(state_dict: Dict[str, torch.Tensor]) -> str:
-    """Which of :data:`LAYOUTS` a (prefix-free) backbone state dict uses."""
-    keys = list(state_dict)
+def _detect_layout(keys: List[str]) -> str:
+    """Which of :data:`LAYOUTS` a (prefix-free) backbone state dict's ``keys`` use."""
     if any(k.startswith('xca_layers.') for k in keys):
         return 'mmpretrain'
     # blocks.* alone is any timm / DeiT ViT: XCiT blocks also have their LPI (local_mp)
@@ -59,7 +58,6 @@ def detect_layout(state_dict: Dict[str, torch.Tensor]) -> str:
 
 
 def strip_prefix(state_dict, prefix) -> Tuple[Dict[str, torch.Tensor], List[str]]:
-    """``(keys under prefix with it removed, the other keys)``."""
     return (OrderedDict((k[len(prefix):], v) for k, v in state_dict.items()
                         if k.startswith(prefix)),
             [k for k in state_dict if not k.startswith(prefix)])
@@ -90,7 +88,7 @@ def convert_backbone_state_dict(state_dict: Dict[str, torch.Tensor],
         state_dict, outside = strip_prefix(state_dict, prefix)
         if not state_dict:
             raise LayoutError(f'No key starts with prefix {prefix!r}; first keys: {outside[:8]}')
-    layout = detect_layout(state_dict)
+    layout = _detect_layout(list(state_dict))
     converted: 'OrderedDict[str, torch.Tensor]' = OrderedDict()
     classifier: List[str] = []
     for key, value in state_dict.items():

@@ -1,22 +1,14 @@
 """Whole image or pieces within a memory budget: the estimate and the choice behind ``mode='auto'``.
 
-A lean model's whole-image peak grows linearly with the pixels it runs on: XCiT's attention is
-linear in the tokens, and the FPN, the heads and the chunked post-processing keep a fixed number of
-maps per pixel. So a line through peaks measured at a few small sizes (:func:`calibrate`) predicts
-the peak at any size (:class:`MemoryModel`). ``test_cfg=dict(mode='auto', max_memory=MB)`` of
-``LeanEncoderDecoder`` and ``LeanMaskRCNN`` turns that into a choice: each model lists its plans
-(the whole image; sliding windows or tiles) with their estimates, and :func:`choose_plan` runs the
-first one that fits, logging the choice and every estimate, or stops with an error that names the
-smallest budget that would do.
+A lean model's whole-image peak grows linearly with its pixels (XCA is linear in the tokens; the
+FPN, heads and chunked post-processing keep a fixed number of maps per pixel), so a line through
+peaks measured at a few small sizes predicts any size. Each model lists its plans (whole image;
+windows or tiles) with their estimates and :func:`choose_plan` runs the first that fits.
 
-The measurement follows the device the inputs are on, so a budget means the memory that runs
-out there. On the CPU it is the resident set (Linux ``/proc/self/status``): the kernel's peak
-counter is reset (``/proc/self/clear_refs``), freed heap pages are returned first (glibc
-``malloc_trim``), and the peak growth over the resident set before the call is read. On a CUDA
-device it is what torch's caching allocator hands out to tensors (``max_memory_allocated`` after
-``reset_peak_memory_stats``, over ``memory_allocated`` before); the allocator's cache may reserve
-more than that, so leave it some room. Where neither can be read (another device, no ``/proc``),
-``test_cfg.memory_model=dict(base_mb=..., mb_per_mpix=...)`` gives the line instead.
+A budget is the memory that runs out on the inputs' device: on the CPU the resident set's peak
+growth (``VmHWM`` reset through ``/proc/self/clear_refs``, freed heap trimmed first); on CUDA what
+the caching allocator hands to tensors (its cache may reserve more: leave it room). Elsewhere
+``test_cfg.memory_model=dict(base_mb=..., mb_per_mpix=...)`` gives the line.
 """
 import gc
 import logging
@@ -39,16 +31,12 @@ class MemoryModel(NamedTuple):
     mb_per_mpix: float
 
     def estimate_mb(self, num_pixels: float) -> float:
-        """The estimated peak growth (MB) of a call on ``num_pixels`` input pixels."""
         return self.base_mb + self.mb_per_mpix * num_pixels / 1e6
 
     @classmethod
     def fit(cls, points: Sequence[Tuple[float, float]]) -> 'MemoryModel':
-        """Least-squares line through ``(num_pixels, peak_mb)`` points (two or more sizes).
-
-        The slope is kept non-negative and the line is raised until no measured point lies above
-        it, so the estimate never undercuts a peak it was calibrated on.
-        """
+        """Least-squares line through ``(num_pixels, peak_mb)`` points, its slope kept
+        non-negative and raised so that it never undercuts a point it was calibrated on."""
         if len({p for p, _ in points}) < 2:
             raise MemoryBudgetError('calibrating a memory model needs peaks at two or more sizes')
         xs = [p / 1e6 for p, _ in points]
@@ -61,11 +49,6 @@ class MemoryModel(NamedTuple):
         return cls(base_mb=base, mb_per_mpix=slope)
 
 
-def _libc():
-    import ctypes
-    return ctypes.CDLL('libc.so.6')
-
-
 def _status_kb(key: str) -> int:
     with open('/proc/self/status') as f:
         for line in f:
@@ -75,10 +58,11 @@ def _status_kb(key: str) -> int:
 
 
 def release_free_heap() -> None:
-    """Return free malloc pages to the OS (glibc ``malloc_trim(0)``), so that a measured call
-    cannot reuse pages an earlier call left resident; a no-op where there is no glibc."""
+    """glibc's ``malloc_trim(0)``, so that a measured call cannot reuse pages an earlier call
+    left resident; a no-op where there is no glibc."""
+    import ctypes
     try:
-        _libc().malloc_trim(0)
+        ctypes.CDLL('libc.so.6').malloc_trim(0)
     except (OSError, AttributeError):
         pass
 
@@ -90,7 +74,6 @@ def reset_peak_rss() -> None:
 
 
 def rss_mb() -> float:
-    """The resident set of this process now, in MB."""
     return _status_kb('VmRSS') / 1024
 
 
@@ -100,45 +83,33 @@ def peak_rss_mb() -> float:
 
 
 def measure_peak_growth_mb(call: Callable[[], object], device=None) -> float:
-    """Run ``call()`` once and return by how much it raised the memory in use at its peak (MB):
-    the resident set for the CPU (``device`` None or ``'cpu'``), the memory held by tensors for a
-    CUDA device (module docstring).
-
-    Raises:
-        MemoryBudgetError: the peak cannot be read for this device or process.
-    """
+    """By how much ``call()`` raised the memory in use at its peak (MB) on ``device`` (default
+    CPU); a :class:`MemoryBudgetError` where that cannot be read."""
     device = torch.device('cpu' if device is None else device)
     gc.collect()
+    fix = 'give the line instead: test_cfg.memory_model=dict(base_mb=..., mb_per_mpix=...)'
     if device.type == 'cuda':
-        return _cuda_peak_growth_mb(call, device)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        result = call()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        del result
+        return (peak - base) / MB
     if device.type != 'cpu':
         raise MemoryBudgetError(
-            f'cannot measure peak memory on {device} (only the CPU and CUDA devices); give the '
-            'line instead: test_cfg.memory_model=dict(base_mb=..., mb_per_mpix=...)')
+            f'cannot measure peak memory on {device} (only the CPU and CUDA devices); {fix}')
     release_free_heap()
     try:
         reset_peak_rss()
         base = rss_mb()
     except OSError as e:
-        raise MemoryBudgetError(
-            f'cannot measure peak memory here ({e}); give the line instead: '
-            "test_cfg.memory_model=dict(base_mb=..., mb_per_mpix=...)") from e
+        raise MemoryBudgetError(f'cannot measure peak memory here ({e}); {fix}') from e
     result = call()
     peak = peak_rss_mb()
     del result
     return peak - base
-
-
-def _cuda_peak_growth_mb(call: Callable[[], object], device: torch.device) -> float:
-    """Peak growth of the memory held by tensors on ``device`` during ``call()`` (MB)."""
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    result = call()
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    del result
-    return (peak - base) / MB
 
 
 def measure_line(run_at: Callable[[int, int], object], sizes: Iterable[Tuple[int, int]],
@@ -155,11 +126,8 @@ def measure_line(run_at: Callable[[int, int], object], sizes: Iterable[Tuple[int
 def calibrate(run_at: Callable[[int, int], object], sizes: Iterable[Tuple[int, int]],
               what: str, fixed_mb: float = 0.0, fixed_what: str = '',
               device=None) -> MemoryModel:
-    """:func:`measure_line` of ``run_at`` at ``sizes``, with ``fixed_mb`` (named ``fixed_what``
-    in the log) added to the line's base: a part measured apart that costs the same at any size.
-    The line is logged, with the measured points and the ``memory_model`` setting (rounded up)
-    that skips calibrating.
-    """
+    """:func:`measure_line` plus ``fixed_mb`` (a part measured apart, the same at any size),
+    logged with the ``memory_model`` setting that skips calibrating."""
     line, points = measure_line(run_at, sizes, device)
     model = MemoryModel(line.base_mb + fixed_mb, line.mb_per_mpix)
     measured = ', '.join(f'{int(p**0.5)}^2 px: {m:.0f} MB' for p, m in points)
@@ -197,9 +165,8 @@ def read_budget_mb(test_cfg, owner: str) -> float:
 
 
 class Plan(NamedTuple):
-    """One way to run an image: ``name`` ('whole', 'slide', 'tiles', 'stream', 'stream-disk'),
-    its peak estimate and a few words on its pieces (window size and stride, tile grid) for the
-    log; a stream's plan also carries the band size it runs with."""
+    """One way to run an image ('whole', 'slide', 'tiles', 'stream', 'stream-disk'), its peak
+    estimate, its pieces in words for the log, and a stream's band size."""
     name: str
     estimate_mb: float
     detail: str = ''
@@ -207,11 +174,7 @@ class Plan(NamedTuple):
 
 
 def choose_plan(plans: List[Plan], budget_mb: float, what: str) -> Plan:
-    """The first of ``plans`` whose estimate is within ``budget_mb``; the choice is logged.
-
-    Raises:
-        MemoryBudgetError: no plan fits; the message names the smallest estimate and the fix.
-    """
+    """The first of ``plans`` within ``budget_mb``, logged; else an error naming the fix."""
     listing = '; '.join(f'{p.name}{" " + p.detail if p.detail else ""}: {p.estimate_mb:.0f} MB'
                         for p in plans)
     for plan in plans:
