@@ -22,6 +22,7 @@ from mmdet.registry import MODELS
 from test_lean_detection import (MAX_DETS, SIZES, _assert_same, _meta, _model_cfg, _pair,
                                  _predict)
 from xcit_mm.models.detectors import tiled_inference as tiling
+from xcit_mm.models.inference.settings import DetectorSettings
 from xcit_mm.models.utils import memory_budget
 from xcit_mm.models.utils.memory_budget import MemoryBudgetError, MemoryModel
 
@@ -46,7 +47,7 @@ def logged(monkeypatch):
 # ---------------------------------------------------------------------- settings
 @pytest.mark.parametrize('cfg,match', [
     (dict(mode='slide'), r"mode must be one of \['whole', 'tiles', 'auto'\]"),
-    (dict(max_memory=6000), r"\['max_memory'\] only apply to mode='tiles' or mode='auto'"),
+    (dict(max_memory=6000), r"\['max_memory'\] only apply to mode='auto', but mode is 'whole'"),
     (dict(mode='whole', tile_size=512), r"\['tile_size'\] only apply to mode='tiles'"),
     (dict(mode='tiles', max_memory=6000), r"\['max_memory'\] only apply to mode='auto'"),
     (dict(mode='tiles', memory_model=dict(base_mb=1, mb_per_mpix=1)), "only apply to mode='auto'"),
@@ -64,20 +65,20 @@ def logged(monkeypatch):
 ])
 def test_settings_are_checked_with_the_fix_named(cfg, match):
     with pytest.raises(ValueError, match=match):
-        tiling.read_tiled_test_cfg(dict(rpn={}, rcnn={}, **cfg))
+        DetectorSettings.from_cfg(dict(rpn={}, rcnn={}, **cfg))
 
 
 def test_settings_defaults_and_build_time_check():
-    assert tiling.read_tiled_test_cfg(dict(rpn={}, rcnn={})).mode == 'whole'
-    tiles = tiling.read_tiled_test_cfg(dict(mode='tiles'))
+    assert DetectorSettings.from_cfg(dict(rpn={}, rcnn={})).mode == 'whole'
+    tiles = DetectorSettings.from_cfg(dict(mode='tiles'))
     assert (tiles.tile_size, tiles.tile_overlap) == ((1024, 1024), 256)
-    auto = tiling.read_tiled_test_cfg(dict(mode='auto', max_memory=6000, tile_size=[512, 768],
-                                           memory_model=dict(base_mb=10, mb_per_mpix=20)))
+    auto = DetectorSettings.from_cfg(dict(mode='auto', max_memory=6000, tile_size=[512, 768],
+                                          memory_model=dict(base_mb=10, mb_per_mpix=20)))
     assert auto.tile_size == (512, 768) and auto.max_memory == 6000.0
     assert auto.memory_model == MemoryModel(10.0, 20.0)
     cfg = _model_cfg()
     cfg.test_cfg.max_memory = 6000  # mode 'whole': refused when the model is built
-    with pytest.raises(ValueError, match="only apply to mode='tiles' or mode='auto'"):
+    with pytest.raises(ValueError, match="only apply to mode='auto'"):
         MODELS.build(dict(cfg, type='LeanMaskRCNN'))
 
 
@@ -410,7 +411,6 @@ sys.path.insert(0, 'tests')
 from mmengine.logging import MMLogger
 from test_lean_detection import _meta, _model_cfg, _samples
 from mmdet.registry import MODELS
-from xcit_mm.models.detectors.tiled_inference import read_tiled_test_cfg
 from xcit_mm.models.utils.memory_budget import measure_peak_growth_mb
 MMLogger.get_current_instance().setLevel(logging.WARNING)
 torch.set_num_threads(1)
@@ -424,7 +424,7 @@ with torch.no_grad():  # calibrates the line
     model.predict(torch.randn(1, 3, 64, 64), _samples([_meta((64, 64), (64, 64), (64, 64))]))
 inputs = torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(1))
 metas = [_meta((size, size), (size, size), (ori, ori))]
-plans = model._memory_plans(model.memory_model, read_tiled_test_cfg(model.test_cfg), inputs,
+plans = model._memory_plans(model.memory_model, model.test_settings, inputs,
                             metas, True)
 rows = []
 for plan in plans:  # the tightest budget that admits each plan: its own estimate

@@ -133,12 +133,12 @@ def test_banded_detections_equal_stocks(mode, count_bands):
 
 @pytest.mark.parametrize('value', [0, -4, '64', True])
 def test_a_bad_band_mb_is_an_error_naming_the_fix(value):
-    from xcit_mm.models.detectors.tiled_inference import read_tiled_test_cfg
+    from xcit_mm.models.inference.settings import DetectorSettings
     with pytest.raises(ValueError, match='band_mb must be a positive number of MB'):
-        read_tiled_test_cfg(dict(band_mb=value))
+        DetectorSettings.from_cfg(dict(band_mb=value))
     with pytest.raises(ValueError, match='does not combine with lean=False'):
-        read_tiled_test_cfg(dict(band_mb=64, lean=False))
-    assert read_tiled_test_cfg(dict(band_mb=64, mode='tiles')).band_mb == 64
+        DetectorSettings.from_cfg(dict(band_mb=64, lean=False))
+    assert DetectorSettings.from_cfg(dict(band_mb=64, mode='tiles')).band_mb == 64
 
 
 @pytest.mark.parametrize('part, change, message', [

@@ -207,9 +207,9 @@ def test_a_budget_below_the_streams_minimum_names_it():
 @pytest.mark.parametrize('change,message', [
     (dict(keep_seg_logits=True), 'keeps no full-size logits'),
     (dict(token_maps='ssd'), "token_maps must be 'memory' or 'disk'"),
-    (dict(mode='whole', band_mb=8), "band_mb applies to mode='stream'"),
+    (dict(mode='whole', band_mb=8), r"\['band_mb'\] only apply to mode='stream'"),
     (dict(mode='slide', token_maps='disk', crop_size=(64, 64), stride=(48, 48)),
-     "token_maps applies to mode='stream'"),
+     r"\['token_maps'\] only apply to mode='stream'"),
     (dict(band_mb=0), 'must be a positive number of MB'),
 ])
 def test_stream_settings_it_cannot_use_are_errors(change, message):

@@ -55,15 +55,15 @@ from mmdet.structures.bbox import bbox2roi
 from ..inference.fpn_data_flow import (LevelByLevelBackbone, fpn_in_data_flow_order,
                                        why_not_bottom_in_bands)
 from ..inference.row_stream import Local, TensorRows, conv_halo, materialize
+from ..inference.settings import DetectorSettings, LeanSettingsMixin
 from ..utils.ckpt_load import refuse_headless_load
 from ..utils.memory_budget import (MB, MemoryModel, Plan, calibrate, choose_plan,
                                    measure_peak_growth_mb, release_free_heap)
 from . import tiled_inference as tiling
-from .tiled_inference import TiledTestCfg
 
 
 @MODELS.register_module()
-class LeanMaskRCNN(MaskRCNN):
+class LeanMaskRCNN(LeanSettingsMixin, MaskRCNN):
     """mmdet's ``MaskRCNN`` whose ``predict`` keeps fewer full-resolution maps alive, on the whole
     image, in tiles, or whichever fits a memory budget (module docstring).
 
@@ -73,13 +73,14 @@ class LeanMaskRCNN(MaskRCNN):
             ``predict``; None before.
         last_memory_plan: the plan the last auto ``predict`` ran, with its estimate.
     """
+    SETTINGS = DetectorSettings
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # a file without weights for a head is an error, never a silently random head
         self.register_load_state_dict_post_hook(refuse_headless_load)
         # a malformed test_cfg, or bands the parts cannot run, fail at build
-        self._check_bands(tiling.read_tiled_test_cfg(self.test_cfg).band_mb)
+        self._check_bands(self.test_settings.band_mb)
         self.memory_model: Optional[MemoryModel] = None
         self.last_memory_plan: Optional[Plan] = None
         self._last_plans = None  # (plans, budget) of the last logged choice
@@ -87,7 +88,7 @@ class LeanMaskRCNN(MaskRCNN):
     def _band_mb(self) -> Optional[float]:
         """``test_cfg.band_mb`` in eval mode (a BatchNorm in training mode normalises over the
         whole map)."""
-        return None if self.training else tiling.read_tiled_test_cfg(self.test_cfg).band_mb
+        return None if self.training else self.test_settings.band_mb
 
     def _check_bands(self, band_mb: Optional[float]) -> None:
         """``band_mb`` needs parts whose stride-4 work can run in bands of rows: an error naming
@@ -112,7 +113,7 @@ class LeanMaskRCNN(MaskRCNN):
                 rescale: bool = True) -> SampleList:
         """Detections of the whole image (stock's, with maps freed early), of tiles, or of
         whichever fits ``test_cfg.max_memory``."""
-        settings = tiling.read_tiled_test_cfg(self.test_cfg)
+        settings = self.test_settings
         self._check_bands(settings.band_mb)
         if settings.mode == 'whole':
             if not settings.lean or torch.is_grad_enabled():
@@ -273,13 +274,13 @@ class LeanMaskRCNN(MaskRCNN):
 
     # ------------------------------------------------------------------ tiles
     def _tile_grids(self, batch_inputs: Tensor, batch_img_metas: List[dict],
-                    settings: TiledTestCfg) -> List[List[tiling.Tile]]:
+                    settings: DetectorSettings) -> List[List[tiling.Tile]]:
         """The tiles of each image of the batch (network scale)."""
         return [tiling.tile_grid(meta['img_shape'], batch_inputs.shape[-2:], settings.tile_size,
                                  settings.tile_overlap) for meta in batch_img_metas]
 
     def _predict_tiles(self, batch_inputs: Tensor, batch_data_samples: SampleList,
-                       rescale: bool, settings: TiledTestCfg) -> SampleList:
+                       rescale: bool, settings: DetectorSettings) -> SampleList:
         """Each image tile by tile (one tile's maps alive at a time), the tiles' detections merged
         per image, then the kept masks pasted for the whole batch."""
         head = self.roi_head
@@ -327,7 +328,7 @@ class LeanMaskRCNN(MaskRCNN):
         return x, self._lean_rpn_predict(x, [DetDataSample(metainfo=meta)], [meta])
 
     # ------------------------------------------------------------------ memory plans
-    def _choose_memory_plan(self, settings: TiledTestCfg, batch_inputs: Tensor,
+    def _choose_memory_plan(self, settings: DetectorSettings, batch_inputs: Tensor,
                             batch_data_samples: SampleList, rescale: bool) -> Plan:
         """The whole batch input if its estimate fits ``max_memory``, else tiles (kept in
         ``last_memory_plan``; logged unless the plans and the budget are those of the previous
@@ -347,7 +348,7 @@ class LeanMaskRCNN(MaskRCNN):
         self._last_plans = (plans, settings.max_memory)
         return self.last_memory_plan
 
-    def _memory_plans(self, model: MemoryModel, settings: TiledTestCfg, batch_inputs: Tensor,
+    def _memory_plans(self, model: MemoryModel, settings: DetectorSettings, batch_inputs: Tensor,
                       batch_img_metas: List[dict], rescale: bool) -> List[Plan]:
         """The estimated peak growth (MB) of the whole-image plan (the network part on the batch
         input, or after it the masks and their pasting) and of the tiles plan (the network part

@@ -1,9 +1,9 @@
 """Tiled Mask R-CNN inference: the pieces of ``LeanMaskRCNN``'s ``test_cfg.mode='tiles'`` /
-``'auto'`` that need no model, apart so that each can be tested on hand-made inputs: the checked
-``test_cfg`` (:func:`read_tiled_test_cfg`), the tile grid (:func:`tile_grid`, :func:`cut_tile`),
-the merge of the tiles' detections (:func:`merge_tile_detections`: a detection cut by a tile edge
-must not survive next to the same object seen whole in a neighbouring tile) and the parts of a
-plan's memory estimate that are not the network's calibrated line.
+``'auto'`` that need no model, apart so that each can be tested on hand-made inputs: the tile
+grid (:func:`tile_grid`, :func:`cut_tile`), the merge of the tiles' detections
+(:func:`merge_tile_detections`: a detection cut by a tile edge must not survive next to the same
+object seen whole in a neighbouring tile) and the parts of a plan's memory estimate that are not
+the network's calibrated line. Its settings are ``inference.settings.DetectorSettings``.
 """
 import math
 from typing import List, NamedTuple, Optional, Sequence, Tuple
@@ -16,17 +16,8 @@ from torch import Tensor
 
 from mmdet.structures.bbox import bbox_overlaps
 
-from ..inference.row_stream import read_band_mb
-from ..utils.memory_budget import MB, MemoryModel, read_budget_mb, read_memory_model
+from ..utils.memory_budget import MB
 
-MODES = ('whole', 'tiles', 'auto')
-# Network-scale tiles of about the size a COCO detector is trained and tested at (800 x 1333),
-# so each tile looks like an image the detector knows; the overlap is what an object may measure
-# (network pixels) and still be seen whole in some tile.
-DEFAULT_TILE_SIZE = (1024, 1024)
-DEFAULT_TILE_OVERLAP = 256
-# The smallest tile side: XCiT needs 32 px to reach its stride-32 level.
-MIN_TILE_SIZE = 32
 # A box within this many network pixels (one cell of the stride-4 level) of a tile edge inside the
 # image counts as cut by it: box regression does not always end exactly on the edge.
 EDGE_MARGIN = 4.0
@@ -41,89 +32,6 @@ CALIBRATION_SIDES = (256, 384, 512)
 # Transient bytes per pixel of the region mmdet pastes one mask into (``_do_paste_mask``): the
 # sampling grid (2 floats), the sampled mask (1 float) and its thresholded copy (1 byte).
 PASTE_BYTES_PER_PIXEL = 13
-
-KNOWN_KEYS = ('rpn', 'rcnn', 'lean', 'mode', 'tile_size', 'tile_overlap', 'max_memory',
-              'memory_model', 'band_mb')
-TILE_KEYS = ('tile_size', 'tile_overlap')
-BUDGET_KEYS = ('max_memory', 'memory_model')
-
-
-class TiledTestCfg(NamedTuple):
-    """The checked top-level ``test_cfg`` of ``LeanMaskRCNN`` (network-scale pixels, MB)."""
-    mode: str = 'whole'
-    lean: bool = True
-    tile_size: Tuple[int, int] = DEFAULT_TILE_SIZE
-    tile_overlap: int = DEFAULT_TILE_OVERLAP
-    max_memory: Optional[float] = None
-    memory_model: Optional[MemoryModel] = None
-    band_mb: Optional[float] = None
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _read_tile_size(value, owner: str) -> Tuple[int, int]:
-    pair = (value, value) if _is_int(value) else value
-    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(map(_is_int, pair))
-            and min(pair) >= MIN_TILE_SIZE):
-        raise ValueError(
-            f'{owner}: test_cfg.tile_size must be an int or an (h, w) pair of ints, each at '
-            f'least {MIN_TILE_SIZE} (network-scale pixels), e.g. tile_size=1024 or '
-            f'tile_size=(1024, 1536); got {value!r}')
-    return int(pair[0]), int(pair[1])
-
-
-def read_tiled_test_cfg(test_cfg, owner: str = 'LeanMaskRCNN') -> TiledTestCfg:
-    """The top-level keys of ``test_cfg`` (next to ``rpn`` and ``rcnn``), checked: a
-    ``ValueError`` naming the key and the fix for a malformed one, and for a key the mode does
-    not use (``max_memory`` with ``mode='whole'`` would promise a budget nothing keeps) or an
-    unknown one (a misspelt ``tile_overlap`` would leave the default in force)."""
-    if test_cfg is None:
-        return TiledTestCfg()
-    unknown = sorted(set(test_cfg) - set(KNOWN_KEYS))
-    if unknown:
-        raise ValueError(f'{owner}: unknown test_cfg key(s) {unknown}; the keys are '
-                         f'{list(KNOWN_KEYS)} (docs/lean_detection.md)')
-    mode = test_cfg.get('mode', 'whole')
-    if mode not in MODES:
-        raise ValueError(f"{owner}: test_cfg.mode must be one of {list(MODES)}, got {mode!r}")
-    lean = test_cfg.get('lean', True)
-    if not isinstance(lean, bool):
-        raise ValueError(f'{owner}: test_cfg.lean must be True or False, got {lean!r}')
-    given = [k for k in TILE_KEYS + BUDGET_KEYS if test_cfg.get(k, None) is not None]
-    if mode == 'whole' and given:
-        raise ValueError(
-            f"{owner}: test_cfg {given} only apply to mode='tiles' or mode='auto', but mode is "
-            f"'whole'; set mode='auto' (with max_memory) or mode='tiles', or remove them")
-    if mode == 'tiles' and any(k in given for k in BUDGET_KEYS):
-        raise ValueError(
-            f"{owner}: test_cfg {[k for k in given if k in BUDGET_KEYS]} only apply to "
-            "mode='auto' (whole image if it fits the budget, else tiles); mode='tiles' always "
-            "tiles: set mode='auto' or remove them")
-    if mode != 'whole' and not lean:
-        raise ValueError(f"{owner}: test_cfg.mode={mode!r} runs the lean path on each tile; "
-                         "it does not combine with lean=False (remove one of them)")
-    band_mb = read_band_mb(test_cfg.get('band_mb', None), owner)
-    if band_mb is not None and not lean:
-        raise ValueError(f'{owner}: test_cfg.band_mb makes the lean path run in bands; it does '
-                         'not combine with lean=False (remove one of them)')
-    if mode == 'whole':
-        return TiledTestCfg(lean=lean, band_mb=band_mb)
-    tile_size = test_cfg.get('tile_size', None)
-    tile_size = _read_tile_size(DEFAULT_TILE_SIZE if tile_size is None else tile_size, owner)
-    overlap = test_cfg.get('tile_overlap', None)
-    overlap = DEFAULT_TILE_OVERLAP if overlap is None else overlap
-    if not (_is_int(overlap) and 0 <= overlap < min(tile_size)):
-        raise ValueError(
-            f'{owner}: test_cfg.tile_overlap must be an int of network-scale pixels, at least '
-            f'0 and less than the smaller tile side {min(tile_size)} (tile_size={tile_size}); '
-            f'make it larger than the largest object to be seen whole in one tile; got '
-            f'{overlap!r}')
-    if mode == 'tiles':
-        return TiledTestCfg('tiles', True, tile_size, int(overlap), band_mb=band_mb)
-    return TiledTestCfg('auto', True, tile_size, int(overlap), read_budget_mb(test_cfg, owner),
-                        read_memory_model(test_cfg.get('memory_model', None), owner), band_mb)
 
 
 # ---------------------------------------------------------------------- tile grid

@@ -19,7 +19,6 @@ another order, and a convolution of another size may sum in another order (tests
 Torch only, no task package.
 """
 import errno
-import math
 import os
 import shutil
 import tempfile
@@ -47,17 +46,6 @@ def row_bands(height: int, band_rows: int, halo: int = 0) -> Iterator[Tuple[int,
 def band_rows_for(band_mb: float, row_bytes: int, at_least: int = 1) -> int:
     """The rows of a band of about ``band_mb`` MB, ``row_bytes`` bytes a row."""
     return max(at_least, int(band_mb * MB) // max(1, row_bytes))
-
-
-def read_band_mb(value, owner: str) -> Optional[float]:
-    """``test_cfg.band_mb`` of either lean model: None or the MB of a band of rows, a positive
-    finite number; anything else is an error naming the fix."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f'{owner}: test_cfg.band_mb must be a positive number of MB, e.g. '
-                         f'band_mb=64 (or None); got {value!r}')
-    return float(value)
 
 
 # ---------------------------------------------------------------------------- token maps

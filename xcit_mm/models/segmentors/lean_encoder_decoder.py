@@ -72,31 +72,24 @@ from mmseg.structures import SegDataSample
 from mmseg.utils import OptSampleList, SampleList
 
 from ..inference.fpn_data_flow import fpn_in_data_flow_order
-from ..inference.row_stream import TokenMaps, TokenRows, read_band_mb, stream_rows
+from ..inference.row_stream import TokenMaps, TokenRows, stream_rows
 from ..inference.seg_stream import labels_rows, logits_rows, why_not_streamed
+from ..inference.settings import LeanSettingsMixin, SegmentorSettings
 from ..inference.uper_data_flow import uper_head_in_data_flow_order
 from ..utils.ckpt_load import refuse_headless_load
 from ..utils.memory_budget import (MB, MemoryModel, Plan, calibrate, choose_plan, measure_line,
-                                   read_budget_mb, read_memory_model, release_free_heap)
+                                   read_budget_mb, release_free_heap)
 
 # Chunk widths whose bilinear results equal the full call's, channel by channel (module docstring).
 CHUNK_MULTIPLE = 8
 MIN_CHUNK_CHANNELS_LAST = 24
 
-MODES = ('whole', 'slide', 'auto', 'stream')
-# Every key of test_cfg this model reads (the module docstring); any other is a misspelling.
-TEST_CFG_KEYS = ('mode', 'lean', 'keep_seg_logits', 'lean_chunk_mb', 'crop_size', 'stride',
-                 'max_memory', 'memory_model', 'band_mb', 'token_maps', 'token_dir')
-STREAM_KEYS = ('band_mb', 'token_maps', 'token_dir')
 # The stream's band size when test_cfg.band_mb gives none: bands of many rows keep the share of
 # context rows and per-call costs small, and on the CPU bands this size keep the work small beside
 # a large image's token maps (a GPU's kernels want larger ones); under a budget it shrinks to
 # fit, down to the minimum.
 STREAM_BAND_MB = dict(cpu=128, cuda=4096)
 MIN_STREAM_BAND_MB = 32
-# The window of mode='auto' when neither test_cfg.crop_size nor data_preprocessor.size gives one:
-# mmseg's usual training crop; the stride is two thirds of it, as in mmseg's slide configs.
-DEFAULT_CROP = (512, 512)
 # Square sizes at which the network's peak is measured (mode='auto', first predict): cheap, and
 # spread enough that a size whose peak sits off the line moves the fitted slope little.
 CALIBRATION_SIZES = ((256, 256), (512, 512), (896, 896))
@@ -212,7 +205,7 @@ class _RunningArgmax:
 
 
 @MODELS.register_module()
-class LeanEncoderDecoder(EncoderDecoder):
+class LeanEncoderDecoder(LeanSettingsMixin, EncoderDecoder):
     """mmseg's ``EncoderDecoder`` whose ``predict`` never holds full-size logits of all classes.
 
     Same constructor, training and ``_forward`` as ``EncoderDecoder``; only ``predict`` changes
@@ -224,6 +217,7 @@ class LeanEncoderDecoder(EncoderDecoder):
         last_memory_plans (list[Plan]): every plan that predict considered, in order.
         calibrated_memory_model (MemoryModel or None): the network's line, measured once.
     """
+    SETTINGS = SegmentorSettings
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -235,116 +229,58 @@ class LeanEncoderDecoder(EncoderDecoder):
         self._release_heap = False  # set by each predict: mode='auto' (_step_done)
         self._head_geometry: Optional[Tuple[float, float, bool]] = None
         self._post_lines = {}  # the post-processing's measured line per batch geometry
-        self._check_test_cfg_keys()  # a misspelt key in the config fails at build
+        self.test_settings  # a malformed or misspelt key in the config fails at build
 
     # ------------------------------------------------------------------ settings
-    def _check_test_cfg_keys(self) -> None:
-        """An unknown ``test_cfg`` key is an error naming the known ones: a misspelt
-        ``max_memory`` would otherwise leave the image to run whole, with no budget."""
-        unknown = sorted(set(self.test_cfg or {}) - set(TEST_CFG_KEYS))
-        if unknown:
-            raise ValueError(f'{type(self).__name__}: unknown test_cfg key(s) {unknown}; the '
-                             f'keys are {list(TEST_CFG_KEYS)} (docs/lean_segmentation.md)')
+    def _settings_context(self) -> dict:
+        return dict(default_crop=getattr(self.data_preprocessor, 'size', None))
 
-    def _test_option(self, key, default):
-        cfg = self.test_cfg
-        return cfg.get(key, default) if cfg is not None else default
-
-    def _checked_mode(self) -> str:
-        """``test_cfg.mode``, after checking that every key given is one the mode reads."""
+    def _check_parts(self, settings: SegmentorSettings) -> None:
+        """What the mode needs of the model's parts, checked on every predict (a part may be
+        replaced after the build): a streaming model, a stock head resize for 'auto'."""
         name = type(self).__name__
-        self._check_test_cfg_keys()  # test_cfg may have changed since the build
-        mode = self._test_option('mode', 'whole')
-        if mode not in MODES:
-            raise ValueError(
-                f"{name}: test_cfg.mode must be 'whole', 'slide', 'stream' or 'auto', got "
-                f'{mode!r}; e.g. --cfg-options model.test_cfg.mode=auto '
-                'model.test_cfg.max_memory=8000')
-        for key, modes in (('max_memory', ('auto', 'stream')), ('memory_model', ('auto', ))):
-            if self._test_option(key, None) is not None and mode not in modes:
-                raise ValueError(
-                    f"{name}: test_cfg.{key} is only read with mode="
-                    f"{' or '.join(map(repr, modes))}, but mode is {mode!r}; set "
-                    f"test_cfg.mode='auto' or remove test_cfg.{key}")
-        if mode in ('stream', 'auto') or any(
-                self._test_option(k, None) is not None for k in STREAM_KEYS):
-            self._check_stream(mode)
-        if mode == 'auto' and not self._test_option('lean', True):
-            raise ValueError(f"{name}: test_cfg.mode='auto' needs the lean predict; remove "
-                             'test_cfg.lean=False or choose mode whole / slide')
-        if mode == 'auto' and not self._head_resize_is_stock():
+        if settings.mode == 'stream' or any(getattr(settings, k) is not None
+                                            for k in ('band_mb', 'token_maps', 'token_dir')):
+            why = self._why_not_streamed()
+            if why is not None:
+                raise ValueError(f"{name}: test_cfg mode='stream' cannot run: {why}; choose "
+                                 "mode 'whole', 'slide' or 'auto'")
+        if settings.mode == 'auto' and not self._head_resize_is_stock():
             raise ValueError(
                 f"{name}: test_cfg.mode='auto' estimates memory only for a decode head whose "
                 f'predict is mmseg\'s (forward + resize); {type(self.decode_head).__name__} '
                 "overrides it: choose mode 'whole' or 'slide'")
-        return mode
 
     def _why_not_streamed(self) -> Optional[str]:
         """Why this model cannot run mode='stream' (None if it can)."""
-        if not self._test_option('lean', True):
+        if not self.test_settings.lean:
             return 'it needs the lean predict (test_cfg.lean=False is set)'
-        if self._test_option('keep_seg_logits', False):
+        if self.test_settings.keep_seg_logits:
             return 'it keeps no full-size logits (remove test_cfg.keep_seg_logits)'
         if not self._head_resize_is_stock():
             return (f'{type(self.decode_head).__name__} overrides the decode head\'s predict')
         return why_not_streamed(self.backbone, getattr(self, 'neck', None), self.decode_head)
 
-    def _check_stream(self, mode: str) -> None:
-        """The stream's keys (``band_mb``, ``token_maps``, ``token_dir``) with a mode that reads
-        them and a model that streams; otherwise an error that names what to change."""
-        name = type(self).__name__
-        given = [k for k in STREAM_KEYS if self._test_option(k, None) is not None]
-        read_band_mb(self._test_option('band_mb', None), name)
-        if self._test_option('token_maps', None) not in (None, 'memory', 'disk'):
-            raise ValueError(f"{name}: test_cfg.token_maps must be 'memory' or 'disk', got "
-                             f"{self._test_option('token_maps', None)!r}")
-        if mode not in ('stream', 'auto'):
-            raise ValueError(
-                f"{name}: test_cfg.{given[0]} applies to mode='stream' (and 'auto'), but mode "
-                f"is {mode!r}; set test_cfg.mode='stream' or remove test_cfg.{given[0]}")
-        why = self._why_not_streamed()
-        if why is not None and (mode == 'stream' or given):
-            raise ValueError(f"{name}: test_cfg mode='stream' cannot run: {why}; choose mode "
-                             "'whole', 'slide' or 'auto'")
-
-    def _slide_settings(self, auto: bool) -> Tuple[Tuple[int, int], Tuple[int, int]]:
-        """(crop_size, stride) of the windows; 'auto' fills in the defaults, 'slide' needs both
-        keys, as stock's ``slide_inference`` does."""
-        crop, stride = self._test_option('crop_size', None), self._test_option('stride', None)
-        if auto and crop is None:
-            crop = getattr(self.data_preprocessor, 'size', None) or DEFAULT_CROP
-        if auto and stride is None:
-            stride = tuple(c * 2 // 3 for c in crop)
-        for key, value in (('crop_size', crop), ('stride', stride)):
-            if not (isinstance(value, (tuple, list)) and len(value) == 2
-                    and all(isinstance(v, int) and not isinstance(v, bool) and v > 0
-                            for v in value)):
-                raise ValueError(
-                    f"{type(self).__name__}: test_cfg mode='slide' needs {key}=(h, w), two "
-                    f'positive ints, e.g. crop_size=(512, 512), stride=(341, 341); got {value!r}')
-        if any(s > c for s, c in zip(stride, crop)):
-            raise ValueError(f'{type(self).__name__}: test_cfg.stride {tuple(stride)} is larger '
-                             f'than crop_size {tuple(crop)}: the windows would leave gaps')
-        return tuple(crop), tuple(stride)
-
     # ------------------------------------------------------------------ predict
     def predict(self, inputs: Tensor, data_samples: OptSampleList = None) -> SampleList:
         """Labels (and, with ``test_cfg.keep_seg_logits``, logits) equal to stock ``predict``
         with the mode run: 'whole', 'slide', or the one 'auto' chooses within ``max_memory``."""
-        mode = self._checked_mode()
+        settings = self.test_settings
+        self._check_parts(settings)
+        mode = settings.mode
         self._release_heap = auto = mode == 'auto'
-        if not self._test_option('lean', True):
+        if not settings.lean:
             return super().predict(inputs, data_samples)
         batch_img_metas = self._batch_img_metas(inputs, data_samples)
         if not self._head_resize_is_stock():
             # full-size logits come from the inference itself: only the post-processing is lean
             return self._postprocess(self.inference(inputs, batch_img_metas), None, data_samples)
         plan = None  # mode='stream' within max_memory: where its token maps live
-        if auto or mode == 'stream' and self._test_option('max_memory', None) is not None:
+        if auto or mode == 'stream' and settings.max_memory is not None:
             plan = self._choose_memory_plan(inputs, data_samples, stream_only=not auto)
         run = mode if plan is None else plan.name
         if run == 'slide':
-            return self._slide_predict(inputs, data_samples, *self._slide_settings(auto))
+            return self._slide_predict(inputs, data_samples, settings.crop_size, settings.stride)
         if run.startswith('stream'):
             return self._stream_predict(inputs, data_samples, batch_img_metas, plan)
         return self._whole_predict(inputs, batch_img_metas, data_samples)
@@ -496,7 +432,7 @@ class LeanEncoderDecoder(EncoderDecoder):
             image = inputs[i:i + 1]
             for start, stop, band in self._stream_bands(
                     lambda a, b: image[:, :, a:b], tuple(inputs.shape[2:]), head_hw,
-                    self._padding(meta), out_hw, plan, self._test_option('token_dir', None)):
+                    self._padding(meta), out_hw, plan, self.test_settings.token_dir):
                 labels[0, start:stop] = band
             states.append(_RunningArgmax.of_labels(labels))
         return self._set_results(data_samples, states)
@@ -510,7 +446,7 @@ class LeanEncoderDecoder(EncoderDecoder):
         default, :meth:`_stream_band_mb`). ``progress(done, total)``: the trunk's layers count as
         half the work, the label rows as the other half."""
         band_mb = plan.band_mb if plan is not None else self._stream_band_mb(None, 0)
-        on_disk = (self._test_option('token_maps', None) == 'disk'
+        on_disk = (self.test_settings.token_maps == 'disk'
                    or plan is not None and plan.name == 'stream-disk')
         layers = max(self.backbone.out_indices) + 1
         total, done = 2 * out_hw[0], [0]
@@ -562,7 +498,7 @@ class LeanEncoderDecoder(EncoderDecoder):
         """``test_cfg.band_mb`` if given; else ``STREAM_BAND_MB`` of the device, or under
         ``budget_mb`` the largest band up to that which fits beside ``fixed_mb`` (at least the
         minimum)."""
-        given = self._test_option('band_mb', None)
+        given = self.test_settings.band_mb
         if given is not None:
             return given
         default = STREAM_BAND_MB.get(next(self.parameters()).device.type, STREAM_BAND_MB['cpu'])
@@ -593,7 +529,7 @@ class LeanEncoderDecoder(EncoderDecoder):
         metas = self._metas(data_samples, count.shape[0])
         width = width or self._slide_chunk_width(
             C, count.shape, metas, any(map(_is_channels_last, window_logits)))
-        states = [_RunningArgmax(C, self._test_option('keep_seg_logits', False), self._step_done)
+        states = [_RunningArgmax(C, self.test_settings.keep_seg_logits, self._step_done)
                   for _ in metas]
         for c0 in range(0, C, width):
             chunk = self._slide_chunk(window_logits, windows, count, c0, min(c0 + width, C))
@@ -654,7 +590,7 @@ class LeanEncoderDecoder(EncoderDecoder):
                                               _is_channels_last(seg_logits))
         states = []
         for i, (meta, width) in enumerate(zip(metas, widths)):
-            state = _RunningArgmax(C, self._test_option('keep_seg_logits', False), self._step_done)
+            state = _RunningArgmax(C, self.test_settings.keep_seg_logits, self._step_done)
             for c0 in range(0, C, width):
                 state.add(c0, lambda: self._image_chunk(seg_logits, i, c0, min(c0 + width, C),
                                                         head_size, meta))
@@ -668,7 +604,7 @@ class LeanEncoderDecoder(EncoderDecoder):
         """Classes per chunk of each image's post-processing: its planes per class are the
         image's labels and, for the windows, the batch's map (``batch_map`` pixels)."""
         return [chunk_width(num_classes, batch_map + math.prod(self._output_hw(meta, head_hw)),
-                            self._test_option('lean_chunk_mb', 256), channels_last)
+                            self.test_settings.lean_chunk_mb, channels_last)
                 for meta in metas]
 
     def _slide_chunk_width(self, num_classes: int, shape: Sequence[int],
@@ -735,7 +671,7 @@ class LeanEncoderDecoder(EncoderDecoder):
                             stream_only: bool = False) -> Plan:
         """The first of :meth:`memory_plans` (the stream's only, for mode='stream') within
         ``test_cfg.max_memory`` (logged), kept in ``last_memory_plan``."""
-        budget_mb = read_budget_mb(self.test_cfg, type(self).__name__)  # before calibrating
+        budget_mb = self.test_settings.max_memory
         if stream_only:
             head_hw = self._head_resize_size(self._batch_img_metas(inputs, data_samples))
             plans = self._stream_plans(inputs.shape[2:], self._held_mb(
@@ -758,7 +694,7 @@ class LeanEncoderDecoder(EncoderDecoder):
         beside the network's output (:meth:`_post_mb`). Both lines are extrapolated, so their
         estimates are raised by ``MARGIN``; both add the input batch (``INPUT_BYTES``).
         """
-        crop, stride = self._slide_settings(auto=True)
+        crop, stride = self.test_settings.crop_size, self.test_settings.stride
         line = self.network_memory_model(inputs)
         self._release_heap = True  # the post-processing is measured as mode='auto' runs it
         B, _, H, W = inputs.shape
@@ -777,7 +713,7 @@ class LeanEncoderDecoder(EncoderDecoder):
         stream = []
         if self._why_not_streamed() is None:
             stream = self._stream_plans((H, W), self._held_mb(inputs, metas, head_hw),
-                                        self._test_option('max_memory', None))
+                                        self.test_settings.max_memory)
         return [Plan('whole', whole_mb, f'({H}x{W} px)')] + stream + [
                 Plan('slide', slide_mb, f'({len(windows)} windows {win_hw[0]}x{win_hw[1]}, '
                      f'stride {stride[0]}x{stride[1]})')]
@@ -800,7 +736,7 @@ class LeanEncoderDecoder(EncoderDecoder):
         widths = (self._chunk_widths(C, head_hw, metas, channels_last) if windows is None
                   else self._slide_chunk_width(C, inputs.shape, metas, channels_last))
         key = (tuple(inputs.shape), tuple(head_hw), tuple(windows or ()), str(widths),
-               self._test_option('keep_seg_logits', False),
+               self.test_settings.keep_seg_logits,
                tuple((self._output_hw(m, head_hw), self._padding(m), m and m.get('flip'),
                       m and m.get('flip_direction')) for m in metas))
         if key in self._post_lines:
@@ -838,7 +774,7 @@ class LeanEncoderDecoder(EncoderDecoder):
         """The network's peak line: ``test_cfg.memory_model`` if given, else the one measured
         by :func:`~xcit_mm.models.utils.memory_budget.calibrate` on this model's first call (the
         network forward on zeros at ``CALIBRATION_SIZES``, on the inputs' device)."""
-        given = read_memory_model(self._test_option('memory_model', None), type(self).__name__)
+        given = self.test_settings.memory_model
         if given is not None:
             return given
         if self.calibrated_memory_model is None:

@@ -1,0 +1,199 @@
+"""The lean models' ``test_cfg`` read into one frozen settings object, checked key by key.
+
+``LeanEncoderDecoder`` and ``LeanMaskRCNN`` read theirs when built and read them again only after
+``test_cfg`` changed (:class:`LeanSettingsMixin`): a benchmark or a user who sets a key after the
+build gets the same checks as a config. Each check names the fix: an unknown key (a misspelt
+``max_memory`` would run the image whole, with no budget), a value of the wrong kind, a key the
+mode does not read, a mode that needs the lean predict with ``lean=False``.
+"""
+import copy
+import math
+from dataclasses import dataclass, fields
+from typing import ClassVar, Dict, Optional, Sequence, Tuple
+
+from ..utils.memory_budget import MemoryModel, read_budget_mb, read_memory_model
+
+# Network-scale tiles of about the size a COCO detector is trained and tested at (800 x 1333),
+# so each tile looks like an image the detector knows; the overlap is what an object may measure
+# (network pixels) and still be seen whole in some tile.
+DEFAULT_TILE_SIZE = (1024, 1024)
+DEFAULT_TILE_OVERLAP = 256
+# The smallest tile side: XCiT needs 32 px to reach its stride-32 level.
+MIN_TILE_SIZE = 32
+# The window of mode='auto' when neither test_cfg.crop_size nor data_preprocessor.size gives one:
+# mmseg's usual training crop; the stride is two thirds of it, as in mmseg's slide configs.
+DEFAULT_CROP = (512, 512)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_pair(value, least: int) -> bool:
+    return (isinstance(value, (tuple, list)) and len(value) == 2
+            and all(_is_int(v) and v >= least for v in value))
+
+
+def read_band_mb(value, owner: str) -> Optional[float]:
+    """``band_mb``: None or the MB of a band of rows, a positive finite number."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f'{owner}: test_cfg.band_mb must be a positive number of MB, e.g. '
+                         f'band_mb=64 (or None); got {value!r}')
+    return float(value)
+
+
+@dataclass(frozen=True)
+class LeanSettings:
+    """The keys both lean models read; each model's subclass adds its own and its modes."""
+    MODES: ClassVar[Tuple[str, ...]] = ('whole', )
+    LEAN_MODES: ClassVar[Tuple[str, ...]] = ()  # modes stock predict has no equivalent of
+    READ_BY: ClassVar[Dict[str, Tuple[str, ...]]] = {}  # the modes that read a key (else all)
+    OTHER_KEYS: ClassVar[Tuple[str, ...]] = ()  # keys read by the model's parts (rpn, rcnn)
+    DOCS: ClassVar[str] = ''
+    OWNER: ClassVar[str] = ''  # the model named in messages
+
+    mode: str = 'whole'
+    lean: bool = True
+    max_memory: Optional[float] = None
+    memory_model: Optional[MemoryModel] = None
+    band_mb: Optional[float] = None
+
+    @classmethod
+    def from_cfg(cls, test_cfg, owner: Optional[str] = None, **context) -> 'LeanSettings':
+        """``test_cfg`` checked: a ``ValueError`` naming the key and the fix (``MemoryBudgetError``
+        for the budget keys). ``context``: what the model gives its subclass's reader."""
+        cfg, owner = dict(test_cfg or {}), owner or cls.OWNER
+        keys = cls.OTHER_KEYS + tuple(f.name for f in fields(cls))
+        unknown = sorted(set(cfg) - set(keys))
+        if unknown:
+            raise ValueError(f'{owner}: unknown test_cfg key(s) {unknown}; the keys are '
+                             f'{list(keys)} ({cls.DOCS})')
+        mode, lean = cfg.get('mode', 'whole'), cfg.get('lean', True)
+        if mode not in cls.MODES:
+            raise ValueError(f'{owner}: test_cfg.mode must be one of {list(cls.MODES)}, got '
+                             f'{mode!r}; e.g. --cfg-options model.test_cfg.mode=auto '
+                             'model.test_cfg.max_memory=8000')
+        if not isinstance(lean, bool):
+            raise ValueError(f'{owner}: test_cfg.lean must be True or False, got {lean!r}')
+        unread = [k for k in keys
+                  if cfg.get(k) is not None and mode not in cls.READ_BY.get(k, (mode, ))]
+        if unread:
+            modes = cls.READ_BY[unread[0]]
+            raise ValueError(
+                f'{owner}: test_cfg {[k for k in unread if cls.READ_BY[k] == modes]} only apply '
+                f"to {' or '.join(f'mode={m!r}' for m in modes)}, but mode is {mode!r}; set "
+                f'test_cfg.mode={modes[-1]!r} or remove them')
+        band_mb = read_band_mb(cfg.get('band_mb'), owner)
+        needs_lean = (f'mode={mode!r}' if mode in cls.LEAN_MODES
+                      else 'band_mb' if band_mb is not None else None)
+        if needs_lean and not lean:
+            raise ValueError(f'{owner}: test_cfg.{needs_lean} needs the lean predict; it does '
+                             'not combine with lean=False (remove one of them)')
+        budget = (read_budget_mb(cfg, owner)
+                  if mode == 'auto' or cfg.get('max_memory') is not None else None)
+        return cls(mode, lean, budget, read_memory_model(cfg.get('memory_model'), owner),
+                   band_mb, **cls._read_own(cfg, mode, owner, **context))
+
+    @classmethod
+    def _read_own(cls, cfg: dict, mode: str, owner: str, **context) -> dict:
+        return {}
+
+
+@dataclass(frozen=True)
+class DetectorSettings(LeanSettings):
+    """``LeanMaskRCNN``'s top-level ``test_cfg`` keys (next to ``rpn`` and ``rcnn``)."""
+    MODES: ClassVar = ('whole', 'tiles', 'auto')
+    LEAN_MODES: ClassVar = ('tiles', 'auto')
+    READ_BY: ClassVar = dict(tile_size=('tiles', 'auto'), tile_overlap=('tiles', 'auto'),
+                             max_memory=('auto', ), memory_model=('auto', ))
+    OTHER_KEYS: ClassVar = ('rpn', 'rcnn')
+    DOCS: ClassVar = 'docs/lean_detection.md'
+    OWNER: ClassVar = 'LeanMaskRCNN'
+
+    tile_size: Tuple[int, int] = DEFAULT_TILE_SIZE
+    tile_overlap: int = DEFAULT_TILE_OVERLAP
+
+    @classmethod
+    def _read_own(cls, cfg: dict, mode: str, owner: str) -> dict:
+        size = cfg.get('tile_size')
+        size = DEFAULT_TILE_SIZE if size is None else size
+        pair = (size, size) if _is_int(size) else size
+        if not _is_pair(pair, MIN_TILE_SIZE):
+            raise ValueError(
+                f'{owner}: test_cfg.tile_size must be an int or an (h, w) pair of ints, each at '
+                f'least {MIN_TILE_SIZE} (network-scale pixels), e.g. tile_size=1024 or '
+                f'tile_size=(1024, 1536); got {size!r}')
+        overlap = cfg.get('tile_overlap')
+        overlap = DEFAULT_TILE_OVERLAP if overlap is None else overlap
+        if not (_is_int(overlap) and 0 <= overlap < min(pair)):
+            raise ValueError(
+                f'{owner}: test_cfg.tile_overlap must be an int of network-scale pixels, at '
+                f'least 0 and less than the smaller tile side {min(pair)} (tile_size='
+                f'{tuple(pair)}); make it larger than the largest object to be seen whole in one '
+                f'tile; got {overlap!r}')
+        return dict(tile_size=(int(pair[0]), int(pair[1])), tile_overlap=int(overlap))
+
+
+@dataclass(frozen=True)
+class SegmentorSettings(LeanSettings):
+    """``LeanEncoderDecoder``'s ``test_cfg`` keys (``docs/lean_segmentation.md``)."""
+    MODES: ClassVar = ('whole', 'slide', 'auto', 'stream')
+    LEAN_MODES: ClassVar = ('auto', 'stream')
+    READ_BY: ClassVar = dict(max_memory=('auto', 'stream'), memory_model=('auto', ),
+                             band_mb=('stream', 'auto'), token_maps=('stream', 'auto'),
+                             token_dir=('stream', 'auto'))
+    DOCS: ClassVar = 'docs/lean_segmentation.md'
+    OWNER: ClassVar = 'LeanEncoderDecoder'
+
+    keep_seg_logits: bool = False
+    lean_chunk_mb: float = 256
+    crop_size: Tuple[int, int] = DEFAULT_CROP  # mode 'slide' needs both; else auto's default
+    stride: Tuple[int, int] = (341, 341)
+    token_maps: Optional[str] = None
+    token_dir: Optional[str] = None
+
+    @classmethod
+    def _read_own(cls, cfg: dict, mode: str, owner: str,
+                  default_crop: Optional[Sequence[int]] = None) -> dict:
+        """``default_crop``: the data preprocessor's ``size``, auto's window if given."""
+        if cfg.get('token_maps') not in (None, 'memory', 'disk'):
+            raise ValueError(f"{owner}: test_cfg.token_maps must be 'memory' or 'disk', got "
+                             f"{cfg['token_maps']!r}")
+        crop, stride = cfg.get('crop_size'), cfg.get('stride')
+        if mode != 'slide' and crop is None:  # auto's window; stock's slide needs both keys
+            crop = default_crop or DEFAULT_CROP
+        for key, value in (('crop_size', crop), ('stride', stride)):
+            if key == 'stride' and value is None and mode != 'slide':
+                value = stride = tuple(c * 2 // 3 for c in crop)
+            if not _is_pair(value, 1):
+                raise ValueError(
+                    f"{owner}: test_cfg mode='slide' needs {key}=(h, w), two positive ints, "
+                    f'e.g. crop_size=(512, 512), stride=(341, 341); got {value!r}')
+        if any(s > c for s, c in zip(stride, crop)):
+            raise ValueError(f'{owner}: test_cfg.stride {tuple(stride)} is larger than '
+                             f'crop_size {tuple(crop)}: the windows would leave gaps')
+        return dict(keep_seg_logits=cfg.get('keep_seg_logits', False),
+                    lean_chunk_mb=cfg.get('lean_chunk_mb', 256), crop_size=tuple(crop),
+                    stride=tuple(stride), token_maps=cfg.get('token_maps'),
+                    token_dir=cfg.get('token_dir'))
+
+
+class LeanSettingsMixin:
+    """``test_settings``: the model's ``test_cfg`` read by ``SETTINGS.from_cfg`` at build, and
+    read again only when it differs from the copy last read (users and benchmarks change keys
+    after the build; a predict should not check unchanged keys again)."""
+    SETTINGS = LeanSettings
+
+    def _settings_context(self) -> dict:
+        return {}
+
+    @property
+    def test_settings(self) -> LeanSettings:
+        read = getattr(self, '_read_test_cfg', None)  # (the test_cfg read, its settings)
+        if read is None or read[0] != self.test_cfg:
+            settings = self.SETTINGS.from_cfg(self.test_cfg, type(self).__name__,
+                                              **self._settings_context())
+            self._read_test_cfg = read = (copy.deepcopy(self.test_cfg), settings)
+        return read[1]
