@@ -24,12 +24,9 @@ def preprocess_cfg(cfg) -> dict:
 
 def init_backbone(model: str, arch: Union[str, dict] = 's12', patch_size: int = 16,
                   checkpoint: Optional[str] = None, device: str = 'cpu'):
-    """Build an ``XCiTBackbone`` in eval mode; return it and :func:`preprocess_cfg`'s dict.
-
-    ``model``: a config (its ``model.backbone``, SyncBN made BN, its ``init_cfg`` unless
-    ``checkpoint`` replaces it), a checkpoint file or URL (of ``arch`` / ``patch_size``), or
-    ``'random'``. The checkpoint is checked (a ``CheckpointError``) before anything is built.
-    """
+    """An ``XCiTBackbone`` in eval mode and :func:`preprocess_cfg`'s dict. ``model``: a config
+    (SyncBN made BN; ``checkpoint`` replaces its ``init_cfg``), a checkpoint file or URL (of
+    ``arch`` / ``patch_size``), or ``'random'``. The checkpoint is checked before the build."""
     from xcit_mm.models import XCiTBackbone
     cfg, what = {}, '--checkpoint' if checkpoint is not None else 'checkpoint'
     if model.endswith('.py'):

@@ -1,15 +1,8 @@
 # Copyright (c) xcit_mm contributors. All rights reserved.
-"""Images larger than memory in, tiled labels out: what ``tools/segment_large_image.py`` needs
-around ``LeanEncoderDecoder.stream_labels``.
-
-- :func:`open_image`: windows of rows of a TIFF (tiled or striped, BigTIFF, OME-TIFF, GeoTIFF),
-  decoding only the tiles or strips a window touches; other formats whole via ``mmcv.imread``.
-- :func:`model_rows`: the rows as the model's pipeline reads an image (3 bands, uint8, BGR),
-  refusing 1-, 2-, 4-band or 16-bit input unless the caller chose the conversion.
-- :func:`write_labels`: labels, band by band, into a tiled deflate BigTIFF with the dataset's
-  palette and the input's georeferencing; the file appears only when complete.
-
-``tifffile`` is imported inside the functions: ``import xcit_mm`` does not import it.
+"""Images larger than memory in, tiled labels out, around ``LeanEncoderDecoder.stream_labels``
+(``tools/segment_large_image.py``): TIFFs read by windows of rows, decoding only the tiles or
+strips a window touches; labels written band by band into a tiled BigTIFF that appears only
+when complete. ``tifffile`` is imported inside the functions, not by ``import xcit_mm``.
 """
 import errno
 import math
@@ -34,12 +27,9 @@ class LargeImageError(ValueError):
 
 
 class _Source:
-    """Rows of an image, bands in R, G, B(, ...) order, as stored (dtype, band count)."""
+    """Rows of an image, bands in R, G, B(, ...) order, as stored: ``height``, ``width``,
+    ``bands``, ``dtype``."""
 
-    height: int
-    width: int
-    bands: int
-    dtype: np.dtype
     geotags: List[tuple] = []
     nodata: Optional[float] = None
 
@@ -112,7 +102,6 @@ class _TiffSource(_Source):
         self.height, self.width = int(page.imagelength), int(page.imagewidth)
         self.dtype = np.dtype(page.dtype)
         self.bands = sum(int(p.samplesperpixel) for p in self.pages)
-        self._check_segments()
         self.geotags = [(code, tag.dtype, tag.count, tag.value, True)
                         for code, tag in ((c, page.tags.get(c)) for c in GEO_TAGS) if tag]
         nodata = page.tags.get(GDAL_NODATA)
@@ -127,7 +116,7 @@ class _TiffSource(_Source):
 
     def _image_pages(self, series, pages) -> list:
         """The pages holding level 0 of the first image: one page (samples interleaved or in
-        planes), or one page per channel (OME-TIFF's C axis)."""
+        planes), or one page per channel (OME-TIFF's C axis); a truncated file is refused."""
         from tifffile import PHOTOMETRIC
         axes = ''.join(a for a, n in zip(series.axes, series.shape) if n > 1 or a in 'YX')
         if axes in ('YX', 'YXS', 'SYX') and pages:
@@ -152,18 +141,14 @@ class _TiffSource(_Source):
                     and tuple(page.subsampling or (1, 1)) != (1, 1)):
                 raise LargeImageError(f'{self.path}: subsampled YCbCr without JPEG is not read; '
                                       'convert it to RGB first')
-        return pages
-
-    def _check_segments(self) -> None:
-        """Every tile or strip inside the file: a truncated file is refused before any work."""
-        size = self.tif.filehandle.size
-        for page in self.pages:
+            size = self.tif.filehandle.size
             for i, (offset, count) in enumerate(zip(page.dataoffsets, page.databytecounts)):
                 if count and offset + count > size:
-                    kind = 'tile' if page.is_tiled else 'strip'
                     raise LargeImageError(
-                        f'truncated TIFF: {self.path}: {kind} {i} ends at byte '
-                        f'{offset + count}, the file has {size} bytes; copy or download it again')
+                        f'truncated TIFF: {self.path}: {"tile" if page.is_tiled else "strip"} '
+                        f'{i} ends at byte {offset + count}, the file has {size} bytes; copy or '
+                        'download it again')
+        return pages
 
     def _grid(self, page) -> Tuple[int, int, int, int, int]:
         """(segment rows, segment columns, segments down, across, planes) of a page."""
@@ -193,19 +178,12 @@ class _TiffSource(_Source):
                 offset, count = page.dataoffsets[index], page.databytecounts[index]
                 if not count:  # a sparse file's empty tile: GDAL reads it as zeros
                     continue
-                fh.seek(offset)
-                data = fh.read(count)
-                if len(data) != count:
-                    raise LargeImageError(f'truncated TIFF: {self.path}: {kind} {index} is cut '
-                                          'short; copy or download it again')
+                fh.seek(offset)  # inside the file: checked when it was opened
                 try:
-                    segment = page.decode(data, index, jpegtables=page.jpegtables)[0]
+                    segment = page.decode(fh.read(count), index, jpegtables=page.jpegtables)[0]
                 except Exception as e:
                     raise LargeImageError(f'corrupt TIFF: {self.path}: {kind} {index} does not '
                                           f'decode ({type(e).__name__}: {e})') from None
-                if segment is None:
-                    raise LargeImageError(f'corrupt TIFF: {self.path}: {kind} {index} does not '
-                                          'decode')
                 segment = segment.reshape(segment.shape[-3:])  # (rows, columns, samples)
                 x0 = tx * tw
                 cols = min(tw, self.width - x0)
@@ -236,12 +214,8 @@ class _TiffSource(_Source):
 
 
 def open_image(path: str) -> _Source:
-    """A source of windows of rows of the image at ``path``: TIFF files by tiles or strips,
-    anything else whole through ``mmcv.imread``.
-
-    Raises:
-        LargeImageError: missing file, not an image, a truncated or unreadable TIFF.
-    """
+    """Windows of rows of the image at ``path``: a TIFF by tiles or strips, any other file
+    whole through ``mmcv.imread``."""
     if not osp.isfile(path):
         raise LargeImageError(f'image not found: {path}')
     with open(path, 'rb') as f:
@@ -251,17 +225,10 @@ def open_image(path: str) -> _Source:
 
 def model_rows(source: _Source, channels: int = 3, rgb_from: Optional[str] = None,
                scale_16bit: Optional[float] = None) -> Callable[[int, int], np.ndarray]:
-    """``read_rows(start, stop)`` giving what the model's pipeline gives it for an ordinary
-    image: ``channels`` bands of uint8 in BGR order (``mmcv.imread``'s convention).
-
-    The model's mean / std are for 3 bands of 8 bits; anything else would be normalised wrongly
-    without an error, so other inputs need the caller's choice of conversion: ``rgb_from``
-    ``'gray'`` (band 1 as R, G and B: 1- or 2-band images) or ``'first3'`` (bands 1-3: 4 or
-    more bands), and ``scale_16bit`` (the 16-bit value that becomes 255, linearly).
-
-    Raises:
-        LargeImageError: the image does not match and no (or the wrong) conversion was given.
-    """
+    """``read_rows(start, stop)``: ``channels`` bands of uint8 in BGR order, as the model's
+    pipeline reads an ordinary image. Other inputs would be normalised wrongly without an error,
+    so they need the caller's conversion: ``rgb_from`` ``'gray'`` (band 1 as R, G and B) or
+    ``'first3'``, and ``scale_16bit`` (the 16-bit value that becomes 255)."""
     name = getattr(source, 'path', 'the image')
     bands, dtype = source.bands, source.dtype
     if dtype == np.uint16:
@@ -313,9 +280,8 @@ def model_rows(source: _Source, channels: int = 3, rgb_from: Optional[str] = Non
 
 
 def nodata_rows(source: _Source) -> Optional[Callable[[int, int], np.ndarray]]:
-    """``mask(start, stop)``: the pixels whose every band is the input's GDAL nodata value, or
-    None without one. Their labels are the label file's own nodata value, since the input's
-    (often 0) is a class id among the labels."""
+    """``mask(start, stop)`` of the pixels whose every band is the input's GDAL nodata value (the
+    labels get their own: the input's, often 0, is a class id), or None without one."""
     if source.nodata is None:
         return None
     value = source.nodata
@@ -365,11 +331,7 @@ def _tiles(bands: Iterable[Tuple[int, int, object]], hw: Tuple[int, int], dtype:
 
 
 def check_output(out: str) -> None:
-    """Fail before any work on an output that cannot be written.
-
-    Raises:
-        LargeImageError: the folder does not exist, or ``out`` is a folder.
-    """
+    """Fail before any work on an output that cannot be written."""
     folder = osp.dirname(osp.abspath(out))
     if not osp.isdir(folder):
         raise LargeImageError(f'output folder does not exist: {folder}; create it or choose '
@@ -382,18 +344,10 @@ def write_labels(out: str, bands: Iterable[Tuple[int, int, object]], hw: Tuple[i
                  num_classes: int, palette=None, geotags: Sequence[tuple] = (),
                  nodata_mask: Optional[Callable[[int, int], np.ndarray]] = None,
                  tile: int = 256, on_rows: Optional[Callable[[int], None]] = None) -> None:
-    """Write label bands ``(start, stop, labels)`` (rows top to bottom) to ``out``: a BigTIFF of
-    ``tile`` x ``tile`` deflate tiles, uint8 or uint16 by class count, the palette as its
-    ColorMap, ``geotags`` (tifffile extratags) copied, and ``nodata_mask``'s pixels set to the
-    dtype's largest value, written as GDAL_NODATA.
-
-    ``bands`` is consumed while the tiles are written, so at most one row of tiles is held. The
-    file is written as ``out + '.partial'`` (beside ``out``: the rename is atomic) and renamed
-    once complete; on any error or interruption the partial file is removed.
-
-    Raises:
-        LargeImageError: no space left on the device (ENOSPC).
-    """
+    """Write label bands ``(start, stop, labels)``, top to bottom, to ``out``: a BigTIFF of
+    deflate tiles, uint8 or uint16 by class count, the palette as its ColorMap, ``geotags``
+    copied, ``nodata_mask``'s pixels the dtype's largest value (GDAL_NODATA). At most one row of
+    tiles is held; ``out + '.partial'`` is renamed once complete, removed on any error."""
     import tifffile
     if num_classes > 65535:
         raise LargeImageError(f'{num_classes} classes do not fit a 16-bit label file')

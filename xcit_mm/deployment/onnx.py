@@ -1,10 +1,9 @@
 # Copyright (c) xcit_mm contributors. All rights reserved.
-"""ONNX export of XCiT models and its check against PyTorch with ONNX Runtime.
+"""ONNX export of XCiT models, checked against PyTorch with ONNX Runtime (docs/deployment.md).
 
-The input is the normalised image batch ``image`` (B, 3, H, W); a segmentor exports ``logits``
-at the input size, a detector its backbone + neck (``feat0`` ...), see docs/deployment.md. The
-TorchScript exporter (``dynamo=False``) traces the backbone's traceable path, the one that holds
-at every size. ``onnx`` / ``onnxruntime`` are imported only when needed.
+The input is the normalised batch ``image``; a segmentor exports ``logits`` at the input size, a
+detector its backbone + neck. The TorchScript exporter traces the backbone's traceable path, the
+one that holds at every size.
 """
 import copy
 import os
@@ -45,8 +44,7 @@ def check_onnx_runtime(need_runtime: bool = True):
 
 
 class SegmentorLogits(nn.Module):
-    """An mmseg ``EncoderDecoder`` as image -> logits resized to the input size, i.e.
-    ``encode_decode`` for whole-image inference without the image metas."""
+    """An mmseg ``EncoderDecoder``'s ``encode_decode`` without the image metas."""
 
     def __init__(self, segmentor: nn.Module):
         super().__init__()
@@ -60,7 +58,6 @@ class SegmentorLogits(nn.Module):
 
 
 class DetectorFeatures(nn.Module):
-    """An mmdet detector's backbone + neck: image -> the neck's feature maps."""
 
     def __init__(self, detector: nn.Module):
         super().__init__()
@@ -81,14 +78,8 @@ def _class_names(meta: dict, cfg) -> Tuple[str, ...]:
 
 def build_export_model(config, checkpoint: Optional[str] = None,
                        cfg_options: Optional[dict] = None) -> nn.Module:
-    """The module to export for a config (and checkpoint), in eval mode on the CPU.
-
-    Built by ``mmdet.apis.init_detector`` / ``mmseg.apis.init_model``, the checkpoint (if any)
-    read by mmengine's ``load_checkpoint``, which ``import xcit_mm`` makes safe. Returns a
-    :class:`SegmentorLogits` or :class:`DetectorFeatures` with the attributes ``task``,
-    ``output_names`` and ``metadata`` (written into the file). Raises FileNotFoundError,
-    TypeError, ExportError / ValueError (no supported model) and ``CheckpointError``.
-    """
+    """The module to export for a config (and checkpoint), in eval mode on the CPU, with the
+    attributes ``task``, ``output_names`` and ``metadata`` (written into the file)."""
     from mmengine.model import revert_sync_batchnorm
     from mmengine.runner import load_checkpoint
 
@@ -151,8 +142,7 @@ def build_export_model(config, checkpoint: Optional[str] = None,
 
 
 def _upsample_traceable(self, x: torch.Tensor) -> torch.Tensor:
-    """mmseg ``Upsample.forward`` without ``int()`` of the traced size (a constant in the
-    graph); ``recompute_scale_factor=True`` gives the same output size and sampling."""
+    """mmseg ``Upsample.forward`` without ``int()`` of the traced size (a graph constant)."""
     if self.size:
         return F.interpolate(x, self.size, None, self.mode, self.align_corners)
     return F.interpolate(x, scale_factor=self.scale_factor, mode=self.mode,
@@ -183,7 +173,7 @@ def _adaptive_avg_pool_traceable(self, x: torch.Tensor) -> torch.Tensor:
 @contextmanager
 def traceable_upstream_modules(model: nn.Module):
     """Inside the block, mmseg's ``Upsample`` and ``nn.AdaptiveAvgPool2d`` modules of ``model``
-    run the traceable forwards above (``verify_onnx`` checks them against the unpatched model)."""
+    run the traceable forwards above."""
     from mmseg.models.utils import Upsample
     forwards = {Upsample: _upsample_traceable, nn.AdaptiveAvgPool2d: _adaptive_avg_pool_traceable}
     patched = []
@@ -208,8 +198,8 @@ def _check_shape(shape: Sequence[int], what: str = '--shape') -> Tuple[int, int]
 
 def export_onnx(model: nn.Module, out_file: str, shape: Sequence[int], dynamic: bool = False,
                 opset: int = DEFAULT_OPSET, batch: int = 1) -> str:
-    """Export ``model`` (from :func:`build_export_model`) traced at ``batch`` x 3 x ``shape`` to
-    ``out_file``; ``dynamic``: batch, height and width as dynamic axes. Returns ``out_file``."""
+    """Export ``model`` (:func:`build_export_model`) traced at ``batch`` x 3 x ``shape``;
+    ``dynamic``: batch, height and width as dynamic axes. Returns ``out_file``."""
     onnx, _ = check_onnx_runtime(need_runtime=False)
     h, w = _check_shape(shape)
     names = list(getattr(model, 'output_names', None) or ['output'])
@@ -252,7 +242,6 @@ def onnx_session(onnx_file: str, threads: Optional[int] = None):
 
 
 def run_onnx(session, image: torch.Tensor) -> List[torch.Tensor]:
-    """Outputs of ``session`` for one image batch, as tensors."""
     outs = session.run(None, {session.get_inputs()[0].name: image.numpy()})
     return [torch.from_numpy(o) for o in outs]
 
@@ -267,13 +256,10 @@ def other_shape(shape: Sequence[int]) -> Tuple[int, int]:
 def verify_onnx(model: nn.Module, onnx_file: str, shapes: Sequence[Sequence[int]],
                 tolerance: float = DEFAULT_TOLERANCE, threads: Optional[int] = None,
                 batch: int = 1, seed: int = 0) -> List[Dict]:
-    """Compare the file run by ONNX Runtime with ``model`` run by PyTorch, per size, on a seeded
-    random image. ``max_rel`` = max |onnx - torch| / max |torch| (per-element ratios are
-    meaningless where the reference crosses zero); a size is ``ok`` when every output has the
-    reference's shape and ``max_rel <= tolerance``. Returns one dict per size: ``shape``,
-    ``outputs`` (``name``, ``shape``, ``max_abs``, ``max_rel``), the worst ``max_abs`` /
-    ``max_rel`` and ``ok``.
-    """
+    """The file run by ONNX Runtime against ``model`` in PyTorch on a seeded random image, one
+    dict per size. ``max_rel`` = max |onnx - torch| / max |torch| (per-element ratios are
+    meaningless where the reference crosses zero); ``ok``: every shape right and ``max_rel <=
+    tolerance``."""
     session = onnx_session(onnx_file, threads)
     names = [o.name for o in session.get_outputs()]
     results = []

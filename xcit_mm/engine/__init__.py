@@ -1,5 +1,4 @@
 """Layer-wise learning-rate decay, registered by ``import xcit_mm``."""
-from .hooks import LayerDecayLrHook
-from .optimizers import XCiTLayerDecayOptimizerConstructor
+from .layer_decay import LayerDecayLrHook, XCiTLayerDecayOptimizerConstructor
 
 __all__ = ['LayerDecayLrHook', 'XCiTLayerDecayOptimizerConstructor']

@@ -1,10 +1,7 @@
 # Copyright (c) xcit_mm contributors. All rights reserved.
-"""What XCiT's cross-covariance attention (XCA) looks at: per-head maps and their PNG grid.
-
-Per chosen layer and head (paper Figure D.2): ``|q̂|`` and ``|k̂|``, the L2 norm of each patch
-token's normalised query / key over the head's d channels, on the patch grid, and ``XCA``, the
-d x d channel attention ``softmax(q̂ k̂ᵀ · τ)``. Each map has its own min-max colour scale, printed
-under it. Layout: :func:`figure_size`; docs/visualisation.md.
+"""What XCiT's cross-covariance attention (XCA) looks at, per layer and head (paper Figure D.2):
+``|q̂|`` and ``|k̂|`` per patch token on the patch grid, and the d x d channel attention, each
+map with its own colour scale printed under it (docs/visualisation.md).
 """
 import os
 import os.path as osp
@@ -20,17 +17,18 @@ SAMPLE_IMAGES = ('grace_hopper', 'astronaut', 'chelsea', 'coffee')
 
 
 class XCAFigure(NamedTuple):
-    """What :func:`visualize_xca` drew."""
-    maps: Dict[int, Dict[str, np.ndarray]]  #: the output of :func:`xca_maps`
-    title: str  #: the figure title (also the PNG's ``Title`` metadata)
-    image_hw: Tuple[int, int]  #: (H, W) of the image fed to the network
-    grid_hw: Tuple[int, int]  #: (Hp, Wp) patch grid
-    png_size: Tuple[int, int]  #: (width, height) of the PNG, as :func:`figure_size`
+    """What :func:`visualize_xca` drew: :func:`xca_maps`, the title, the image's and the patch
+    grid's (H, W), the PNG's (width, height)."""
+    maps: Dict[int, Dict[str, np.ndarray]]
+    title: str
+    image_hw: Tuple[int, int]
+    grid_hw: Tuple[int, int]
+    png_size: Tuple[int, int]
 
 
 def load_image(spec: str) -> Tuple[np.ndarray, str]:
-    """``(image, name)``: an (H, W, 3) uint8 RGB array and a short name, from an image file or
-    a name in :data:`SAMPLE_IMAGES` (offline: matplotlib's and scikit-image's sample photos)."""
+    """``(RGB uint8 image, short name)`` of an image file or one of :data:`SAMPLE_IMAGES`
+    (matplotlib's and scikit-image's offline sample photos)."""
     if osp.isfile(spec):
         import cv2
         data = np.fromfile(spec, dtype=np.uint8)
@@ -75,8 +73,7 @@ def resize_longer_side(img: np.ndarray, size: int) -> np.ndarray:
 
 def to_tensor(img_rgb: np.ndarray, mean: Sequence[float], std: Sequence[float],
               rgb: bool = True):
-    """(H, W, 3) uint8 RGB -> normalised (1, 3, H, W) tensor; ``mean`` / ``std`` in the model's
-    channel order, ``rgb=False`` feeds BGR."""
+    """(H, W, 3) uint8 RGB -> normalised (1, 3, H, W) tensor; ``rgb=False`` feeds BGR."""
     import torch
     img = img_rgb if rgb else img_rgb[..., ::-1]
     x = (img.astype(np.float32) - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
@@ -100,8 +97,8 @@ def resolve_layers(layers: Optional[Sequence[int]], num_layers: int) -> List[int
 
 
 def xca_maps(backbone, x, layers: Sequence[int]) -> Dict[int, Dict[str, np.ndarray]]:
-    """One trunk pass under ``backbone.capture_xca``, for the first image of ``x``:
-    ``{layer: dict(q_norm=(h, Hp, Wp), k_norm=(h, Hp, Wp), attn=(h, d, d), grid=(Hp, Wp))}``."""
+    """``{layer: dict(q_norm=(h, Hp, Wp), k_norm=(h, Hp, Wp), attn=(h, d, d), grid=(Hp, Wp))}``
+    of the first image of ``x``."""
     import torch
     with torch.no_grad(), backbone.capture_xca(list(layers)) as record:
         backbone.forward_trunk(x)
@@ -117,15 +114,13 @@ def xca_maps(backbone, x, layers: Sequence[int]) -> Dict[int, Dict[str, np.ndarr
 
 
 def figure_size(num_layers: int, num_heads: int, cell: int = 160) -> Tuple[int, int]:
-    """``(width, height)`` of the grid PNG (as ``PIL.Image.size``): the image column and one per
-    head, 3 rows per layer, of ``cell`` px, plus the title margins."""
+    """``(width, height)`` of the PNG: the image column and one per head, 3 rows per layer."""
     return LEFT_PX + cell * (1 + num_heads), TOP_PX + cell * 3 * num_layers
 
 
 def draw_grid(image: np.ndarray, maps: Dict[int, Dict[str, np.ndarray]], out_file: str,
               cell: int = 160, title: str = '', progress: bool = False) -> Tuple[int, int]:
-    """Draw ``image`` and its :func:`xca_maps` as one PNG (``title`` also its ``Title``
-    metadata); returns its :func:`figure_size`."""
+    """Draw ``image`` and its :func:`xca_maps` as one PNG; return its :func:`figure_size`."""
     import matplotlib
     matplotlib.use('Agg', force=False)
     import matplotlib.pyplot as plt
@@ -185,9 +180,8 @@ def visualize_xca(image: str, model: str, out_file: str, arch: Union[str, dict] 
                   patch_size: int = 16, checkpoint: Optional[str] = None,
                   layers: Optional[Sequence[int]] = None, size: int = 512, cell: int = 160,
                   device: str = 'cpu', progress: bool = False) -> XCAFigure:
-    """Image (resized to a longer side of ``size``) -> backbone (``model``: a config, checkpoint
-    or ``'random'``, see ``init_backbone``) -> XCA grid PNG at ``layers``. Raises
-    FileNotFoundError / ValueError for a bad input, CheckpointError before building."""
+    """Image (longer side ``size``) -> backbone (``model``: see ``init_backbone``) -> XCA grid
+    PNG at ``layers``."""
     from xcit_mm.apis import init_backbone
     img, name = load_image(image)
     img = resize_longer_side(img, size)

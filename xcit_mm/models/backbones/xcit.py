@@ -4,16 +4,8 @@ A conv stem brings the image to stride ``patch_size``, which every XCiT layer ke
 over channels (XCA) makes cost linear in pixels. The features of four layers are rescaled to
 strides 4, 8, 16 and 32 (paper appendix B.2) for FPN-style necks.
 
-State-dict keys (xcit_mm's layout; :mod:`xcit_mm.models.utils.ckpt_convert` converts the
-official, timm and mmpretrain layouts to it)::
-
-    patch_embed.proj.{i}.{conv,bn}.*      conv stem, 3x3 stride 2 each
-    pos_embed.proj.*                      1x1 projection of the 64-d Fourier code
-    layers.{i}.{norm1,attn.{qkv,temperature,proj},norm3,lpi.{conv1,bn,conv2},norm2,
-               ffn.{fc1,fc2},gamma1,gamma2,gamma3}
-    fpn1.{0,1,3}.*, fpn2.0.*  (p16)       the stride adapter, built as nn.Sequential exactly where
-    fpn1.0.*                  (p8)        the released detectors/segmentors have one, so their
-                                          files load under the same names
+The state-dict keys are xcit_mm's layout (docs/weights.md); the adapter's ``fpn1``..``fpn4``
+are built as the released detectors / segmentors have them, so their files load as they are.
 """
 import math
 import warnings
@@ -33,8 +25,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..inference.row_stream import (Crop, RowMap, TokenMap, TokenMaps, band_rows_for,
                                     module_rows, row_bands)
-from ..layers import (batch_norm_stats_frozen, ffn_residual, recomputed_residual, up2_blockwise,
-                      xca_mixing, xca_mixing_of_sums, xca_residual)
+from ..layers import (batch_norm_stats_frozen, ffn_residual, recomputed_residual, split_qkv,
+                      up2_blockwise, xca_mixing, xca_mixing_of_sums, xca_residual)
 from ..utils.ckpt_load import (backbone_load_post_hook, backbone_load_pre_hook,
                                load_backbone_checkpoint)
 
@@ -85,7 +77,6 @@ class FourierPositionEncoding(nn.Module):
         return F.linear(torch.cat([code_y, code_x], dim=2).to(weight.dtype), weight, self.proj.bias)
 
     def forward(self, grid_hw: Tuple[int, int]) -> torch.Tensor:
-        """Return the position embedding as tokens, shape (1, H*W, embed_dims)."""
         H, W = grid_hw
         return self.rows(grid_hw, 0, H).reshape(1, H * W, -1)
 
@@ -107,7 +98,6 @@ class ConvPatchEmbed(nn.Module):
         self.patch_size = 2**num_convs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The token grid of ``x`` (height and width multiples of the patch size)."""
         # 3x3 convs run faster channels-last on CPU, and the (B, N, D) token view of a
         # channels-last output is free.
         return self.proj(x.contiguous(memory_format=torch.channels_last))
@@ -115,10 +105,8 @@ class ConvPatchEmbed(nn.Module):
     def rows(self, read_pixels: Callable[[int, int], torch.Tensor], image_hw: Tuple[int, int],
              start: int, stop: int) -> torch.Tensor:
         """Token rows ``start:stop`` (1, D, rows, ceil(W / p)) of the zero-padded image given by
-        pixel rows (``read_pixels(a, b)``: (1, C, b - a, W)): token row r of the 3x3 stride-2
-        chain reads pixel rows p r - (p - 1) .. p r + (p - 1), so one patch row above suffices.
-        Eval only (BN in training normalises over the batch), as its caller
-        :meth:`XCiTBackbone.stream_trunk` checks."""
+        ``read_pixels(a, b)`` (1, C, b - a, W). Token row r reads pixel rows p r - (p - 1) ..
+        p r + (p - 1): one patch row above suffices. Eval only (BN normalises over the batch)."""
         p = self.patch_size
         (H, W), lo, hi = image_hw, max(0, start - 1) * p, stop * p
         x = read_pixels(lo, min(H, hi))
@@ -135,11 +123,9 @@ class XCAProbe(nn.Module):
 
 
 class XCA(nn.Module):
-    """Cross-covariance attention: a (d x d) attention between channels, per head, linear in
-    the number of tokens. The L2 normalisation is applied to the (d x d) product and the mixing
-    ``attn @ v`` is folded into the output projection (one matmul on a view of qkv). Attention
-    runs in float32 even under autocast: bf16 would lose the small normalised entries.
-    """
+    """Cross-covariance attention: a (d x d) attention between channels per head, folded into
+    the output projection (one matmul on a view of qkv). Float32 even under autocast: bf16
+    would lose the small normalised entries."""
 
     def __init__(self, embed_dims: int, num_heads: int):
         super().__init__()
@@ -152,11 +138,7 @@ class XCA(nn.Module):
         self.probe = XCAProbe()
 
     def forward(self, x: torch.Tensor, grid_hw: Tuple[int, int]) -> torch.Tensor:
-        B, N, C = x.shape
-        qkv = self.qkv(x)
-        # (B, N, 3, h, d) -> 3 x (B, h, N, d): views, no copy
-        q, k, _ = qkv.reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(
-            2, 0, 3, 1, 4).unbind(0)
+        q, k, v = split_qkv(self.qkv(x), self.num_heads)  # views, no copy
         autocast = torch.is_autocast_enabled(x.device.type)
         with torch.autocast(x.device.type, enabled=False) if autocast else nullcontext():
             dtype = torch.promote_types(q.dtype, torch.float32)  # fp16/bf16 -> fp32, fp64 stays
@@ -167,13 +149,12 @@ class XCA(nn.Module):
             if self.probe._forward_hooks:  # only materialise normalised q/k for a listener
                 self.probe((q / q_norm[..., None, :]).transpose(-2, -1),
                            (k / k_norm[..., None, :]).transpose(-2, -1), attn, grid_hw)
-        v = qkv[..., 2 * C:]  # (B, N, C) view
         return torch.baddbmm(self.proj.bias.to(v.dtype), v, mixing.to(v.dtype))
 
 
 class LPI(nn.Module):
-    """Local patch interaction (depthwise 3x3 conv -> GELU -> BN -> depthwise 3x3 conv): exchange
-    between neighbouring patches, on the tokens viewed as a channels-last image (no copy)."""
+    """Depthwise 3x3 conv -> GELU -> BN -> depthwise 3x3 conv on the tokens viewed as a
+    channels-last image (no copy)."""
 
     def __init__(self, embed_dims: int, norm_cfg: dict):
         super().__init__()
@@ -190,7 +171,6 @@ class LPI(nn.Module):
 
 
 class FFN(nn.Module):
-    """Linear(D, rD) -> GELU -> Linear(rD, D)."""
 
     def __init__(self, embed_dims: int, mlp_ratio: float = 4.):
         super().__init__()
@@ -221,17 +201,17 @@ class XCiTLayer(nn.Module):
         self.gamma2 = nn.Parameter(layer_scale_init_value * torch.ones(embed_dims))
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
-    def _residual(self, x: torch.Tensor, gamma: torch.Tensor, branch: torch.Tensor):
-        if isinstance(self.drop_path, DropPath) and self.training:
-            return x + self.drop_path(gamma * branch)
-        return torch.addcmul(x, gamma, branch)  # x + gamma * branch in one pass
-
     def _drop_scale(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """Per-sample drop-path factor (B, 1, 1), or None: mmcv's ``DropPath`` of ones, i.e. the
         same draw as ``drop_path(gamma * branch)`` on the plain path."""
         if not (isinstance(self.drop_path, DropPath) and self.training):
             return None
         return self.drop_path(x.new_ones(x.shape[0], 1, 1))
+
+    def _residual(self, x: torch.Tensor, gamma: torch.Tensor, branch: torch.Tensor):
+        if isinstance(self.drop_path, DropPath) and self.training:
+            return x + self.drop_path(gamma * branch)
+        return torch.addcmul(x, gamma, branch)  # x + gamma * branch in one pass
 
     def forward(self, x: torch.Tensor, grid_hw: Tuple[int, int]) -> torch.Tensor:
         # eager training: the memory-lean functions of xcit_mm.models.layers; otherwise (no grad,
@@ -289,9 +269,8 @@ class XCiTLayer(nn.Module):
 
 
 def _build_adapter(embed_dims: int, patch_size: int, norm_cfg: dict) -> List[nn.Module]:
-    """Modules taking the stride-``patch_size`` trunk maps to strides 4, 8, 16, 32 (paper B.2),
-    in ``nn.Sequential`` exactly where the official code has one, so the released files' names
-    (``fpn2.0.weight``, ``fpn1.1.running_mean``...) load."""
+    """Modules taking the trunk maps to strides 4, 8, 16, 32 (paper B.2), in ``nn.Sequential``
+    exactly where the official code has one, so that the released files' names load."""
 
     def up2():
         return nn.ConvTranspose2d(embed_dims, embed_dims, kernel_size=2, stride=2)
@@ -308,17 +287,16 @@ def _build_adapter(embed_dims: int, patch_size: int, norm_cfg: dict) -> List[nn.
 
 
 def _tracing() -> bool:
-    """Whether dynamo (``torch.compile`` / ``torch.export``) or a TorchScript trace (ONNX) is
-    recording: then the backbone takes plain tensor code instead of its hand-scheduled eager path
-    (in-place row blocks, branches on the size), so that one graph serves every image size."""
+    """Whether dynamo or a TorchScript trace (ONNX) records: then plain tensor code replaces the
+    hand-scheduled eager path, so that one graph serves every image size."""
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
 def _up2_traceable(conv: nn.ConvTranspose2d, x: torch.Tensor,
                    layout: torch.memory_format) -> torch.Tensor:
     """``conv`` (kernel 2, stride 2) of a channels-last map as plain tensor code for compilers and
-    exporters (no in-place row blocks as in ``up2_blockwise``): one matmul for the four kernel
-    offsets, oriented by ``layout`` so that the one interleaving copy reads contiguous rows."""
+    exporters: one matmul for the four kernel offsets, oriented by ``layout`` so that the one
+    interleaving copy reads contiguous rows."""
     B, C, H, W = x.shape
     out_channels = conv.out_channels
     weight = conv.weight.permute(0, 2, 3, 1).reshape(C, 4 * out_channels)  # (di, dj, o) columns
@@ -339,33 +317,24 @@ class XCiTBackbone(BaseModule):
     """XCiT trunk with the multi-scale adapter, for mmdet and mmseg.
 
     Args:
-        arch (str | dict): One of ``arch_zoo`` (n12, t12, t24, s12, s24, m24, l24) or a dict with
-            ``embed_dims``, ``depth``, ``num_heads`` (and optionally ``mlp_ratio``).
+        arch (str | dict): One of ``arch_zoo`` or a dict with ``embed_dims``, ``depth``,
+            ``num_heads`` (and optionally ``mlp_ratio``).
         patch_size (int): 8 or 16: the stride of the trunk.
-        in_channels (int): Image channels. Defaults to 3.
-        out_indices (Sequence[int], optional): Four 0-based layer indices whose outputs feed the
-            stride 4/8/16/32 levels. Defaults to the paper's (3, 5, 7, 11) / (7, 11, 15, 23).
-            Later layers never run: kept (checkpoints load) with ``requires_grad=False`` for DDP.
-        drop_path_rate (float): Stochastic depth, the same for every layer. Defaults to 0.
-        layer_scale_init_value (float, optional): Initial gamma. Defaults to 1.0 for up to 12
+        out_indices (Sequence[int], optional): Four layers feeding the stride 4/8/16/32 levels;
+            by default the paper's. Later layers never run: their parameters do not require grad.
+        layer_scale_init_value (float, optional): Initial gamma: by default 1.0 for up to 12
             layers and 1e-5 for deeper models, as in the paper.
-        mlp_ratio (float): FFN width ratio. Defaults to 4.
-        norm_cfg (dict): Norm of the BatchNorms (patch embed, LPI, adapter). ``dict(type='BN')``
-            for one device, ``dict(type='SyncBN')`` for multi-GPU training.
-        frozen_stages (int): -1 freezes nothing; 0 freezes the patch and position embeddings;
-            k >= 1 also the first k layers (parameters stop requiring grad, modules stay in eval).
-        norm_eval (bool): Keep every norm layer (BN and LN) in eval mode during training, so BN
-            statistics stay those of the pretrained weights.
-        with_cp (bool): Gradient checkpointing per layer: trades compute for activation memory.
-        out_channels_last (bool): Return the four maps channels-last (the trunk's own layout: no
-            transposing copies). Defaults to False: contiguous NCHW, which ops that read raw NCHW
-            memory need (mmcv's CPU ``RoIAlign`` in mmdet's ``SingleRoIExtractor``).
+        frozen_stages (int): -1 freezes nothing; 0 the patch and position embeddings; k >= 1
+            also the first k layers.
+        norm_eval (bool): Keep every norm layer (BN and LN) in eval mode during training.
+        with_cp (bool): Gradient checkpointing per layer.
+        out_channels_last (bool): Return the maps channels-last (no transposing copies); by
+            default NCHW, which mmcv's CPU ``RoIAlign`` needs.
         init_cfg (dict, optional): ``dict(type='Pretrained', checkpoint=PATH_OR_URL)`` loads any
             published layout (``prefix`` selects a sub-module, ``weights_only=False`` unpickles a
-            file you trust). See :mod:`xcit_mm.models.utils`.
-        pretrained (str, optional): Deprecated, as in mmseg's backbones (its ``EncoderDecoder``
-            passes ``model.pretrained`` here): a path or URL becomes ``init_cfg``. mmseg's model
-            bases set it to their ResNet's ``open-mmlab://`` weights, which is an error here.
+            file you trust).
+        pretrained (str, optional): Deprecated, as in mmseg's backbones: a path or URL becomes
+            ``init_cfg``; mmseg's ResNet ``open-mmlab://`` weights are an error here.
     """
 
     def __init__(self,
@@ -437,7 +406,6 @@ class XCiTBackbone(BaseModule):
         self.register_load_state_dict_pre_hook(backbone_load_pre_hook)
         self.register_load_state_dict_post_hook(backbone_load_post_hook)
 
-    # ------------------------------------------------------------------ construction helpers
     @staticmethod
     def _pretrained_init_cfg(pretrained: Optional[str], init_cfg: Optional[dict]):
         if pretrained is None:
@@ -493,9 +461,7 @@ class XCiTBackbone(BaseModule):
     def adapters(self) -> List[nn.Module]:
         return [self.fpn1, self.fpn2, self.fpn3, self.fpn4]
 
-    # ------------------------------------------------------------------ weights
     def init_weights(self):
-        """Truncated-normal init as in the reference code, then the Pretrained checkpoint if any."""
         self.apply(_init_module)
         init_cfg = self.init_cfg
         if isinstance(init_cfg, dict) and init_cfg.get('type') == 'Pretrained':
@@ -508,7 +474,6 @@ class XCiTBackbone(BaseModule):
             super().init_weights()
         self._is_init = True
 
-    # ------------------------------------------------------------------ train-mode behaviour
     def _freeze_stages(self):
         # layers past the last output never run: no gradient would ever reach them
         frozen = list(self.layers[max(self.out_indices) + 1:])
@@ -528,7 +493,6 @@ class XCiTBackbone(BaseModule):
                     m.eval()
         return self
 
-    # ------------------------------------------------------------------ forward
     def _check_input(self, x: torch.Tensor):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -548,10 +512,7 @@ class XCiTBackbone(BaseModule):
                              '(e.g. Pad size_divisor=32)')
 
     def forward_trunk(self, x: torch.Tensor) -> List[torch.Tensor]:
-        """Trunk features at ``out_indices``, each (B, D, ceil(H/p), ceil(W/p)), before the adapter.
-
-        Images whose sides are not multiples of the patch size are zero-padded at the bottom/right.
-        """
+        """Trunk maps at ``out_indices`` (B, D, ceil(H/p), ceil(W/p)), the image zero-padded."""
         self._check_input(x)
         H, W = x.shape[-2:]
         # round up with floor division, not ``-H % p``: a modulo of symbolic sizes makes
@@ -579,21 +540,16 @@ class XCiTBackbone(BaseModule):
         return [taps[i] for i in self.out_indices]
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        """Return 4 maps of ``embed_dims`` channels at strides 4/8/16/32, each ceil(H/s) x
-        ceil(W/s): contiguous NCHW, or channels-last with ``out_channels_last``."""
+        """4 maps at strides 4/8/16/32, each ceil(H/s) x ceil(W/s)."""
         H, W = x.shape[-2:] if isinstance(x, torch.Tensor) else (0, 0)
         feats = self.forward_trunk(x)
         return tuple(self.forward_level(feat, level, (H, W)) for level, feat in enumerate(feats))
 
     def forward_level(self, feat: torch.Tensor, level: int,
                       image_hw: Tuple[int, int]) -> torch.Tensor:
-        """Adapter output of one level from its trunk map (one item of :meth:`forward_trunk`),
-        for callers that need the levels one at a time; :meth:`forward` runs it on every level.
-
-        The branch runs channels-last like the trunk; a final 2x upsampling (the largest map)
-        writes straight into the output layout in row blocks (``up2_blockwise``). NCHW by
-        default: mmcv's CPU ``RoIAlign`` reads raw NCHW memory.
-        """
+        """Adapter output of one level from its trunk map. A final 2x upsampling writes straight
+        into the output layout in row blocks; NCHW by default: mmcv's CPU ``RoIAlign`` reads raw
+        NCHW memory."""
         H, W = image_hw
         stride = self.strides[level]
         layout = torch.channels_last if self.out_channels_last else torch.contiguous_format
@@ -621,10 +577,8 @@ class XCiTBackbone(BaseModule):
                      image_hw: Tuple[int, int], maps: TokenMaps, band_mb: float,
                      progress: Callable[[], None] = lambda: None) -> List[TokenMap]:
         """:meth:`forward_trunk` of one image as token maps (ceil(H/p), ceil(W/p), D) in ``maps``
-        (memory or disk), the image read by bands of pixel rows (``read_pixels(a, b)``: (1, C,
-        b - a, W)). Each layer updates the map in place (:meth:`XCiTLayer.forward_streamed`); a
-        copy is kept at each ``out_indices`` layer but the last. Eval mode; equal up to float
-        rounding. ``progress`` is called after each layer.
+        (memory or disk), the image read by bands of pixel rows (``read_pixels(a, b)``). Each
+        layer updates the map in place; a copy is kept at each ``out_indices`` layer but the last.
         """
         if self.training:
             raise RuntimeError('XCiTBackbone.stream_trunk is for inference: call .eval() first')
@@ -652,24 +606,17 @@ class XCiTBackbone(BaseModule):
         return [kept[i] for i in self.out_indices]
 
     def level_rows(self, trunk_map: RowMap, level: int, image_hw: Tuple[int, int]) -> RowMap:
-        """:meth:`forward_level` of a trunk map given by rows, as rows: every adapter branch is
-        row-local, so a band of a large level is made from its trunk rows alone."""
+        """:meth:`forward_level` of a trunk map given by rows, as rows (the adapter: row-local)."""
         H, W = image_hw
         stride = self.strides[level]
         out = module_rows(self.adapters[level], trunk_map)
         return Crop(out, 0, 0, (H + stride - 1) // stride, (W + stride - 1) // stride)
 
-    # ------------------------------------------------------------------ introspection
     @contextmanager
     def capture_xca(self, layers: Optional[Sequence[int]] = None):
         """Yield ``{layer_index: dict(q, k, attn, grid)}``, filled by forward passes inside the
-        block: L2-normalised q and k (B, heads, d, N), softmaxed attention (B, heads, d, d) and the
-        patch grid (Hp, Wp), detached, of the last pass. Example::
-
-            with backbone.capture_xca([3, 11]) as xca:
-                backbone(img)
-            q_norm_map = xca[11]['q'].norm(dim=2).reshape(-1, heads, *xca[11]['grid'])
-        """
+        block: normalised q and k (B, heads, d, N), attention (B, heads, d, d) and the patch grid
+        (Hp, Wp), detached, of the last pass."""
         layers = range(self.num_layers) if layers is None else layers
         records: Dict[int, dict] = {}
         handles = []
@@ -690,7 +637,7 @@ class XCiTBackbone(BaseModule):
 
 
 def _init_module(m: nn.Module):
-    """Reference-code init: trunc-normal(0.02) linears, unit LayerNorms, PyTorch default convs."""
+    """The reference code's init: trunc-normal(0.02) linears, unit LayerNorms."""
     if isinstance(m, nn.Linear):
         trunc_normal_(m.weight, std=.02)
         if m.bias is not None:

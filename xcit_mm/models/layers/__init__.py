@@ -1,8 +1,8 @@
 from .lean_autograd import (batch_norm_stats_frozen, ffn_residual, recomputed_residual,
-                            up2_blockwise, xca_mixing, xca_mixing_of_sums,
+                            split_qkv, up2_blockwise, xca_mixing, xca_mixing_of_sums,
                             xca_residual)
 
 __all__ = [
-    'batch_norm_stats_frozen', 'ffn_residual', 'recomputed_residual', 'up2_blockwise',
-    'xca_mixing', 'xca_mixing_of_sums', 'xca_residual'
+    'batch_norm_stats_frozen', 'ffn_residual', 'recomputed_residual', 'split_qkv',
+    'up2_blockwise', 'xca_mixing', 'xca_mixing_of_sums', 'xca_residual'
 ]

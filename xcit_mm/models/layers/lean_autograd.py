@@ -1,37 +1,27 @@
 """Memory-lean autograd for the XCiT layer and the adapter's 2x upsampling.
 
 Plain autograd keeps every intermediate of an XCiT layer for the backward, most of a training
-step's peak at detection resolution. These functions keep only what is expensive to recompute:
-
-* :func:`xca_residual` ``x + gamma * XCA(LN(x))`` keeps ``x`` and qkv (plus the d x d attention);
-* :func:`ffn_residual` ``x + gamma * FFN(LN(x))`` keeps ``x`` and the pre-GELU hidden layer;
-  both recompute LN (and GELU) and hand-derive the gradient;
-* :func:`recomputed_residual` (the LPI branch, cheap ops only) keeps ``x`` and re-runs the branch
-  under autograd in the backward, its batch norm statistics frozen for the re-run;
-* :func:`up2_blockwise` writes the adapter's last 2x transposed conv, and reads its gradient,
-  block by block.
-
-The layer-scale gradient reuses ``dy^T a`` of the branch's last linear map instead of a saved
-branch output; drop-path enters as a per-sample ``scale`` multiplying gamma. Gradients equal plain
-autograd (tests/test_gradients.py); ``XCiTLayer`` uses them in eager training without autocast.
+step's peak at detection resolution. These functions keep only what is expensive to recompute
+(x and qkv for XCA, x and the pre-GELU hidden layer for the FFN, x alone for the cheap LPI
+branch, which is re-run) and hand-derive the rest; drop-path enters as a per-sample ``scale`` of
+gamma. Gradients equal plain autograd (tests/test_gradients.py).
 """
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import checkpoint
 
 _NORM_EPS = 1e-12  # as F.normalize: the q / k column norms are clamped from below
 
 
 def xca_mixing(q: torch.Tensor, k: torch.Tensor, temperature: torch.Tensor,
                proj_weight: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-    """XCA's channel attention folded into the output projection ``proj_weight`` (C, C), from
-    q, k (B, h, N, d) and ``temperature`` (h, 1, 1). Returns ``(mixing, attn, cosine, q_norm,
-    k_norm)``: ``v @ mixing + bias`` is the projected output, ``attn`` (B, h, d, d) the softmax
-    of ``cosine`` = ``q^T k / (|q| |k|^T)`` times the temperature, the norms clamped (B, h, d)."""
+    """XCA's channel attention folded into the output projection: ``(mixing, attn, cosine,
+    q_norm, k_norm)`` from q, k (B, h, N, d), ``v @ mixing + bias`` being the projected output."""
     q_norm = torch.linalg.vector_norm(q, dim=-2).clamp_min(_NORM_EPS)  # (B, h, d)
     k_norm = torch.linalg.vector_norm(k, dim=-2).clamp_min(_NORM_EPS)
     mixing, attn, cosine = xca_mixing_of_sums(q.transpose(-2, -1) @ k, q_norm, k_norm,
@@ -41,9 +31,8 @@ def xca_mixing(q: torch.Tensor, k: torch.Tensor, temperature: torch.Tensor,
 
 def xca_mixing_of_sums(qk: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
                        temperature: torch.Tensor, proj_weight: torch.Tensor):
-    """XCA's ``(mixing, attn, cosine)`` (:func:`xca_mixing`) from its global sums over the tokens:
-    ``qk`` = q^T k (B, h, d, d) and the column norms (B, h, d), clamped here. A streamed trunk
-    adds them up band by band (``XCiTLayer.forward_streamed``)."""
+    """XCA's ``(mixing, attn, cosine)`` from its sums over the tokens, ``qk`` = q^T k (B, h, d, d)
+    and the column norms (B, h, d), which a streamed trunk adds up band by band."""
     B, h, d, _ = qk.shape
     q_norm, k_norm = q_norm.clamp_min(_NORM_EPS), k_norm.clamp_min(_NORM_EPS)
     cosine = qk / (q_norm[..., :, None] * k_norm[..., None, :])
@@ -53,7 +42,7 @@ def xca_mixing_of_sums(qk: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Ten
     return mixing, attn, cosine
 
 
-def _split_qkv(qkv: torch.Tensor, num_heads: int):
+def split_qkv(qkv: torch.Tensor, num_heads: int):
     """(B, N, 3C) -> q, k (B, h, N, d) and v (B, N, C): views, no copy."""
     B, N, C3 = qkv.shape
     C = C3 // 3
@@ -70,7 +59,6 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def _norm_linear(x, ln_weight, ln_bias, weight, bias, eps) -> torch.Tensor:
-    """``linear(LN(x))``."""
     return F.linear(torch.native_layer_norm(x, x.shape[-1:], ln_weight, ln_bias, eps)[0], weight,
                     bias)
 
@@ -85,8 +73,7 @@ def _output_grads(grad_out, gamma, scale):
 def _norm_linear_backward(grad_lin, x, ln_weight, ln_bias, lin_weight, eps, grad_residual,
                           needs) -> tuple:
     """Gradients of x, LN weight and bias, linear weight and bias (``needs``: which) of
-    ``x + ... linear(LN(x))`` from the linear output's gradient ``grad_lin``, LN recomputed;
-    ``grad_residual`` is added to x's."""
+    ``x + ... linear(LN(x))`` from ``grad_lin``, LN recomputed."""
     C = x.shape[-1]
     normed, mean, rstd = torch.native_layer_norm(x, (C,), ln_weight, ln_bias, eps)
     grad_weight = _flat(grad_lin).t() @ _flat(normed) if needs[3] else None
@@ -108,7 +95,7 @@ class _XCAResidual(torch.autograd.Function):
     def forward(ctx, x, ln_weight, ln_bias, qkv_weight, qkv_bias, temperature, proj_weight,
                 proj_bias, gamma, scale, num_heads: int, eps: float):
         qkv = _norm_linear(x, ln_weight, ln_bias, qkv_weight, qkv_bias, eps)
-        q, k, v = _split_qkv(qkv, num_heads)
+        q, k, v = split_qkv(qkv, num_heads)
         mixing, attn, cosine, q_norm, k_norm = xca_mixing(q, k, temperature, proj_weight)
         out = torch.addcmul(x, _coef(gamma, scale), torch.baddbmm(proj_bias, v, mixing))
         ctx.save_for_backward(x, ln_weight, ln_bias, qkv_weight, temperature, proj_weight,
@@ -124,7 +111,7 @@ class _XCAResidual(torch.autograd.Function):
         B, N, C = x.shape
         h = ctx.num_heads
         d = C // h
-        q, k, v = _split_qkv(qkv, h)
+        q, k, v = split_qkv(qkv, h)
         grad_out, grad_scaled, grad_y = _output_grads(grad_out, gamma, scale)
         # dy^T v per image: gives the mixing's gradient and, with the mixing, gamma's.
         v_t_grad = torch.bmm(v.transpose(1, 2), grad_scaled)  # (B, C, C)
@@ -206,8 +193,7 @@ class _FFNResidual(torch.autograd.Function):
 
 def xca_residual(x: torch.Tensor, norm: nn.LayerNorm, attn: nn.Module, gamma: torch.Tensor,
                  scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """``x + scale * gamma * attn(norm(x))`` for an XCA module (``qkv``, ``proj``,
-    ``temperature``, ``num_heads``); saves x and qkv only."""
+    """``x + scale * gamma * attn(norm(x))``, saving x and qkv only."""
     return _XCAResidual.apply(x, norm.weight, norm.bias, attn.qkv.weight, attn.qkv.bias,
                               attn.temperature, attn.proj.weight, attn.proj.bias, gamma, scale,
                               attn.num_heads, norm.eps)
@@ -215,17 +201,15 @@ def xca_residual(x: torch.Tensor, norm: nn.LayerNorm, attn: nn.Module, gamma: to
 
 def ffn_residual(x: torch.Tensor, norm: nn.LayerNorm, ffn: nn.Module, gamma: torch.Tensor,
                  scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """``x + scale * gamma * ffn(norm(x))`` for an FFN (``fc1``, exact GELU, ``fc2``); saves x and
-    the pre-GELU hidden layer only."""
+    """``x + scale * gamma * ffn(norm(x))``, saving x and the pre-GELU hidden layer only."""
     return _FFNResidual.apply(x, norm.weight, norm.bias, ffn.fc1.weight, ffn.fc1.bias,
                               ffn.fc2.weight, ffn.fc2.bias, gamma, scale, norm.eps)
 
 
 @contextmanager
 def batch_norm_stats_frozen(*modules: nn.Module):
-    """Inside the block, the batch norms in ``modules`` leave their running statistics alone
-    (momentum 0, ``num_batches_tracked`` restored), so that a forward re-run in the backward
-    (recomputation, ``with_cp``) does not update them a second time."""
+    """Inside the block, the batch norms in ``modules`` leave their running statistics alone, so
+    that a forward re-run in the backward does not update them a second time."""
     norms = [m for module in modules for m in module.modules()
              if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
     saved = [(m.momentum, m.num_batches_tracked.clone()) for m in norms]
@@ -240,51 +224,22 @@ def batch_norm_stats_frozen(*modules: nn.Module):
                 m.num_batches_tracked.copy_(count)
 
 
-class _RecomputedResidual(torch.autograd.Function):
-    """``x + coef * branch(x)`` keeping only ``x``; see :func:`recomputed_residual`."""
-
-    @staticmethod
-    def forward(ctx, branch: Callable, modules: Sequence[nn.Module], x, gamma, scale, *params):
-        out = torch.addcmul(x, _coef(gamma, scale), branch(x))
-        ctx.save_for_backward(x, gamma, scale)
-        ctx.branch, ctx.modules, ctx.params = branch, modules, params
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, gamma, scale = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        with torch.enable_grad(), batch_norm_stats_frozen(*ctx.modules):
-            x_leaf = x.detach().requires_grad_(needs[2])
-            # The branch gets a view, not the leaf: tools that hook module inputs for the
-            # backward (FlopCounterMode's ModuleTracker) cannot inspect leaves inside a nested
-            # autograd.grad.
-            y = ctx.branch(x_leaf.view_as(x_leaf) if needs[2] else x_leaf)
-        grad_scaled = grad_out if scale is None else grad_out * scale
-        grad_gamma = (grad_scaled * y.detach()).sum((0, 1)) if needs[3] else None
-        params = [p for p, need in zip(ctx.params, needs[5:]) if need]
-        inputs = ([x_leaf] if needs[2] else []) + params
-        grads = list(torch.autograd.grad(y, inputs, grad_scaled * gamma)) if inputs else []
-        grad_x = grads.pop(0) + grad_out if needs[2] else None
-        grads = iter(grads)
-        grad_params = [next(grads) if need else None for need in needs[5:]]
-        return (None, None, grad_x, grad_gamma, None, *grad_params)
-
-
 def recomputed_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor],
                         modules: Sequence[nn.Module], gamma: torch.Tensor,
                         scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """``x + scale * gamma * branch(x)`` keeping only ``x``: the backward re-runs the branch under
-    autograd. For branches of cheap ops only. ``modules`` hold every parameter the branch uses
-    (they get their gradients) and its batch norms, whose running statistics the re-run leaves
-    alone (:func:`batch_norm_stats_frozen`)."""
-    params = [p for m in modules for p in m.parameters()]
-    return _RecomputedResidual.apply(branch, modules, x, gamma, scale, *params)
+    """``x + scale * gamma * branch(x)`` keeping only ``x``: the backward re-runs it (cheap ops
+    only), the batch norms in ``modules`` leaving their running statistics alone."""
+
+    def residual(x, gamma, scale):
+        return torch.addcmul(x, _coef(gamma, scale), branch(x))
+
+    return checkpoint(residual, x, gamma, scale, use_reentrant=False, preserve_rng_state=False,
+                      context_fn=lambda: (nullcontext(), batch_norm_stats_frozen(*modules)))
 
 
 def _row_block(B: int, W: int, channels: int, H: int, device: torch.device) -> int:
-    """Input rows per block of :func:`up2_blockwise`: on the CPU, temporaries of at most 2**19
-    elements (they stay in cache); elsewhere the whole map (each block costs kernel launches)."""
+    """Input rows per block of :func:`up2_blockwise`: on the CPU, temporaries that stay in cache;
+    elsewhere the whole map (each block costs kernel launches)."""
     if device.type != 'cpu':
         return H
     return max(1, min(H, (1 << 19) // max(1, B * W * channels)))
@@ -354,10 +309,9 @@ class _Up2Blockwise(torch.autograd.Function):
 
 def up2_blockwise(conv: nn.ConvTranspose2d, x: torch.Tensor,
                   memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
-    """``conv`` (kernel 2, stride 2) of a channels-last map, written into a map laid out in
-    ``memory_format``, one matmul per kernel offset (di, dj) and block of input rows landing on
-    ``out[..., di::2, dj::2]``: little more memory than the output itself, where conv +
-    ``.contiguous()`` needs two. Eager only; under autocast, plain autograd of the same forward."""
+    """``conv`` (kernel 2, stride 2) of a channels-last map written into ``memory_format``, one
+    matmul per kernel offset and block of input rows: little more memory than the output, where
+    conv + ``.contiguous()`` needs two. Under autocast, plain autograd of the same forward."""
     if torch.is_autocast_enabled(x.device.type):
         return _up2_forward(x, conv.weight, conv.bias, memory_format)
     return _Up2Blockwise.apply(x, conv.weight, conv.bias, memory_format)

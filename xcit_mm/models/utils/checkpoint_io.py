@@ -1,9 +1,7 @@
-"""The one checkpoint reader: every file xcit_mm, its tools and mmengine's loader open.
-
-``torch.load(weights_only=True)`` with mmengine's pure-data training state allow-listed
-(:mod:`.safe_unpickling`); safetensors files and ``hf-hub:`` names through :mod:`.safetensors_io`;
-URLs downloaded once into torch's hub cache, then read like local files. Every failure is a
-:class:`CheckpointError` naming the file, the cause and the fix (docs/weights.md).
+"""The one checkpoint reader of xcit_mm, its tools and mmengine's loader: ``torch.load`` with
+``weights_only=True`` (mmengine's training state allow-listed), safetensors and ``hf-hub:``
+names, URLs downloaded once. Every failure is a :class:`CheckpointError` naming the file, the
+cause and the fix (docs/weights.md).
 """
 import importlib
 import os
@@ -29,16 +27,13 @@ _ZIP_MAGIC = b'PK\x03\x04'
 
 
 def is_url(path: str) -> bool:
-    """True for a name fetched over the network: an http(s) URL or an ``hf-hub:`` name."""
+    """True for an http(s) URL or an ``hf-hub:`` name."""
     return bool(_URL.match(str(path))) or is_hub_name(path)
 
 
 def download_checkpoint(url: str) -> str:
-    """Download ``url`` into torch's hub cache once per machine; return the path.
-
-    Under a process group local rank 0 downloads and every rank meets at a barrier, which rank 0
-    reaches even when the download fails.
-    """
+    """Download ``url`` into torch's hub cache once per machine (by local rank 0, every rank
+    meeting at a barrier even when it fails); return the path."""
     from mmengine.dist import barrier, get_world_size
     cached = osp.join(torch.hub.get_dir(), 'checkpoints', osp.basename(urlparse(url).path))
     distributed = get_world_size() > 1
@@ -104,12 +99,8 @@ def load_from_weights_only(filename: str, map_location=None):
 
 
 def install_checkpoint_reader() -> None:
-    """Make this module the reader of every checkpoint the process opens (``import xcit_mm``).
-
-    Allow-lists mmengine's training state for every ``torch.load``, registers
-    :func:`load_from_weights_only` with mmengine, and makes a script that stops on a
-    :class:`CheckpointError` print ``error: ...`` instead of a traceback.
-    """
+    """Make this module the reader of every checkpoint the process opens, and a script stopped
+    by a :class:`CheckpointError` print ``error: ...`` instead of a traceback."""
     from mmengine.runner import CheckpointLoader
     allow_training_state()
     CheckpointLoader.register_scheme(prefixes=('', 'http://', 'https://') + HUB_PREFIXES,
@@ -129,11 +120,7 @@ def install_checkpoint_reader() -> None:
 
 
 def resolve_checkpoint_path(path: str, what: str = 'checkpoint') -> str:
-    """The local file for ``path``: itself, or the cached download of a URL or ``hf-hub:`` name.
-
-    Raises:
-        CheckpointError: for a missing file, a failed download, or another ``scheme://``.
-    """
+    """The local file for ``path``: itself, or the cached download of a URL or ``hf-hub:``."""
     if is_hub_name(path):
         return download_from_hub(path, what)
     if is_url(path):
@@ -153,11 +140,9 @@ def resolve_checkpoint_path(path: str, what: str = 'checkpoint') -> str:
 
 def load_checkpoint_file(path: str, what: str = 'checkpoint', weights_only: bool = True,
                          map_location='cpu', mmap: bool = False):
-    """Read a checkpoint (path, http(s) URL or ``hf-hub:`` name), never running pickled code.
-
-    ``what`` names the file in messages; ``weights_only=False`` unpickles arbitrary objects (only
-    for files you trust). Returns the unpickled object; for safetensors ``{'state_dict', 'meta'}``.
-    """
+    """Read a checkpoint (path, URL or ``hf-hub:`` name), never running pickled code unless
+    ``weights_only=False``; ``what`` names it in messages. Safetensors give
+    ``{'state_dict', 'meta'}``."""
     return _resolve_and_read(path, what, weights_only, map_location, mmap)[1]
 
 
@@ -222,11 +207,8 @@ def extract_state_dict(checkpoint, source: str = 'checkpoint') -> dict:
 
 
 def check_checkpoint(path: str, what: str = 'checkpoint', kind: str = 'weights') -> str:
-    """Check, before any work, that ``path`` is a readable, safe checkpoint of ``kind``.
-
-    ``kind``: ``'weights'`` (a state dict, for ``load_from`` and testing) or ``'resume'`` (a
-    Runner's training checkpoint). Returns the local file (the cached copy of a download).
-    """
+    """Check, before any work, that ``path`` is a readable, safe checkpoint of ``kind``
+    (``'weights'`` or ``'resume'``); return the local file (a download's cached copy)."""
     local, checkpoint = _resolve_and_read(path, what, mmap=True)
     if kind != 'resume':
         extract_state_dict(checkpoint, f'{what} {local}')

@@ -1,7 +1,5 @@
-"""XCiT weights through any loader, exactly or not at all (docs/weights.md).
-
-:class:`XCiTBackbone` registers the state-dict load hooks below on itself, so whoever loads into
-it or a model holding it gets every published layout converted, and a file that does not fit is
+"""XCiT weights through any loader, exactly or not at all (docs/weights.md): the load hooks
+:class:`XCiTBackbone` registers convert every published layout, and a file that does not fit is
 a :class:`CheckpointError` naming the cause, even under mmengine's non-strict loading.
 """
 import re
@@ -29,9 +27,8 @@ def _is_counter(key: str) -> bool:
 
 
 def _check_fit(module, converted: Dict[str, torch.Tensor], where: str) -> List[str]:
-    """Raise unless ``converted`` sets every trunk tensor of ``module`` with the right shape, and
-    the stride adapter whole or not at all (ImageNet weights); return the adapter branches left
-    at their initialisation."""
+    """Raise unless ``converted`` sets every trunk tensor of ``module``, and the adapter whole or
+    not at all (ImageNet weights); return the adapter branches left at their initialisation."""
     own = module.state_dict()
     mismatched = [f'{k}: file {tuple(v.shape)} vs model {tuple(own[k].shape)}'
                   for k, v in converted.items() if k in own and own[k].shape != v.shape]
@@ -61,7 +58,7 @@ def _check_fit(module, converted: Dict[str, torch.Tensor], where: str) -> List[s
 
 
 def _check_same_task(unexpected_keys: List[str]) -> None:
-    """Raise if the model left heads of a detector / segmentor file unexpected: another task."""
+    """Raise if the model left a detector's / segmentor's heads unexpected: another task."""
     for task, heads in TASK_HEADS.items():
         foreign = [k for k in unexpected_keys if k.startswith(heads)]
         if foreign:
@@ -73,7 +70,7 @@ def _check_same_task(unexpected_keys: List[str]) -> None:
 
 def refuse_headless_load(model, incompatible_keys) -> None:
     """Load post-hook of a whole detector / segmentor: refuse a file that sets no weight of one of
-    its heads (a backbone-only or classifier file), which would leave that head random."""
+    its heads, which would stay random."""
     missing = set(incompatible_keys.missing_keys)
     heads = {prefix.rstrip('.') for prefixes in TASK_HEADS.values() for prefix in prefixes}
     for name, head in model.named_children():
@@ -91,7 +88,7 @@ def refuse_headless_load(model, incompatible_keys) -> None:
 def backbone_load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
                            unexpected_keys, error_msgs) -> None:
     """Convert the backbone's part of ``state_dict`` (keys under ``prefix``) in place; at the root
-    of a load (``prefix == ''``) a whole-model or DDP file gives its ``backbone.`` keys."""
+    of a load a whole-model or DDP file gives its ``backbone.`` keys."""
     # The model holding the backbone is loaded first: heads it lacks are already unexpected.
     # Another task's file names that cause, not the backbone it happens to hold (e.g. p16 in p8).
     _check_same_task(unexpected_keys)
@@ -136,8 +133,8 @@ def _no_weights_cause(unexpected: List[str]) -> str:
 
 
 def backbone_load_post_hook(module, incompatible_keys) -> None:
-    """Fail if the backbone received no weights or the file is a model of another task; take BN
-    counters and an adapter left fresh on purpose off the missing keys (a strict load passes)."""
+    """Fail if the backbone received no weights or the file is of another task; take BN counters
+    and an adapter left fresh on purpose off the missing keys (a strict load passes)."""
     report = getattr(module, 'last_load_report', None)
     unexpected = list(incompatible_keys.unexpected_keys)
     if report is None:
@@ -155,8 +152,8 @@ def backbone_load_post_hook(module, incompatible_keys) -> None:
 
 def load_backbone_checkpoint(model: torch.nn.Module, checkpoint: str,
                              prefix: Optional[str] = None, weights_only: bool = True) -> dict:
-    """Read ``checkpoint`` (any layout) safely and load it into an ``XCiTBackbone``, taking only
-    the keys under ``prefix`` if given; return the backbone's ``last_load_report``."""
+    """Load ``checkpoint`` (any layout; the keys under ``prefix`` if given) into an
+    ``XCiTBackbone``; return its ``last_load_report``."""
     source = str(checkpoint)
     state_dict = extract_state_dict(
         load_checkpoint_file(checkpoint, 'pretrained checkpoint', weights_only), source)
@@ -175,9 +172,8 @@ def load_backbone_checkpoint(model: torch.nn.Module, checkpoint: str,
 
 def load_model_state_dict(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor],
                           source: str = 'checkpoint') -> dict:
-    """Strictly load a whole detector / segmentor: every model tensor from the file (BN counters
-    excepted), every file tensor into the model; return the backbone's ``layout`` in the file
-    (None without an XCiT backbone) and the number of tensors ``loaded``."""
+    """Strictly load a whole detector / segmentor (BN counters excepted); return the backbone's
+    ``layout`` in the file (None without an XCiT backbone) and the tensors ``loaded``."""
     state_dict = OrderedDict(strip_ddp_prefix(state_dict))
     parts = []
     try:

@@ -1,10 +1,9 @@
 """What ``torch.load(weights_only=True)`` may rebuild beyond tensors once ``xcit_mm`` is imported.
 
 mmengine pickles its message hub (``HistoryBuffer``: numpy arrays, scalars, dtypes) into every
-training checkpoint, which torch >= 2.6 refuses by default. These pure-data types are
-allow-listed, each through a stand-in that checks what the file gives it and runs no code the file
-names (no ``HistoryBuffer.__setstate__``, no object or structured arrays); ``argparse.Namespace``
-too (official XCiT files). Anything else is still refused by torch (docs/weights.md).
+training checkpoint, which torch >= 2.6 refuses. These pure-data types are allow-listed, each
+through a stand-in that checks what the file gives it and runs no code the file names;
+``argparse.Namespace`` too (official XCiT files).
 """
 import argparse
 import pickle
@@ -24,8 +23,8 @@ def _refuse(what: str) -> pickle.UnpicklingError:
 
 
 def _build_only(cls) -> tuple:
-    """An allow-list entry for a type that may receive ``BUILD`` state but is never named by a
-    file: torch reads ``GLOBAL`` names one line each, and this name holds a newline."""
+    """An allow-list entry for a type that may receive ``BUILD`` state but that no file can
+    name: torch reads ``GLOBAL`` names one line each, and this name holds a newline."""
     return (cls, f'{cls.__module__}.{cls.__qualname__}\n(state only)')
 
 
@@ -69,16 +68,12 @@ def _plain_scalar(dtype, data=None):
     return _SCALAR(dtype, data)
 
 
-def _dtype_classes() -> list:
-    """The dtype types whose instances numpy fills from the file (``BUILD``)."""
-    codes = '?' + 'bhilq' + 'BHILQ' + 'efdg' + 'FDG' + 'US'
-    return sorted({type(np.dtype(code)) for code in codes}, key=lambda t: t.__qualname__)
-
-
 def _numpy_entries() -> list:
     entries = [(_plain_dtype, 'numpy.dtype'), (_NdarrayName, 'numpy.ndarray'),
                _build_only(np.ndarray)]
-    entries += [_build_only(cls) for cls in _dtype_classes()]
+    # the dtype types whose instances numpy fills from the file (BUILD)
+    dtypes = {type(np.dtype(code)) for code in '?bhilqBHILQefdgFDGUS'}
+    entries += [_build_only(cls) for cls in sorted(dtypes, key=lambda t: t.__qualname__)]
     for module in ('numpy.core.multiarray', 'numpy._core.multiarray'):
         entries += [(_plain_reconstruct, f'{module}._reconstruct'),
                     (_plain_scalar, f'{module}.scalar')]

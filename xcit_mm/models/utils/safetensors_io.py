@@ -1,9 +1,6 @@
 """safetensors files and Hugging Face Hub names (``hf-hub:OWNER/NAME[@REVISION]``), read with no
-unpickling into the ``{'state_dict': tensors, 'meta': meta}`` a ``.pth`` checkpoint holds.
-
-Each ``meta`` entry is written as a JSON string under its own key next to ``'format': 'pt'``;
-reading decodes every entry that is JSON. ``huggingface_hub`` and ``safetensors`` are imported
-only when such a file or name is read.
+unpickling into the ``{'state_dict': tensors, 'meta': meta}`` a ``.pth`` checkpoint holds; each
+``meta`` entry is stored as JSON under its own key.
 """
 import json
 import os.path as osp
@@ -51,8 +48,7 @@ def _decode(value: str):
 
 def read_safetensors(path: str, name: str, map_location='cpu',
                      fresh: str = '') -> Dict[str, object]:
-    """``{'state_dict', 'meta'}`` of the local safetensors file ``path``, which messages call
-    ``name``; ``fresh`` says how to get a fresh copy of a downloaded file."""
+    """``{'state_dict', 'meta'}`` of the local file ``path``, which messages call ``name``."""
     try:
         from safetensors import safe_open
     except ImportError:
@@ -97,8 +93,8 @@ def _jsonable(value):
 
 def save_safetensors(state_dict: Dict[str, torch.Tensor], path: str,
                      meta: Optional[dict] = None) -> List[str]:
-    """Write ``state_dict`` (shared tensors as copies) and ``meta`` as safetensors; return the
-    ``meta`` entries left out because they are not JSON data."""
+    """Write ``state_dict`` (shared tensors as copies) and ``meta``; return the ``meta`` entries
+    left out as not JSON data."""
     from safetensors.torch import save_file
     metadata, left_out = {_FORMAT_KEY: 'pt'}, []
     for key, value in (meta or {}).items():
@@ -130,7 +126,6 @@ def parse_hub_name(name: str) -> Tuple[str, Optional[str]]:
 
 
 def _hub():
-    """huggingface_hub's module, cache constants and error classes."""
     try:
         import huggingface_hub
         from huggingface_hub import constants, utils
@@ -147,8 +142,7 @@ def _offline(constants) -> bool:
 
 
 def download_from_hub(name: str, what: str = 'checkpoint') -> str:
-    """The local copy of a Hub name's ``model.safetensors``, from huggingface_hub's cache or the
-    Hub (into that cache); a one-line :class:`CheckpointError` naming the fix otherwise."""
+    """The local copy of a Hub name's ``model.safetensors``, cached or downloaded."""
     repo_id, revision = parse_hub_name(name)
     hub, constants, errors = _hub()
     at = f' at revision {revision!r}' if revision else ''

@@ -5,14 +5,19 @@ patch / position embedding, ``i + 1`` XCiT layer ``i``, ``L + 1`` everything aft
 a parameter's lr is what mmengine's default rules give times ``decay_rate ** (L + 1 - depth)``;
 every other option is mmengine's. Groups run from the head down, so the logged ``lr`` (group 0)
 is the head's. See docs/layer_decay.md.
+
+:class:`LayerDecayLrHook` (``custom_hooks=[dict(type='LayerDecayLrHook')]``) records the lr of
+each depth as ``train/depth_{d}_lr`` before each iteration, which ``LogProcessor`` prints like
+``lr``.
 """
 import logging
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.nn as nn
+from mmengine.hooks import Hook
 from mmengine.logging import MMLogger, print_log
-from mmengine.optim import DefaultOptimWrapperConstructor
-from mmengine.registry import OPTIM_WRAPPER_CONSTRUCTORS
+from mmengine.optim import DefaultOptimWrapperConstructor, OptimWrapperDict
+from mmengine.registry import HOOKS, OPTIM_WRAPPER_CONSTRUCTORS
 
 from xcit_mm.models.backbones.xcit import XCiTBackbone
 
@@ -189,3 +194,32 @@ class XCiTLayerDecayOptimizerConstructor(DefaultOptimWrapperConstructor):
                   f'({sum(p.numel() for p in frozen):,} parameters, requires_grad=False) are in '
                   f'no group. The logged `lr` is that of group 0.')
         print_log('\n'.join([header] + lines), logger='current')
+
+
+SCALAR_NAME = 'train/{prefix}depth_{depth}_lr'
+
+
+def _wrappers(optim_wrapper):
+    if isinstance(optim_wrapper, OptimWrapperDict):
+        return [(f'{name}.', wrapper) for name, wrapper in optim_wrapper.items()]
+    return [('', optim_wrapper)]
+
+
+@HOOKS.register_module()
+class LayerDecayLrHook(Hook):
+    """Record ``train/depth_{d}_lr`` for each depth of a layer-decayed optimizer."""
+
+    priority = 'VERY_HIGH'  # with RuntimeInfoHook, which records `lr` at the same point
+
+    def before_train(self, runner) -> None:
+        if not any(layer_depth_lrs(w.optimizer.param_groups)
+                   for _, w in _wrappers(runner.optim_wrapper)):
+            print_log('LayerDecayLrHook: no param group has a layer depth (build the optimizer '
+                      "with constructor='XCiTLayerDecayOptimizerConstructor'); nothing to record",
+                      logger='current', level=logging.WARNING)
+
+    def before_train_iter(self, runner, batch_idx: int, data_batch: Optional[dict] = None) -> None:
+        for prefix, wrapper in _wrappers(runner.optim_wrapper):
+            for depth, lr in layer_depth_lrs(wrapper.optimizer.param_groups).items():
+                runner.message_hub.update_scalar(
+                    SCALAR_NAME.format(prefix=prefix, depth=depth), lr)

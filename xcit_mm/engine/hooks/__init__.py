@@ -1,3 +1,0 @@
-from .layer_decay_lr_hook import LayerDecayLrHook
-
-__all__ = ['LayerDecayLrHook']
