@@ -697,23 +697,52 @@ def test_every_epoch_draws_new_augmentations_whatever_the_workers(tmp_path):
     assert _augmentations(cfg, [1], **plain) != _augmentations(cfg, [0, 1], **plain)[1:]
 
 
+def _kill_while_saving(train, work_dir, cwd, env, name):
+    """Start ``train`` (a command whose config imports the probes) in ``work_dir`` and SIGKILL it
+    half-way through writing checkpoint ``name`` (``_StallingSaveHook``)."""
+    marker = work_dir.parent / f'saving_{name}'
+    proc = subprocess.Popen(train + ['--work-dir', str(work_dir)], cwd=str(cwd), env=dict(
+        env, STALL_SAVE=name, STALL_SAVE_MARKER=str(marker)), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(marker, [proc])
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 @CPU_ONLY
 @pytest.mark.parametrize('task', ['det', 'seg'])
-def test_paper_configs_resume_identically_with_persistent_workers(tmp_path, task, train_tool):
+def test_paper_configs_resume_identically_with_persistent_workers(tmp_path, task, train_tool,
+                                                                  probes):
     """The paper configs themselves (Mask R-CNN 3x: epoch-based, DefaultSampler +
     AspectRatioBatchSampler, flip + multi-scale resize / crop; Semantic FPN 80k: iteration-based,
     InfiniteSampler, random resize + crop + flip + photometric distortion), with their 2
     persistent dataloader workers and a validation after every checkpoint: a run killed with
-    SIGKILL (``tools/train.py`` in a subprocess) right after its first checkpoint, continued
-    with ``--resume``, repeats the losses of an uninterrupted run bit for bit: drop path, RPN /
-    RoI sampling, the augmentations and the sampler all continue where they were, and the
-    validations do not disturb the training's random stream. For the epoch-based loop this
-    needs the per-sample seeds (``SampleKeyBatchSampler``): mmengine's workers restart from their
-    first-epoch seeds. (The uninterrupted and the resumed run run in this process.)"""
+    SIGKILL (``tools/train.py`` in a subprocess), continued with ``--resume``, repeats the losses
+    of an uninterrupted run bit for bit: drop path, RPN / RoI sampling, the augmentations and the
+    sampler all continue where they were, and the validations do not disturb the training's
+    random stream. For the epoch-based loop this needs the per-sample seeds
+    (``SampleKeyBatchSampler``): mmengine's workers restart from their first-epoch seeds. (The
+    uninterrupted and the resumed run run in this process.)
+
+    The detector's run is killed right after its first checkpoint. The segmentor's, with
+    ``max_keep_ckpts=1``, half-way through writing its second, iter_4.pth: iter_2.pth is still
+    there and complete, last_checkpoint names it, iter_4 exists only as an incomplete .tmp file;
+    a bare --resume continues from iter_2.pth and removes the .tmp. (mmengine alone would have
+    deleted iter_2.pth before writing iter_4.pth, left iter_4.pth cut short under its final name
+    and a last_checkpoint naming a deleted file.)"""
     epochs, iters = 2, 4  # det: 2 epochs x 4 iterations; seg: 4 iterations, checkpoint every 2
-    ref, killed, resumed = (_paper_config(tmp_path, task, name=f'{task}_{name}', epochs=epochs,
-                                          iters=iters, validate=True)
-                            for name in ('ref', 'killed', 'resumed'))
+    keep_one = "default_hooks['checkpoint']['max_keep_ckpts'] = 1" if task == 'seg' else ''
+    ref, resumed = (_paper_config(tmp_path, task, name=f'{task}_{name}', epochs=epochs,
+                                  iters=iters, validate=True, extra=keep_one)
+                    for name in ('ref', 'resumed'))
+    stall = (keep_one + '\n' + probes.imports
+             + "custom_hooks = _base_.custom_hooks + [dict(type='_StallingSaveHook')]")
+    killed = _paper_config(tmp_path, task, name=f'{task}_killed', epochs=epochs, iters=iters,
+                           validate=True, extra=stall if task == 'seg' else '')
     total = epochs * 4 if task == 'det' else iters
     train_tool.main([ref, '--work-dir', str(tmp_path / 'ref')])
     log = newest_run_log(tmp_path / 'ref')
@@ -724,15 +753,30 @@ def test_paper_configs_resume_identically_with_persistent_workers(tmp_path, task
     assert sorted(expected) == list(range(1, total + 1))
 
     work_dir = tmp_path / 'killed'
-    checkpoint = _kill_after_first_checkpoint(
-        [sys.executable, osp.join(REPO, 'tools', 'train.py'), killed], work_dir, tmp_path)
+    train = [sys.executable, osp.join(REPO, 'tools', 'train.py'), killed]
+    if task == 'det':
+        checkpoint = _kill_after_first_checkpoint(train, work_dir, tmp_path)
+    else:
+        _kill_while_saving(train, work_dir, tmp_path, probes.env, 'iter_4.pth')
+        checkpoint = str(work_dir / 'iter_2.pth')
+        assert _checkpoint_files(work_dir) == ['iter_2.pth', 'iter_4.pth.tmp', 'last_checkpoint']
+        assert (work_dir / 'last_checkpoint').read_text() == checkpoint
+        check_checkpoint(checkpoint, kind='resume')  # complete
+        with pytest.raises(CheckpointError, match='truncated'):  # the interrupted one
+            check_checkpoint(str(work_dir / 'iter_4.pth.tmp'), kind='resume')
     done = int(re.search(r'(\d+)\.pth$', checkpoint).group(1)) * (4 if task == 'det' else 1)
     assert done < total
+    # resumed in this process, without the probe
     train_tool.main([resumed, '--work-dir', str(work_dir), '--resume'])
-    assert f'Load checkpoint from {checkpoint}' in newest_run_log(work_dir)
+    log = newest_run_log(work_dir)
+    assert f'Load checkpoint from {checkpoint}' in log
     after = _losses(work_dir)[-1]
     assert sorted(after) == list(range(done + 1, total + 1))
     assert after == {i: expected[i] for i in after}  # bit-identical
+    if task == 'seg':
+        assert f'Removed {work_dir / "iter_4.pth.tmp"}: an incomplete checkpoint' in log
+        assert _checkpoint_files(work_dir) == ['iter_4.pth', 'last_checkpoint']  # keep 1
+        assert (work_dir / 'last_checkpoint').read_text() == str(work_dir / 'iter_4.pth')
 
 
 SHAPES_CLASSES = ('circle', 'square', 'triangle')
@@ -1134,48 +1178,6 @@ def test_a_killed_or_hung_rank_stops_the_other_within_a_bounded_time(tmp_path, p
 def _checkpoint_files(work_dir):
     return sorted(f for f in os.listdir(work_dir) if not osp.isdir(osp.join(work_dir, f))
                   and not f.endswith('.py'))
-
-
-@CPU_ONLY
-def test_a_save_killed_half_way_loses_nothing(tmp_path, probes, train_tool):
-    """SIGKILL half-way through writing iter_4.pth, with max_keep_ckpts=1: iter_2.pth is still
-    there and complete, last_checkpoint names it, iter_4 exists only as an incomplete .tmp file;
-    a bare --resume continues from iter_2.pth and removes the .tmp. (mmengine alone would have
-    deleted iter_2.pth before writing iter_4.pth, left iter_4.pth cut short under its final name
-    and a last_checkpoint naming a deleted file.)"""
-    cfg = _tiny_config(tmp_path, 'seg', iters=6, ckpt=2, validate=False, extra=probes.imports + (
-        "custom_hooks = _base_.custom_hooks + [dict(type='_StallingSaveHook')]\n"
-        "default_hooks['checkpoint']['max_keep_ckpts'] = 1"))
-    work_dir = tmp_path / 'work'
-    marker = tmp_path / 'saving'
-    train = [sys.executable, osp.join(REPO, 'tools', 'train.py'), cfg, '--work-dir',
-             str(work_dir)]
-    proc = subprocess.Popen(train, cwd=str(tmp_path), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env=dict(
-                                probes.env, STALL_SAVE='iter_4.pth', STALL_SAVE_MARKER=str(marker)))
-    try:
-        _wait_for(marker, [proc])
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert _checkpoint_files(work_dir) == ['iter_2.pth', 'iter_4.pth.tmp', 'last_checkpoint']
-    assert (work_dir / 'last_checkpoint').read_text() == str(work_dir / 'iter_2.pth')
-    check_checkpoint(str(work_dir / 'iter_2.pth'), kind='resume')  # complete
-    with pytest.raises(CheckpointError, match='truncated'):  # the interrupted one
-        check_checkpoint(str(work_dir / 'iter_4.pth.tmp'), kind='resume')
-
-    # resumed in this process, without the probe (inert here: no STALL_SAVE)
-    resumed = _tiny_config(tmp_path, 'seg', name='resumed', iters=6, ckpt=2, validate=False,
-                           extra="default_hooks['checkpoint']['max_keep_ckpts'] = 1")
-    train_tool.main([resumed, '--work-dir', str(work_dir), '--resume'])
-    log = newest_run_log(work_dir)
-    assert f'Removed {work_dir / "iter_4.pth.tmp"}: an incomplete checkpoint' in log
-    assert f'Load checkpoint from {work_dir / "iter_2.pth"}' in log
-    assert sorted(_losses(work_dir)[-1]) == [3, 4, 5, 6]
-    assert _checkpoint_files(work_dir) == ['iter_6.pth', 'last_checkpoint']  # max_keep_ckpts=1
-    assert (work_dir / 'last_checkpoint').read_text() == str(work_dir / 'iter_6.pth')
 
 
 def test_a_full_disk_during_a_save_is_named_and_keeps_the_earlier_checkpoints(
