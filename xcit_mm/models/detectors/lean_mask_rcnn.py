@@ -3,37 +3,27 @@
 mmdet's ``TwoStageDetector.predict`` keeps every backbone and neck level alive until the RoI head
 returns, and pastes the N x H x W masks while they are all still there.
 
-**Whole image** (``test_cfg.mode='whole'``, the default): the same detections as stock, bit for
-bit, with fewer maps alive, by exact means only (each operation is the stock one on the same full
-tensor; no convolution is tiled, as a oneDNN convolution of another size may pick another
-algorithm and differ in the last bit):
+* **Whole image** (``mode='whole'``, the default): stock's detections bit for bit, by exact means
+  only (each operation the stock one on the same full tensor; no convolution tiled, as a oneDNN
+  convolution of another size may pick another algorithm): backbone + FPN in data-flow order
+  (``fpn_data_flow``), each map freed once used; the RPN with an in-place ReLU; the bbox branch
+  and each detection's mask logits (:meth:`~LeanMaskRCNN._lean_roi_predict`), then every map
+  dropped, then the masks pasted.
+* **Bands** (``band_mb``, any mode): the stride-4 maps besides the FPN output (the adapter map,
+  the lateral map, the RPN conv's map) made in bands of rows with the context rows their convs
+  need: equal to stock up to float rounding, not bit for bit.
+* **Tiles** (``mode='tiles'``): each overlapping tile runs the path above up to its detections'
+  mask logits, its maps dropped before the next; detections shifted and merged
+  (``tiled_inference``), then the kept masks pasted at the original size: one tile over the image
+  is the whole-image result bit for bit.
+* **Auto** (``mode='auto'``, ``max_memory`` in MB): the whole image if a calibrated estimate of
+  its peak fits the budget, else tiles (``utils.memory_budget``).
 
-* backbone + FPN in data-flow order (``fpn_data_flow.fpn_in_data_flow_order``), each map
-  freed once used, the top-down sums added in place;
-* the RPN with an in-place ReLU (``relu_`` gives the bits of ``relu``), level by level;
-* the RoI head's bbox branch and each detection's mask logits (``_lean_roi_predict``), then
-  every feature map dropped, then the masks pasted (``_paste_masks``).
-
-**Bands** (``test_cfg.band_mb``, any mode): the stride-4 maps besides the FPN output (XCiT's
-adapter map, the lateral map, the RPN conv's map) are made in bands of rows of about that many MB
-with the rows of context their convs need, so only the FPN output is whole. That tiles
-convolutions: equal to stock up to float rounding, not bit for bit.
-
-**Tiles** (``test_cfg.mode='tiles'``): a whole image's maps grow with its pixels, tiles bound them
-by the tile's. Each overlapping tile of the batch input runs the path above up to the mask logits
-of its detections' classes, and its maps are dropped before the next tile. Detections are shifted
-to image coordinates and merged (:mod:`~xcit_mm.models.detectors.tiled_inference`), then the kept
-masks are pasted at the original size as in the whole-image path, so one tile over the image is
-the whole-image result bit for bit.
-
-**Auto** (``test_cfg.mode='auto'``, ``max_memory`` in MB): the whole image if a calibrated
-estimate of its peak fits the budget, else tiles (:mod:`xcit_mm.models.utils.memory_budget`).
-
-``test_cfg`` keys next to ``rpn`` and ``rcnn`` (``docs/lean_detection.md``): ``lean`` (False, or a
-whole-image ``predict`` under autograd, where in-place sums would break it, gives stock
-``predict``), ``mode``, ``tile_size``, ``tile_overlap``, ``max_memory``, ``memory_model`` and
-``band_mb``. Parts other than the stock ones run stock in whole mode; tiles need mmdet's
-``StandardRoIHead`` and ``FCNMaskHead``. Training, ``_forward`` and ``tensor`` mode are stock.
+``test_cfg`` keys next to ``rpn`` and ``rcnn``: :class:`DetectorSettings`,
+``docs/lean_detection.md``; ``lean=False``, or a whole-image ``predict`` under autograd (where
+in-place sums would break it), gives stock ``predict``. Other parts than the stock ones run stock
+in whole mode; tiles need mmdet's ``StandardRoIHead`` and ``FCNMaskHead``. Training, ``_forward``
+and ``tensor`` mode are stock.
 """
 from typing import List, Optional, Tuple
 

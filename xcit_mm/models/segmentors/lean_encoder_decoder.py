@@ -1,54 +1,34 @@
 """Segmentation without full-size logits of all classes: :class:`LeanEncoderDecoder`.
 
-mmseg's ``EncoderDecoder.predict`` (1.2.2) resizes the C-class logits of the decode head to the
-network input, crops the padding, resizes them again to the original image and only then takes the
-argmax, keeping the full-size logits in every result: C x H x W floats per full-size tensor,
-whatever size the network ran at. Its ``slide_inference`` adds every window's logits into one such
-map (via a zero-padded full-size copy of each window). The Semantic FPN neck and head also keep
-all four levels of three stages alive at once.
+mmseg's ``EncoderDecoder.predict`` (1.2.2) resizes the C-class logits to the input, crops the
+padding, resizes them to the original image and only then takes the argmax, keeping C x H x W
+floats per image; ``slide_inference`` adds every window into one such map (a zero-padded full-size
+copy each), and Semantic FPN keeps every level of three stages alive at once. This class gives the
+same labels with less memory, by exact means only:
 
-:class:`LeanEncoderDecoder` computes the same labels with less memory, by exact means only:
+* **Class chunks.** Bilinear resizing is per channel, so a chunk of classes resizes to the full
+  call's values, and a running maximum with a strict ``>`` (the earlier class wins a tie, a NaN
+  wins, as in ``argmax``) is the argmax. torch's CPU kernels give the full call's bits only for
+  some widths (a 1-channel call vectorises differently; channels-last below 24 channels or off
+  multiples of 8 takes another path): chunks are multiples of 8, at least 24 channels-last.
+* **Data-flow order** (Semantic FPN, UperNet): the levels made one at a time, each map freed once
+  no later step needs it; each operation the stock one on the same full tensor (a convolution of
+  another size may pick another oneDNN algorithm and flip an argmax at a near-tie).
+* **Windows without the full map** (``mode='slide'``): window logits kept at the head's
+  resolution, each class chunk of stock's map rebuilt as stock builds it, each window added into
+  its region in place (``x + 0.0 == x`` for every value the map holds: it starts at +0.0).
+* **A memory budget** (``mode='auto'``): the first plan whose estimate fits ``max_memory`` runs;
+  both parts of an estimate are measured: the network's line once per model, the
+  post-processing on zeros at the batch's geometry scaled down once per geometry.
+* **Stream** (``mode='stream'``, Semantic FPN or UperNet on XCiT): the trunk layer by layer over
+  bands of token rows, every later map a band of rows at a time (``row_stream``, ``seg_stream``);
+  equal to the whole-map logits up to float rounding, not bit for bit.
 
-* **Post-processing in class chunks.** Bilinear resizing works on each channel independently, so
-  resizing a chunk of classes gives the full call's values for those classes; a running maximum
-  with a strict ``>`` (the earlier class wins a tie, as ``argmax`` returns the first maximum; a NaN
-  wins as in ``argmax``) gives ``argmax`` of the full tensor. Only one chunk of full-size logits
-  exists at a time. torch's CPU bilinear kernels give bit-identical channel results only for some
-  chunk widths (a 1-channel call vectorises differently; in channels-last a chunk narrower than 24
-  channels, or not a multiple of 8, takes another path): chunks are multiples of 8 channels (at
-  least 24 in channels-last).
-* **Semantic FPN and UperNet in the order the data flows** (:meth:`_semantic_fpn_forward`,
-  ``uper_data_flow.py``): the XCiT levels are made one at a time, stride 32 first, each later
-  map as soon as its inputs exist, and every map is freed when the next step no longer needs it.
-  Each operation is the stock one on the same full tensor: convolutions on differently sized
-  inputs can take another oneDNN algorithm and differ in the last bit, which can flip an argmax at
-  a near-tie, so spatial tiles were rejected.
-* **Sliding windows without the full map** (``mode='slide'``). Each window's logits are kept at
-  the head's own resolution; then, class chunk by class chunk, the chunk's part of stock's map is
-  rebuilt as stock builds it (the same windows in the same order, each resized to the window,
-  added into a zero map, divided by the count map) and post-processed as above. Each window is
-  added into its own region in place, where stock adds a zero-padded full-size copy: the bits are
-  the same, since ``x + 0.0 == x`` for every value the map can hold (it starts at +0.0, and a sum
-  of floats is -0.0 only when both terms are).
-* **Within a memory budget** (``mode='auto'``). The first plan whose estimated peak fits
-  ``max_memory`` runs (:meth:`LeanEncoderDecoder.memory_plans`,
-  :func:`~xcit_mm.models.utils.memory_budget.choose_plan`). Both parts of an estimate are
-  measured, not counted: the network's line at a few small sizes (once per model), the
-  post-processing on zeros at the batch's own geometry scaled down (once per geometry).
-
-Labels are those of stock ``EncoderDecoder.predict`` (with the mode actually run) on the same
-weights; logits, when kept, equal stock's. Configs: ``model = dict(type='LeanEncoderDecoder',
-...)`` is the one key (``custom_imports`` of ``xcit_mm``, which the backbone needs anyway,
-registers the name; the class is imported on first build, so ``import xcit_mm`` does not import
-mmseg). The ``test_cfg`` keys (``TEST_CFG_KEYS``: ``mode`` 'whole', 'slide', 'stream' or 'auto',
-and each mode's own) are in ``docs/lean_segmentation.md``. 'stream' (Semantic FPN or UperNet on
-XCiT) keeps the whole image's context in bounded memory: the trunk runs layer by layer over bands
-of token rows, every later map is made a band of rows at a time (``row_stream.py``,
-``seg_stream.py``); its logits equal the whole-map ones up to float rounding, not bit for bit.
-Without ``keep_seg_logits`` the results carry ``pred_sem_seg`` only, which is all IoUMetric, the
-visualizer and ``MMSegInferencer`` read: a reader of ``seg_logits`` gets a clear AttributeError
-rather than logits of another size. A key the mode (or the model) does not read is an error, not
-a silently ignored key.
+Labels equal stock ``predict``'s with the mode run; kept logits equal stock's. Without
+``keep_seg_logits`` the results carry ``pred_sem_seg`` only, all that IoUMetric, the visualizer
+and ``MMSegInferencer`` read. The ``test_cfg`` keys: :class:`SegmentorSettings`,
+``docs/lean_segmentation.md``. ``custom_imports`` of ``xcit_mm`` registers the name; mmseg is
+imported on the first build.
 """
 import math
 import tempfile
@@ -83,34 +63,29 @@ from ..utils.memory_budget import (MB, MemoryModel, Plan, calibrate, choose_plan
 # Chunk widths whose bilinear results equal the full call's, channel by channel (module docstring).
 CHUNK_MULTIPLE = 8
 MIN_CHUNK_CHANNELS_LAST = 24
-
-# The stream's band size when test_cfg.band_mb gives none: bands of many rows keep the share of
-# context rows and per-call costs small, and on the CPU bands this size keep the work small beside
-# a large image's token maps (a GPU's kernels want larger ones); under a budget it shrinks to
-# fit, down to the minimum.
+# The stream's bands when test_cfg.band_mb gives none: many rows keep the share of context rows and
+# per-call costs small; on the CPU small beside a large image's token maps (a GPU's kernels want
+# larger ones). Under a budget they shrink to fit, down to the minimum.
 STREAM_BAND_MB = dict(cpu=128, cuda=4096)
 MIN_STREAM_BAND_MB = 32
-# Square sizes at which the network's peak is measured (mode='auto', first predict): cheap, and
-# spread enough that a size whose peak sits off the line moves the fitted slope little.
+# Square sizes at which the network's peak is measured (mode='auto'): cheap, and spread enough
+# that a size whose peak sits off the line moves the fitted slope little.
 CALIBRATION_SIZES = ((256, 256), (512, 512), (896, 896))
-# The longer side to which a batch's post-processing is scaled down to be measured, and half of
-# it (mode='auto'): small enough that measuring stays well below any budget the network needs.
+# The longer side to which a batch's post-processing is scaled down to be measured (and half of
+# it): small enough that measuring stays well below any budget the network needs.
 POST_CALIBRATION_SIDE = 384
-# Both lines are extrapolated far beyond the sizes they are measured at, where a slope a few
-# percent off becomes that many percent of the estimate: their estimates are raised by this factor.
+# Both lines are extrapolated far beyond the sizes measured, where a slope a few percent off
+# becomes that many percent of the estimate: the estimates are raised by this factor.
 MARGIN = 1.05
-# Input side of the one small forward that finds the head's output stride (window logits' size).
-STRIDE_PROBE = 128
+STRIDE_PROBE = 128  # input side of the forward that finds the head's output stride
 LABEL_BYTES = 8  # the labels (int64) each image keeps until predict returns
 FLOAT_BYTES = 4
-# What the stream's shape-counted terms leave out: kernels' scratch (a resize's index and weight
-# tables, a reduction's buffers) and the allocator's rounding.
+# What the stream's shape-counted terms leave out: kernels' scratch, the allocator's rounding.
 SLACK_MB = 16
-# The stream's working memory beyond its token maps: a fixed part (the coarse maps made whole,
-# kernels' scratch) and bands of band_mb (the trunk's band with its FFN hidden layer and the
-# layer's temporaries; or the row maps' kept rows, the band being made and its temporaries).
-# Upper bounds of the peaks measured with glibc's default malloc (docs/gigapixel.md): at
-# 8192² two bands fell short (docs/results/gigapixel_cpu_auto_two_bands.json).
+# The stream's work beyond its token maps: a fixed part (the coarse maps made whole, kernels'
+# scratch) and bands of band_mb (the trunk's band with its FFN hidden layer; or the row maps'
+# kept rows and the band being made). Upper bounds of the peaks measured with glibc's malloc
+# (docs/gigapixel.md; at 8192² two bands fell short).
 STREAM_WORK_MB = 64
 STREAM_WORK_BANDS = 2.5
 # Bytes per input element that mmseg's doors (inference_model, the test loop) hold while predict
@@ -239,12 +214,12 @@ class LeanEncoderDecoder(LeanSettingsMixin, EncoderDecoder):
         """What the mode needs of the model's parts, checked on every predict (a part may be
         replaced after the build): a streaming model, a stock head resize for 'auto'."""
         name = type(self).__name__
-        if settings.mode == 'stream' or any(getattr(settings, k) is not None
-                                            for k in ('band_mb', 'token_maps', 'token_dir')):
-            why = self._why_not_streamed()
-            if why is not None:
-                raise ValueError(f"{name}: test_cfg mode='stream' cannot run: {why}; choose "
-                                 "mode 'whole', 'slide' or 'auto'")
+        stream_keys = settings.band_mb, settings.token_maps, settings.token_dir
+        why = (settings.mode == 'stream' or any(k is not None for k in stream_keys)) and \
+            self._why_not_streamed()
+        if why:
+            raise ValueError(f"{name}: test_cfg mode='stream' cannot run: {why}; choose mode "
+                             "'whole', 'slide' or 'auto'")
         if settings.mode == 'auto' and not self._head_resize_is_stock():
             raise ValueError(
                 f"{name}: test_cfg.mode='auto' estimates memory only for a decode head whose "
@@ -286,9 +261,8 @@ class LeanEncoderDecoder(LeanSettingsMixin, EncoderDecoder):
         return self._whole_predict(inputs, batch_img_metas, data_samples)
 
     def _step_done(self) -> None:
-        """Between the steps of a mode='auto' run: return the freed heap to the OS. glibc keeps
-        freed heap pages resident, so a step's freed memory would otherwise add to the next
-        step's, where the estimate measures the larger step."""
+        """Between the steps of a mode='auto' run: the freed heap back to the OS, where glibc
+        would keep it resident and add it to the next step's (the estimate measures each)."""
         if self._release_heap:
             release_free_heap()
 
@@ -319,9 +293,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, EncoderDecoder):
     def _head_resize_size(batch_img_metas: List[dict]):
         """The size ``BaseDecodeHead.predict_by_feat`` resizes the whole batch to."""
         meta = batch_img_metas[0]
-        if isinstance(meta['img_shape'], torch.Size):
-            return meta['img_shape']
-        if 'pad_shape' in meta:
+        if 'pad_shape' in meta and not isinstance(meta['img_shape'], torch.Size):
             return meta['pad_shape'][:2]
         return meta['img_shape']
 
@@ -406,15 +378,11 @@ class LeanEncoderDecoder(LeanSettingsMixin, EncoderDecoder):
             plans = self._stream_plans(image_hw, held_mb=0, budget_mb=budget)
             plan = choose_plan(plans, budget, f'{type(self).__name__} on {image_hw[0]}x'
                                f'{image_hw[1]} px')
-        was_training = self.training
-        self.eval()
-        try:
+        with self._eval_no_grad():
             for start, stop, labels in self._stream_bands(
                     read_pixels, image_hw, image_hw, (0, 0, 0, 0), image_hw, plan,
                     token_dir, progress):
                 yield start, stop, labels.cpu()
-        finally:
-            self.train(was_training)
 
     def _stream_predict(self, inputs: Tensor, data_samples: OptSampleList,
                         batch_img_metas: List[dict], plan: Optional[Plan]) -> SampleList:
@@ -519,16 +487,16 @@ class LeanEncoderDecoder(LeanSettingsMixin, EncoderDecoder):
         return self._slide_post(window_logits, windows, count, data_samples)
 
     def _slide_post(self, window_logits: List[Tensor], windows: list, count: Tensor,
-                    data_samples: OptSampleList, width: Optional[int] = None) -> SampleList:
-        """Each class chunk (``width`` classes, default :meth:`_slide_chunk_width`) of stock's
-        map (:meth:`_slide_chunk`), post-processed per image into its running argmax."""
+                    data_samples: OptSampleList, widths: Optional[List[int]] = None) -> SampleList:
+        """Each class chunk (``widths[0]`` classes, default :meth:`_chunk_widths`) of stock's map
+        (:meth:`_slide_chunk`), post-processed per image into its running argmax."""
         C = window_logits[0].shape[1]
         if C == 1:  # binary head: one channel, nothing to chunk; stock code on the full map
             return self.postprocess_result(
                 self._slide_chunk(window_logits, windows, count, 0, 1), data_samples)
         metas = self._metas(data_samples, count.shape[0])
-        width = width or self._slide_chunk_width(
-            C, count.shape, metas, any(map(_is_channels_last, window_logits)))
+        width = (widths or self._chunk_widths(
+            C, count.shape, metas, any(map(_is_channels_last, window_logits)), slide=True))[0]
         states = [_RunningArgmax(C, self.test_settings.keep_seg_logits, self._step_done)
                   for _ in metas]
         for c0 in range(0, C, width):
@@ -600,18 +568,14 @@ class LeanEncoderDecoder(LeanSettingsMixin, EncoderDecoder):
 
     def _chunk_widths(self, num_classes: int, head_hw: Sequence[int],
                       metas: List[Optional[dict]], channels_last: bool,
-                      batch_map: int = 0) -> List[int]:
+                      slide: bool = False) -> List[int]:
         """Classes per chunk of each image's post-processing: its planes per class are the
-        image's labels and, for the windows, the batch's map (``batch_map`` pixels)."""
-        return [chunk_width(num_classes, batch_map + math.prod(self._output_hw(meta, head_hw)),
-                            self.test_settings.lean_chunk_mb, channels_last)
-                for meta in metas]
-
-    def _slide_chunk_width(self, num_classes: int, shape: Sequence[int],
-                           metas: List[Optional[dict]], channels_last: bool) -> int:
-        """The narrowest of the images' widths beside the batch's map (``shape``: B, _, H, W)."""
-        B, _, H, W = shape
-        return min(self._chunk_widths(num_classes, (H, W), metas, channels_last, B * H * W))
+        image's labels and, for the windows (``slide``), the batch's map of ``head_hw``
+        (B, _, H, W): then the narrowest of the images' widths, for all."""
+        batch_map = len(metas) * math.prod(head_hw[-2:]) if slide else 0
+        widths = [chunk_width(num_classes, batch_map + math.prod(self._output_hw(m, head_hw[-2:])),
+                              self.test_settings.lean_chunk_mb, channels_last) for m in metas]
+        return [min(widths)] * len(widths) if slide else widths
 
     @staticmethod
     def _metas(data_samples: OptSampleList, batch_size: int) -> List[Optional[dict]]:
@@ -733,8 +697,8 @@ class LeanEncoderDecoder(LeanSettingsMixin, EncoderDecoder):
         B, _, H, W = inputs.shape
         C = self.out_channels
         s_h, s_w, channels_last = self._head_output_geometry(inputs)
-        widths = (self._chunk_widths(C, head_hw, metas, channels_last) if windows is None
-                  else self._slide_chunk_width(C, inputs.shape, metas, channels_last))
+        widths = self._chunk_widths(C, head_hw if windows is None else inputs.shape, metas,
+                                    channels_last, slide=windows is not None)
         key = (tuple(inputs.shape), tuple(head_hw), tuple(windows or ()), str(widths),
                self.test_settings.keep_seg_logits,
                tuple((self._output_hw(m, head_hw), self._padding(m), m and m.get('flip'),
