@@ -20,6 +20,9 @@ from xcit_mm import XCiTBackbone
 from xcit_mm.models.backbones import xcit as xcit_module
 
 TINY = dict(embed_dims=64, depth=4, num_heads=4)
+# One layer feeding all four levels, for what dynamo traces: XCiT's layers are alike (one drop
+# path rate, checkpointed one by one), so a graph break or a size guard in one is in each.
+ONE_LAYER = dict(arch=dict(TINY, depth=1), out_indices=(0, 0, 0, 0))
 
 
 def tiny(patch_size=16, **kwargs):
@@ -112,8 +115,10 @@ def test_no_graph_break():
     """torch._dynamo.explain: the forward is one graph in eval, train (drop path, BN in train
     mode), bf16 autocast (the float32 XCA island) and with gradient checkpointing."""
     x = torch.randn(2, 3, 64, 96)
-    cases = [('p16 eval', tiny(16).eval(), False), ('p8 train', tiny(8, drop_path_rate=0.1), False),
-             ('p16 train amp', tiny(16), True), ('p8 with_cp', tiny(8, with_cp=True), False)]
+    cases = [('p16 eval', tiny(16, **ONE_LAYER).eval(), False),
+             ('p8 train', tiny(8, drop_path_rate=0.1, **ONE_LAYER), False),
+             ('p16 train amp', tiny(16, **ONE_LAYER), True),
+             ('p8 with_cp', tiny(8, with_cp=True, **ONE_LAYER), False)]
     for name, model, amp in cases:
         with torch.autocast('cpu', dtype=torch.bfloat16, enabled=amp):
             explanation = torch._dynamo.explain(model)(x.requires_grad_(name.endswith('cp')))
@@ -128,7 +133,7 @@ def test_new_image_sizes_do_not_recompile(patch_size):
     """dynamic=True: one graph serves every size, same padding class or not (the traceable path
     has no branch on the size). Sizes above ~300x300 px: below that torch's CPU convolution picks
     another backend for the small stem inputs of this tiny model, a guard of its own."""
-    model = tiny(patch_size).eval()
+    model = tiny(patch_size, **ONE_LAYER).eval()
     counter = CompileCounter()
     compiled = torch.compile(model, backend=counter, dynamic=True)
     sizes = [(288, 320), (320, 352),  # multiples of 32: no padding
