@@ -8,13 +8,9 @@ Examples::
 
     python benchmarks/benchmark.py                          # default table, CPU inference
     python benchmarks/benchmark.py --models xcit_s12_p8 --resolutions 384 --compare
-    python benchmarks/benchmark.py --mode train --with-cp both --models xcit_s12_p16
     python benchmarks/benchmark.py --goals --threads 1      # the project's goals, PASS/FAIL
     python benchmarks/benchmark.py --flops-report           # paper Table 1 check of the FLOPs
-    python benchmarks/benchmark.py --models swin_t --no-time --no-mem   # FLOPs only
-    python benchmarks/benchmark.py --markdown docs/benchmark/goals.json  # the docs' tables
     python benchmarks/benchmark.py --whole-model CONFIG [BASELINE ...] --shape 800 1216
-    python benchmarks/benchmark.py --onnx CONFIG --resolutions 512   # ONNX Runtime vs eager
 """
 import argparse
 import json
@@ -23,14 +19,11 @@ import sys
 import warnings
 from typing import List, Optional, Sequence, Tuple
 
-# Run from a checkout without installing: make `import xcit_mm` find the repository.
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # xcit_mm
 
-from xcit_benchmark import compare, report  # noqa: E402
+from xcit_benchmark import report, runner  # noqa: E402
 from xcit_benchmark.flops import flops_report  # noqa: E402
-from xcit_benchmark.goals import run_goals  # noqa: E402
+from xcit_benchmark.spec import run_goals  # noqa: E402
 from xcit_benchmark.memory import mem_available_bytes  # noqa: E402
 from xcit_benchmark.models import list_models, parse_models  # noqa: E402
 from xcit_benchmark.fresh_points import run_metadata, write_artifact  # noqa: E402
@@ -51,55 +44,42 @@ def build_parser(spec: Optional[dict]) -> argparse.ArgumentParser:
     add('--resolutions', nargs='+', type=int, default=spec and spec['default_resolutions'],
         metavar='PX', help='square input sides (default: %(default)s)')
     add('--batch-size', type=int, default=1, help='images per call')
-    add('--mode', choices=['inference', 'train'], default='inference',
-        help='inference: no_grad forward; train: forward + backward of sum(out.mean())')
-    add('--precision', choices=['fp32', 'amp'], default='fp32',
-        help='amp: autocast, bf16 on CPU / fp16 on CUDA')
+    add('--mode', choices=['inference', 'train'], default='inference')
+    add('--precision', choices=['fp32', 'amp'], default='fp32', help='amp: bf16 CPU, fp16 CUDA')
     add('--device', choices=['cpu', 'cuda'], default='cpu')
     add('--threads', type=int, help='torch threads (and OMP/MKL threads of the memory workers)')
     add('--warmup', type=int, help="untimed calls per model and size (1; --goals: the spec's)")
     add('--repeats', type=int, help="timed interleaved rounds (5; --goals: the spec's; "
-        '--whole-model: 3 steps per process); >= 10 for decisions on a shared CPU')
-    add('--with-cp', choices=['off', 'on', 'both'], default='off',
-        help='gradient checkpointing (both: each model with and without, with ratios)')
-    add('--compile', choices=['off', 'on', 'both'], default='off',
-        help='torch.compile (inductor, dynamic=False) the timed step (both: with ratios)')
-    add('--onnx', metavar='CONFIG',
-        help="instead of --models: CONFIG's model in ONNX Runtime against PyTorch eager (CPU)")
+        '--whole-model: 3 steps per process)')
+    add('--with-cp', choices=['off', 'on', 'both'], default='off', help='both: with ratios')
+    add('--compile', choices=['off', 'on', 'both'], default='off', help='both: with ratios')
+    add('--onnx', metavar='CONFIG', help="CONFIG's model in ONNX Runtime against eager (CPU)")
     add('--whole-model', nargs='+', metavar='CONFIG',
-        help='instead of --models: whole detectors / segmentors on --shape images, by part; '
-        'the first config is the subject, the others baselines (ratios)')
-    add('--detections', type=int, default=100,
-        help='--whole-model: detections kept per image by every detector (score_thr 0)')
+        help='whole models on --shape images, by part; the first one the subject of the ratios')
+    add('--detections', type=int, default=100, help='--whole-model: detections per image')
     add('--own-settings', action='store_true',
-        help="--whole-model: each config's own detector settings and optimizer flags, not "
-        "the first config's")
+        help="--whole-model: each config's detector settings, not the first config's")
     add('--rounds', type=int, help='--whole-model: interleaved rounds (3)')
     add('--shape', nargs=2, type=int, metavar=('H', 'W'), help='--whole-model: input size')
     add('--mem-iters', type=int, default=2, help='calls measured in each memory process')
     add('--cpu-mem-mode', choices=['live', 'process'], default='live',
-        help='live: memory processes under MALLOC_MMAP_THRESHOLD_=65536 (the RSS follows the '
-        "live tensors); process: glibc's defaults, the RSS a plain process shows")
-    add('--mem-limit-gb', type=float,
-        help='kill a memory process above this RSS (OOM; default: 80%% of MemAvailable)')
+        help="live: MALLOC_MMAP_THRESHOLD_=65536; process: glibc's defaults")
+    add('--mem-limit-gb', type=float, help='RSS limit of a memory process (80%% of MemAvailable)')
     add('--mem-timeout', type=float, default=1800., help='seconds per memory process')
     add('--no-time', action='store_true', help='no timing')
     add('--no-mem', action='store_true', help='no memory processes')
     add('--no-flops', action='store_true', help='no FLOP counting')
-    add('--compare', action='store_true',
-        help="XCiTBackbone.forward_trunk against mmpretrain's port of the same trunk, "
-        'interleaved, with ratios and a check that both compute the same maps')
+    add('--compare', action='store_true', help="our XCiT trunk against mmpretrain's port")
     add('--goals', action='store_true', help='the goal checks of --spec, PASS/FAIL')
     add('--fail-on-goal-miss', action='store_true', help='--goals: exit 3 if a goal fails')
-    add('--flops-report', action='store_true',
-        help='GMACs of every XCiT arch at 224/p16 and 384/p8 against paper Table 1')
+    add('--flops-report', action='store_true', help='GMACs against paper Table 1')
     add('--spec', metavar='JSON', help='default: docs/benchmark/goals_spec.json')
     add('--out-dir', default='work_dirs/benchmark', help='where CSV/JSON/PNG go')
     add('--name', help='file name stem')
     add('--no-plot', action='store_true', help='no PNG')
     add('--quiet', action='store_true', help='no progress lines')
     add('--list-models', action='store_true', help='list model names and exit')
-    add('--markdown', metavar='JSON', help='print the Markdown tables the docs quote of a result')
+    add('--markdown', metavar='JSON', help='the Markdown tables of a result')
     return p
 
 
@@ -214,17 +194,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         specs = args.model_specs
         if args.compare:
-            specs, pairs = compare.compare_pairs(specs)
+            specs, pairs = runner.compare_pairs(specs)
             name = args.name or 'compare'
-        specs = compare.variants(specs, args.with_cp, pairs, '+cp')
-        specs = compare.variants(specs, args.compile, pairs, '+compile')
-        checks = [compare.check_same_trunk(s.arch, s.patch) for s in specs
+        specs = runner.variants(specs, args.with_cp, pairs, '+cp')
+        specs = runner.variants(specs, args.compile, pairs, '+compile')
+        checks = [runner.check_same_trunk(s.arch, s.patch) for s in specs
                   if args.compare and s.family == 'xcit_trunk' and not s.with_cp]
         records, meta = run_points([(s, r) for r in args.resolutions for s in specs], opts, log)
         meta['checks'] = checks
     print(report.format_table(records))
     if pairs:
-        meta['ratios'] = compare.ratio_rows(records, pairs)
+        meta['ratios'] = runner.ratio_rows(records, pairs)
         print('\n' + report.format_ratios(meta['ratios']))
     if args.goals:
         print('\n' + report.markdown_goals(goals))

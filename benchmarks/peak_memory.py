@@ -30,8 +30,7 @@ from xcit_benchmark.fresh_points import (LIVE_MALLOC, MIB, cpu_model, hooked,  #
 
 TASKS = ('segmentor', 'detector')
 BACKBONES = ('xcit', 'swin', 'vit', 'uper')
-# the order in a series: stock, the largest, last
-PATHS = ('bands', 'lean', 'stream', 'stream-disk', 'stock', 'auto')
+PATHS = ('bands', 'lean', 'stream', 'stream-disk', 'stock', 'auto')  # a series' order
 STREAMS = {'stream': 'memory', 'stream-disk': 'disk'}  # path: test_cfg.token_maps
 PIPELINES = ('full', 'paper', 'network')
 SIZES = (1024, 2048, 4096, 8192)
@@ -44,11 +43,11 @@ CONFIGS = {
     ('detector', 'swin'): 'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_ms-crop-3x_coco.py',
     ('detector', 'vit'): 'configs/benchmark/mask_rcnn_vit_s16_coco.py',
 }
-XCIT_ONLY = {('segmentor', 'xcit'), ('detector', 'xcit')}  # the series of auto
-# the series of bands: the segmentor's band path became the stream (its rows in docs/results are
-# kept as measured before it went)
+# the series of auto, of bands (the segmentor's band path became the stream: its rows in
+# docs/results stay as measured) and of the stream
+XCIT_ONLY = {('segmentor', 'xcit'), ('detector', 'xcit')}
 BANDED = {('detector', 'xcit')}
-STREAMED = {('segmentor', 'xcit'), ('segmentor', 'uper')}  # the series of the stream
+STREAMED = {('segmentor', 'xcit'), ('segmentor', 'uper')}
 BAND_MB = 64
 NO_LIMIT_MB = 10**9  # an auto model's budget while the warm-up calibrates it
 DOORS = {'segmentor': 'mmseg.apis.inference_model', 'detector': 'mmdet.apis.inference_detector'}
@@ -58,15 +57,14 @@ LABELS = {'xcit': 'XCiT-S12/16', 'swin': 'Swin-T', 'vit': 'ViT-S/16', 'uper': 'U
 COLUMNS = ['task', 'backbone', 'path', 'size', 'pipeline', 'device', 'max_memory', 'band_mb',
            'plan', 'detail', 'estimate_mb', 'status', 'peak_growth_mb', 'predict_peak_growth_mb',
            'max_reserved_mb', 'time_s', 'error_pct', 'digest', 'note']
-# Mask R-CNN's parts whose peaks --parts reports: (label, attribute path, method)
-PARTS = [('data_preprocessor', 'data_preprocessor', 'forward'),
-         ('backbone', 'backbone', 'forward'), ('backbone_trunk', 'backbone', 'forward_trunk'),
-         ('neck', 'neck', 'forward'), ('lean_features', '', '_lean_extract_feat'),
-         ('rpn', 'rpn_head', 'predict'), ('lean_rpn', '', '_lean_rpn_predict'),
-         ('rpn_post', 'rpn_head', 'predict_by_feat'), ('lean_roi', '', '_lean_roi_predict'),
-         ('roi_bbox', 'roi_head', 'predict_bbox'),
-         ('roi_mask_forward', 'roi_head', '_mask_forward'),
-         ('mask_paste', 'roi_head.mask_head', 'predict_by_feat')]
+# Mask R-CNN's parts whose peaks --parts reports: label=attribute path.method
+PARTS = [p.partition('=')[::2] for p in (
+    'data_preprocessor=data_preprocessor.forward backbone=backbone.forward '
+    'backbone_trunk=backbone.forward_trunk neck=neck.forward lean_features=._lean_extract_feat '
+    'rpn=rpn_head.predict lean_rpn=._lean_rpn_predict rpn_post=rpn_head.predict_by_feat '
+    'lean_roi=._lean_roi_predict roi_bbox=roi_head.predict_bbox '
+    'roi_mask_forward=roi_head._mask_forward mask_paste=roi_head.mask_head.predict_by_feat'
+).split()]
 ROW = 'ROW '  # the child's lines on stdout
 
 
@@ -119,26 +117,24 @@ def output_digest(task: str, result) -> dict:
     import torch
     digest = hashlib.sha256()
 
-    def add(tensor):  # a 64 MB piece at a time (32768² labels: 8 GB): the bytes of the whole
-        for piece in tensor.detach().contiguous().view(-1).split(2**23):
-            digest.update(piece.cpu().numpy())
+    def add(*tensors):  # 64 MB pieces (32768² labels: 8 GB): the bytes of the whole tensors
+        for tensor in tensors:
+            for piece in tensor.detach().contiguous().view(-1).split(2**23):
+                digest.update(piece.cpu().numpy())
 
     if isinstance(result, torch.Tensor):  # the network's logits
         add(result)
-        return dict(digest=digest.hexdigest()[:16], out_shape=list(result.shape))
-    if task == 'segmentor':
+        out = dict(out_shape=list(result.shape))
+    elif task == 'segmentor':
         labels = result.pred_sem_seg.data
         add(labels)
-        return dict(digest=digest.hexdigest()[:16], labels_sum=int(labels.sum()),
-                    out_shape=list(labels.shape))
-    pred, mask_pixels = result.pred_instances, 0
-    for tensor in (pred.bboxes, pred.labels, pred.scores):
-        add(tensor)
-    for mask in pred.masks:  # one at a time: the same bytes as the whole tensor's
-        add(mask)
-        mask_pixels += int(mask.count_nonzero())
-    return dict(digest=digest.hexdigest()[:16], num_dets=len(pred),
-                out_shape=list(pred.masks.shape), mask_pixels=mask_pixels)
+        out = dict(labels_sum=int(labels.sum()), out_shape=list(labels.shape))
+    else:
+        pred = result.pred_instances
+        add(pred.bboxes, pred.labels, pred.scores, *pred.masks)  # a mask at a time: same bytes
+        out = dict(num_dets=len(pred), out_shape=list(pred.masks.shape),
+                   mask_pixels=sum(int(m.count_nonzero()) for m in pred.masks))
+    return dict(digest=digest.hexdigest()[:16], **out)
 
 
 class PartMeter:
@@ -150,19 +146,18 @@ class PartMeter:
         self.rss, self.peak_rss, self.reset = rss_mb, peak_rss_mb, reset_peak_rss
         self.base = self.peak = 0.0
         self.parts, self.open = [], []
-        for label, path, method in PARTS:
+        for label, where in PARTS:
+            path, _, method = where.rpartition('.')
             obj = functools.reduce(getattr, filter(None, path.split('.')), model)
             if hasattr(obj, method):
-                self.wrap(obj, method, label)
+                setattr(obj, method, self.wrap(getattr(obj, method), label))
 
     def fold(self):
         peak = self.peak_rss() - self.base
         self.peak, self.open = max(self.peak, peak), [max(p, peak) for p in self.open]
         self.reset()
 
-    def wrap(self, obj, method: str, label: str):
-        inner = getattr(obj, method)
-
+    def wrap(self, inner, label: str):
         def wrapped(*args, **kwargs):
             self.fold()
             start = self.rss() - self.base
@@ -172,32 +167,30 @@ class PartMeter:
             self.parts.append(dict(part=label, start_mb=round(start),
                                    peak_mb=round(self.open.pop())))
             return out
-
-        setattr(obj, method, wrapped)
+        return wrapped
 
 
 def measure_point(model, infer, point: dict, spec: dict) -> dict:
     """The figures of one call at ``point['size']``; a failure is a row, not the end."""
     import torch
     from xcit_mm.models.utils.memory_budget import rss_mb
-    device, size, task = spec['device'], point['size'], point['task']
+    device, size, task, path = spec['device'], point['size'], point['task'], point['path']
     cuda, img, pipeline = device.startswith('cuda'), test_image(size), point.get('pipeline', 'full')
-    in_use = (lambda: torch.cuda.memory_allocated(device) / MIB) if cuda else rss_mb
     call = lambda: infer(model, img)  # noqa: E731
     if pipeline == 'network':  # the network alone on the preprocessed image
         inputs = model.data_preprocessor(
             dict(inputs=[torch.from_numpy(img).permute(2, 0, 1).contiguous()]), False)['inputs']
-        net = (model._network_forward if point['path'] != 'stock'
+        net = (model._network_forward if path != 'stock'
                else lambda x: model.decode_head.forward(model.extract_feat(x)))
         call = lambda: net(inputs)  # noqa: E731
     at_predict = []
-    if point['path'] == 'auto':  # the memory when predict starts: the input exists
+    if path == 'auto':  # the memory when predict starts: the input exists
+        in_use = (lambda: torch.cuda.memory_allocated(device) / MIB) if cuda else rss_mb
         model.test_cfg['max_memory'] = point['max_memory']
         model.predict = hooked(model.predict, before=lambda: at_predict.append(in_use()))
     meter = PartMeter(model) if spec.get('parts') and task == 'detector' else None
     if meter:
         call = hooked(call, before=lambda: setattr(meter, 'base', meter.rss()))
-
     try:
         with torch.no_grad():
             result, growth, base, seconds = measure(call, device)
@@ -214,9 +207,8 @@ def measure_point(model, infer, point: dict, spec: dict) -> dict:
             if seconds < spec.get('repeat_below_s', 0):  # a second call: the mean of two
                 times.append(measure(call, device)[3])
     except torch.cuda.OutOfMemoryError as e:
-        row = dict(status='oom', note=(str(e).strip().splitlines() or ['OutOfMemoryError'])[0])
-        row['allocated_at_oom_mb'] = round(torch.cuda.max_memory_allocated(device) / MIB)
-        return row
+        return dict(status='oom', note=(str(e).strip().splitlines() or ['OutOfMemoryError'])[0],
+                    allocated_at_oom_mb=round(torch.cuda.max_memory_allocated(device) / MIB))
     except Exception as e:  # noqa: BLE001
         return dict(status='error', note=f'{type(e).__name__}: {str(e).strip()[:300]}')
     row['time_s'] = round(sum(times) / len(times), 3)
@@ -224,9 +216,8 @@ def measure_point(model, infer, point: dict, spec: dict) -> dict:
         row['times_s'] = [round(t, 3) for t in times]
     if meter:
         row['parts'] = meter.parts
-    if point['path'] == 'auto':
-        plan = model.last_memory_plan
-        predict_mb = base + growth - at_predict[0]
+    if path == 'auto':
+        plan, predict_mb = model.last_memory_plan, base + growth - at_predict[0]
         line = (getattr(model, 'memory_model', None)
                 or getattr(model, 'calibrated_memory_model', None)
                 or model.test_cfg.get('memory_model', {}).values())  # calibrated, or given
@@ -304,14 +295,14 @@ def skip_reason(previous, size: int, limit_mb) -> dict:
         return {}
     if previous['status'] != 'ok':
         return dict(note=f"not run: {previous['status']} at {previous['size']}")
-    ratio, base = (size / previous['size']) ** 2, previous.get('base_mb', 0)
-    estimate = base + previous['peak_growth_mb'] * ratio
+    growth, base = previous['peak_growth_mb'], previous.get('base_mb', 0)
+    ratio = (size / previous['size']) ** 2
+    estimate = base + growth * ratio
     if limit_mb is None or estimate <= limit_mb:
         return {}
-    return dict(note=f"not run: extrapolated peak RSS {estimate / 1024:.1f} GiB (RSS {base} MB "
-                f"+ {ratio:g} x growth {previous['peak_growth_mb']} MB at {previous['size']}) > "
-                f'limit {limit_mb / 1024:.1f} GiB',
-                extrapolated_mb=round(previous['peak_growth_mb'] * ratio))
+    return dict(note=f'not run: extrapolated peak RSS {estimate / 1024:.1f} GiB (RSS {base} MB '
+                f"+ {ratio:g} x growth {growth} MB at {previous['size']}) > "
+                f'limit {limit_mb / 1024:.1f} GiB', extrapolated_mb=round(growth * ratio))
 
 
 def point_key(row: dict) -> tuple:
@@ -350,9 +341,9 @@ def groups(points: list, device: str) -> list:
     one after the other, in the order of the command line."""
     if device == 'cpu':
         return [[p] for p in points]
-    first = [p[:2] for p in dict.fromkeys(series_key(p) for p in points)]
-    keys = sorted(dict.fromkeys(series_key(p) for p in points),
-                  key=lambda k: (first.index(k[:2]), PATHS.index(k[2])))
+    keys = list(dict.fromkeys(series_key(p) for p in points))
+    first = [k[:2] for k in keys]
+    keys.sort(key=lambda k: (first.index(k[:2]), PATHS.index(k[2])))
     return [[p for p in points if series_key(p) == k] for k in keys]
 
 
@@ -396,8 +387,7 @@ def run(args, configs: dict, runner=run_child) -> list:
                 weights='random (Pretrained init dropped)', device_info=device_info(args.device),
                 note=args.note or 'one fresh process per point', revision=revision(),
                 complete=False, **earlier)
-    rows, last = [], {}
-    deadline = start + args.budget_s
+    rows, last, deadline = [], {}, start + args.budget_s
     clock = dict(time=time.time(), load=os.getloadavg()[0])
 
     def on_row(row):
@@ -440,8 +430,7 @@ def kept_rows(args, points: list):
     if not args.update:
         return [], {}
     artifact = load_artifact(args.out + '.json')
-    again = {point_key(p) for p in points}
-    meta = artifact.get('meta', {})
+    again, meta = {point_key(p) for p in points}, artifact.get('meta', {})
     kept = [r for r in artifact['rows'] if point_key(r) not in again]
     for row in kept if meta.get('revision') else []:
         row.setdefault('revision', meta['revision'])
@@ -454,12 +443,8 @@ def kept_rows(args, points: list):
 def digest_agreement(rows: list, path: str = 'lean', other: str = 'stock') -> dict:
     """``{'task:backbone:size': digest of path == digest of other}`` where both ran."""
     ran = {point_key(r): r.get('digest') for r in rows if r['status'] == 'ok'}
-    out = {}
-    for key, digest in ran.items():
-        twin = key[:2] + (other,) + key[3:]
-        if key[2] == path and twin in ran:
-            out[f'{key[0]}:{key[1]}:{key[3]}'] = digest == ran[twin]
-    return out
+    return {f'{k[0]}:{k[1]}:{k[3]}': d == ran[k[:2] + (other,) + k[3:]] for k, d in ran.items()
+            if k[2] == path and k[:2] + (other,) + k[3:] in ran}
 
 
 # ---------------------------------------------------------------------------- reports

@@ -42,9 +42,7 @@ from background import background_process
 
 from types import SimpleNamespace
 
-from xcit_benchmark import compare as lib_compare
 from xcit_benchmark import flops as lib_flops
-from xcit_benchmark import goals as lib_goals
 from xcit_benchmark import memory as lib_memory
 from xcit_benchmark import models as lib_models
 from xcit_benchmark import report as lib_report
@@ -57,7 +55,7 @@ from xcit_benchmark.timing import time_interleaved
 
 # the library's public names in one namespace
 lib = SimpleNamespace(**{name: getattr(module, name)
-                         for module in (lib_compare, lib_flops, lib_goals, lib_memory, lib_models,
+                         for module in (lib_flops, lib_memory, lib_models,
                                         lib_report, lib_runner, lib_spec, lib_timing)
                          for name in dir(module) if not name.startswith('_')})
 
@@ -454,7 +452,7 @@ y = torch.ones(16 * 2 ** 20 // 4)
 clock.mark('heads')
 del y
 parts = clock.parts(('trunk', 'adapter', 'neck', 'heads'))
-from xcit_benchmark import compare, flops, models, spec
+from xcit_benchmark import flops, models, runner, spec
 table = spec.load_spec()['flops_report']
 port = {f'{a}_p{p}': flops.point_flops(models.parse_model(f'mmpretrain_xcit_{a}_p{p}'), r,
                                        'inference')['gmacs']
@@ -464,7 +462,7 @@ print(json.dumps(dict(
     worker=worker, part_clock={k: p for k, (_, p) in parts.items()}, port=port,
     train_over_forward=train['gflop_exec'] / (2 * train['gmacs']),
     n12_rows=flops.flops_report(table['paper_table1'], table['tolerance'], archs=['n12']),
-    same_trunk=compare.check_same_trunk('n12', 16))))
+    same_trunk=runner.check_same_trunk('n12', 16))))
 """
 
 
@@ -586,7 +584,7 @@ def test_run_goals_measures_the_spec_runs(monkeypatch):
             records.append(rec)
         return records, dict(run=len(calls))
 
-    monkeypatch.setattr(lib_goals, 'run_points', fake_run_points)
+    monkeypatch.setattr(lib_spec, 'run_points', fake_run_points)
     logs = []
     opts = lib.RunOptions(batch=4, precision='amp', mode='train', warmup=2, repeats=10)
     goals, records, meta = lib.run_goals(opts, spec, log=logs.append)

@@ -23,7 +23,7 @@ def test_the_gpu_page_quotes_the_artifact_and_every_budget_held(tmp_path, capsys
     with open(ARTIFACT) as f:
         artifact = json.load(f)
     budget = [r for r in artifact['rows'] if r['path'] == 'auto']
-    assert {r['plan'] for r in budget} == {'whole', 'slide'}
+    assert {r['plan'] for r in budget} == {'whole', 'stream'}
     for row in budget:
         assert row['peak_growth_mb'] <= row['estimate_mb'] <= row['max_memory']
         assert f"{row['estimate_mb']}, {row['peak_growth_mb']}" in page.replace('\n  ', ' ') \

@@ -3,9 +3,9 @@
 
 models (names, factory), flops (the counter, Table 1), timing (interleaved rounds), memory /
 worker (the backbone memory process), fresh_points (what every fresh-process measurement
-shares), runner, compare, goals, spec, report / plot, whole_model.
+shares), runner (and compare), spec (and goals), report / plot, whole_model.
 """
-from .compare import compile_variants
+from .runner import compile_variants
 from .flops import count_flops
 from .models import parse_model
 

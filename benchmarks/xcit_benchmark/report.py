@@ -19,13 +19,10 @@ def fmt(value, digits: int = 1) -> str:
     """``'-'`` for a missing value, a float with ``digits`` decimals, anything else as ``str``."""
     if value is None or value == '':
         return '-'
-    if isinstance(value, float):
-        return f'{value:.{digits}f}'
-    return str(value)
+    return f'{value:.{digits}f}' if isinstance(value, float) else str(value)
 
 
 def format_table(records: Sequence[dict]) -> str:
-    """A human readable table of the records."""
     header = (f'{"model":<28}{"res":>6}{"status":>8}{"ms/img":>10}{"img/s":>9}{"peak MB":>10}'
               f'{"GMACs":>9}{"GFLOP/s":>9}{"%mm":>6}')
     lines = [header, '-' * len(header)]
@@ -144,9 +141,7 @@ def markdown_whole_model(data: dict) -> str:
 
 
 def markdown_result(data: dict) -> str:
-    """The Markdown tables of a stored result: a FLOPs report (``rows``), a goals run
-    (``meta.goals``: the goals table), a whole-model run (``meta.whole_model``) or a backbone
-    benchmark run (``records``)."""
+    """The Markdown tables of a stored result: FLOPs report, goals, whole-model or backbone run."""
     if 'rows' in data:
         return markdown_flops_report(data['rows'])
     if 'goals' in data.get('meta', {}):
@@ -176,10 +171,10 @@ def plot_records(records: Sequence[dict], path: str, meta: dict):
     import matplotlib.pyplot as plt
     import matplotlib.ticker
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    models = list(dict.fromkeys(r['model'] for r in records))
+    resolutions = sorted({r['resolution'] for r in records})
     for key, ax, label in (('ms_per_img', axes[0], 'time per image [ms]'),
                            ('peak_mem_mb', axes[1], 'peak memory growth [MB]')):
-        for model in models:
+        for model in dict.fromkeys(r['model'] for r in records):
             pts = sorted((r['resolution'], r[key]) for r in records
                          if r['model'] == model and r.get(key) is not None and r[key] > 0)
             failed = sorted(r['resolution'] for r in records
@@ -189,13 +184,9 @@ def plot_records(records: Sequence[dict], path: str, meta: dict):
             suffix = f' ({", ".join(map(str, failed))}: OOM/failed)' if failed else ''
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker='o', label=model + suffix)
         ax.set_xscale('log', base=2)
-        ax.set_yscale('log')
-        resolutions = sorted({r['resolution'] for r in records})
-        ax.set_xticks(resolutions)
-        ax.set_xticklabels([str(r) for r in resolutions])
+        ax.set(yscale='log', xlabel='input side [px] (square input)', ylabel=label)
+        ax.set_xticks(resolutions, [str(r) for r in resolutions])
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_xlabel('input side [px] (square input)')
-        ax.set_ylabel(label)
         ax.grid(True, which='both', alpha=0.3)
         if ax.get_lines():
             ax.legend(fontsize=8)

@@ -1,31 +1,20 @@
-"""The benchmark's data: default models and resolutions, the project's goals and paper Table 1.
+"""The benchmark's data (docs/benchmark/goals_spec.json, checked by :func:`load_spec`): default
+models and resolutions, the project's goals, paper Table 1; and ``--goals``, which measures the
+points of the goal runs and evaluates the checks.
 
-They live in a JSON file (:data:`DEFAULT_SPEC_PATH`), not in the code; :func:`load_spec` reads
-and checks it. Layout::
-
-    {"default_models": [NAME, ...], "default_resolutions": [PX, ...],
-     "goals": {"batch": 1, "precision": "fp32", "warmup": W, "repeats": R,
-               "runs": [{"label": STR, "mode": "inference"|"train", "time": BOOL,
-                         "points": [[NAME, PX], ...]}, ...],
-               "checks": [{"goal": STR, "metric": "peak_mem_mb"|"ms_per_img",
-                           "mode": "inference"|"train", "value": "ratio"|"saving",
-                           "a": [NAME, PX], "b": [NAME, PX], "op": "<="|">=",
-                           "threshold": X, "detail": OPTIONAL FORMAT}, ...]},
-     "flops_report": {"tolerance": X, "paper_table1": {ARCH: {"params_m": X,
-                      "gmacs_224_p16": X, "gmacs_384_p8": X}, ...}}}
-
-A check's value is ``a / b`` ("ratio") or ``1 - a / b`` ("saving") of the metric of the two
-points measured in ``mode``; every point a check names must be measured by a run of that mode.
+A check's value is ``a / b`` ("ratio") or ``1 - a / b`` ("saving") of the metric of two points
+measured in ``mode``; every point a check names must be measured by a run of that mode.
 """
 import json
 import os
-from typing import Optional
+from typing import Callable, List, Optional, Sequence, Tuple
 
+from .fresh_points import REPO
 from .models import XCIT_ARCHS, parse_model
+from .report import fmt
+from .runner import RunOptions, log_stderr, median_paired_ratio, run_points
 
-# the repository root (benchmarks/xcit_benchmark/spec.py)
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEFAULT_SPEC_PATH = os.path.join(_PACKAGE_PARENT, 'docs', 'benchmark', 'goals_spec.json')
+DEFAULT_SPEC_PATH = os.path.join(REPO, 'docs', 'benchmark', 'goals_spec.json')
 
 METRICS = ('peak_mem_mb', 'ms_per_img')
 MODES = ('inference', 'train')
@@ -38,7 +27,7 @@ class SpecError(ValueError):
 
 
 def validate_spec(spec: dict, path: str = '<spec>') -> dict:
-    """Check the layout described in the module docstring; return ``spec``."""
+    """Check the layout of goals_spec.json; return ``spec``."""
     def check(cond: bool, message: str):
         if not cond:
             raise SpecError(f'{path}: {message}')
@@ -109,3 +98,45 @@ def load_spec(path: Optional[str] = None) -> dict:
     if not isinstance(spec, dict):
         raise SpecError(f'{path}: the top level must be an object')
     return validate_spec(spec, path)
+
+
+DEFAULT_DETAILS = {
+    'peak_mem_mb': '{a} MB / {b} MB',
+    'ms_per_img': '{a} ms / {b} ms, paired median ratio {paired}, {repeats} interleaved repeats'}
+
+
+def evaluate_goals(records: Sequence[dict], checks: Sequence[dict], repeats: int) -> List[dict]:
+    """Evaluate the spec's goal checks on measured records (the first record of a point)."""
+    index, goals = {}, []
+    for r in records:
+        index.setdefault((r['model'], r['resolution'], r['mode']), r)
+    for check in checks:
+        a_rec = index.get((*check['a'], check['mode']), {})
+        b_rec = index.get((*check['b'], check['mode']), {})
+        a, b = a_rec.get(check['metric']), b_rec.get(check['metric'])
+        value = (a / b if check['value'] == 'ratio' else 1 - a / b) if a and b else None
+        threshold, op = check['threshold'], check['op']
+        target = f'{op} {threshold:.0%}' if check['value'] == 'saving' else f'{op} {threshold}'
+        detail = check.get('detail', DEFAULT_DETAILS[check['metric']]).format(
+            a=fmt(a), b=fmt(b), repeats=repeats, paired=fmt(median_paired_ratio(a_rec, b_rec), 3))
+        ok = None if value is None else (value <= threshold if op == '<=' else value >= threshold)
+        goals.append(dict(goal=check['goal'], target=target, value=value, detail=detail, ok=ok))
+    return goals
+
+
+def run_goals(opts: RunOptions, goals_spec: dict,
+              log: Callable[[str], None] = log_stderr) -> Tuple[List[dict], List[dict], dict]:
+    """(goals, records, meta): every run of the spec, one :func:`run_points` call each (with the
+    spec's batch and precision; not timed where ``"time": false``), then its checks."""
+    records, meta = [], None
+    for run in goals_spec['runs']:
+        log(run['label'])
+        run_opts = RunOptions(**dict(vars(opts), batch=goals_spec['batch'], mode=run['mode'],
+                                     precision=goals_spec['precision'],
+                                     do_time=opts.do_time and run['time']))
+        recs, run_meta = run_points([(parse_model(n), r) for n, r in run['points']], run_opts,
+                                    log)
+        records += recs
+        meta = meta or run_meta
+    goals = evaluate_goals(records, goals_spec['checks'], opts.repeats)
+    return goals, records, meta

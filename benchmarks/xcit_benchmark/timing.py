@@ -2,7 +2,7 @@
 
 The repeats are *interleaved* across models (round r runs every step once, in an order rotated by
 r), so slow drifts of a shared machine hit all models alike. A float32 1024x1024 ``torch.mm`` step
-(:data:`MATMUL_STEP`) timed in the same rounds gives the reference rate of the machine.
+timed in the same rounds gives the reference rate of the machine.
 """
 import contextlib
 import gc
@@ -38,11 +38,8 @@ def make_step(model: nn.Module, forward: Callable, img: torch.Tensor, mode: str,
         raise ValueError(f'unknown mode {mode!r} or precision {precision!r}')
     model.train(mode == 'train')
     params = [p for p in model.parameters() if p.requires_grad]
-
-    def autocast():
-        if precision == 'fp32':
-            return contextlib.nullcontext()
-        return torch.autocast(device, dtype=torch.bfloat16 if device == 'cpu' else torch.float16)
+    autocast = (contextlib.nullcontext if precision == 'fp32' else lambda: torch.autocast(
+        device, dtype=torch.bfloat16 if device == 'cpu' else torch.float16))
 
     def step():
         if mode == 'inference':
@@ -58,19 +55,9 @@ def make_step(model: nn.Module, forward: Callable, img: torch.Tensor, mode: str,
 
 
 def make_matmul_step(device: str) -> Callable[[], None]:
-    """A step of ``MATMUL_CALLS`` float32 1024x1024 ``torch.mm`` (the reference rate)."""
-    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device)
-    b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device)
-
-    def step():
-        for _ in range(MATMUL_CALLS):
-            torch.mm(a, b)
-    return step
-
-
-def matmul_gflops(step_seconds: float) -> float:
-    """GFLOP/s of one :func:`make_matmul_step` call that took ``step_seconds``."""
-    return 2 * MATMUL_SIZE ** 3 * MATMUL_CALLS / step_seconds / 1e9
+    """The reference step: ``MATMUL_CALLS`` float32 ``MATMUL_SIZE``² ``torch.mm``."""
+    a, b = (torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device) for _ in 'ab')
+    return lambda: [torch.mm(a, b) for _ in range(MATMUL_CALLS)]
 
 
 def measure_matmul_gflops(device: str, repeats: int = 10) -> float:
@@ -83,7 +70,8 @@ def time_with_matmul(steps: Dict[str, Callable[[], None]], warmup: int, repeats:
     """(times of :func:`time_interleaved`, GFLOP/s of the reference step timed with them)."""
     times = time_interleaved(dict(steps, **{MATMUL_STEP: make_matmul_step(device)}), warmup,
                              repeats, device)
-    return times, matmul_gflops(statistics.median(times.pop(MATMUL_STEP)))
+    seconds = statistics.median(times.pop(MATMUL_STEP))
+    return times, 2 * MATMUL_SIZE ** 3 * MATMUL_CALLS / seconds / 1e9
 
 
 def time_figures(times: Sequence[float], batch: int) -> dict:

@@ -37,6 +37,7 @@ class WholeModelError(ValueError):
 
 
 def check_config_path(config: str) -> None:
+    """A usage error before any process starts: a missing file or an unknown package prefix."""
     scope, sep, rel = config.partition('::')
     if sep and (scope not in SCOPES or not rel):
         raise WholeModelError(f'config {config!r}: the prefix must be mmdet:: or mmseg::')
@@ -50,14 +51,12 @@ def load_whole_config(config: str):
 
     from mmengine.config import Config
     check_config_path(config)
-    if '::' not in config:
-        return Config.fromfile(config)
-    scope, rel = config.split('::', 1)
-    root = osp.dirname(importlib.import_module(scope).__file__)
-    for cand in (osp.join(root, '.mim', 'configs', rel), osp.join(root, 'configs', rel)):
-        if osp.isfile(cand):
-            return Config.fromfile(cand)
-    raise WholeModelError(f'config {config!r} not found in the installed {scope} package')
+    scope, _, rel = config.rpartition('::')
+    path = osp.join(osp.dirname(importlib.import_module(scope).__file__), '.mim', 'configs',
+                    rel) if scope else config
+    if not osp.isfile(path):
+        raise WholeModelError(f'config {config!r} not found in the installed {scope} package')
+    return Config.fromfile(path)
 
 
 def drop_pretrained(obj):
@@ -87,16 +86,15 @@ def work_settings(config: str, detections: int = 100) -> dict:
     cfg = load_whole_config(config)
     model = cfg.get('model', None) or {}
     two_stage = all(key in model for key in ('roi_head', 'train_cfg', 'test_cfg'))
-
-    def plain(key):
-        value = model[key] if two_stage else None
-        return value.to_dict() if hasattr(value, 'to_dict') else value
-    return dict(det_train_cfg=plain('train_cfg'), det_test_cfg=plain('test_cfg'),
-                detections=detections, adamw_flags=adamw_kernel_flags(cfg), source=config)
+    train, test = (model[k].to_dict() if two_stage else None for k in ('train_cfg', 'test_cfg'))
+    return dict(det_train_cfg=train, det_test_cfg=test, detections=detections,
+                adamw_flags=adamw_kernel_flags(cfg), source=config)
 
 
 def build_whole_model(config: str, work: Optional[dict] = None):
     """(model, task, AdamW flags) of a config: random init, SyncBN -> BN, the ``work`` settings."""
+    import importlib
+
     from mmengine.config import ConfigDict
     from mmengine.model import revert_sync_batchnorm
     from mmengine.registry import init_default_scope
@@ -109,15 +107,11 @@ def build_whole_model(config: str, work: Optional[dict] = None):
                               f'model dict (got scope {scope!r})')
     model_cfg = drop_pretrained(copy.deepcopy(cfg.model))  # a ConfigDict (test_cfg.mode ...)
     if work and work.get('det_train_cfg') is not None and 'roi_head' in model_cfg:
-        model_cfg['train_cfg'] = ConfigDict(copy.deepcopy(work['det_train_cfg']))
-        model_cfg['test_cfg'] = ConfigDict(copy.deepcopy(work['det_test_cfg']))
+        model_cfg.update(train_cfg=ConfigDict(copy.deepcopy(work['det_train_cfg'])),
+                         test_cfg=ConfigDict(copy.deepcopy(work['det_test_cfg'])))
         model_cfg.test_cfg.rcnn.update(score_thr=0.0, max_per_img=work['detections'])
     init_default_scope(scope)
-    if scope == 'mmdet':
-        from mmdet.registry import MODELS
-    else:
-        from mmseg.registry import MODELS
-    model = MODELS.build(model_cfg)
+    model = importlib.import_module(f'{scope}.registry').MODELS.build(model_cfg)
     model.init_weights()
     flags = work['adamw_flags'] if work else adamw_kernel_flags(cfg)
     return revert_sync_batchnorm(model), ('det' if scope == 'mmdet' else 'seg'), flags
@@ -159,9 +153,7 @@ def synthetic_batch(model, task: str, h: int, w: int, batch: int, training: bool
 
 class PartClock:
     """Boundary marks of one step: time, peak RSS (MB) since the previous mark (then reset)."""
-
-    def __init__(self):
-        self.marks, self.start_rss, self.t0 = [], 0., 0.
+    marks, start_rss, t0 = (), 0., 0.  # set by start()
 
     def start(self):
         reset_peak_rss()
@@ -188,24 +180,9 @@ def count_rois(model) -> dict:
     for key in counts:
         extractor = getattr(getattr(model, 'roi_head', None), key[:-5] + '_roi_extractor', None)
         if extractor is not None:
-            def hook(module, args, key=key):
-                counts[key] += len(args[1])
-            extractor.register_forward_pre_hook(hook)
+            extractor.register_forward_pre_hook(
+                lambda module, args, key=key: counts.update({key: counts[key] + len(args[1])}))
     return counts
-
-
-def instrument(model, clock: PartClock) -> bool:
-    """Put the part boundaries on ``model``; returns whether the backbone is XCiT."""
-    from xcit_mm.models.backbones.xcit import XCiTBackbone
-    backbone, neck = model.backbone, getattr(model, 'neck', None)
-    is_xcit = isinstance(backbone, XCiTBackbone)
-    if is_xcit:
-        backbone.forward_trunk = hooked(backbone.forward_trunk, after=lambda: clock.mark('trunk'))
-    backbone.forward = hooked(backbone.forward,
-                              after=lambda: clock.mark('adapter' if is_xcit else 'trunk'))
-    if neck is not None:
-        neck.forward = hooked(neck.forward, after=lambda: clock.mark('neck'))
-    return is_xcit
 
 
 def worker_main(cfg: dict) -> dict:
@@ -219,27 +196,33 @@ def worker_main(cfg: dict) -> dict:
     inputs, samples = synthetic_batch(model, task, cfg['height'], cfg['width'], cfg['batch'],
                                       train)
     clock, counts, detections = PartClock(), count_rois(model), []
-    is_xcit = instrument(model, clock)
+    from xcit_mm.models.backbones.xcit import XCiTBackbone
+    backbone, neck = model.backbone, getattr(model, 'neck', None)
+    is_xcit = isinstance(backbone, XCiTBackbone)  # the part boundaries
+    if is_xcit:
+        backbone.forward_trunk = hooked(backbone.forward_trunk, after=lambda: clock.mark('trunk'))
+    backbone.forward = hooked(backbone.forward,
+                              after=lambda: clock.mark('adapter' if is_xcit else 'trunk'))
+    if neck is not None:
+        neck.forward = hooked(neck.forward, after=lambda: clock.mark('neck'))
     names = PARTS_TRAIN if train else PARTS_INFERENCE
-    if train:
-        optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
-                                  weight_decay=0.05, **adamw_flags)
+    optim = train and torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                        lr=1e-4, weight_decay=0.05, **adamw_flags)
 
-        def step():
-            optim.zero_grad(set_to_none=True)
-            loss, _ = model.parse_losses(model.loss(inputs, samples))
-            clock.mark('heads')
-            loss.backward()
-            clock.mark('backward')
-            optim.step()
-            clock.mark('optimizer')
-    else:
-        def step():
+    def step():
+        if not train:
             with torch.no_grad():
                 results = model.predict(inputs, samples)
             clock.mark('heads')
-            if task == 'det':
-                detections[:] = [len(r.pred_instances) for r in results]
+            detections[:] = [len(r.pred_instances) for r in results] if task == 'det' else []
+            return
+        optim.zero_grad(set_to_none=True)
+        loss, _ = model.parse_losses(model.loss(inputs, samples))
+        clock.mark('heads')
+        loss.backward()
+        clock.mark('backward')
+        optim.step()
+        clock.mark('optimizer')
 
     def run(repeats):
         """(step seconds, per-part (seconds, peak MB over the step start), start RSS MB)."""
@@ -302,9 +285,9 @@ def _median_record(rec: dict, per_round: Sequence[dict]) -> None:
     med = statistics.median
     for key in ('time_ms', 'peak_mem_mb', 'mem_base_mb'):
         rec[key] = med(p[key] for p in ok)
-    rec['round_times_ms'] = [p['time_ms'] for p in ok]
-    rec['round_peaks_mb'] = [p['peak_mem_mb'] for p in ok]
-    rec['times_ms'] = [t for p in ok for t in p.get('times_ms', [])]
+    rec.update(round_times_ms=[p['time_ms'] for p in ok],
+               round_peaks_mb=[p['peak_mem_mb'] for p in ok],
+               times_ms=[t for p in ok for t in p.get('times_ms', [])])
     rec['parts'] = {part: {key: med(p['parts'][part][key] for p in ok)
                            for key in ('time_ms', 'peak_mb')} for part in ok[0]['parts']}
 
