@@ -50,6 +50,42 @@ def _memoize_config_formatting():
 
 _memoize_config_formatting()
 
+
+def _memoize_package_metafiles():
+    """Each ``mmdet::`` / ``mmseg::`` base in a config makes mmengine check that the package is
+    installed (reloading ``pkg_resources``) and parse every metafile its ``model-index.yml``
+    lists, most of ``Config.fromfile``'s time. Both read installed files that do not change
+    during a test session: each metafile is parsed once per test process (keyed by its path and
+    modification time), and a package found installed stays installed."""
+    import functools
+
+    import mmengine.config.config as mmengine_config
+    import mmengine.config.utils as config_utils
+    load = config_utils.load
+
+    @functools.lru_cache(maxsize=512)
+    def parsed(path, mtime_ns):
+        return load(path)
+
+    def cached_load(file, *args, **kwargs):
+        if args or kwargs or not isinstance(file, str) or not file.endswith(('.yml', '.yaml')):
+            return load(file, *args, **kwargs)
+        return parsed(file, os.stat(file).st_mtime_ns)
+
+    config_utils.load = cached_load
+    is_installed = mmengine_config.is_installed
+    installed = set()
+
+    def cached_is_installed(package):
+        if package not in installed and is_installed(package):
+            installed.add(package)
+        return package in installed
+
+    mmengine_config.is_installed = cached_is_installed
+
+
+_memoize_package_metafiles()
+
 # The benchmark library lives beside the scripts that use it (benchmarks/xcit_benchmark).
 sys.path.insert(0, osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'benchmarks'))
 
@@ -194,6 +230,29 @@ def build_once(tmp_path_factory):
             result.write_text(json.dumps(value))
             return value
     return run
+
+
+@pytest.fixture
+def run_script(monkeypatch, cpu_only):
+    """``run_script(path, *args)``: a script (mmdet's / mmseg's ``tools/*.py``) run in this
+    process as its ``__main__`` block runs it, its command line in ``sys.argv``: what the script
+    does, without a new interpreter's imports. (Tests of what a process prints as it ends start
+    one.) The ``LOCAL_RANK`` the upstream tools set is restored afterwards."""
+    import runpy
+    monkeypatch.setenv('LOCAL_RANK', '0')
+
+    def run(path, *args):
+        monkeypatch.setattr(sys, 'argv', [path, *args])
+        runpy.run_path(path, run_name='__main__')
+    return run
+
+
+def unique_visualizer(name: str) -> str:
+    """A ``--cfg-options`` entry giving the run a visualizer of its own: mmengine keys its global
+    Visualizer instances by name, and a run in this process would otherwise reuse (and draw with)
+    an earlier run's."""
+    import time
+    return f'visualizer.name=vis_{name}_{time.time_ns()}'
 
 
 @pytest.fixture

@@ -8,27 +8,27 @@ shapes configs.
 * the ADE20k layout has the right label values and reads with mmseg's BaseSegDataset, both with
   ADE20k's reduce_zero_label and as the shapes config reads it (background = class 0); IoUMetric
   scores the ground truth as mIoU 100;
-* both shapes configs run end to end on the command line (the detector through mmdet's own
-  tools/train.py, the segmentor through ours; a short run on a handful of images, whose data the
-  dataset generates on first use) and our tools/test.py evaluates the saved checkpoint well above
-  chance; the checkpoint opens under torch's ``weights_only`` loading with the shapes classes
-  (resuming: tests/test_reliability.py); the configs keep 2 checkpoints.
+* both shapes configs run end to end through the training scripts (the detector through mmdet's
+  own tools/train.py, the segmentor through ours, in this process; a short run on a handful of
+  images, whose data the dataset generates on first use) and our tools/test.py evaluates the
+  saved checkpoint well above chance; the checkpoint opens under torch's ``weights_only``
+  loading with the shapes classes (resuming: tests/test_reliability.py); the configs keep 2
+  checkpoints.
 """
 import glob
-import os
 import os.path as osp
 import re
-import subprocess
 import sys
 
 import numpy as np
 import pytest
-from conftest import upstream_tool
+from conftest import unique_visualizer, upstream_tool
 from PIL import Image
 
 from shapes_world import CLASSES, generate_shapes, load_samples, make_mosaic
 
-from work_dir_files import evaluation_metrics, file_digests, load_as_plain_torch
+from work_dir_files import (evaluation_metrics, file_digests, load_as_plain_torch,
+                            newest_run_log)
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 DET_CONFIG = osp.join(ROOT, 'configs', 'shapes', 'mask_rcnn_xcit_shapes_coco.py')
@@ -325,15 +325,6 @@ def test_mosaic_marks_instances(coco_world, tmp_path):
 # ------------------------------------------------------------------------------------------------
 # end to end through tools/train.py and tools/test.py
 # ------------------------------------------------------------------------------------------------
-def _run(args, cwd):
-    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore')
-    proc = subprocess.run([sys.executable] + args, cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    return out
-
-
 def _short_options(task, root, iters):
     """--cfg-options making a shapes config a short run on 4 images of 64 px that it can fit.
 
@@ -386,23 +377,26 @@ _FIT_METRIC = {'coco': ('coco/bbox_mAP_50', 0.3), 'ade': ('mIoU', 40.0)}
 
 
 @pytest.mark.parametrize('task', ['coco', 'ade'])
-def test_train_then_test_learns(tmp_path, task, test_tool):
-    """The command line trains on generated data (the detector with mmdet's own
-    ``tools/train.py``, the segmentor with ours, in a subprocess); our tools/test.py (in this
-    process) evaluates its checkpoint: well above chance. (Resuming is tested against the
+def test_train_then_test_learns(tmp_path, task, train_tool, test_tool, run_script):
+    """The training scripts train on generated data (the detector with mmdet's own
+    ``tools/train.py``, the segmentor with ours, both in this process: the scripts started as
+    commands are tested in tests/test_reliability.py and tests/test_checkpoint_doors.py); our
+    tools/test.py evaluates its checkpoint: well above chance. (Resuming is tested against the
     uninterrupted run's losses in tests/test_reliability.py.)"""
     config = DET_CONFIG if task == 'coco' else SEG_CONFIG
     root = str(tmp_path / f'shapes_{task}')
     work = str(tmp_path / 'work')
-    tool = (upstream_tool('mmdet', 'train') if task == 'coco'
-            else osp.join(ROOT, 'tools', 'train.py'))
-    train = [tool, config, '--work-dir', work]
     metric_key, lower_bound = _FIT_METRIC[task]
     iters = FIT_ITERS[task]
 
     # 1. a short run: the data is generated on first use, validation runs at the end
-    out = _run(train + ['--cfg-options'] + _short_options(task, root, iters),
-               cwd=str(tmp_path))
+    options = _short_options(task, root, iters) + [unique_visualizer(f'shapes_{task}')]
+    if task == 'coco':
+        run_script(upstream_tool('mmdet', 'train'), config, '--work-dir', work, '--cfg-options',
+                   *options)
+    else:
+        train_tool.main([config, '--work-dir', work, '--cfg-options', *options])
+    out = newest_run_log(work)
     assert osp.isfile(osp.join(root, 'shapes_world.json'))
     assert re.search(rf'Iter\(train\) \[{iters}/{iters}\]', out)
     assert metric_key in out
