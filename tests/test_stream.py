@@ -144,8 +144,11 @@ def test_stream_labels_reads_rows_and_cleans_its_folder_on_error(tmp_path):
     img = np.random.RandomState(0).randint(0, 255, (150, 230, 3), dtype=np.uint8)
     asked = []
     reader = lambda a, b: asked.append((a, b)) or img[a:b]  # noqa: E731
+    model.train()  # stream_labels runs in eval mode, then restores the mode it found
     out = torch.cat([labels for _, _, labels in model.stream_labels(
         reader, (150, 230), max_memory=10**6, token_dir=str(tmp_path))])
+    assert model.training
+    model.eval()
     assert max(b - a for a, b in asked) < 150 and asked[0][0] == 0 and asked[-1][1] == 150
     inputs = model.data_preprocessor(dict(inputs=[torch.from_numpy(img).permute(2, 0, 1)]),
                                      False)['inputs']
