@@ -13,9 +13,11 @@
 Every level, tensor and ``dataset_meta`` loaded from safetensors or a Hub name must equal the one
 loaded from the same weights in ``.pth``; each door is opened once.
 """
+import contextlib
 import copy
 import hashlib
 import importlib.util
+import io
 import json
 import os
 import os.path as osp
@@ -24,6 +26,7 @@ import runpy
 import sys
 import time
 from collections import OrderedDict
+from typing import Tuple
 
 import pytest
 import torch
@@ -291,9 +294,11 @@ def test_hub_errors_name_the_fix(mocked_hub, hub, name, message):
 
 
 # ----------------------------------------------------------------------------- whole models
-def _converted(converter, pth, out) -> str:
-    converter.main([pth, out, '--full-model', '--format', 'safetensors'])
-    return out
+def _converted(converter, pth, out) -> Tuple[str, str]:
+    """The file written and what the converter printed."""
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        converter.main([pth, out, '--full-model', '--format', 'safetensors'])
+    return out, printed.getvalue()
 
 
 @pytest.fixture(scope='module')
@@ -312,9 +317,9 @@ def det_files(hub, converter, tmp_path_factory):
     pth = str(root / 'mask_rcnn.pth')
     torch.save({'state_dict': state, 'meta': {'dataset_meta': dict(classes=CLASSES[1:],
                                                                    palette=PALETTE[1:])}}, pth)
-    st = _converted(converter, pth, str(root / 'mask_rcnn.safetensors'))
+    st, printed = _converted(converter, pth, str(root / 'mask_rcnn.safetensors'))
     add_to_cache(hub['cache'], DET_REPO, {'model.safetensors': _bytes(st)})
-    return dict(cfg=cfg, state=state, pth=pth, safetensors=st)
+    return dict(cfg=cfg, state=state, pth=pth, safetensors=st, printed=printed)
 
 
 @pytest.fixture(scope='module')
@@ -327,7 +332,7 @@ def seg_files(hub, converter, tmp_path_factory):
     pth = str(root / 'sem_fpn.pth')
     torch.save({'state_dict': state, 'meta': {'dataset_meta': dict(classes=CLASSES,
                                                                    palette=PALETTE)}}, pth)
-    st = _converted(converter, pth, str(root / 'sem_fpn.safetensors'))
+    st, _ = _converted(converter, pth, str(root / 'sem_fpn.safetensors'))
     add_to_cache(hub['cache'], SEG_REPO, {'model.safetensors': _bytes(st)})
     world = str(root / 'shapes_ade')
     generate_shapes(world, **{k: v for k, v in WORLD.items() if k != 'progress'})
@@ -356,6 +361,10 @@ def test_converter_writes_the_layout_and_meta_as_safetensors(det_files):
     checkpoint = load_checkpoint_file(det_files['safetensors'])
     assert checkpoint['meta']['dataset_meta']['classes'] == list(CLASSES[1:])
     assert set(checkpoint['state_dict']) == set(det_files['state'])
+    backbone = sum(k.startswith('backbone.') for k in det_files['state'])
+    assert f'kept      {backbone} backbone tensors' in det_files['printed']
+    heads = len(det_files['state']) - backbone
+    assert f'kept      {heads} neck/head tensors unchanged' in det_files['printed']
 
 
 def test_converter_reads_a_hub_name(offline_hub, converter, timm_files, tmp_path, capsys):

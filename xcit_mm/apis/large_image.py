@@ -179,8 +179,9 @@ class _TiffSource(_Source):
                 if not count:  # a sparse file's empty tile: GDAL reads it as zeros
                     continue
                 fh.seek(offset)  # inside the file: checked when it was opened
+                data = fh.read(count)  # before page.decode, whose first use may seek
                 try:
-                    segment = page.decode(fh.read(count), index, jpegtables=page.jpegtables)[0]
+                    segment = page.decode(data, index, jpegtables=page.jpegtables)[0]
                 except Exception as e:
                     raise LargeImageError(f'corrupt TIFF: {self.path}: {kind} {index} does not '
                                           f'decode ({type(e).__name__}: {e})') from None

@@ -566,10 +566,9 @@ class XCiTBackbone(BaseModule):
             out = up2_blockwise(last, feat, layout)
         # ceil(H / stride) in integer arithmetic: also right for traced (symbolic) sizes
         h, w = (H + stride - 1) // stride, (W + stride - 1) // stride
-        if tracing:  # crop and lay out unconditionally: no guard on the padding
-            return torch.clone(out[..., :h, :w], memory_format=layout)
-        if out.shape[-2:] != (h, w):  # input padded to the patch size
-            out = out[..., :h, :w]
+        out = out[..., :h, :w]  # the input was padded to the patch size
+        if tracing:  # lay out unconditionally: no guard on the padding
+            return torch.clone(out, memory_format=layout)
         return out.contiguous(memory_format=layout)  # no copy if already in the layout
 
     @torch.no_grad()

@@ -78,16 +78,10 @@ def read_safetensors(path: str, name: str, map_location='cpu',
     return {'state_dict': tensors, 'meta': meta}
 
 
-def _jsonable(value):
-    """``value`` as JSON data (tuples as lists, numpy and tensor values as numbers or lists)."""
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, torch.Tensor) or hasattr(value, 'tolist'):  # numpy arrays and scalars
+def _tolist(value):
+    """JSON for numpy arrays and scalars and tensors, which ``json`` cannot write itself."""
+    if hasattr(value, 'tolist'):
         return value.tolist()
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
     raise TypeError(type(value).__name__)
 
 
@@ -99,7 +93,7 @@ def save_safetensors(state_dict: Dict[str, torch.Tensor], path: str,
     metadata, left_out = {_FORMAT_KEY: 'pt'}, []
     for key, value in (meta or {}).items():
         try:
-            metadata[str(key)] = json.dumps(_jsonable(value))
+            metadata[str(key)] = json.dumps(value, default=_tolist)
         except (TypeError, ValueError):
             left_out.append(str(key))
     tensors, seen = OrderedDict(), set()
