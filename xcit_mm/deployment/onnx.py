@@ -43,28 +43,20 @@ def check_onnx_runtime(need_runtime: bool = True):
     return onnx, onnxruntime
 
 
-class SegmentorLogits(nn.Module):
-    """An mmseg ``EncoderDecoder``'s ``encode_decode`` without the image metas."""
+class ExportedModel(nn.Module):
+    """A segmentor's ``encode_decode`` without the image metas (logits at the input size), or a
+    detector's backbone + neck."""
 
-    def __init__(self, segmentor: nn.Module):
+    def __init__(self, model: nn.Module, task: str):
         super().__init__()
-        self.model = segmentor
-        self.align_corners = bool(segmentor.decode_head.align_corners)
+        self.model, self.task = model, task
 
-    def forward(self, image: torch.Tensor) -> torch.Tensor:
-        logits = self.model.decode_head(self.model.extract_feat(image))
-        return F.interpolate(logits, size=image.shape[2:], mode='bilinear',
-                             align_corners=self.align_corners)
-
-
-class DetectorFeatures(nn.Module):
-
-    def __init__(self, detector: nn.Module):
-        super().__init__()
-        self.model = detector
-
-    def forward(self, image: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        return tuple(self.model.extract_feat(image))
+    def forward(self, image: torch.Tensor):
+        feats = self.model.extract_feat(image)
+        if self.task == 'det':
+            return tuple(feats)
+        return F.interpolate(self.model.decode_head(feats), size=image.shape[2:], mode='bilinear',
+                             align_corners=bool(self.model.decode_head.align_corners))
 
 
 def _class_names(meta: dict, cfg) -> Tuple[str, ...]:
@@ -114,17 +106,15 @@ def build_export_model(config, checkpoint: Optional[str] = None,
     meta = {}
     if checkpoint is not None:  # what init_* would do, without mmseg's KeyError for no 'meta'
         meta = load_checkpoint(model, checkpoint, map_location='cpu').get('meta', None) or {}
+    if task == 'seg' and isinstance(model.decode_head, nn.ModuleList):
+        raise ExportError('a segmentor with several decode heads (cascade) is not supported')
+    wrapper = ExportedModel(model, task)
     if task == 'seg':
-        if isinstance(model.decode_head, nn.ModuleList):
-            raise ExportError('a segmentor with several decode heads (cascade) is not supported')
-        wrapper = SegmentorLogits(model)
         wrapper.output_names = ['logits']
     else:
-        wrapper = DetectorFeatures(model)
         with torch.no_grad():
             n_out = len(wrapper(torch.zeros(1, 3, 64, 64)))
         wrapper.output_names = [f'feat{i}' for i in range(n_out)]
-    wrapper.task = task
     pre = preprocess_cfg(cfg)
     wrapper.metadata = {
         'xcit_mm.task': task,
