@@ -477,8 +477,11 @@ def test_detection_warmup_equals_released_mmcv_linear_warmup():
 
 
 def test_small_detector_trains_one_step_and_predicts():
+    """The paper detector config with a small trunk (``_small``: the sizes are tested above, on
+    the meta device) trains a step: losses, gradients for every backbone parameter; and
+    predicts."""
     from mmdet.testing import demo_mm_inputs
-    cfg = _load('mask_rcnn', 't12', 16)
+    cfg = _small('mask_rcnn', 't12', 16)
     # Fewer proposals / sampled RoIs keep the CPU step to a few seconds; the path is the same.
     cfg.model.train_cfg.rpn_proposal.max_per_img = 100
     cfg.model.train_cfg.rcnn.sampler.num = 64
@@ -502,9 +505,10 @@ def test_small_detector_trains_one_step_and_predicts():
 
 
 def test_small_segmentor_trains_one_step_and_predicts():
+    """As the detector's: the paper Semantic FPN config with a small trunk."""
     from mmengine.structures import PixelData
     from mmseg.structures import SegDataSample
-    cfg = _load('sem_fpn', 't12', 16)
+    cfg = _small('sem_fpn', 't12', 16)
     assert cfg.model.data_preprocessor.size == (512, 512)
     # Keep the step cheap: no padding to the 512x512 training crop for this tiny batch.
     cfg.model.data_preprocessor.size = None
