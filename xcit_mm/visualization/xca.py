@@ -48,13 +48,7 @@ def load_image(spec: str) -> Tuple[np.ndarray, str]:
     else:
         raise FileNotFoundError(f'IMAGE {spec!r} is not a file nor one of the sample images '
                                 f'{", ".join(SAMPLE_IMAGES)}')
-    img = np.asarray(img)
-    if img.dtype != np.uint8:
-        img = (np.clip(img, 0, 1) * 255).astype(np.uint8) if img.max() <= 1 else \
-            img.astype(np.uint8)
-    if img.ndim == 2:
-        img = np.repeat(img[..., None], 3, axis=2)
-    return np.ascontiguousarray(img[..., :3]), name
+    return np.ascontiguousarray(img), name  # each sample is (H, W, 3) uint8 RGB
 
 
 def resize_longer_side(img: np.ndarray, size: int) -> np.ndarray:
