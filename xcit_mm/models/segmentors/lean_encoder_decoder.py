@@ -482,7 +482,10 @@ class LeanEncoderDecoder(LeanSettingsMixin, EncoderDecoder):
         window logits stay at the head's resolution (the one cost that grows with the window
         count), and :meth:`_slide_post` rebuilds each chunk of stock's map from them."""
         windows = slide_windows(inputs.shape[2:], crop_size, stride)
-        window_logits = self._window_logits(inputs, windows)
+        window_logits = []  # at the head's resolution, in stock's order
+        for y1, y2, x1, x2 in windows:
+            window_logits.append(self._network_forward(inputs[:, :, y1:y2, x1:x2]))
+            self._step_done()
         count = self._window_count(inputs, inputs.shape, windows)
         return self._slide_post(window_logits, windows, count, data_samples)
 
@@ -508,15 +511,6 @@ class LeanEncoderDecoder(LeanSettingsMixin, EncoderDecoder):
         for state in states:
             state.finish()
         return self._set_results(data_samples, states)
-
-    def _window_logits(self, inputs: Tensor, windows: list) -> List[Tensor]:
-        """The network's logits of each window at the head's resolution, in stock's order
-        (stock's ``encode_decode`` without the head's resize to the window)."""
-        window_logits = []
-        for y1, y2, x1, x2 in windows:
-            window_logits.append(self._network_forward(inputs[:, :, y1:y2, x1:x2]))
-            self._step_done()
-        return window_logits
 
     @staticmethod
     def _window_count(like: Tensor, shape: Sequence[int], windows: list) -> Tensor:
