@@ -19,27 +19,22 @@ import math
 import os
 import statistics
 import sys
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
-# Run from a checkout without installing: make `import xcit_mm` find the repository.
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # xcit_mm
 
 from training_extras.roi_heads import GatherRoIAlign  # noqa: E402
 from xcit_benchmark.fresh_points import run_metadata, write_artifact  # noqa: E402
 from xcit_benchmark.timing import time_interleaved  # noqa: E402
 
-CASES = (
-    dict(name='shapes_bbox', map=(4, 64, 40, 40), stride=4, rois=128, output=7, sampling_ratio=2),
-    dict(name='shapes_mask', map=(4, 64, 40, 40), stride=4, rois=32, output=14, sampling_ratio=2),
-    dict(name='coco_bbox', map=(2, 256, 200, 304), stride=4, rois=1024, output=7,
-         sampling_ratio=0),
-    dict(name='coco_mask', map=(2, 256, 200, 304), stride=4, rois=128, output=14,
-         sampling_ratio=0),
-)
+CASES = tuple(dict(name=name, map=m, stride=4, rois=rois, output=out, sampling_ratio=ratio)
+              for name, m, rois, out, ratio in (
+                  ('shapes_bbox', (4, 64, 40, 40), 128, 7, 2),
+                  ('shapes_mask', (4, 64, 40, 40), 32, 14, 2),
+                  ('coco_bbox', (2, 256, 200, 304), 1024, 7, 0),
+                  ('coco_mask', (2, 256, 200, 304), 128, 14, 0)))
 BOX_PX = (8.0, 112.0)  # box sides (image pixels) that mmdet's RoI extractor maps to stride 4
 COLUMNS = ('case', 'map', 'RoIs', 'output', 'sampling ratio', 'mmcv fwd ms', 'gather fwd ms',
            'speedup', 'mmcv fwd+bwd ms', 'gather fwd+bwd ms', 'speedup', 'max diff')
@@ -102,18 +97,14 @@ def measure(case: dict, repeats: int = 10, warmup: int = 2) -> dict:
         repeats=repeats, warmup=warmup, times=times)
 
 
-def _cells(rec: dict) -> List[str]:
-    return [rec['case'], 'x'.join(map(str, rec['map'])), str(rec['rois']),
-            f"{rec['output']}x{rec['output']}", str(rec['sampling_ratio']),
-            f"{rec['mmcv_fwd_ms']:.2f}", f"{rec['gather_fwd_ms']:.2f}",
-            f"{rec['fwd_speedup']:.1f}x", f"{rec['mmcv_fwd_bwd_ms']:.2f}",
-            f"{rec['gather_fwd_bwd_ms']:.2f}", f"{rec['fwd_bwd_speedup']:.1f}x",
-            f"{rec['max_diff']:.1e}"]
-
-
 def markdown_table(records: Sequence[dict]) -> str:
-    lines = ['| ' + ' | '.join(COLUMNS) + ' |', '|' + '---|' * len(COLUMNS)]
-    return '\n'.join(lines + ['| ' + ' | '.join(_cells(r)) + ' |' for r in records])
+    rows = [COLUMNS] + [[
+        r['case'], 'x'.join(map(str, r['map'])), str(r['rois']), f"{r['output']}x{r['output']}",
+        str(r['sampling_ratio']), f"{r['mmcv_fwd_ms']:.2f}", f"{r['gather_fwd_ms']:.2f}",
+        f"{r['fwd_speedup']:.1f}x", f"{r['mmcv_fwd_bwd_ms']:.2f}", f"{r['gather_fwd_bwd_ms']:.2f}",
+        f"{r['fwd_bwd_speedup']:.1f}x", f"{r['max_diff']:.1e}"] for r in records]
+    lines = ['| ' + ' | '.join(row) + ' |' for row in rows]
+    return '\n'.join(lines[:1] + ['|' + '---|' * len(COLUMNS)] + lines[1:])
 
 
 def parse_args(argv: Optional[Sequence[str]], cases: Sequence[dict]) -> argparse.Namespace:

@@ -47,19 +47,13 @@ def __getattr__(name):
     missing.__name__ = name
     return missing
 PYEOF
-cat > "$TMP/stub/setup.py" <<'PYEOF'
-from setuptools import setup
-
-setup(name='mmcv_ext_stub', version='0.1.0', packages=['mmcv'],
-      description='mmcv._ext stand-in for mmcv-lite (raises NotImplementedError)')
-PYEOF
+echo "from setuptools import setup; setup(name='mmcv_ext_stub', version='0.1.0', packages=['mmcv'])" \
+    > "$TMP/stub/setup.py"
 (cd "$TMP/stub" && "$TMP/venv/bin/pip" wheel -q --no-deps --no-build-isolation . \
     -w "$TMP/stubwheel")
 cp "$TMP"/stubwheel/mmcv_ext_stub-*.whl "$OUT"/
 
-if unzip -l "$OUT"/mmcv_ext_stub-*.whl | grep -q 'mmcv/__init__.py'; then
-    echo "mmcv_ext_stub must not carry mmcv/__init__.py" >&2
-    exit 1
-fi
+unzip -l "$OUT"/mmcv_ext_stub-*.whl | grep -q 'mmcv/__init__.py' \
+    && { echo "mmcv_ext_stub must not carry mmcv/__init__.py" >&2; exit 1; }
 ls -la "$OUT"
 du -sh "$OUT"

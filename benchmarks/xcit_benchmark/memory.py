@@ -23,9 +23,8 @@ def mem_available_bytes() -> int:
     """``MemAvailable`` of ``/proc/meminfo`` in bytes (8 GiB where it cannot be read)."""
     try:
         with open('/proc/meminfo') as f:
-            return next(int(line.split()[1]) * 1024 for line in f
-                        if line.startswith('MemAvailable:'))
-    except (OSError, StopIteration):
+            return int(f.read().split('MemAvailable:')[1].split()[0]) * 1024
+    except (OSError, IndexError):
         return 8 * 2 ** 30
 
 
@@ -59,13 +58,11 @@ def worker_main(cfg: dict) -> dict:
         _, peak, base, _ = measure(lambda: [step() for _ in range(cfg['mem_iters'])], device)
     except torch.cuda.OutOfMemoryError as e:
         return dict(status='oom', note=f'CUDA OOM: {str(e).splitlines()[0]}')
-    if device == 'cuda':
-        method = 'cuda max_memory_allocated - memory_allocated before the call(s)'
-    else:
-        threshold = os.environ.get('MALLOC_MMAP_THRESHOLD_')
-        method = ('fresh process: VmHWM - VmRSS after build, 64px warm-up, input and '
-                  'malloc_trim; ' + (f'MALLOC_MMAP_THRESHOLD_={threshold} (live tensors)'
-                                     if threshold else 'glibc default malloc (process RSS)'))
+    threshold = os.environ.get('MALLOC_MMAP_THRESHOLD_')
+    method = ('cuda max_memory_allocated - memory_allocated before the call(s)' if device == 'cuda'
+              else 'fresh process: VmHWM - VmRSS after build, 64px warm-up, input and '
+              'malloc_trim; ' + (f'MALLOC_MMAP_THRESHOLD_={threshold} (live tensors)'
+                                 if threshold else 'glibc default malloc (process RSS)'))
     return dict(status='ok', peak_mem_mb=peak, mem_base_mb=base, mem_method=method, note='')
 
 
@@ -90,10 +87,10 @@ def run_memory_worker(cfg: dict, limit_bytes: int, timeout_s: float) -> dict:
     for line in out['lines']:
         if line.startswith(WORKER_MARK):
             return json.loads(line[len(WORKER_MARK):])
-    tail = ' | '.join(out['stderr'].strip().splitlines()[-3:])
-    reason = 'killed by signal 9 (kernel OOM killer?)' if out['returncode'] == -9 else \
-        f"exit code {out['returncode']}"
-    return dict(status='error', note=f'memory worker failed ({reason}): {tail}')
+    reason = ('killed by signal 9 (kernel OOM killer?)' if out['returncode'] == -9
+              else f"exit code {out['returncode']}")
+    return dict(status='error', note=f'memory worker failed ({reason}): '
+                + ' | '.join(out['stderr'].strip().splitlines()[-3:]))
 
 
 def main(argv=None, worker=None) -> int:

@@ -115,11 +115,6 @@ def list_models() -> str:
     return '\n'.join(lines)
 
 
-def paper_out_indices(depth: int) -> Tuple[int, ...]:
-    """The paper's dense-prediction layers (0-based) for a trunk of ``depth`` layers."""
-    return (3, 5, 7, 11) if depth == 12 else (7, 11, 15, 23)
-
-
 def load_mmpretrain_xcit():
     """Import ``mmpretrain.models.backbones.xcit`` (which needs no torchvision) without running
     ``mmpretrain.models``' ``__init__`` (which does). Without torchvision, bare packages marked
@@ -148,16 +143,6 @@ def load_mmpretrain_xcit():
     return importlib.import_module(name)
 
 
-def build_mmpretrain_trunk(xcit_module, arch: str, patch: int) -> nn.Module:
-    """mmpretrain's ``XCiT`` configured as the trunk only (see the module docstring)."""
-    dims, depth, heads = XCIT_ARCHS[arch]
-    return xcit_module.XCiT(
-        img_size=224, patch_size=patch, embed_dims=dims, depth=depth, num_heads=heads,
-        cls_attn_layers=0, out_type='featmap', out_indices=paper_out_indices(depth),
-        final_norm=False, layer_scale_init_value=1.0 if depth == 12 else 1e-5,
-        bn_norm_cfg=dict(type='BN'), init_cfg=None)
-
-
 def build_model(spec: ModelSpec, device: str = 'cpu') -> Tuple[nn.Module, Callable]:
     """Build one benchmark model."""
     cp, forward = spec.with_cp, None
@@ -166,8 +151,14 @@ def build_model(spec: ModelSpec, device: str = 'cpu') -> Tuple[nn.Module, Callab
         model = MODELS.build(dict(type='XCiTBackbone', arch=spec.arch, patch_size=spec.patch,
                                   norm_cfg=dict(type='BN'), drop_path_rate=0.0, with_cp=cp))
         forward = model.forward_trunk if spec.family == 'xcit_trunk' else None
-    elif spec.family == 'mmpretrain_xcit':
-        model = build_mmpretrain_trunk(load_mmpretrain_xcit(), spec.arch, spec.patch)
+    elif spec.family == 'mmpretrain_xcit':  # the trunk only, the paper's dense-prediction layers
+        dims, depth, heads = XCIT_ARCHS[spec.arch]
+        model = load_mmpretrain_xcit().XCiT(
+            img_size=224, patch_size=spec.patch, embed_dims=dims, depth=depth, num_heads=heads,
+            cls_attn_layers=0, out_type='featmap', final_norm=False,
+            out_indices=(3, 5, 7, 11) if depth == 12 else (7, 11, 15, 23),
+            layer_scale_init_value=1.0 if depth == 12 else 1e-5, bn_norm_cfg=dict(type='BN'),
+            init_cfg=None)
     elif spec.family in ('resnet50', 'swin_t'):
         import mmdet.models  # noqa: F401  (fills mmdet's MODELS registry)
         from mmdet.registry import MODELS as DET_MODELS

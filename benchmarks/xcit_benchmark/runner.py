@@ -48,14 +48,8 @@ class RunOptions:
 
 def load_warning(opts: RunOptions) -> Optional[str]:
     """A warning when other processes compete for the cores this run's threads need, or None."""
-    if opts.device != 'cpu' or not opts.do_time:
-        return None
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        return None
-    cores, threads = os.cpu_count() or 1, torch.get_num_threads()
-    if load + threads > cores + 0.5 and threads > 1:
+    load, cores, threads = os.getloadavg()[0], os.cpu_count() or 1, torch.get_num_threads()
+    if opts.device == 'cpu' and opts.do_time and load + threads > cores + 0.5 and threads > 1:
         return (f'WARNING: load average {load:.1f} on {cores} cores: with {threads} threads the '
                 'OpenMP barriers wait for descheduled threads and CPU times are inflated several '
                 'fold (and noisy). On a shared machine use --threads 1 for speed comparisons.')
@@ -73,13 +67,12 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions,
     warning = load_warning(opts)
     if warning:
         log(warning)
-    resolutions = sorted({r for _, r in points})
     progress = (lambda message: None) if opts.quiet else log
     matmul_before = measure_matmul_gflops(opts.device)
     records: List[dict] = []
     built: Dict[str, Tuple[nn.Module, Callable]] = {}
     flops_models: Dict[str, Tuple[nn.Module, Callable]] = {}
-    for res in resolutions:
+    for res in sorted({r for _, r in points}):
         specs = [s for s, r in points if r == res]
         recs: Dict[str, dict] = {}
         for spec in specs:
@@ -133,9 +126,8 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions,
         records.extend(recs[s.name] for s in specs)
     del flops_models
     matmul_after = measure_matmul_gflops(opts.device)
-    matmul = (matmul_before + matmul_after) / 2
     for rec in records:
-        rec.setdefault('matmul_gflop_s', matmul)
+        rec.setdefault('matmul_gflop_s', (matmul_before + matmul_after) / 2)
         if 'ms_per_img' in rec and 'gflop_exec' in rec:
             rec['achieved_gflop_s'] = rec['gflop_exec'] / (rec['ms_per_img'] / 1e3)
             # against the matmul rate of this record: the one timed in the same rounds where it
