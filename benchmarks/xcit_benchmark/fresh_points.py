@@ -37,8 +37,7 @@ def measure(call, device='cpu'):
 
     def timed():
         held['base'] = torch.cuda.memory_allocated(device) / MIB if cuda else rss_mb()
-        start = time.perf_counter()
-        held['result'] = call()
+        start, held['result'] = time.perf_counter(), call()
         if cuda:
             torch.cuda.synchronize(device)
         held['seconds'] = time.perf_counter() - start
