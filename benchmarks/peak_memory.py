@@ -238,10 +238,10 @@ def device_info(device: str) -> dict:
     info = dict(torch=torch.__version__, cuda=torch.version.cuda, device=device,
                 threads=torch.get_num_threads(), device_name=cpu_model())
     if device.startswith('cuda'):
-        props, backends = torch.cuda.get_device_properties(device), torch.backends
+        props, cudnn = torch.cuda.get_device_properties(device), torch.backends.cudnn
         info.update(device_name=props.name, device_total_mb=round(props.total_memory / MIB),
-                    cudnn=backends.cudnn.version(),
-                    allow_tf32=[backends.cudnn.allow_tf32, backends.cuda.matmul.allow_tf32])
+                    cudnn=cudnn.version(),
+                    allow_tf32=[cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32])
     return info
 
 
@@ -528,8 +528,7 @@ def markdown(artifact: dict) -> str:
     the budget points, and the machine."""
     rows, meta = artifact['rows'], artifact.get('meta', {})
     cuda = any('max_reserved_mb' in r for r in rows)
-    paths = ('lean', 'stock') if cuda else ('stock', 'lean', 'bands')
-    paths += ('stream', 'stream-disk')
+    paths = (('lean', 'stock') if cuda else ('stock', 'lean', 'bands')) + ('stream', 'stream-disk')
     lines = []
     for task in TASKS:
         grid = [r for r in rows if r['task'] == task and r['path'] != 'auto']
@@ -667,20 +666,17 @@ def make_parser() -> argparse.ArgumentParser:
         help='bands: the XCiT detector; auto: XCiT only')
     add('--sizes', nargs='+', type=int, default=list(SIZES), help='multiples of 32, >= 64')
     add('--skip', nargs='+', default=[], metavar='PATH:SIZE', help='points not to run')
-    add('--budgets', nargs='+', default=[], metavar='SIZE:MB[:BAND_MB]',
-        help="path auto's points: max_memory=MB (and band_mb)")
+    add('--budgets', nargs='+', default=[], metavar='SIZE:MB[:BAND_MB]', help='auto: max_memory')
     add('--pipeline', choices=PIPELINES, default='full',
-        help="full: at the image size; paper: the config's test Resize; network: the "
-        "segmentor's network alone")
+        help="paper: the config's test Resize; network: the segmentor's network alone")
     add('--config', action='append', metavar='TASK:BACKBONE=PATH', help='another config')
     add('--parts', action='store_true', help="Mask R-CNN: the peak of each part too (CPU)")
     add('--device', default='cpu', help='cpu, cuda or cuda:N')
     add('--warmup', type=int, default=64, help='warm-up image size (px)')
     add('--repeat-below-s', type=float, default=0.0, help='time a shorter call twice (mean)')
-    add('--limit-gb', type=float, default=20.0,
-        help='kill a child above this RSS; skip a point extrapolated over it (CPU)')
+    add('--limit-gb', type=float, default=20.0, help='RSS limit of a child (CPU)')
     add('--timeout', type=float, default=1800.0, help='seconds per child')
-    add('--token-dir', help="stream-disk: test_cfg.token_dir (default: the temporary folder)")
+    add('--token-dir', help='stream-disk: test_cfg.token_dir')
     add('--budget-s', type=float, default=float('inf'), help='no point starts after this')
     add('--grace-s', type=float, default=120.0, help='kill a child this long after --budget-s')
     add('--out', help='artifact path without extension (.json, .csv)')
