@@ -336,9 +336,18 @@ def _free_port():
 
 
 def _run(cmd, cwd, timeout=240, env=None):
-    proc = subprocess.run(cmd, cwd=str(cwd), capture_output=True, text=True, timeout=timeout,
-                          env=env or ENV)
-    return proc, proc.stdout + proc.stderr
+    """``cmd``'s completed process and its stdout + stderr. On a timeout its whole process group
+    (a launcher's ranks and their dataloader workers too) is killed before the error is raised:
+    a hung rank must not outlive the test."""
+    proc = subprocess.Popen(cmd, cwd=str(cwd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env or ENV, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), out + err
 
 
 def _exit_message(excinfo) -> str:
