@@ -218,8 +218,7 @@ def measure_point(model, infer, point: dict, spec: dict) -> dict:
         row['parts'] = meter.parts
     if path == 'auto':
         plan, predict_mb = model.last_memory_plan, base + growth - at_predict[0]
-        line = (getattr(model, 'memory_model', None)
-                or getattr(model, 'calibrated_memory_model', None)
+        line = (getattr(model, 'calibrated_memory_model', None)
                 or model.test_cfg.get('memory_model', {}).values())  # calibrated, or given
         row.update(plan=plan.name, detail=plan.detail, estimate_mb=round(plan.estimate_mb),
                    estimates={p.name: round(p.estimate_mb)

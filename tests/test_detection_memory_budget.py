@@ -326,9 +326,8 @@ def test_auto_runs_whole_when_the_estimate_fits_else_tiles_and_logs_it(
     tiled = _predict(lean, inputs, metas)
     monkeypatch.setitem(lean.test_cfg, 'mode', 'auto')
     monkeypatch.setitem(lean.test_cfg, 'memory_model', dict(base_mb=10, mb_per_mpix=1000))
-    monkeypatch.setattr(lean, 'memory_model', None)
+    monkeypatch.setattr(lean, 'calibrated_memory_model', None)
     monkeypatch.setattr(lean, 'last_memory_plan', None)
-    monkeypatch.setattr(lean, '_last_plans', None)
     # the estimates by hand: the line at the whole input, or at one of the 3 x 3 tiles of 128
     # plus what 50 detections of each tile hold (box, score, label, flag, 28 x 28 logits);
     # the masks' part (base + 50 x 256 x 256 bytes + pasting) is smaller than either
@@ -342,7 +341,7 @@ def test_auto_runs_whole_when_the_estimate_fits_else_tiles_and_logs_it(
     assert lean.last_memory_plan.estimate_mb == pytest.approx(whole_mb)
     assert f'whole within max_memory={math.ceil(whole_mb)} MB' in logged[-1]
     assert f'tiles 3x3 tiles of 128x128 px, overlap 32 px: {tile_mb:.0f} MB' in logged[-1]
-    assert lean.memory_model == MemoryModel(10, 1000)
+    assert lean.calibrated_memory_model is None  # the given line, no calibration
     monkeypatch.setitem(lean.test_cfg, 'max_memory', math.floor(whole_mb))
     _assert_same(tiled, _predict(lean, inputs, metas))
     assert lean.last_memory_plan.name == 'tiles'
@@ -362,16 +361,15 @@ def test_calibration_runs_once_per_model_on_the_first_auto_predict(pair, monkeyp
     calibrate = lean._calibrate_memory
     monkeypatch.setattr(tiling, 'CALIBRATION_SIDES', (64, 96, 128))  # a quick one
     monkeypatch.setattr(lean, '_calibrate_memory', lambda x: calls.append(1) or calibrate(x))
-    monkeypatch.setattr(lean, 'memory_model', None)
+    monkeypatch.setattr(lean, 'calibrated_memory_model', None)
     monkeypatch.setattr(lean, 'last_memory_plan', None)
-    monkeypatch.setattr(lean, '_last_plans', None)
     monkeypatch.setitem(lean.test_cfg, 'mode', 'auto')
     monkeypatch.setitem(lean.test_cfg, 'max_memory', 10**6)
     inputs = torch.randn(1, 3, 64, 96)
     for _ in range(2):
         _predict(lean, inputs, [_meta((64, 96), (64, 96), (64, 96))])
     assert calls == [1] and lean.last_memory_plan.name == 'whole'
-    model = lean.memory_model
+    model = lean.calibrated_memory_model
     assert isinstance(model, MemoryModel) and model.base_mb > 0 and model.mb_per_mpix >= 0
     calibrated = [line for line in logged if 'memory calibrated' in line]
     assert len(calibrated) == 1 and '64^2 px' in calibrated[0] and 'RoI branch' in calibrated[0]
@@ -424,8 +422,7 @@ with torch.no_grad():  # calibrates the line
     model.predict(torch.randn(1, 3, 64, 64), _samples([_meta((64, 64), (64, 64), (64, 64))]))
 inputs = torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(1))
 metas = [_meta((size, size), (size, size), (ori, ori))]
-plans = model._memory_plans(model.memory_model, model.test_settings, inputs,
-                            metas, True)
+plans = model.memory_plans(inputs, _samples(metas))
 rows = []
 for plan in plans:  # the tightest budget that admits each plan: its own estimate
     model.test_cfg.max_memory = math.ceil(plan.estimate_mb)
@@ -434,7 +431,7 @@ for plan in plans:  # the tightest budget that admits each plan: its own estimat
     chosen = model.last_memory_plan
     rows.append(dict(budget=model.test_cfg.max_memory, plan=chosen.name, detail=chosen.detail,
                      estimate_mb=chosen.estimate_mb, peak_mb=peak))
-print(json.dumps(dict(line=list(model.memory_model), rows=rows)))
+print(json.dumps(dict(line=list(model.calibrated_memory_model), rows=rows)))
 '''
 
 

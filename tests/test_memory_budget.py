@@ -2,13 +2,15 @@
 
 The models' own plans are tested in ``test_segmentation_memory_budget.py`` and
 ``test_detection_memory_budget.py``; here the line, the measurement and the choice."""
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
 from xcit_mm.models.utils import memory_budget as mb
-from xcit_mm.models.utils.memory_budget import (MemoryBudgetError, MemoryModel, Plan,
-                                                calibrate, choose_plan,
+from xcit_mm.models.utils.memory_budget import (MemoryBudgetError, MemoryModel, MemoryPlanMixin,
+                                                Plan, calibrate, choose_plan,
                                                 measure_peak_growth_mb, read_budget_mb,
                                                 read_memory_model)
 
@@ -135,3 +137,36 @@ def test_a_malformed_memory_model_is_named(value):
         read_memory_model(value, 'LeanMaskRCNN')
     assert read_memory_model(dict(base_mb=10, mb_per_mpix=2), 'x') == MemoryModel(10.0, 2.0)
     assert read_memory_model(None, 'x') is None
+
+
+class _Planner(MemoryPlanMixin):
+    """The mixin both lean models use, with a stand-in calibration that counts its calls."""
+
+    def __init__(self, given=None):
+        self.test_settings = SimpleNamespace(memory_model=given)
+        self.calibrations = 0
+
+    def _calibrate_memory(self, inputs):
+        self.calibrations += 1
+        return MemoryModel(1.0, 2.0)
+
+
+def test_the_plan_mixin_keeps_the_choice_logs_a_new_one_and_clears_it_when_none_fits(logged):
+    planner, plans = _Planner(), [Plan('whole', 100.0), Plan('tiles', 40.0)]
+    assert planner._choose_memory_plan(plans, 50, 'x') == plans[1]
+    assert planner._choose_memory_plan(list(plans), 50, 'x') == plans[1]
+    assert len(logged) == 1  # the previous batch's plans and budget: not logged again
+    assert planner._choose_memory_plan(plans, 100, 'x') == plans[0] and len(logged) == 2
+    assert planner.last_memory_plans == plans and planner.last_memory_plan == plans[0]
+    with pytest.raises(MemoryBudgetError, match='at least 40'):
+        planner._choose_memory_plan(plans, 10, 'x')
+    assert planner.last_memory_plan is None
+
+
+def test_the_given_line_wins_else_the_line_is_calibrated_once():
+    planner = _Planner()
+    assert planner.network_memory_model(None) == planner.network_memory_model(None) == (1, 2)
+    assert planner.calibrations == 1 and planner.calibrated_memory_model == (1, 2)
+    planner.test_settings.memory_model = MemoryModel(5.0, 6.0)
+    assert planner.network_memory_model(None) == (5, 6) and planner.calibrations == 1
+    assert _Planner(MemoryModel(5.0, 6.0)).network_memory_model(None) == (5, 6)

@@ -43,25 +43,20 @@ from mmdet.structures import DetDataSample, SampleList
 from mmdet.structures.bbox import bbox2roi
 
 from ..inference.fpn_data_flow import (LevelByLevelBackbone, fpn_in_data_flow_order,
-                                       why_not_bottom_in_bands)
+                                       why_not_bottom_in_bands, why_not_data_flow_fpn)
 from ..inference.row_stream import Local, TensorRows, conv_halo, materialize
 from ..inference.settings import DetectorSettings, LeanSettingsMixin
 from ..utils.ckpt_load import refuse_headless_load
-from ..utils.memory_budget import (MB, MemoryModel, Plan, calibrate, choose_plan,
+from ..utils.memory_budget import (MB, MemoryModel, MemoryPlanMixin, Plan, calibrate,
                                    measure_peak_growth_mb, release_free_heap)
 from . import tiled_inference as tiling
 
 
 @MODELS.register_module()
-class LeanMaskRCNN(LeanSettingsMixin, MaskRCNN):
+class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
     """mmdet's ``MaskRCNN`` whose ``predict`` keeps fewer full-resolution maps alive, on the whole
-    image, in tiles, or whichever fits a memory budget (module docstring).
-
-    Attributes:
-        memory_model: the line bounding the network part's peak memory over its input pixels
-            (``mode='auto'``): ``test_cfg.memory_model`` or calibrated on the first auto
-            ``predict``; None before.
-        last_memory_plan: the plan the last auto ``predict`` ran, with its estimate.
+    image, in tiles, or whichever fits a memory budget (module docstring); ``mode='auto'`` keeps
+    its plans as :class:`MemoryPlanMixin` says.
     """
     SETTINGS = DetectorSettings
 
@@ -71,9 +66,6 @@ class LeanMaskRCNN(LeanSettingsMixin, MaskRCNN):
         self.register_load_state_dict_post_hook(refuse_headless_load)
         # a malformed test_cfg, or bands the parts cannot run, fail at build
         self._check_bands(self.test_settings.band_mb)
-        self.memory_model: Optional[MemoryModel] = None
-        self.last_memory_plan: Optional[Plan] = None
-        self._last_plans = None  # (plans, budget) of the last logged choice
 
     def _band_mb(self) -> Optional[float]:
         """``test_cfg.band_mb`` in eval mode (a BatchNorm in training mode normalises over the
@@ -85,12 +77,10 @@ class LeanMaskRCNN(LeanSettingsMixin, MaskRCNN):
         the part otherwise (never a silent whole-image run)."""
         if band_mb is None:
             return
-        rpn = self.rpn_head
-        if self._lean_fpn() or not isinstance(self.backbone, LevelByLevelBackbone):
-            why = why_not_bottom_in_bands(self.backbone, getattr(self, 'neck', None))
-        else:
-            why = ("the neck must be mmdet's FPN (start_level=0, every backbone level, no extra "
-                   'convs)')
+        rpn, neck = self.rpn_head, getattr(self, 'neck', None)
+        why = (isinstance(self.backbone, LevelByLevelBackbone)
+               and why_not_data_flow_fpn(neck, FPN, extra_levels=True)
+               or why_not_bottom_in_bands(self.backbone, neck))
         if why is None and not (type(rpn) is RPNHead and conv_halo(rpn.rpn_conv) is not None
                                 and conv_halo(rpn.rpn_cls) == conv_halo(rpn.rpn_reg) == 0):
             why = "the RPN head must be mmdet's RPNHead with one stride-1 same-size conv"
@@ -121,8 +111,11 @@ class LeanMaskRCNN(LeanSettingsMixin, MaskRCNN):
                 "precomputed proposals (data_samples.proposals) need mode='whole'")
         with torch.no_grad():
             if settings.mode == 'auto':
-                plan = self._choose_memory_plan(settings, batch_inputs, batch_data_samples,
-                                                rescale)
+                B, _, H, W = batch_inputs.shape
+                plan = self._choose_memory_plan(
+                    self.memory_plans(batch_inputs, batch_data_samples, rescale),
+                    settings.max_memory,
+                    f'{type(self).__name__} ({B} image{"s" if B > 1 else ""} of {H}x{W} px)')
                 if plan.name == 'whole':
                     return self._predict_whole(batch_inputs, batch_data_samples, rescale)
             return self._predict_tiles(batch_inputs, batch_data_samples, rescale, settings)
@@ -171,11 +164,9 @@ class LeanMaskRCNN(LeanSettingsMixin, MaskRCNN):
 
     def _lean_fpn(self) -> bool:
         """Whether the backbone makes its levels one at a time and the neck is mmdet's ``FPN``
-        with all of them in and no extra convs (what ``fpn_in_data_flow_order`` computes)."""
-        backbone, neck = self.backbone, getattr(self, 'neck', None)
-        return (isinstance(backbone, LevelByLevelBackbone) and type(neck) is FPN
-                and neck.start_level == 0 and neck.backbone_end_level == neck.num_ins
-                and not (neck.num_outs > neck.num_ins and neck.add_extra_convs))
+        that ``fpn_in_data_flow_order`` computes (``why_not_data_flow_fpn``)."""
+        return (isinstance(self.backbone, LevelByLevelBackbone) and why_not_data_flow_fpn(
+            getattr(self, 'neck', None), FPN, extra_levels=True) is None)
 
     # ------------------------------------------------------------------ RPN
     def _lean_rpn_predict(self, x: List[Tensor], batch_data_samples: SampleList,
@@ -318,32 +309,15 @@ class LeanMaskRCNN(LeanSettingsMixin, MaskRCNN):
         return x, self._lean_rpn_predict(x, [DetDataSample(metainfo=meta)], [meta])
 
     # ------------------------------------------------------------------ memory plans
-    def _choose_memory_plan(self, settings: DetectorSettings, batch_inputs: Tensor,
-                            batch_data_samples: SampleList, rescale: bool) -> Plan:
-        """The whole batch input if its estimate fits ``max_memory``, else tiles (kept in
-        ``last_memory_plan``; logged unless the plans and the budget are those of the previous
-        batch, as for a test set of images of one size); ``MemoryBudgetError`` if neither fits."""
-        if settings.memory_model is not None:  # given: it wins over an earlier calibration
-            self.memory_model = settings.memory_model
-        elif self.memory_model is None:
-            self.memory_model = self._calibrate_memory(batch_inputs)
+    def memory_plans(self, batch_inputs: Tensor, batch_data_samples: SampleList,
+                     rescale: bool = True) -> List[Plan]:
+        """The plans of ``mode='auto'``, whole then tiles, with the estimated peak growth (MB) of
+        each: the whole-image plan (the network part on the batch input, or after it the masks
+        and their pasting) and the tiles plan (the network part on the largest tile, or the masks
+        and pasting, plus what every tile's detections hold until the merge)."""
+        settings = self.test_settings
+        model = self.network_memory_model(batch_inputs)
         batch_img_metas = [data_sample.metainfo for data_sample in batch_data_samples]
-        plans = self._memory_plans(self.memory_model, settings, batch_inputs, batch_img_metas,
-                                   rescale)
-        if (plans, settings.max_memory) == self._last_plans:
-            return self.last_memory_plan  # the same choice as for the previous batch: not logged
-        B, _, H, W = batch_inputs.shape
-        what = f'{type(self).__name__} ({B} image{"s" if B > 1 else ""} of {H}x{W} px)'
-        self.last_memory_plan = choose_plan(plans, settings.max_memory, what)
-        self._last_plans = (plans, settings.max_memory)
-        return self.last_memory_plan
-
-    def _memory_plans(self, model: MemoryModel, settings: DetectorSettings, batch_inputs: Tensor,
-                      batch_img_metas: List[dict], rescale: bool) -> List[Plan]:
-        """The estimated peak growth (MB) of the whole-image plan (the network part on the batch
-        input, or after it the masks and their pasting) and of the tiles plan (the network part
-        on the largest tile, or the masks and pasting, plus what every tile's detections hold
-        until the merge)."""
         max_per_img = self._max_detections()
         channels, side = self._mask_shape()
         paste_mb = tiling.paste_estimate_mb(
@@ -376,6 +350,7 @@ class LeanMaskRCNN(LeanSettingsMixin, MaskRCNN):
         max_per_img = self.roi_head.test_cfg.max_per_img
         return max_per_img if max_per_img > 0 else self._max_proposals()
 
+    @torch.no_grad()
     def _calibrate_memory(self, batch_inputs: Tensor) -> MemoryModel:
         """The line bounding the network part's peak growth (:meth:`_detect_in_tile`) over its
         input pixels, on fixed random inputs (the RPN finds as many proposals as on an image).

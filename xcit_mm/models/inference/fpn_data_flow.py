@@ -34,6 +34,20 @@ class LevelByLevelBackbone(Protocol):
         ...
 
 
+def why_not_data_flow_fpn(neck, fpn_type: type, extra_levels: bool = False) -> Optional[str]:
+    """Why ``neck`` is not an FPN that :func:`fpn_in_data_flow_order` computes as stock does
+    (None if it is), for both models: ``fpn_type`` itself (mmdet's or mmseg's ``FPN``) on every
+    backbone level, its extra levels (where ``extra_levels``) made by max pooling, not convs."""
+    if type(neck) is not fpn_type:
+        return f'the neck must be {fpn_type.__module__}.FPN, not {type(neck).__name__}'
+    if neck.start_level != 0 or neck.backbone_end_level != neck.num_ins:
+        return 'the neck must be an FPN on every backbone level (start_level=0, end_level=-1)'
+    if neck.num_outs > neck.num_ins and not (extra_levels and not neck.add_extra_convs):
+        return ('the neck must be an FPN that adds no levels' if not extra_levels else
+                'the neck must be an FPN that adds levels by max pooling (add_extra_convs=False)')
+    return None
+
+
 # ---------------------------------------------------------------------- in-place sums
 def suggests_channels_last(shape: Sequence[int], strides: Sequence[int]) -> bool:
     """Whether a 4-d tensor of these sizes and strides has ``suggest_memory_format()`` channels

@@ -16,7 +16,7 @@ from mmseg.models.necks import FPN
 from mmseg.models.utils import Upsample
 from torch import Tensor
 
-from .fpn_data_flow import top_down_rows
+from .fpn_data_flow import top_down_rows, why_not_data_flow_fpn
 from .row_stream import (Combine, Crop, Local, NotRowLocal, Resize, RowMap, StreamedBackbone,
                          TensorRows, module_rows)
 
@@ -112,9 +112,8 @@ def why_not_streamed(backbone, neck, head) -> Optional[str]:
     if not (semantic_fpn or (neck is None and type(head) is UPerHead)):
         return (f'it runs Semantic FPN (mmseg FPN + FPNHead) or UperNet (UPerHead, no neck), not '
                 f'{type(neck).__name__} + {type(head).__name__}')
-    if semantic_fpn and (neck.start_level != 0 or neck.num_outs != neck.num_ins
-                         or neck.add_extra_convs):
-        return 'the FPN must take every backbone level and add none (start_level=0, num_outs)'
+    if semantic_fpn and (why := why_not_data_flow_fpn(neck, FPN)):
+        return why
     if head.out_channels == 1:
         return 'a one-channel (sigmoid) head is thresholded, not an argmax: use mode whole'
     side, device = 64, next(head.parameters()).device

@@ -51,14 +51,14 @@ from mmseg.registry import MODELS
 from mmseg.structures import SegDataSample
 from mmseg.utils import OptSampleList, SampleList
 
-from ..inference.fpn_data_flow import fpn_in_data_flow_order
+from ..inference.fpn_data_flow import fpn_in_data_flow_order, why_not_data_flow_fpn
 from ..inference.row_stream import TokenMaps, TokenRows, stream_rows
 from ..inference.seg_stream import labels_rows, logits_rows, why_not_streamed
 from ..inference.settings import LeanSettingsMixin, SegmentorSettings
 from ..inference.uper_data_flow import uper_head_in_data_flow_order
 from ..utils.ckpt_load import refuse_headless_load
-from ..utils.memory_budget import (MB, MemoryModel, Plan, calibrate, choose_plan, measure_line,
-                                   read_budget_mb, release_free_heap)
+from ..utils.memory_budget import (MB, MemoryModel, MemoryPlanMixin, Plan, calibrate,
+                                   measure_line, read_budget_mb, release_free_heap)
 
 # Chunk widths whose bilinear results equal the full call's, channel by channel (module docstring).
 CHUNK_MULTIPLE = 8
@@ -180,17 +180,12 @@ class _RunningArgmax:
 
 
 @MODELS.register_module()
-class LeanEncoderDecoder(LeanSettingsMixin, EncoderDecoder):
+class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
     """mmseg's ``EncoderDecoder`` whose ``predict`` never holds full-size logits of all classes.
 
     Same constructor, training and ``_forward`` as ``EncoderDecoder``; only ``predict`` changes
     (see the module docstring for why each step is exact, and for the ``test_cfg`` keys).
-
-    Attributes:
-        last_memory_plan (Plan or None): the plan the last ``mode='auto'`` predict ran, with its
-            estimate (MB), for a benchmark to compare with the measured peak.
-        last_memory_plans (list[Plan]): every plan that predict considered, in order.
-        calibrated_memory_model (MemoryModel or None): the network's line, measured once.
+    ``mode='auto'`` and a budgeted stream keep their plans as :class:`MemoryPlanMixin` says.
     """
     SETTINGS = SegmentorSettings
 
@@ -198,9 +193,6 @@ class LeanEncoderDecoder(LeanSettingsMixin, EncoderDecoder):
         super().__init__(*args, **kwargs)
         # a file without weights for a head is an error, never a silently random head
         self.register_load_state_dict_post_hook(refuse_headless_load)
-        self.last_memory_plan: Optional[Plan] = None
-        self.last_memory_plans: List[Plan] = []
-        self.calibrated_memory_model: Optional[MemoryModel] = None
         self._release_heap = False  # set by each predict: mode='auto' (_step_done)
         self._head_geometry: Optional[Tuple[float, float, bool]] = None
         self._post_lines = {}  # the post-processing's measured line per batch geometry
@@ -252,7 +244,10 @@ class LeanEncoderDecoder(LeanSettingsMixin, EncoderDecoder):
             return self._postprocess(self.inference(inputs, batch_img_metas), None, data_samples)
         plan = None  # mode='stream' within max_memory: where its token maps live
         if auto or mode == 'stream' and settings.max_memory is not None:
-            plan = self._choose_memory_plan(inputs, data_samples, stream_only=not auto)
+            B, _, H, W = inputs.shape
+            plan = self._choose_memory_plan(
+                self.memory_plans(inputs, data_samples, stream_only=not auto),
+                settings.max_memory, f'{type(self).__name__} on {B} x {H}x{W} px')
         run = mode if plan is None else plan.name
         if run == 'slide':
             return self._slide_predict(inputs, data_samples, settings.crop_size, settings.stride)
@@ -307,11 +302,9 @@ class LeanEncoderDecoder(LeanSettingsMixin, EncoderDecoder):
         return self.decode_head.forward(self.extract_feat(inputs))
 
     def _is_semantic_fpn(self) -> bool:
-        """mmseg's FPN (4 levels in, 4 out, no extra levels, nearest top-down) + FPNHead."""
-        neck = getattr(self, 'neck', None)
-        head = self.decode_head
-        return (type(neck) is FPN and type(head) is FPNHead and neck.start_level == 0
-                and neck.backbone_end_level == neck.num_ins and neck.num_outs == neck.num_ins
+        """mmseg's FPN on every level, adding none (``why_not_data_flow_fpn``) + FPNHead."""
+        neck, head = getattr(self, 'neck', None), self.decode_head
+        return (why_not_data_flow_fpn(neck, FPN) is None and type(head) is FPNHead
                 and head.input_transform == 'multiple_select'
                 and list(head.in_index) == list(range(len(head.in_index)))
                 and len(head.in_index) <= neck.num_outs)
@@ -376,8 +369,8 @@ class LeanEncoderDecoder(LeanSettingsMixin, EncoderDecoder):
         if max_memory is not None:
             budget = read_budget_mb(dict(max_memory=max_memory), type(self).__name__)
             plans = self._stream_plans(image_hw, held_mb=0, budget_mb=budget)
-            plan = choose_plan(plans, budget, f'{type(self).__name__} on {image_hw[0]}x'
-                               f'{image_hw[1]} px')
+            plan = self._choose_memory_plan(plans, budget, f'{type(self).__name__} on '
+                                            f'{image_hw[0]}x{image_hw[1]} px')
         with self._eval_no_grad():
             for start, stop, labels in self._stream_bands(
                     read_pixels, image_hw, image_hw, (0, 0, 0, 0), image_hw, plan,
@@ -625,39 +618,29 @@ class LeanEncoderDecoder(LeanSettingsMixin, EncoderDecoder):
                       align_corners=self.align_corners, warning=False)[0]
 
     # ------------------------------------------------------------------ memory budget
-    def _choose_memory_plan(self, inputs: Tensor, data_samples: OptSampleList,
-                            stream_only: bool = False) -> Plan:
-        """The first of :meth:`memory_plans` (the stream's only, for mode='stream') within
-        ``test_cfg.max_memory`` (logged), kept in ``last_memory_plan``."""
-        budget_mb = self.test_settings.max_memory
-        if stream_only:
-            head_hw = self._head_resize_size(self._batch_img_metas(inputs, data_samples))
-            plans = self._stream_plans(inputs.shape[2:], self._held_mb(
-                inputs, self._metas(data_samples, inputs.shape[0]), head_hw), budget_mb)
-        else:
-            plans = self.memory_plans(inputs, data_samples)
-        B, _, H, W = inputs.shape
-        self.last_memory_plans = plans
-        self.last_memory_plan = None
-        self.last_memory_plan = choose_plan(
-            plans, budget_mb, f'{type(self).__name__} on {B} x {H}x{W} px')
-        return self.last_memory_plan
-
-    def memory_plans(self, inputs: Tensor, data_samples: OptSampleList = None) -> List[Plan]:
-        """The plans of ``mode='auto'`` for this batch, in the order tried, with the estimated
-        peak (MB) that ``predict`` adds running each.
+    def memory_plans(self, inputs: Tensor, data_samples: OptSampleList = None,
+                     stream_only: bool = False) -> List[Plan]:
+        """The plans of ``mode='auto'`` (the stream's alone with ``stream_only``, for a budgeted
+        mode='stream') for this batch, in the order tried, with the estimated peak (MB) that
+        ``predict`` adds running each.
 
         A run has two phases, and its estimate is the larger: the network (its line,
         :meth:`network_memory_model`) with what is kept from before, then the post-processing
         beside the network's output (:meth:`_post_mb`). Both lines are extrapolated, so their
         estimates are raised by ``MARGIN``; both add the input batch (``INPUT_BYTES``).
         """
-        crop, stride = self.test_settings.crop_size, self.test_settings.stride
-        line = self.network_memory_model(inputs)
-        self._release_heap = True  # the post-processing is measured as mode='auto' runs it
         B, _, H, W = inputs.shape
         metas = self._metas(data_samples, B)
         head_hw = tuple(self._head_resize_size(self._batch_img_metas(inputs, data_samples)))
+        stream = []
+        if stream_only or self._why_not_streamed() is None:
+            stream = self._stream_plans((H, W), self._held_mb(inputs, metas, head_hw),
+                                        self.test_settings.max_memory)
+        if stream_only:
+            return stream
+        crop, stride = self.test_settings.crop_size, self.test_settings.stride
+        line = self.network_memory_model(inputs)
+        self._release_heap = True  # the post-processing is measured as mode='auto' runs it
         input_mb = INPUT_BYTES * inputs.numel() / MB
         windows = slide_windows((H, W), crop, stride)
         win_hw = (min(crop[0], H), min(crop[1], W))
@@ -668,10 +651,6 @@ class LeanEncoderDecoder(LeanSettingsMixin, EncoderDecoder):
                                            self._post_mb(inputs, metas, head_hw))
         slide_mb = input_mb + MARGIN * max(line.estimate_mb(B * win_hw[0] * win_hw[1]) + held_mb,
                                            self._post_mb(inputs, metas, head_hw, windows))
-        stream = []
-        if self._why_not_streamed() is None:
-            stream = self._stream_plans((H, W), self._held_mb(inputs, metas, head_hw),
-                                        self.test_settings.max_memory)
         return [Plan('whole', whole_mb, f'({H}x{W} px)')] + stream + [
                 Plan('slide', slide_mb, f'({len(windows)} windows {win_hw[0]}x{win_hw[1]}, '
                      f'stride {stride[0]}x{stride[1]})')]
@@ -728,20 +707,14 @@ class LeanEncoderDecoder(LeanSettingsMixin, EncoderDecoder):
         self._post_lines[key] = measure_line(run, sides, inputs.device)[0]
         return self._post_lines[key].estimate_mb(H * W)
 
-    def network_memory_model(self, inputs: Tensor) -> MemoryModel:
-        """The network's peak line: ``test_cfg.memory_model`` if given, else the one measured
-        by :func:`~xcit_mm.models.utils.memory_budget.calibrate` on this model's first call (the
-        network forward on zeros at ``CALIBRATION_SIZES``, on the inputs' device)."""
-        given = self.test_settings.memory_model
-        if given is not None:
-            return given
-        if self.calibrated_memory_model is None:
-            channels = inputs.shape[1]
-            with self._eval_no_grad():
-                self.calibrated_memory_model = calibrate(
-                    lambda h, w: self._network_forward(inputs.new_zeros((1, channels, h, w))),
-                    CALIBRATION_SIZES, f'{type(self).__name__} network', device=inputs.device)
-        return self.calibrated_memory_model
+    def _calibrate_memory(self, inputs: Tensor) -> MemoryModel:
+        """The network's peak line (:meth:`network_memory_model`): the network forward on zeros
+        at ``CALIBRATION_SIZES``, in eval mode."""
+        channels = inputs.shape[1]
+        with self._eval_no_grad():
+            return calibrate(
+                lambda h, w: self._network_forward(inputs.new_zeros((1, channels, h, w))),
+                CALIBRATION_SIZES, f'{type(self).__name__} network', device=inputs.device)
 
     def _head_output_geometry(self, inputs: Tensor) -> Tuple[float, float, bool]:
         """Input pixels per head output pixel (h, w) and whether the output is channels-last

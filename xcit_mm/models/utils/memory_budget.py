@@ -189,3 +189,47 @@ def choose_plan(plans: List[Plan], budget_mb: float, what: str) -> Plan:
         f'{what}: no way to run within max_memory={budget_mb:.0f} MB (estimates: {listing}); '
         f'raise test_cfg.max_memory to at least {smallest.estimate_mb:.0f} or use smaller '
         'windows / tiles')
+
+
+class MemoryPlanMixin:
+    """Calibrate, plan and choose under one set of names, for both lean models: each gives
+    :meth:`memory_plans` (its plans for a batch, in the order tried) and :meth:`_calibrate_memory`
+    (its line, measured); ``test_settings`` gives ``memory_model`` and ``max_memory``.
+
+    Attributes:
+        calibrated_memory_model (MemoryModel or None): the line measured on the first call that
+            needed one (None while ``test_cfg.memory_model`` gives it).
+        last_memory_plans (list[Plan]): the plans of the last choice, in order.
+        last_memory_plan (Plan or None): the plan chosen last, with its estimate (MB), for a
+            benchmark to compare with the measured peak; None after a budget no plan fits.
+    """
+    calibrated_memory_model: Optional[MemoryModel] = None
+    last_memory_plans: Sequence[Plan] = ()
+    last_memory_plan: Optional[Plan] = None
+    _last_budget: Optional[float] = None
+
+    def memory_plans(self, inputs: torch.Tensor, data_samples=None, **kwargs) -> List[Plan]:
+        raise NotImplementedError
+
+    def _calibrate_memory(self, inputs: torch.Tensor) -> MemoryModel:
+        raise NotImplementedError
+
+    def network_memory_model(self, inputs: torch.Tensor) -> MemoryModel:
+        """``test_cfg.memory_model`` if given (it wins over an earlier calibration), else the line
+        :meth:`_calibrate_memory` measures once per model, on the inputs' device."""
+        given = self.test_settings.memory_model
+        if given is not None:
+            return given
+        if self.calibrated_memory_model is None:
+            self.calibrated_memory_model = self._calibrate_memory(inputs)
+        return self.calibrated_memory_model
+
+    def _choose_memory_plan(self, plans: List[Plan], budget_mb: float, what: str) -> Plan:
+        """:func:`choose_plan`, kept in ``last_memory_plan``; not logged again when the plans,
+        the budget and so the choice are the previous batch's (a test set of one image size)."""
+        last = self.last_memory_plan
+        if last is not None and (plans, budget_mb) == (self.last_memory_plans, self._last_budget):
+            return last
+        self.last_memory_plans, self._last_budget, self.last_memory_plan = plans, budget_mb, None
+        self.last_memory_plan = choose_plan(plans, budget_mb, what)
+        return self.last_memory_plan
