@@ -208,12 +208,6 @@ class MemoryPlanMixin:
     last_memory_plan: Optional[Plan] = None
     _last_budget: Optional[float] = None
 
-    def memory_plans(self, inputs: torch.Tensor, data_samples=None, **kwargs) -> List[Plan]:
-        raise NotImplementedError
-
-    def _calibrate_memory(self, inputs: torch.Tensor) -> MemoryModel:
-        raise NotImplementedError
-
     def network_memory_model(self, inputs: torch.Tensor) -> MemoryModel:
         """``test_cfg.memory_model`` if given (it wins over an earlier calibration), else the line
         :meth:`_calibrate_memory` measures once per model, on the inputs' device."""
