@@ -206,3 +206,26 @@ def test_banded_rpn_conv_map_stays_within_band_mb():
     level0 = 128 * (512 // 4) * (256 // 4) * 4  # the whole stride-4 map is 4 MB
     assert len(made) > 3 + 4 and sum(made[:-4]) >= level0  # bands of level 0, 4 levels whole
     assert max(made[:-4]) <= band_mb * 2**20
+
+
+@pytest.mark.parametrize('package, change, extra_levels, reason', [
+    ('mmdet', dict(), True, None),
+    ('mmdet', dict(num_outs=5), True, None),  # the fifth level by max pooling, as FPN makes it
+    ('mmdet', dict(num_outs=5, add_extra_convs='on_input'), True, 'by max pooling'),
+    ('mmdet', dict(start_level=1, num_outs=3), True, 'on every backbone level'),
+    ('mmdet', dict(end_level=2, num_outs=3), True, 'on every backbone level'),
+    ('mmseg', dict(), False, None),
+    ('mmseg', dict(num_outs=5), False, 'adds no levels'),
+    ('mmseg', dict(start_level=1, num_outs=3), False, 'on every backbone level'),
+])
+def test_one_fpn_check_for_both_models(package, change, extra_levels, reason):
+    """``why_not_data_flow_fpn``: the FPNs ``fpn_in_data_flow_order`` computes as stock does (the
+    detector's data-flow and bands check, the segmentor's Semantic FPN and stream)."""
+    import importlib
+    from xcit_mm.models.inference.fpn_data_flow import why_not_data_flow_fpn
+    fpn_type = importlib.import_module(f'{package}.models.necks').FPN
+    neck = fpn_type(**dict(dict(in_channels=[8, 8, 8, 8], out_channels=8, num_outs=4), **change))
+    why = why_not_data_flow_fpn(neck, fpn_type, extra_levels)
+    assert why is None if reason is None else reason in why
+    other = importlib.import_module(f"{'mmseg' if package == 'mmdet' else 'mmdet'}.models.necks")
+    assert why_not_data_flow_fpn(neck, other.FPN, extra_levels).startswith('the neck must be')
