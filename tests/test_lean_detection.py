@@ -85,12 +85,12 @@ def _predict(model, inputs, metas, rescale=True):
 
 def _assert_same(stock_out, lean_out):
     assert len(stock_out) == len(lean_out)
-    for s, l in zip(stock_out, lean_out):
-        s, l = s.pred_instances, l.pred_instances
+    for s, lean in zip(stock_out, lean_out):
+        s, lean = s.pred_instances, lean.pred_instances
         assert len(s) > 0
         for key in ('bboxes', 'labels', 'scores', 'masks'):
-            assert s[key].dtype == l[key].dtype and s[key].shape == l[key].shape, key
-            assert torch.equal(s[key], l[key]), f'{key} differ'
+            assert s[key].dtype == lean[key].dtype and s[key].shape == lean[key].shape, key
+            assert torch.equal(s[key], lean[key]), f'{key} differ'
 
 
 # (batch input H, W; image H, W inside it; original H, W): full resolution, odd sizes, both
@@ -176,9 +176,9 @@ def test_inference_detector_equals_stock(pair):
         models.append(model)
     assert type(models[1]).__name__ == 'LeanMaskRCNN'
     img = np.random.RandomState(6).randint(0, 255, (75, 133, 3), np.uint8)
-    s, l = (inference_detector(m, img) for m in models)
+    s, lean = (inference_detector(m, img) for m in models)
     assert s.pred_instances.masks.shape[1:] == (75, 133)
-    _assert_same([s], [l])
+    _assert_same([s], [lean])
 
 
 def test_import_xcit_mm_imports_neither_mmdet_nor_mmseg():
