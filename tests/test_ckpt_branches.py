@@ -24,12 +24,13 @@ from collections import OrderedDict
 import pytest
 import torch
 import torch.nn as nn
+from mmengine.runner import load_checkpoint, load_state_dict
 
 from xcit_mm import XCiTBackbone
 from xcit_mm.models.utils import (CheckpointError, LayoutError, check_checkpoint,
                                   convert_backbone_state_dict, convert_model_state_dict,
                                   load_checkpoint_file)
-from xcit_mm.models.utils.ckpt_load import load_backbone_checkpoint, load_model_state_dict
+from xcit_mm.models.utils.ckpt_load import load_backbone_checkpoint
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 ARCH = dict(embed_dims=64, depth=4, num_heads=4)
@@ -89,16 +90,19 @@ def test_ddp_prefix_is_stripped_by_the_converter_and_the_loaders(tmp_path):
     whole, info = convert_model_state_dict(det)
     assert list(whole) == ['backbone.' + k for k in own] + ['neck.weight']
     assert info['layout'] == 'xcit_mm'
-    # the loaders: a backbone init from the file, a whole model from the state dict
+    # the loaders: a backbone init from the file; a whole model through mmengine's
+    # load_checkpoint (its revise_keys strip module., then the hooks convert the backbone)
     path = str(tmp_path / 'ddp.pth')
     torch.save({'state_dict': ddp}, path)
     dst = XCiTBackbone(arch=ARCH, out_indices=(0, 1, 2, 3),
                        init_cfg=dict(type='Pretrained', checkpoint=path))
     dst.init_weights()
     assert_same_state(dst, own)
+    whole_path = str(tmp_path / 'ddp_detector.pth')
+    torch.save({'state_dict': det}, whole_path)
     model = _Detector()
-    report = load_model_state_dict(model, det)
-    assert report['layout'] == 'xcit_mm'
+    load_checkpoint(model, whole_path, map_location='cpu', strict=True)
+    assert model.backbone.last_load_report['layout'] == 'xcit_mm'
     assert_same_state(model.backbone, own)
     assert torch.equal(model.neck.weight, neck)
 
@@ -131,7 +135,7 @@ def test_adapter_keys_of_xcit_mm_0_1_files_load(tmp_path, patch_size):
     model = _Detector(patch_size)
     state = OrderedDict(('backbone.' + k, v) for k, v in old.items())
     state['neck.weight'] = torch.randn(8, 64, 1, 1)
-    load_model_state_dict(model, state)
+    load_state_dict(model, state, strict=True)  # mmengine's, as load_checkpoint calls it
     assert_same_state(model.backbone, own)
 
 
@@ -296,8 +300,8 @@ def test_a_failed_download_names_the_url(server, reader):
 
 
 @pytest.mark.parametrize('reader', [load_checkpoint_file, check_checkpoint])
-def test_a_download_cut_short_or_an_error_page_names_the_url_and_the_cached_copy(server,
-                                                                                  reader):
+def test_a_download_cut_short_or_an_error_page_names_the_url_and_the_cached_copy(
+        server, reader):
     """urllib saves a body cut short without complaint, and a server may answer 200 with an
     error page: the cached copy would be read again by every later run, so the message names
     the URL, the cached file and that it must be deleted."""

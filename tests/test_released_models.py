@@ -12,10 +12,10 @@ from collections import OrderedDict
 import pytest
 import torch
 from mmengine.config import Config
+from mmengine.runner import load_checkpoint, load_state_dict
 from released_files import RELEASED_HEAD_KEYS, _scope, build, released_file, small_model_cfg
 from xcit_reference import OfficialDenseXCiT, mmpretrain_trunk
 
-from xcit_mm.models.utils.ckpt_load import load_model_checkpoint, load_model_state_dict
 from xcit_mm.models.utils.checkpoint_io import CheckpointError
 
 
@@ -39,11 +39,13 @@ def test_released_layouts_are_the_official_ones(mmpretrain_xcit, tmp_path):
 def test_released_model_equals_the_official_structure(mmpretrain_xcit, tmp_path, family,
                                                       patch_size):
     """All four backbone levels equal the official construction; neck and heads carry the file's
-    tensors; the model's outputs equal upstream neck / heads run on the official levels."""
+    tensors; the model's outputs equal upstream neck / heads run on the official levels. Loaded
+    through mmengine's ``load_checkpoint`` (the door of ``load_from`` and the upstream APIs),
+    strict: any key of the model or the file left unmatched would raise."""
     path, official, heads, cfg = released_file(mmpretrain_xcit, family, patch_size, tmp_path)
     model = build(cfg.model, _scope(family))
-    checkpoint, report = load_model_checkpoint(model, path)
-    assert report['layout'] == 'official'
+    checkpoint = load_checkpoint(model, path, map_location='cpu', strict=True)
+    assert model.backbone.last_load_report['layout'] == 'official'
     assert checkpoint['meta']['epoch'] == 36
     model.eval()
     own = model.state_dict()
@@ -89,14 +91,15 @@ def _close(got, expected):
 
 def test_loading_a_whole_model_is_strict(mmpretrain_xcit, tmp_path):
     """Wrong patch size, wrong task, a missing or an extra tensor: an error naming keys and cause,
-    never a model left partly random."""
+    never a model left partly random. Through mmengine's ``load_checkpoint``, non-strict as the
+    upstream APIs call it: the backbone's load hooks refuse the file, not mmengine's warning."""
     path16, _, _, cfg16 = released_file(mmpretrain_xcit, 'mask_rcnn', 16, tmp_path)
     det8 = build(small_model_cfg('mask_rcnn', 8).model, 'mmdet')
     with pytest.raises(CheckpointError, match=r'wrong shape.*patch_size=16.*patch_size=8'):
-        load_model_checkpoint(det8, path16)
+        load_checkpoint(det8, path16, map_location='cpu')
     seg = build(small_model_cfg('sem_fpn', 16).model, 'mmseg')
     with pytest.raises(CheckpointError, match='detector checkpoint'):
-        load_model_checkpoint(seg, path16)
+        load_checkpoint(seg, path16, map_location='cpu')
     checkpoint = torch.load(path16)
     for change, pattern in (('drop', r'only part of the stride adapter.*fpn2\.0\.weight'),
                             ('extra', r'1 keys do not exist in XCiTBackbone.*fpn5\.weight')):
@@ -110,7 +113,7 @@ def test_loading_a_whole_model_is_strict(mmpretrain_xcit, tmp_path):
         det16 = build(cfg16.model, 'mmdet')
         before = det16.backbone.fpn1[0].weight.clone()
         with pytest.raises(CheckpointError, match=pattern):
-            load_model_checkpoint(det16, bad)
+            load_checkpoint(det16, bad, map_location='cpu')
         assert torch.equal(det16.backbone.fpn1[0].weight, before)  # nothing half-loaded
 
 
@@ -139,8 +142,8 @@ def test_every_published_depth_equals_the_official_structure(mmpretrain_xcit, ar
                            for k, v in official.released_state_dict().items())
     holder = torch.nn.Module()
     holder.backbone = XCiTBackbone(arch=arch, patch_size=patch_size)
-    report = load_model_state_dict(holder, released, source=f'{arch}_p{patch_size}')
-    assert report['layout'] == 'official'
+    load_state_dict(holder, released, strict=True)  # what load_checkpoint runs on the file's dict
+    assert holder.backbone.last_load_report['layout'] == 'official'
     x = torch.randn(1, 3, 64, 64)
     with torch.no_grad():
         for got, want in zip(holder.backbone.eval()(x), official(x)):

@@ -11,7 +11,7 @@ from mmengine.logging import print_log
 
 from .checkpoint_io import CheckpointError, extract_state_dict, load_checkpoint_file
 from .ckpt_convert import (ADAPTER_KEY, LayoutError, convert_backbone_state_dict,
-                           describe_backbone, kind_of_backbone, strip_ddp_prefix, strip_prefix)
+                           describe_backbone, kind_of_backbone, strip_prefix)
 
 # Heads that identify the kind of dense model a file was saved from (mmdet / mmseg names).
 TASK_HEADS = {
@@ -168,45 +168,6 @@ def load_backbone_checkpoint(model: torch.nn.Module, checkpoint: str,
     except CheckpointError as e:
         raise CheckpointError(f'{source}: {e}') from None
     return dict(model.last_load_report)
-
-
-def load_model_state_dict(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor],
-                          source: str = 'checkpoint') -> dict:
-    """Strictly load a whole detector / segmentor (BN counters excepted); return the backbone's
-    ``layout`` in the file (None without an XCiT backbone) and the tensors ``loaded``."""
-    state_dict = OrderedDict(strip_ddp_prefix(state_dict))
-    parts = []
-    try:
-        result = model.load_state_dict(state_dict, strict=False)
-    except CheckpointError as e:
-        raise CheckpointError(f'{source}: {e}') from None
-    except RuntimeError as e:  # shape mismatches outside the backbone
-        sizes = re.findall(r'size mismatch for ([^:]+):', str(e))
-        parts.append(f'{len(sizes)} tensors have the wrong shape, e.g. {sizes[:4]}')
-    else:
-        missing = [k for k in result.missing_keys if not _is_counter(k)]
-        if missing:
-            parts.append(f'{len(missing)} model weights are not in the file, e.g. {missing[:4]}')
-        if result.unexpected_keys:
-            parts.append(f'{len(result.unexpected_keys)} keys of the file do not exist in the '
-                         f'model, e.g. {result.unexpected_keys[:4]}')
-    if parts:  # another task's file was named by the backbone's hooks during the load
-        raise CheckpointError(
-            f'{source} does not fit the model: {"; ".join(parts)}. Likely cause: the config does '
-            f'not build the model this file was saved from. Loading stopped, so that no part of '
-            f'the model is silently left at its random initialisation.')
-    reports = [m.last_load_report for m in model.modules()
-               if getattr(m, 'last_load_report', None)]
-    return dict(layout=reports[0]['layout'] if reports else None, loaded=len(state_dict))
-
-
-def load_model_checkpoint(model: torch.nn.Module, filename: str, map_location='cpu',
-                          what: str = 'checkpoint'):
-    """Read a whole-model checkpoint safely and load it strictly: ``(checkpoint, report)``."""
-    checkpoint = load_checkpoint_file(filename, what, map_location=map_location)
-    source = f'{what} {filename}'
-    report = load_model_state_dict(model, extract_state_dict(checkpoint, source), source=source)
-    return checkpoint, report
 
 
 __all__ = [
