@@ -78,9 +78,11 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         if band_mb is None:
             return
         rpn, neck = self.rpn_head, getattr(self, 'neck', None)
-        why = (isinstance(self.backbone, LevelByLevelBackbone)
-               and why_not_data_flow_fpn(neck, FPN, extra_levels=True)
-               or why_not_bottom_in_bands(self.backbone, neck))
+        why = None
+        if isinstance(self.backbone, LevelByLevelBackbone):
+            why = why_not_data_flow_fpn(neck, FPN, extra_levels=True)
+        if why is None:
+            why = why_not_bottom_in_bands(self.backbone, neck)
         if why is None and not (type(rpn) is RPNHead and conv_halo(rpn.rpn_conv) is not None
                                 and conv_halo(rpn.rpn_cls) == conv_halo(rpn.rpn_reg) == 0):
             why = "the RPN head must be mmdet's RPNHead with one stride-1 same-size conv"

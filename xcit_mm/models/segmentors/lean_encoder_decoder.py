@@ -207,9 +207,9 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         replaced after the build): a streaming model, a stock head resize for 'auto'."""
         name = type(self).__name__
         stream_keys = settings.band_mb, settings.token_maps, settings.token_dir
-        why = (settings.mode == 'stream' or any(k is not None for k in stream_keys)) and \
-            self._why_not_streamed()
-        if why:
+        streams = settings.mode == 'stream' or any(k is not None for k in stream_keys)
+        why = self._why_not_streamed() if streams else None
+        if why is not None:
             raise ValueError(f"{name}: test_cfg mode='stream' cannot run: {why}; choose mode "
                              "'whole', 'slide' or 'auto'")
         if settings.mode == 'auto' and not self._head_resize_is_stock():
