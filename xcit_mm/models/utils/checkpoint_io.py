@@ -1,7 +1,6 @@
 """The one checkpoint reader of xcit_mm, its tools and mmengine's loader: ``torch.load`` with
-``weights_only=True`` (mmengine's training state allow-listed), safetensors and ``hf-hub:``
-names, URLs downloaded once. Every failure is a :class:`CheckpointError` naming the file, the
-cause and the fix (docs/weights.md).
+``weights_only=True`` (mmengine's training state allow-listed), safetensors, URLs and ``hf-hub:``
+names. Every failure is a :class:`CheckpointError` naming the file, the cause and the fix.
 """
 import importlib
 import os
@@ -15,15 +14,18 @@ from urllib.parse import urlparse
 
 import torch
 
-from .checkpoint_error import CheckpointError, not_a_file
+from .checkpoint_error import CheckpointError
 from .ckpt_convert import LayoutError, convert_backbone_state_dict, kind_of_backbone
 from .safe_unpickling import allow_training_state
-from .safetensors_io import (HUB_EXAMPLE, HUB_PREFIXES, download_from_hub, hub_architecture,
-                             hub_copy_advice, is_hub_name, is_safetensors, parse_hub_name,
-                             read_safetensors)
+from .safetensors_io import (HUB_EXAMPLE, HUB_PREFIXES, SUFFIX, download_from_hub,
+                             hub_architecture, hub_copy_advice, is_hub_name,
+                             looks_like_safetensors, parse_hub_name, read_safetensors)
 
 _URL = re.compile(r'^https?://')
 _ZIP_MAGIC = b'PK\x03\x04'
+# what torch.load raises on a file cut short or corrupt
+_CORRUPT = (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError,
+            UnicodeDecodeError, KeyError, IndexError, struct.error)
 
 
 def is_url(path: str) -> bool:
@@ -47,49 +49,32 @@ def download_checkpoint(url: str) -> str:
             failure = e
     if distributed:
         barrier()
-    advice = 'Check the URL and the network, or download it yourself and pass the local file.'
-    if failure is not None:
-        raise CheckpointError(f'Cannot download checkpoint {url}: {type(failure).__name__}: '
-                              f'{str(failure)[:300]}. {advice}') from failure
-    if not osp.isfile(cached):
-        raise CheckpointError(f'Cannot download checkpoint {url}: local rank 0 did not download '
-                              f'it to {cached} (its own error says why). {advice}')
+    if failure is not None or not osp.isfile(cached):
+        cause = (f'{type(failure).__name__}: {str(failure)[:300]}' if failure is not None else
+                 f'local rank 0 did not download it to {cached} (its own error says why)')
+        raise CheckpointError(f'Cannot download checkpoint {url}: {cause}. Check the URL and the '
+                              f'network, or download it yourself and pass the local file.'
+                              ) from failure
     return cached
 
 
-def _downloaded(path: str, url: Optional[str]) -> Tuple[str, str]:
-    """How a message names a file, and for a download the way to get a fresh copy."""
-    if url is None:
-        return path, ''
-    if is_hub_name(url):
-        return f'{url}, cached at {path}', hub_copy_advice(url)
-    return (f'{url}, downloaded to {path}',
-            f' The download is cached and the next run would read the same copy: delete {path} '
-            f'and run again, or download the file yourself and pass the local path.')
-
-
-def _importable(dotted: str) -> bool:
-    module, _, name = dotted.rpartition('.')
-    try:
-        return hasattr(importlib.import_module(module), name)
-    except Exception:  # ImportError, ValueError for an empty name...
-        return False
-
-
 def _unsafe_detail(error: Exception) -> Optional[str]:
-    """What a weights_only refusal was about, or None if it was not about a Python object."""
+    """What a weights_only refusal asked for, or None when the file is corrupt, not unsafe (a
+    ``GLOBAL`` name cut short names nothing importable; "Unsupported operand" is no pickle)."""
     text = str(error)
     found = re.search(r'GLOBAL ([\w.]+)', text)
     if found:
-        # a name cut short by truncation names nothing importable: that file is corrupt
-        return f'it asks to import {found.group(1)}' if _importable(found.group(1)) else None
+        module, _, name = found[1].rpartition('.')
+        try:
+            importable = hasattr(importlib.import_module(module), name)
+        except Exception:  # ImportError, ValueError for an empty name...
+            importable = False
+        return f'it asks to import {found[1]}' if importable else None
     found = re.search(r'Can only build .*? but got (<class [^>]*>)', text)
     if found:
-        return f'it asks to build a {found.group(1)}'
+        return f'it asks to build a {found[1]}'
     found = re.search(r'asks for (.*?), which is not part of an mmengine', text, re.S)
-    if found:  # refused by a stand-in of safe_unpickling
-        return f'it asks for {found.group(1)}'
-    return None  # e.g. "Unsupported operand 60": not a pickle of objects at all
+    return f'it asks for {found[1]}' if found else None  # the latter: safe_unpickling's refusal
 
 
 def load_from_weights_only(filename: str, map_location=None):
@@ -140,9 +125,8 @@ def resolve_checkpoint_path(path: str, what: str = 'checkpoint') -> str:
 
 def load_checkpoint_file(path: str, what: str = 'checkpoint', weights_only: bool = True,
                          map_location='cpu', mmap: bool = False):
-    """Read a checkpoint (path, URL or ``hf-hub:`` name), never running pickled code unless
-    ``weights_only=False``; ``what`` names it in messages. Safetensors give
-    ``{'state_dict', 'meta'}``."""
+    """What a path, URL or ``hf-hub:`` name holds (safetensors as ``{'state_dict', 'meta'}``),
+    running no pickled code unless ``weights_only=False``; ``what`` names it in messages."""
     return _resolve_and_read(path, what, weights_only, map_location, mmap)[1]
 
 
@@ -150,23 +134,22 @@ def _resolve_and_read(path: str, what: str, weights_only: bool = True, map_locat
                       mmap: bool = False) -> Tuple[str, object]:
     """(the local file, what it holds) for a path, URL or Hub name; a Hub file must be XCiT."""
     local = resolve_checkpoint_path(path, what)
-    name, fresh = _downloaded(local, path if is_url(path) else None)
+    name, fresh = f'{what} {local}', ''
+    if is_hub_name(path):
+        name, fresh = f'{what} {path}, cached at {local}', hub_copy_advice(path)
+    elif is_url(path):
+        name, fresh = f'{what} {path}, downloaded to {local}', (
+            f' The download is cached and the next run would read the same copy: delete {local} '
+            f'and run again, or download the file yourself and pass the local path.')
     with open(local, 'rb') as f:
         head = f.read(16)
+    named = local.lower().endswith(SUFFIX)
     # zip or legacy pickle (protocol >= 2), even cut short
-    torch_file = bool(head) and (head[0] == 0x80 or head.startswith(_ZIP_MAGIC)
-                                 or _ZIP_MAGIC.startswith(head))
-    if not torch_file and is_safetensors(local, head):
-        checkpoint = read_safetensors(local, f'{what} {name}', map_location, fresh)
-    elif not torch_file:
-        raise CheckpointError(not_a_file(f'{what} {name}', local, head, 'a PyTorch checkpoint',
-                                         'the .pth name', fresh))
-    else:
+    if head and (head[0] == 0x80 or head.startswith(_ZIP_MAGIC) or _ZIP_MAGIC.startswith(head)):
         try:
             checkpoint = torch.load(local, map_location=map_location, weights_only=weights_only,
                                     mmap=mmap and head.startswith(_ZIP_MAGIC))
-        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError,
-                UnicodeDecodeError, KeyError, IndexError, struct.error) as e:
+        except _CORRUPT as e:
             unsafe = weights_only and isinstance(e, pickle.UnpicklingError) and _unsafe_detail(e)
             if unsafe:
                 raise CheckpointError(
@@ -182,10 +165,21 @@ def _resolve_and_read(path: str, what: str, weights_only: bool = True, map_locat
             first = found.group(1) if found else text.splitlines()[0] if text else ''
             first = re.split(r'(?<=[.:])\s', first, maxsplit=1)[0][:200]  # its first sentence
             raise CheckpointError(
-                f'Cannot read {what} {name} ({osp.getsize(local)} bytes): the file is truncated '
+                f'Cannot read {name} ({osp.getsize(local)} bytes): the file is truncated '
                 f'or corrupt ({type(e).__name__}: {first}). A checkpoint cut short while being '
                 f'written (a killed job, a full disk) looks like this: use an earlier '
                 f'checkpoint, or copy the file again.{fresh}') from e
+    elif looks_like_safetensors(head) or (named and len(head) <= 8):  # or one cut short
+        checkpoint = read_safetensors(local, name, map_location, fresh)
+    else:
+        shown = head.decode('utf-8', 'replace').replace('\n', ' ').strip()
+        start = f'starts with {shown[:12]!r}...' if shown else 'is empty'
+        kind, under = (('a safetensors file', 'the file\'s name') if named else
+                       ('a PyTorch checkpoint', 'the .pth name'))
+        raise CheckpointError(
+            f'{name} ({osp.getsize(local)} bytes) is not {kind} (it {start}). A failed download '
+            f'often saves an HTML error page or a text message under {under}: download the file '
+            f'again, or check the path.{fresh}')
     if is_hub_name(path):
         _check_hub_model_is_xcit(path, checkpoint)
     return local, checkpoint

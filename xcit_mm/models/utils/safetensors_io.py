@@ -1,6 +1,5 @@
-"""safetensors files and Hugging Face Hub names (``hf-hub:OWNER/NAME[@REVISION]``), read with no
-unpickling into the ``{'state_dict': tensors, 'meta': meta}`` a ``.pth`` checkpoint holds; each
-``meta`` entry is stored as JSON under its own key.
+"""safetensors files and ``hf-hub:OWNER/NAME[@REVISION]`` names, read with no unpickling into the
+``{'state_dict', 'meta'}`` of a ``.pth`` checkpoint (each ``meta`` entry as JSON under its key).
 """
 import json
 import os.path as osp
@@ -11,7 +10,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .checkpoint_error import CheckpointError, not_a_file
+from .checkpoint_error import CheckpointError
 
 SUFFIX = '.safetensors'
 HUB_PREFIXES = ('hf-hub:', 'hf_hub:')
@@ -32,11 +31,6 @@ def looks_like_safetensors(head: bytes) -> bool:
     if len(head) < 9 or head[8:9] != b'{':
         return False
     return 2 <= struct.unpack('<Q', head[:8])[0] <= _HEADER_LIMIT
-
-
-def is_safetensors(path: str, head: bytes) -> bool:
-    """Read as safetensors: by content, or by name when the content is no known format."""
-    return looks_like_safetensors(head) or str(path).lower().endswith(SUFFIX)
 
 
 def _decode(value: str):
@@ -60,17 +54,11 @@ def read_safetensors(path: str, name: str, map_location='cpu',
             metadata = f.metadata() or {}
             tensors = OrderedDict((key, f.get_tensor(key)) for key in f.keys())
     except Exception as e:  # SafetensorError (a Rust error, no finer class), OSError
-        size = osp.getsize(path)
-        with open(path, 'rb') as f:
-            head = f.read(16)
-        if size > 8 and not looks_like_safetensors(head):
-            raise CheckpointError(not_a_file(name, path, head, 'a safetensors file',
-                                             'the file\'s name', fresh)) from None
         detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else ''
         raise CheckpointError(
-            f'Cannot read {name} ({size} bytes): the safetensors file is truncated or corrupt '
-            f'({type(e).__name__}: {detail}). A file cut short while being downloaded or written '
-            f'looks like this: download or copy it again.{fresh}') from None
+            f'Cannot read {name} ({osp.getsize(path)} bytes): the safetensors file is truncated or '
+            f'corrupt ({type(e).__name__}: {detail}). A file cut short while being downloaded or '
+            f'written looks like this: download or copy it again.{fresh}') from None
     # a callable or dict map_location keeps the CPU; outside the try: not a corrupt file
     if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type != 'cpu':
         tensors = OrderedDict((key, value.to(map_location)) for key, value in tensors.items())
