@@ -1,9 +1,7 @@
 # Copyright (c) xcit_mm contributors. All rights reserved.
 """Images larger than memory in, tiled labels out, around ``LeanEncoderDecoder.stream_labels``
-(``tools/segment_large_image.py``): TIFFs read by windows of rows, decoding only the tiles or
-strips a window touches; labels written band by band into a tiled BigTIFF that appears only
-when complete. ``tifffile`` is imported inside the functions, not by ``import xcit_mm``.
-"""
+(``tools/segment_large_image.py``, docs/gigapixel.md). ``tifffile`` is imported inside the
+functions, not by ``import xcit_mm``."""
 import errno
 import math
 import os
@@ -27,14 +25,17 @@ class LargeImageError(ValueError):
 
 
 class _Source:
-    """Rows of an image, bands in R, G, B(, ...) order, as stored: ``height``, ``width``,
-    ``bands``, ``dtype``."""
+    """Rows of an image, bands in R, G, B(, ...) order: ``height``, ``width``, ``bands``,
+    ``dtype``; subclasses read a checked window in ``_read``."""
 
     geotags: List[tuple] = []
     nodata: Optional[float] = None
 
     def read_rows(self, start: int, stop: int) -> np.ndarray:
-        raise NotImplementedError
+        if not 0 <= start < stop <= self.height:
+            raise ValueError(f'rows [{start}, {stop}) are not inside the image\'s '
+                             f'{self.height} rows')
+        return self._read(start, stop)
 
     def close(self) -> None:
         pass
@@ -44,11 +45,6 @@ class _Source:
 
     def __exit__(self, *exc):
         self.close()
-
-    def _check_window(self, start: int, stop: int) -> None:
-        if not 0 <= start < stop <= self.height:
-            raise ValueError(f'rows [{start}, {stop}) are not inside the image\'s '
-                             f'{self.height} rows')
 
 
 class _ArraySource(_Source):
@@ -70,15 +66,13 @@ class _ArraySource(_Source):
         self.height, self.width, self.bands = img.shape
         self.dtype = img.dtype
 
-    def read_rows(self, start: int, stop: int) -> np.ndarray:
-        self._check_window(start, stop)
+    def _read(self, start: int, stop: int) -> np.ndarray:
         return self.img[start:stop]
 
 
 class _TiffSource(_Source):
-    """A TIFF read by windows of rows: only the tiles (or strips) a window touches are read and
-    decoded, and the last rows of tiles decoded are kept, since consecutive windows (bands with
-    their halos) share tile rows."""
+    """A TIFF read by windows of rows, decoding only the tiles (or strips) a window touches; the
+    last decoded tile rows are kept, since consecutive bands with their halos share them."""
 
     _CACHED_TILE_ROWS = 4
 
@@ -89,21 +83,19 @@ class _TiffSource(_Source):
         try:
             self.tif = tifffile.TiffFile(path)
             series = self.tif.series[0]
-            pages = [page.aspage() for page in series.pages]
-        except Exception as e:  # tifffile's many ways of meeting a broken header
-            self.close()
-            raise LargeImageError(f'corrupt or truncated TIFF: {path} ({e})') from None
-        try:
-            self.pages = self._image_pages(series, pages)
+            self.pages = self._image_pages(series, [page.aspage() for page in series.pages])
         except LargeImageError:
             self.close()
             raise
+        except Exception as e:  # tifffile's many ways of meeting a broken header
+            self.close()
+            raise LargeImageError(f'corrupt or truncated TIFF: {path} ({e})') from None
         page = self.pages[0]
         self.height, self.width = int(page.imagelength), int(page.imagewidth)
         self.dtype = np.dtype(page.dtype)
         self.bands = sum(int(p.samplesperpixel) for p in self.pages)
-        self.geotags = [(code, tag.dtype, tag.count, tag.value, True)
-                        for code, tag in ((c, page.tags.get(c)) for c in GEO_TAGS) if tag]
+        self.geotags = [(tag.code, tag.dtype, tag.count, tag.value, True)
+                        for tag in map(page.tags.get, GEO_TAGS) if tag]
         nodata = page.tags.get(GDAL_NODATA)
         self.nodata = None
         if nodata is not None:
@@ -115,8 +107,8 @@ class _TiffSource(_Source):
         self._cache = OrderedDict()
 
     def _image_pages(self, series, pages) -> list:
-        """The pages holding level 0 of the first image: one page (samples interleaved or in
-        planes), or one page per channel (OME-TIFF's C axis); a truncated file is refused."""
+        """The pages of level 0 of the first image: one page, or one per channel (OME-TIFF's C
+        axis); layouts read wrongly or truncated files are refused."""
         from tifffile import PHOTOMETRIC
         axes = ''.join(a for a, n in zip(series.axes, series.shape) if n > 1 or a in 'YX')
         if axes in ('YX', 'YXS', 'SYX') and pages:
@@ -197,8 +189,7 @@ class _TiffSource(_Source):
             self._cache.popitem(last=False)
         return out
 
-    def read_rows(self, start: int, stop: int) -> np.ndarray:
-        self._check_window(start, stop)
+    def _read(self, start: int, stop: int) -> np.ndarray:
         parts = []
         for p, page in enumerate(self.pages):
             th = self._grid(page)[0]
@@ -208,9 +199,8 @@ class _TiffSource(_Source):
         return np.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
 
     def close(self) -> None:
-        tif = getattr(self, 'tif', None)
-        if tif is not None:
-            tif.close()
+        if self.tif is not None:
+            self.tif.close()
             self.tif = None
 
 
@@ -226,10 +216,9 @@ def open_image(path: str) -> _Source:
 
 def model_rows(source: _Source, channels: int = 3, rgb_from: Optional[str] = None,
                scale_16bit: Optional[float] = None) -> Callable[[int, int], np.ndarray]:
-    """``read_rows(start, stop)``: ``channels`` bands of uint8 in BGR order, as the model's
-    pipeline reads an ordinary image. Other inputs would be normalised wrongly without an error,
-    so they need the caller's conversion: ``rgb_from`` ``'gray'`` (band 1 as R, G and B) or
-    ``'first3'``, and ``scale_16bit`` (the 16-bit value that becomes 255)."""
+    """``read_rows(start, stop)``: ``channels`` uint8 bands in BGR order, as the pipeline reads an
+    ordinary image. Other inputs would be normalised wrongly without an error, so they need
+    the caller's ``rgb_from`` (``'gray'``, ``'first3'``) or ``scale_16bit`` (the value of 255)."""
     name = getattr(source, 'path', 'the image')
     bands, dtype = source.bands, source.dtype
     if dtype == np.uint16:
@@ -251,21 +240,17 @@ def model_rows(source: _Source, channels: int = 3, rgb_from: Optional[str] = Non
             raise LargeImageError(f'{name} has {bands} band(s); the config\'s preprocessing '
                                   f'expects {channels}: convert it first')
         select = list(range(bands))
-    elif bands == 3 and rgb_from in (None, 'first3'):
-        select = [2, 1, 0]
     elif bands == 3:
-        raise LargeImageError(f'{name} has 3 bands (RGB), as the config\'s preprocessing '
-                              f'expects: --rgb-from {rgb_from} does not apply; drop it')
+        if rgb_from not in (None, 'first3'):
+            raise LargeImageError(f'{name} has 3 bands (RGB), as the config\'s preprocessing '
+                                  f'expects: --rgb-from {rgb_from} does not apply; drop it')
+        select = [2, 1, 0]
     else:
-        if bands in (1, 2):
-            fix, select = 'gray', [0, 0, 0]
-        else:
-            fix, select = 'first3', [2, 1, 0]
-        what = {1: 'grey', 2: 'grey + alpha', 4: 'RGBA or RGB + near-infrared'}.get(
-            bands, 'multispectral')
+        fix, select = ('gray', [0, 0, 0]) if bands < 3 else ('first3', [2, 1, 0])
         if rgb_from != fix:
-            doing = ('band 1 repeated as R, G and B' if fix == 'gray' else
-                     'bands 1-3 as R, G, B')
+            doing = 'band 1 repeated as R, G and B' if bands < 3 else 'bands 1-3 as R, G, B'
+            what = {1: 'grey', 2: 'grey + alpha', 4: 'RGBA or RGB + near-infrared'}.get(
+                bands, 'multispectral')
             raise LargeImageError(
                 f'{name} has {bands} band(s) ({what}); the config\'s preprocessing expects 3 '
                 f'(RGB): pass --rgb-from {fix} to use {doing}'
@@ -296,10 +281,10 @@ def nodata_rows(source: _Source) -> Optional[Callable[[int, int], np.ndarray]]:
 
 
 def _tiles(bands: Iterable[Tuple[int, int, object]], hw: Tuple[int, int], dtype: np.dtype,
-           tile: int, nodata: Optional[Tuple[Callable, int]],
+           tile: int, nodata_mask: Optional[Callable[[int, int], np.ndarray]],
            on_rows: Optional[Callable[[int], None]]) -> Iterator[np.ndarray]:
-    """Tiles in file order from label bands in row order: rows are buffered until a full row
-    of tiles (or the image's last rows) is there."""
+    """Tiles in file order from label bands in row order, one row of tiles buffered; the parts
+    of edge tiles past the image are zeros."""
     height, width = hw
     buffer = np.zeros((tile, -(-width // tile) * tile), dtype)  # whole tiles: zeros past width
     filled = 0  # rows of the current tile row in the buffer
@@ -313,8 +298,8 @@ def _tiles(bands: Iterable[Tuple[int, int, object]], hw: Tuple[int, int], dtype:
             raise RuntimeError(f'label band [{start}, {stop}) has shape {labels.shape}, '
                                f'expected {(stop - start, width)}')
         labels = labels.astype(dtype)
-        if nodata is not None:
-            labels[nodata[0](start, stop)] = nodata[1]
+        if nodata_mask is not None:
+            labels[nodata_mask(start, stop)] = np.iinfo(dtype).max
         y = stop
         if on_rows is not None:
             on_rows(y)
@@ -345,10 +330,9 @@ def write_labels(out: str, bands: Iterable[Tuple[int, int, object]], hw: Tuple[i
                  num_classes: int, palette=None, geotags: Sequence[tuple] = (),
                  nodata_mask: Optional[Callable[[int, int], np.ndarray]] = None,
                  tile: int = 256, on_rows: Optional[Callable[[int], None]] = None) -> None:
-    """Write label bands ``(start, stop, labels)``, top to bottom, to ``out``: a BigTIFF of
-    deflate tiles, uint8 or uint16 by class count, the palette as its ColorMap, ``geotags``
-    copied, ``nodata_mask``'s pixels the dtype's largest value (GDAL_NODATA). At most one row of
-    tiles is held; ``out + '.partial'`` is renamed once complete, removed on any error."""
+    """Label bands ``(start, stop, labels)``, top to bottom, into a deflate-tiled BigTIFF (uint8
+    up to 255 classes, uint16 above; ``nodata_mask``'s pixels the dtype's largest value), written
+    as ``out + '.partial'`` and renamed once complete, so a failed run leaves no file."""
     import tifffile
     if num_classes > 65535:
         raise LargeImageError(f'{num_classes} classes do not fit a 16-bit label file')
@@ -360,13 +344,11 @@ def write_labels(out: str, bands: Iterable[Tuple[int, int, object]], hw: Tuple[i
         rgb = np.asarray(palette, np.uint16)[:cmap.shape[1]]
         cmap[:, :len(rgb)] = rgb.T * 257
     extratags = list(geotags)
-    nodata = None
     if nodata_mask is not None:
-        nodata = (nodata_mask, int(np.iinfo(dtype).max))
-        extratags.append((GDAL_NODATA, 's', 0, str(nodata[1]), True))
+        extratags.append((GDAL_NODATA, 's', 0, str(np.iinfo(dtype).max), True))
     partial = out + '.partial'
     done = False
-    tiles = _tiles(bands, hw, dtype, tile, nodata, on_rows)
+    tiles = _tiles(bands, hw, dtype, tile, nodata_mask, on_rows)
     try:
         with tifffile.TiffWriter(partial, bigtiff=True) as tw:
             tw.write(tiles, shape=tuple(hw), dtype=dtype, tile=(tile, tile), compression='zlib',

@@ -1,10 +1,7 @@
 # Copyright (c) xcit_mm contributors. All rights reserved.
-"""ONNX export of XCiT models, checked against PyTorch with ONNX Runtime (docs/deployment.md).
-
-The input is the normalised batch ``image``; a segmentor exports ``logits`` at the input size, a
-detector its backbone + neck. The TorchScript exporter traces the backbone's traceable path, the
-one that holds at every size.
-"""
+"""ONNX export of XCiT models (normalised ``image`` in; a segmentor's ``logits`` at the input
+size, or a detector's backbone + neck out), checked against PyTorch with ONNX Runtime
+(docs/deployment.md)."""
 import copy
 import os
 import os.path as osp
@@ -44,8 +41,7 @@ def check_onnx_runtime(need_runtime: bool = True):
 
 
 class ExportedModel(nn.Module):
-    """A segmentor's ``encode_decode`` without the image metas (logits at the input size), or a
-    detector's backbone + neck."""
+    """A segmentor's ``encode_decode`` without the image metas, or a detector's backbone + neck."""
 
     def __init__(self, model: nn.Module, task: str):
         super().__init__()
@@ -87,16 +83,17 @@ def build_export_model(config, checkpoint: Optional[str] = None,
         raise ExportError(f'config {config!r} has no model dict')
     task = config_task(cfg)
     model_type = str(cfg.model.get('type', ''))
-    # LeanEncoderDecoder changes only predict(); the exported encode_decode is EncoderDecoder's
-    if task == 'seg' and model_type.split('.')[-1] not in ('EncoderDecoder', 'LeanEncoderDecoder'):
-        raise ExportError(f'segmentor type {model_type!r} is not supported: ONNX export takes an '
-                          f'mmseg EncoderDecoder (Semantic FPN, UperNet, ...)')
-    if task == 'det' and not cfg.model.get('neck'):
-        raise ExportError(f'detector {model_type!r} has no neck: ONNX export of a detector '
-                          f'covers backbone + neck (e.g. Mask R-CNN\'s FPN)')
     if task == 'det':
+        if not cfg.model.get('neck'):
+            raise ExportError(f'detector {model_type!r} has no neck: ONNX export of a detector '
+                              f'covers backbone + neck (e.g. Mask R-CNN\'s FPN)')
         from mmdet.apis import init_detector as init
     else:
+        # LeanEncoderDecoder changes only predict(); the exported encode_decode is
+        # EncoderDecoder's (a cascade's list of decode heads is refused here)
+        if model_type.split('.')[-1] not in ('EncoderDecoder', 'LeanEncoderDecoder'):
+            raise ExportError(f'segmentor type {model_type!r} is not supported: ONNX export '
+                              'takes an mmseg EncoderDecoder (Semantic FPN, UperNet, ...)')
         from mmseg.apis import init_model as init
     # record=True: init_detector resets the filters to warn "checkpoint is None, use COCO
     # classes" (the class names are taken below)
@@ -106,8 +103,6 @@ def build_export_model(config, checkpoint: Optional[str] = None,
     meta = {}
     if checkpoint is not None:  # what init_* would do, without mmseg's KeyError for no 'meta'
         meta = load_checkpoint(model, checkpoint, map_location='cpu').get('meta', None) or {}
-    if task == 'seg' and isinstance(model.decode_head, nn.ModuleList):
-        raise ExportError('a segmentor with several decode heads (cascade) is not supported')
     wrapper = ExportedModel(model, task)
     if task == 'seg':
         wrapper.output_names = ['logits']
@@ -127,7 +122,7 @@ def build_export_model(config, checkpoint: Optional[str] = None,
         'xcit_mm.checkpoint_file': osp.basename(checkpoint) if checkpoint else 'random init',
     }
     if task == 'seg':
-        wrapper.metadata['xcit_mm.classes'] = ','.join(str(c) for c in _class_names(meta, cfg))
+        wrapper.metadata['xcit_mm.classes'] = ','.join(map(str, _class_names(meta, cfg)))
     return wrapper.eval()
 
 
@@ -140,8 +135,8 @@ def _upsample_traceable(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def _pool_matrix(length: torch.Tensor, bins: int, like: torch.Tensor) -> torch.Tensor:
-    """(bins, length) averaging matrix of adaptive average pooling: bin i covers
-    [floor(i * L / bins), ceil((i + 1) * L / bins)), as torch's kernel."""
+    """(bins, length) averaging matrix; bin i covers [floor(i L / bins), ceil((i + 1) L / bins)),
+    as torch's adaptive average pooling kernel."""
     pos = torch.arange(length, device=like.device)
     i = torch.arange(bins, device=like.device)
     start = torch.div(i * length, bins, rounding_mode='floor')
@@ -162,8 +157,8 @@ def _adaptive_avg_pool_traceable(self, x: torch.Tensor) -> torch.Tensor:
 
 @contextmanager
 def traceable_upstream_modules(model: nn.Module):
-    """Inside the block, mmseg's ``Upsample`` and ``nn.AdaptiveAvgPool2d`` modules of ``model``
-    run the traceable forwards above."""
+    """Inside the block, ``model``'s mmseg ``Upsample`` and ``nn.AdaptiveAvgPool2d`` modules run
+    the traceable forwards above."""
     from mmseg.models.utils import Upsample
     forwards = {Upsample: _upsample_traceable, nn.AdaptiveAvgPool2d: _adaptive_avg_pool_traceable}
     patched = []
@@ -246,10 +241,9 @@ def other_shape(shape: Sequence[int]) -> Tuple[int, int]:
 def verify_onnx(model: nn.Module, onnx_file: str, shapes: Sequence[Sequence[int]],
                 tolerance: float = DEFAULT_TOLERANCE, threads: Optional[int] = None,
                 batch: int = 1, seed: int = 0) -> List[Dict]:
-    """The file run by ONNX Runtime against ``model`` in PyTorch on a seeded random image, one
-    dict per size. ``max_rel`` = max |onnx - torch| / max |torch| (per-element ratios are
-    meaningless where the reference crosses zero); ``ok``: every shape right and ``max_rel <=
-    tolerance``."""
+    """The file in ONNX Runtime against ``model`` in PyTorch on a seeded random image, a dict per
+    size; ``max_rel`` = max |onnx - torch| / max |torch|, since per-element ratios are meaningless
+    where the reference crosses zero."""
     session = onnx_session(onnx_file, threads)
     names = [o.name for o in session.get_outputs()]
     results = []

@@ -1,17 +1,8 @@
-"""Layer-wise learning-rate decay for XCiT (``constructor='XCiTLayerDecayOptimizerConstructor'``).
-
-mmseg's ``LayerDecayOptimizerConstructor`` knows ConvNeXt, BEiT and MAE only. Here depth 0 is the
-patch / position embedding, ``i + 1`` XCiT layer ``i``, ``L + 1`` everything after the trunk, and
-a parameter's lr is what mmengine's default rules give times ``decay_rate ** (L + 1 - depth)``;
-every other option is mmengine's. Groups run from the head down, so the logged ``lr`` (group 0)
-is the head's. See docs/layer_decay.md.
-
-:class:`LayerDecayLrHook` (``custom_hooks=[dict(type='LayerDecayLrHook')]``) records the lr of
-each depth as ``train/depth_{d}_lr`` before each iteration, which ``LogProcessor`` prints like
-``lr``.
-"""
+"""Layer-wise learning-rate decay over XCiT's layers, which mmseg's
+``LayerDecayOptimizerConstructor`` (ConvNeXt, BEiT, MAE) does not know, and a hook that logs
+the lr of each depth (docs/layer_decay.md)."""
 import logging
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch.nn as nn
 from mmengine.hooks import Hook
@@ -28,13 +19,11 @@ MMENGINE_PARAMWISE_KEYS = ('bias_decay_mult', 'bias_lr_mult', 'bypass_duplicate'
 DEPTH_KEY = 'layer_depth'
 
 
-class _DropBaseRuleLines(logging.Filter):
+def _drop_base_rule_lines(record: logging.LogRecord) -> bool:
     """Drops mmengine's per-parameter lines (lrs before decay): the group table replaces them."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = str(record.msg)
-        return not (msg.startswith('paramwise_options -- ')
-                    or msg.endswith(' is skipped since its requires_grad=False'))
+    msg = str(record.msg)
+    return not (msg.startswith('paramwise_options -- ')
+                or msg.endswith(' is skipped since its requires_grad=False'))
 
 
 def find_xcit_backbone(model: nn.Module) -> Tuple[str, XCiTBackbone]:
@@ -74,19 +63,10 @@ def xcit_layer_depth(name: str, num_layers: int, backbone_prefix: str = 'backbon
                      f'layers.{{i}}.* -> i + 1, fpn1..fpn4.* -> {head})')
 
 
-def layer_depth_lrs(param_groups: Sequence[dict]) -> Dict[int, float]:
-    """{depth: lr of its first group (one without a custom ``lr_mult`` if any)}, head first."""
-    lrs: Dict[int, float] = {}
-    for group in param_groups:
-        if group.get(DEPTH_KEY) is not None:
-            lrs.setdefault(group[DEPTH_KEY], group['lr'])
-    return lrs
-
-
 @OPTIM_WRAPPER_CONSTRUCTORS.register_module()
 class XCiTLayerDecayOptimizerConstructor(DefaultOptimWrapperConstructor):
-    """mmengine's default constructor plus layer-wise lr decay over the XCiT layers;
-    ``paramwise_cfg``: ``decay_rate`` (in (0, 1], required) and mmengine's keys only."""
+    """mmengine's rules, then each lr times ``decay_rate ** (L + 1 - depth)``: depth 0 the
+    embeddings, ``i + 1`` layer ``i``, ``L + 1`` all after the trunk, as BEiT's decay."""
 
     def __init__(self, optim_wrapper_cfg: dict, paramwise_cfg: Optional[dict] = None):
         name = 'XCiTLayerDecayOptimizerConstructor'
@@ -127,13 +107,12 @@ class XCiTLayerDecayOptimizerConstructor(DefaultOptimWrapperConstructor):
         # mmengine's rules: one group per trainable parameter, with its lr / weight decay / ...
         per_param: List[dict] = []
         logger = MMLogger.get_current_instance()
-        line_filter = _DropBaseRuleLines()
-        logger.addFilter(line_filter)
+        logger.addFilter(_drop_base_rule_lines)
         try:
             self._base_rules.add_params(per_param, module, prefix=prefix,
                                         is_dcn_module=is_dcn_module)
         finally:
-            logger.removeFilter(line_filter)
+            logger.removeFilter(_drop_base_rule_lines)
 
         # Layer decay on top, then one group per (depth, options).
         merged: Dict[tuple, dict] = {}
@@ -196,30 +175,33 @@ class XCiTLayerDecayOptimizerConstructor(DefaultOptimWrapperConstructor):
         print_log('\n'.join([header] + lines), logger='current')
 
 
-SCALAR_NAME = 'train/{prefix}depth_{depth}_lr'
-
-
-def _wrappers(optim_wrapper):
-    if isinstance(optim_wrapper, OptimWrapperDict):
-        return [(f'{name}.', wrapper) for name, wrapper in optim_wrapper.items()]
-    return [('', optim_wrapper)]
+def _depth_lrs(optim_wrapper) -> Dict[str, float]:
+    """``{'train/[name.]depth_{d}_lr': lr}`` of the first group of each depth (head first; one
+    without a custom ``lr_mult`` if any), per wrapper of an ``OptimWrapperDict``."""
+    wrappers = optim_wrapper.items() if isinstance(optim_wrapper, OptimWrapperDict) else \
+        [('', optim_wrapper)]
+    lrs: Dict[str, float] = {}
+    for name, wrapper in wrappers:
+        prefix = f'{name}.' if name else ''
+        for group in wrapper.optimizer.param_groups:
+            if group.get(DEPTH_KEY) is not None:
+                lrs.setdefault(f'train/{prefix}depth_{group[DEPTH_KEY]}_lr', group['lr'])
+    return lrs
 
 
 @HOOKS.register_module()
 class LayerDecayLrHook(Hook):
-    """Record ``train/depth_{d}_lr`` for each depth of a layer-decayed optimizer."""
+    """Record ``train/depth_{d}_lr`` for each depth of a layer-decayed optimizer, which
+    ``LogProcessor`` prints like ``lr``."""
 
     priority = 'VERY_HIGH'  # with RuntimeInfoHook, which records `lr` at the same point
 
     def before_train(self, runner) -> None:
-        if not any(layer_depth_lrs(w.optimizer.param_groups)
-                   for _, w in _wrappers(runner.optim_wrapper)):
+        if not _depth_lrs(runner.optim_wrapper):
             print_log('LayerDecayLrHook: no param group has a layer depth (build the optimizer '
                       "with constructor='XCiTLayerDecayOptimizerConstructor'); nothing to record",
                       logger='current', level=logging.WARNING)
 
     def before_train_iter(self, runner, batch_idx: int, data_batch: Optional[dict] = None) -> None:
-        for prefix, wrapper in _wrappers(runner.optim_wrapper):
-            for depth, lr in layer_depth_lrs(wrapper.optimizer.param_groups).items():
-                runner.message_hub.update_scalar(
-                    SCALAR_NAME.format(prefix=prefix, depth=depth), lr)
+        for scalar, lr in _depth_lrs(runner.optim_wrapper).items():
+            runner.message_hub.update_scalar(scalar, lr)

@@ -1,8 +1,6 @@
 # Copyright (c) xcit_mm contributors. All rights reserved.
 """What XCiT's cross-covariance attention (XCA) looks at, per layer and head (paper Figure D.2):
-``|q̂|`` and ``|k̂|`` per patch token on the patch grid, and the d x d channel attention, each
-map with its own colour scale printed under it (docs/visualisation.md).
-"""
+``|q̂|`` and ``|k̂|`` per patch token and the d x d channel attention (docs/visualisation.md)."""
 import os
 import os.path as osp
 import sys
@@ -17,8 +15,7 @@ SAMPLE_IMAGES = ('grace_hopper', 'astronaut', 'chelsea', 'coffee')
 
 
 class XCAFigure(NamedTuple):
-    """What :func:`visualize_xca` drew: :func:`xca_maps`, the title, the image's and the patch
-    grid's (H, W), the PNG's (width, height)."""
+    """What :func:`visualize_xca` drew; sizes are (H, W) except the PNG's (width, height)."""
     maps: Dict[int, Dict[str, np.ndarray]]
     title: str
     image_hw: Tuple[int, int]
@@ -28,7 +25,7 @@ class XCAFigure(NamedTuple):
 
 def load_image(spec: str) -> Tuple[np.ndarray, str]:
     """``(RGB uint8 image, short name)`` of an image file or one of :data:`SAMPLE_IMAGES`
-    (matplotlib's and scikit-image's offline sample photos)."""
+    (offline sample photos of matplotlib and scikit-image)."""
     if osp.isfile(spec):
         import cv2
         data = np.fromfile(spec, dtype=np.uint8)
@@ -128,42 +125,37 @@ def draw_grid(image: np.ndarray, maps: Dict[int, Dict[str, np.ndarray]], out_fil
     foot = 0.09 * cell  # room under each map for its value range
     fs = max(6.0, cell / 18)
 
+    def text(x, y, words, size, **kwargs):  # x, y in px from the left and the top
+        fig.text(x / width, (height - y) / height, words, va='center', fontsize=size, **kwargs)
+
     def axes_at(row, col):
-        x0 = LEFT_PX + col * cell + pad
-        y0 = height - TOP_PX - (row + 1) * cell + pad + foot
-        ax = fig.add_axes([x0 / width, y0 / height, (cell - 2 * pad) / width,
-                           (cell - 2 * pad - foot) / height])
+        ax = fig.add_axes([(LEFT_PX + col * cell + pad) / width,
+                           (height - TOP_PX - (row + 1) * cell + pad + foot) / height,
+                           (cell - 2 * pad) / width, (cell - 2 * pad - foot) / height])
         ax.set_xticks([])
         ax.set_yticks([])
         return ax
 
-    fig.text(0.5, 1 - 18 / height, title, ha='center', va='center', fontsize=fs * 1.3,
-             weight='bold')
-    col_titles = ['image'] + [f'head {h}' for h in range(heads)]
-    for col, text in enumerate(col_titles):
-        fig.text((LEFT_PX + (col + 0.5) * cell) / width, 1 - (TOP_PX - 14) / height, text,
-                 ha='center', va='center', fontsize=fs)
+    text(width / 2, 18, title, fs * 1.3, ha='center', weight='bold')
+    for col, words in enumerate(['image'] + [f'head {h}' for h in range(heads)]):
+        text(LEFT_PX + (col + 0.5) * cell, TOP_PX - 14, words, fs, ha='center')
     row_kinds = [('q_norm', '|q̂| per token', 'viridis'), ('k_norm', '|k̂| per token', 'viridis'),
                  ('attn', 'XCA softmax\n(q̂k̂ᵀτ), d×d', 'magma')]
     for li, layer in enumerate(tqdm(layers, desc='drawing', unit='layer',
                                     disable=not progress, file=sys.stderr)):
         for ki, (key, label, cmap) in enumerate(row_kinds):
             row = 3 * li + ki
-            fig.text(8 / width, (height - TOP_PX - (row + 0.5) * cell) / height,
-                     f'layer {layer}\n{label}', ha='left', va='center', fontsize=fs * 0.9)
+            text(8, TOP_PX + (row + 0.5) * cell, f'layer {layer}\n{label}', fs * 0.9, ha='left')
             if key != 'attn':
                 axes_at(row, 0).imshow(image)
-            for h in range(heads):
-                ax = axes_at(row, 1 + h)
-                m = maps[layer][key][h]
+            fmt = '.3f' if key == 'attn' else '.2f'
+            for h, m in enumerate(maps[layer][key]):  # each map with its own colour scale
                 lo, hi = float(m.min()), float(m.max())
+                ax = axes_at(row, 1 + h)
                 ax.imshow(m, cmap=cmap, vmin=lo, vmax=hi if hi > lo else lo + 1e-12,
                           interpolation='nearest')
-                fmt = '.3f' if key == 'attn' else '.2f'
-                fig.text((LEFT_PX + (1.5 + h) * cell) / width,
-                         (height - TOP_PX - (row + 1) * cell + pad + foot / 2) / height,
-                         f'{lo:{fmt}} .. {hi:{fmt}}', ha='center', va='center',
-                         fontsize=fs * 0.75, color='0.3')
+                text(LEFT_PX + (1.5 + h) * cell, TOP_PX + (row + 1) * cell - pad - foot / 2,
+                     f'{lo:{fmt}} .. {hi:{fmt}}', fs * 0.75, ha='center', color='0.3')
     os.makedirs(osp.dirname(osp.abspath(out_file)), exist_ok=True)
     fig.savefig(out_file, dpi=DPI, metadata={'Title': title} if title else None)
     plt.close(fig)
