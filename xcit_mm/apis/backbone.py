@@ -28,7 +28,7 @@ def init_backbone(model: str, arch: Union[str, dict] = 's12', patch_size: int = 
     (SyncBN made BN; ``checkpoint`` replaces its ``init_cfg``), a checkpoint file or URL (of
     ``arch`` / ``patch_size``), or ``'random'``. The checkpoint is checked before the build."""
     from xcit_mm.models import XCiTBackbone
-    cfg, what = {}, '--checkpoint' if checkpoint is not None else 'checkpoint'
+    cfg, bb_cfg, what = {}, dict(arch=arch, patch_size=patch_size), '--checkpoint'
     if model.endswith('.py'):
         cfg = read_config(model)
         bb_cfg = cfg.get('model', {}).get('backbone', None)
@@ -45,14 +45,11 @@ def init_backbone(model: str, arch: Union[str, dict] = 's12', patch_size: int = 
             what = f'model.backbone.init_cfg.checkpoint of {model}'
         # forward_trunk stops at max(out_indices): None runs (and lets one capture) every layer
         bb_cfg['out_indices'] = None
-    elif model == 'random':
-        bb_cfg = dict(arch=arch, patch_size=patch_size)
-    elif checkpoint is not None:
-        raise ValueError('MODEL is already a checkpoint; --checkpoint only goes with a '
-                         "config or 'random'")
-    else:
-        bb_cfg = dict(arch=arch, patch_size=patch_size,
-                      init_cfg=dict(type='Pretrained', checkpoint=model))
+    elif model != 'random':
+        if checkpoint is not None:
+            raise ValueError('MODEL is already a checkpoint; --checkpoint only goes with a '
+                             "config or 'random'")
+        checkpoint, what = model, 'checkpoint'
     if checkpoint is not None:
         bb_cfg['init_cfg'] = dict(type='Pretrained', checkpoint=checkpoint)
     init = bb_cfg.get('init_cfg', None)

@@ -1,8 +1,5 @@
-"""Pure key conversion of the published XCiT layouts to :class:`XCiTBackbone`'s names.
-
-Dicts of tensors in, dicts out; no file is read here. The layouts (official / DINO, timm,
-mmpretrain, released COCO / ADE20k models, xcit_mm's own): docs/weights.md.
-"""
+"""Pure key conversion of the published XCiT layouts (docs/weights.md) to
+:class:`XCiTBackbone`'s names: dicts of tensors in, dicts out, no file read."""
 import re
 from collections import OrderedDict
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -73,12 +70,9 @@ def strip_ddp_prefix(state_dict):
 def convert_backbone_state_dict(state_dict: Dict[str, torch.Tensor],
                                 prefix: Optional[str] = None
                                 ) -> Tuple['OrderedDict[str, torch.Tensor]', dict]:
-    """Convert any published XCiT state dict to :class:`XCiTBackbone`'s keys.
-
-    ``prefix``: the sub-module to take; by default a DDP ``module.`` is stripped and, when there
-    are ``backbone.`` keys, only those are taken. Returns ``(converted, info)``, ``info`` holding
-    the ``layout`` and the dropped ``classifier`` and ``outside`` keys.
-    """
+    """``(converted, info)``: the keys under ``prefix`` (by default, without DDP's ``module.``,
+    the ``backbone.`` keys if any) renamed; ``info`` holds the ``layout`` and the dropped
+    ``classifier`` and ``outside`` keys."""
     outside: List[str] = []
     if prefix is None:
         state_dict = strip_ddp_prefix(state_dict)

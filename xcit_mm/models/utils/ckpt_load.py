@@ -1,7 +1,6 @@
-"""XCiT weights through any loader, exactly or not at all (docs/weights.md): the load hooks
-:class:`XCiTBackbone` registers convert every published layout, and a file that does not fit is
-a :class:`CheckpointError` naming the cause, even under mmengine's non-strict loading.
-"""
+"""The load hooks of :class:`XCiTBackbone`: every published layout loads through any loader,
+exactly, and a file that does not fit is a :class:`CheckpointError` naming the cause, even under
+mmengine's non-strict loading (docs/weights.md)."""
 import re
 from collections import OrderedDict
 from typing import Dict, List, Optional
@@ -69,8 +68,7 @@ def _check_same_task(unexpected_keys: List[str]) -> None:
 
 
 def refuse_headless_load(model, incompatible_keys) -> None:
-    """Load post-hook of a whole detector / segmentor: refuse a file that sets no weight of one of
-    its heads, which would stay random."""
+    """Load post-hook of a whole detector / segmentor: refuse a file that leaves a head random."""
     missing = set(incompatible_keys.missing_keys)
     heads = {prefix.rstrip('.') for prefixes in TASK_HEADS.values() for prefix in prefixes}
     for name, head in model.named_children():
@@ -87,8 +85,8 @@ def refuse_headless_load(model, incompatible_keys) -> None:
 
 def backbone_load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
                            unexpected_keys, error_msgs) -> None:
-    """Convert the backbone's part of ``state_dict`` (keys under ``prefix``) in place; at the root
-    of a load a whole-model or DDP file gives its ``backbone.`` keys."""
+    """Convert the backbone's keys (under ``prefix``; at the root of a load, a whole-model or DDP
+    file's ``backbone.`` keys) in ``state_dict``, in place."""
     # The model holding the backbone is loaded first: heads it lacks are already unexpected.
     # Another task's file names that cause, not the backbone it happens to hold (e.g. p16 in p8).
     _check_same_task(unexpected_keys)
@@ -168,8 +166,3 @@ def load_backbone_checkpoint(model: torch.nn.Module, checkpoint: str,
     except CheckpointError as e:
         raise CheckpointError(f'{source}: {e}') from None
     return dict(model.last_load_report)
-
-
-__all__ = [
-    'TASK_HEADS', 'backbone_load_post_hook', 'backbone_load_pre_hook', 'load_backbone_checkpoint'
-]

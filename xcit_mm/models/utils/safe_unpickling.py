@@ -1,9 +1,7 @@
-"""What ``torch.load(weights_only=True)`` may rebuild beyond tensors once ``xcit_mm`` is imported.
-
-mmengine pickles its message hub (``HistoryBuffer``: numpy arrays, scalars, dtypes) into every
-training checkpoint, which torch >= 2.6 refuses. These pure-data types are allow-listed, each
-through a stand-in that checks what the file gives it and runs no code the file names;
-``argparse.Namespace`` too (official XCiT files).
+"""What ``torch.load(weights_only=True)`` may rebuild beyond tensors once ``xcit_mm`` is imported:
+mmengine's message hub (``HistoryBuffer``, plain numpy data) in every training checkpoint and
+``argparse.Namespace`` (official XCiT files), each through a stand-in that checks what the file
+gives it and runs no code the file names.
 """
 import argparse
 import pickle
@@ -18,13 +16,13 @@ _REFUSED = 'which is not part of an mmengine checkpoint: refused'
 
 
 def _refuse(what: str) -> pickle.UnpicklingError:
-    """The error every stand-in raises; :mod:`checkpoint_io` turns it into a message naming it."""
+    """The error of every stand-in; :mod:`checkpoint_io` names ``what`` in its message."""
     return pickle.UnpicklingError(f'checkpoint asks for {what}, {_REFUSED}')
 
 
 def _build_only(cls) -> tuple:
-    """An allow-list entry for a type that may receive ``BUILD`` state but that no file can
-    name: torch reads ``GLOBAL`` names one line each, and this name holds a newline."""
+    """An allow-list entry no file can name (``GLOBAL`` names are one line; this one holds a
+    newline), for a type that may only receive ``BUILD`` state."""
     return (cls, f'{cls.__module__}.{cls.__qualname__}\n(state only)')
 
 
@@ -113,11 +111,11 @@ def _statistics_getattr(obj, name):
 
 
 def training_state_entries() -> list:
-    """The allow-list entries, in the form ``torch.serialization.add_safe_globals`` takes."""
+    """The allow-list, as ``torch.serialization.add_safe_globals`` takes it."""
     return [(HistoryBufferState, 'mmengine.logging.history_buffer.HistoryBuffer'),
             (_statistics_getattr, 'builtins.getattr'), argparse.Namespace] + _numpy_entries()
 
 
 def allow_training_state() -> None:
-    """Add :func:`training_state_entries` to torch's allow-list for this process (idempotent)."""
+    """Add :func:`training_state_entries` to torch's allow-list (idempotent)."""
     torch.serialization.add_safe_globals(training_state_entries())

@@ -67,7 +67,7 @@ def read_safetensors(path: str, name: str, map_location='cpu',
 
 
 def _tolist(value):
-    """JSON for numpy arrays and scalars and tensors, which ``json`` cannot write itself."""
+    """JSON for numpy arrays and scalars and tensors, which ``json`` cannot write."""
     if hasattr(value, 'tolist'):
         return value.tolist()
     raise TypeError(type(value).__name__)
@@ -75,8 +75,8 @@ def _tolist(value):
 
 def save_safetensors(state_dict: Dict[str, torch.Tensor], path: str,
                      meta: Optional[dict] = None) -> List[str]:
-    """Write ``state_dict`` (shared tensors as copies) and ``meta``; return the ``meta`` entries
-    left out as not JSON data."""
+    """Write ``state_dict`` (shared tensors as copies) and ``meta``; return the ``meta`` keys left
+    out (not JSON data)."""
     from safetensors.torch import save_file
     metadata, left_out = {_FORMAT_KEY: 'pt'}, []
     for key, value in (meta or {}).items():
@@ -185,8 +185,6 @@ def hub_architecture(repo_id: str, revision: Optional[str]) -> Optional[str]:
         return None
     if not isinstance(config, dict):
         return None
-    # timm's ``architecture``, transformers' ``architectures`` / ``model_type``
+    # timm's ``architecture``, transformers' ``architectures`` (a list) / ``model_type``
     found = config.get('architecture') or config.get('architectures') or config.get('model_type')
-    if isinstance(found, list):
-        found = found[0] if found else None
-    return str(found) if found else None
+    return str(found[0] if isinstance(found, list) else found) if found else None
