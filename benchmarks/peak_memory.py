@@ -25,8 +25,8 @@ import time
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path[:0] = [ROOT, osp.join(ROOT, 'benchmarks')]  # xcit_mm of this checkout; xcit_benchmark
 from xcit_benchmark.fresh_points import (LIVE_MALLOC, MIB, cpu_model, hooked,  # noqa: E402
-                                         measure, package_version, revision, run_process,
-                                         test_image, write_artifact)
+                                         measure, package_version, print_row, revision,
+                                         run_process, test_image, write_artifact)
 
 TASKS = ('segmentor', 'detector')
 BACKBONES = ('xcit', 'swin', 'vit', 'uper')
@@ -65,7 +65,6 @@ PARTS = [p.partition('=')[::2] for p in (
     'lean_roi=._lean_roi_predict roi_bbox=roi_head.predict_bbox '
     'roi_mask_forward=roi_head._mask_forward mask_paste=roi_head.mask_head.predict_by_feat'
 ).split()]
-ROW = 'ROW '  # the child's lines on stdout
 
 
 # ---------------------------------------------------------------------------- the child
@@ -252,7 +251,7 @@ def child(spec: dict, out=None) -> None:
     from mmengine.utils import import_modules_from_strings
 
     import xcit_mm  # noqa: F401  (the lean models and XCiTBackbone, also for upstream configs)
-    out, points, model, previous = out or sys.stdout, spec['points'], None, None
+    points, model, previous = spec['points'], None, None
     for point in points:
         with contextlib.redirect_stdout(sys.stderr):
             why = why_not(previous, point, spec['deadline'])
@@ -270,8 +269,7 @@ def child(spec: dict, out=None) -> None:
                 model = init(cfg, device=spec['device'])
                 infer(model, np.zeros((spec['warmup'],) * 2 + (3,), np.uint8))  # pools, calibration
             row = dict(point, **(why or measure_point(model, infer, point, spec)))
-        out.write(ROW + json.dumps(row) + '\n')
-        out.flush()
+        print_row(row, out)
         previous = previous if point['path'] == 'auto' else row
 
 
@@ -350,16 +348,14 @@ def run_child(group: list, spec: dict, args, on_row) -> None:
     """One child for ``group``; a point it did not report (killed, crashed) becomes a row."""
     done = set()
 
-    def on_line(line):
-        if line.startswith(ROW):
-            row = json.loads(line[len(ROW):])
-            done.add(point_key(row))
-            on_row(row)
+    def reported(row):
+        done.add(point_key(row))
+        on_row(row)
 
     seconds = min(args.timeout, spec['deadline'] + args.grace_s - time.time())
     out = run_process([sys.executable, osp.abspath(__file__), '--child',
                        json.dumps(dict(spec, points=group))], args.limit_gb * 2**30,
-                      max(seconds, 0), env=dict(os.environ, **LIVE_MALLOC), on_line=on_line)
+                      max(seconds, 0), env=dict(os.environ, **LIVE_MALLOC), on_row=reported)
     if args.log:
         with open(args.log, 'a') as f:
             f.write(out['stderr'])

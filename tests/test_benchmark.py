@@ -43,7 +43,7 @@ from background import background_process
 from types import SimpleNamespace
 
 from xcit_benchmark import flops as lib_flops
-from xcit_benchmark import memory as lib_memory
+from xcit_benchmark import fresh_points as lib_fresh
 from xcit_benchmark import models as lib_models
 from xcit_benchmark import report as lib_report
 from xcit_benchmark import runner as lib_runner
@@ -55,7 +55,7 @@ from xcit_benchmark.timing import time_interleaved
 
 # the library's public names in one namespace
 lib = SimpleNamespace(**{name: getattr(module, name)
-                         for module in (lib_flops, lib_memory, lib_models,
+                         for module in (lib_flops, lib_fresh, lib_models,
                                         lib_report, lib_runner, lib_spec, lib_timing)
                          for name in dir(module) if not name.startswith('_')})
 
@@ -422,7 +422,7 @@ FRESH_SCRIPT = """
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from xcit_benchmark import memory, whole_model
+from xcit_benchmark import runner, whole_model
 
 
 class KnownAllocation(torch.nn.Module):
@@ -438,10 +438,11 @@ def build(spec, device='cpu'):
     return model, model
 
 
-memory.build_model = build
-worker = [memory.worker_main(dict(
+real_build, runner.build_model = runner.build_model, build
+worker = [runner.memory_worker(dict(
     model='resnet50', resolution=res, batch=1, mode='inference', precision='fp32',
     device='cpu', threads=1, mem_iters=2)) for res in (128, 256)]
+runner.build_model = real_build  # check_same_trunk builds the real port
 clock = whole_model.PartClock()
 clock.start()
 clock.mark('trunk')
@@ -452,7 +453,7 @@ y = torch.ones(16 * 2 ** 20 // 4)
 clock.mark('heads')
 del y
 parts = clock.parts(('trunk', 'adapter', 'neck', 'heads'))
-from xcit_benchmark import flops, models, runner, spec
+from xcit_benchmark import flops, models, spec
 table = spec.load_spec()['flops_report']
 port = {f'{a}_p{p}': flops.point_flops(models.parse_model(f'mmpretrain_xcit_{a}_p{p}'), r,
                                        'inference')['gmacs']
@@ -821,9 +822,9 @@ def mmap_every_tensor():
     """The whole-model worker's memory-pass malloc setting (every block of 64 KiB or more mapped
     and unmapped) in this pytest process for one test: with glibc's dynamic threshold a tensor
     can reuse resident pages that earlier tests freed, and the RSS does not grow."""
-    assert lib_memory.mallopt_mmap_threshold(65536)
+    assert lib_fresh.mallopt_mmap_threshold(65536)
     yield
-    lib_memory.mallopt_mmap_threshold(32 * MIB)  # the ceiling of glibc's dynamic threshold
+    lib_fresh.mallopt_mmap_threshold(32 * MIB)  # the ceiling of glibc's dynamic threshold
 
 
 TINY_WHOLE_CFG = """\
@@ -847,14 +848,14 @@ def test_whole_model_worker_parts(tmp_path, capsys):
     cfg.write_text(TINY_WHOLE_CFG.format(
         base=os.path.join(ROOT, 'configs', 'sem_fpn_xcit_t12_p16_80k_ade20k.py')))
     capsys.readouterr()
-    assert lib_memory.main([json.dumps(dict(
+    assert lib_runner.child_main([json.dumps(dict(
         kind='whole_model', config=str(cfg), mode='train', height=64, width=64, batch=1,
         repeats=1, threads=None, mem_pass='live', work=None))],
         worker=lib_whole.worker_main) == 0  # what `python -m xcit_benchmark.whole_model` runs
     (line,) = [x for x in capsys.readouterr().out.splitlines()
-               if x.startswith(lib_memory.WORKER_MARK)]
-    rec = json.loads(line[len(lib_memory.WORKER_MARK):])
-    assert rec['status'] == 'ok' and rec['is_xcit'] and rec['task'] == 'seg'
+               if x.startswith(lib_fresh.ROW)]
+    rec = json.loads(line[len(lib_fresh.ROW):])
+    assert rec['status'] == 'ok' and rec['is_xcit'] and rec['task'] == 'seg', rec
     assert rec['backbone'] == 'XCiTBackbone'
     parts = rec['parts']
     assert list(parts) == ['trunk', 'adapter', 'neck', 'heads', 'backward', 'optimizer']

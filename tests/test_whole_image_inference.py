@@ -21,6 +21,7 @@ from background import background_process
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path.insert(0, osp.join(ROOT, 'benchmarks'))
 import peak_memory as pm  # noqa: E402
+from xcit_benchmark.fresh_points import ROW  # noqa: E402
 
 SMALL = """_base_ = [{base!r}]
 model = dict(
@@ -195,7 +196,7 @@ def _child(points, **spec):
     out = io.StringIO()
     pm.child(dict(dict(device='cpu', warmup=64, deadline=float('inf')), points=points, **spec),
              out=out)
-    return [json.loads(line[len(pm.ROW):]) for line in out.getvalue().splitlines()]
+    return [json.loads(line[len(ROW):]) for line in out.getvalue().splitlines()]
 
 
 @pytest.mark.parametrize('task', pm.TASKS)

@@ -22,6 +22,24 @@ MIB = 2**20
 # unmapped when freed, so that the RSS follows the live tensors (default malloc keeps freed
 # blocks: the peaks vary run to run and overstate the need)
 LIVE_MALLOC = dict(MALLOC_MMAP_THRESHOLD_='65536')
+ROW = '@@ROW '  # a child's result lines on stdout (every other line is ignored)
+
+
+def mallopt_mmap_threshold(nbytes: int) -> bool:
+    """glibc ``mallopt(M_MMAP_THRESHOLD, nbytes)`` in this process from now on: what
+    ``MALLOC_MMAP_THRESHOLD_`` does for a new one."""
+    try:
+        import ctypes
+        return bool(ctypes.CDLL('libc.so.6').mallopt(-3, int(nbytes)))  # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
+def print_row(row: dict, out=None) -> None:
+    """A result line of a child process, for :func:`run_process` in its parent."""
+    out = out or sys.stdout
+    out.write(ROW + json.dumps(row) + '\n')
+    out.flush()
 
 
 def test_image(size: int):
@@ -71,21 +89,22 @@ def child_rss(pid: int) -> int:
         return 0
 
 
-def run_process(cmd, limit_bytes: float, seconds: float, env=None, cwd=None, on_line=None):
+def run_process(cmd, limit_bytes: float, seconds: float, env=None, cwd=None, on_row=None):
     """Run ``cmd``, killed above ``limit_bytes`` of RSS or after ``seconds`` (a point that does not
-    fit never reaches the kernel's OOM killer); ``on_line`` gets each stdout line as it comes.
-    Returns returncode, lines, stderr, killed ('rss', 'timeout' or None), rss (the highest seen),
-    note (why it was killed)."""
+    fit never reaches the kernel's OOM killer); ``on_row`` gets each :func:`print_row` row as it
+    comes. Returns returncode, rows, stderr, killed ('rss', 'timeout' or None), rss (the highest
+    seen), note (why it was killed)."""
     with tempfile.TemporaryFile('w+') as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
                                 cwd=cwd)
-        lines = []
+        rows = []
 
         def read():
             for line in proc.stdout:
-                lines.append(line)
-                if on_line:
-                    on_line(line)
+                if line.startswith(ROW):
+                    rows.append(json.loads(line[len(ROW):]))
+                    if on_row:
+                        on_row(rows[-1])
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
@@ -103,7 +122,7 @@ def run_process(cmd, limit_bytes: float, seconds: float, env=None, cwd=None, on_
         err.seek(0)
         note = killed and (f'{killed}: RSS {rss / 2**30:.1f} GiB after {time.time() - start:.0f}'
                            f' s (limit {limit_bytes / 2**30:.1f} GiB)')
-        return dict(returncode=proc.returncode, lines=lines, stderr=err.read(), killed=killed,
+        return dict(returncode=proc.returncode, rows=rows, stderr=err.read(), killed=killed,
                     rss=rss, note=note)
 
 

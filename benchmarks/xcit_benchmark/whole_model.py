@@ -22,9 +22,8 @@ import torch
 from xcit_mm.models.utils.memory_budget import (peak_rss_mb, release_free_heap, reset_peak_rss,
                                                 rss_mb)
 
-from .fresh_points import hooked, write_artifact
-from .memory import main as memory_process_main
-from .memory import mallopt_mmap_threshold, run_memory_worker
+from .fresh_points import hooked, mallopt_mmap_threshold, write_artifact
+from .runner import child_main, run_memory_worker
 from .timing import round_order, set_threads
 
 PARTS_TRAIN = ('trunk', 'adapter', 'neck', 'heads', 'backward', 'optimizer')
@@ -382,4 +381,4 @@ def write_whole_outputs(records: Sequence[dict], meta: dict, out_dir: str,
 
 
 if __name__ == '__main__':  # the whole-model memory process (run_memory_worker starts it)
-    sys.exit(memory_process_main(worker=worker_main))
+    sys.exit(child_main(worker=worker_main))
