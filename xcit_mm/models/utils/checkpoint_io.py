@@ -124,10 +124,10 @@ def resolve_checkpoint_path(path: str, what: str = 'checkpoint') -> str:
 
 
 def load_checkpoint_file(path: str, what: str = 'checkpoint', weights_only: bool = True,
-                         map_location='cpu', mmap: bool = False):
+                         map_location='cpu'):
     """What a path, URL or ``hf-hub:`` name holds (safetensors as ``{'state_dict', 'meta'}``),
     running no pickled code unless ``weights_only=False``; ``what`` names it in messages."""
-    return _resolve_and_read(path, what, weights_only, map_location, mmap)[1]
+    return _resolve_and_read(path, what, weights_only, map_location)[1]
 
 
 def _resolve_and_read(path: str, what: str, weights_only: bool = True, map_location='cpu',
