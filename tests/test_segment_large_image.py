@@ -165,7 +165,8 @@ def test_rows_for_the_model(tmp_path):
 def test_label_file_by_bands(tmp_path, num_classes, band):
     """Bands of any height, out of step with the 256-row tiles, give the labels exactly, as
     uint8 up to 255 classes and uint16 above, with the palette as the colour map, the input's
-    georeferencing tags, and nodata where the mask says."""
+    georeferencing tags, nodata where the mask says, and zeros where the edge tiles pass the
+    image."""
     import rasterio
     import tifffile
 
@@ -187,20 +188,49 @@ def test_label_file_by_bands(tmp_path, num_classes, band):
     assert sorted(os.listdir(tmp_path)) == ['geo.tif', 'labels.tif']
     assert seen[-1] == h
     dtype = np.uint8 if num_classes <= 255 else np.uint16
+    expected = labels.astype(dtype)
+    expected[mask] = np.iinfo(dtype).max
+    padded = np.zeros((768, 512), dtype)  # 3 x 2 whole tiles
+    padded[:h, :w] = expected
     with tifffile.TiffFile(out) as tif:
         page = tif.pages[0]
         assert tif.is_bigtiff and page.is_tiled and (page.tilelength, page.tilewidth) == (256, 256)
         assert page.compression == 8 and page.photometric == 3  # ADOBE_DEFLATE, PALETTE
         np.testing.assert_array_equal(page.colormap[:, :num_classes].T,
                                       np.asarray(palette) * 257)
+        tiles = [(tile, y, x) for tile, (_, _, y, x, _), _ in page.segments()]
+    assert len(tiles) == 6
+    for tile, y, x in tiles:  # as stored, with what lies past the image's edges
+        np.testing.assert_array_equal(tile.reshape(256, 256), padded[y:y + 256, x:x + 256])
     with rasterio.open(out) as dst, rasterio.open(geo) as src:
         assert dst.dtypes[0] == np.dtype(dtype).name
         assert (dst.transform, dst.crs, dst.shape) == (src.transform, src.crs, src.shape)
         assert dst.nodata == np.iinfo(dtype).max
         got = dst.read(1)
-    expected = labels.astype(dtype)
-    expected[mask] = np.iinfo(dtype).max
     np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize('bands,message', [
+    ([(0, 10), (12, 40)], r'out of order: rows \[12, 40\) after row 10'),
+    ([(0, 10), (5, 40)], r'out of order: rows \[5, 40\) after row 10'),
+    ([(0, 40), (40, 45)], r'out of order: rows \[40, 45\) after row 40'),
+    ([(0, 16), (16, 10)], r'out of order: rows \[16, 10\) after row 16'),
+    ([(0, 10)], 'stopped at row 10 of 40'),
+    ([(0, 10, 9)], r'band \[0, 10\) has shape \(9, 30\), expected \(10, 30\)'),
+])
+def test_label_bands_out_of_order_are_an_error_and_no_file(tmp_path, bands, message):
+    """Bands that skip, repeat, pass or stop short of the image's rows, or have the wrong
+    height, are an error naming the rows, and leave no file."""
+    from xcit_mm.apis.large_image import write_labels
+    labels = np.ones((50, 30), np.int64)
+
+    def stream():
+        for start, stop, *rows in bands:  # rows: a wrong band height
+            yield start, stop, labels[start:start + (rows[0] if rows else stop - start)]
+
+    with pytest.raises(RuntimeError, match=message):
+        write_labels(str(tmp_path / 'labels.tif'), stream(), (40, 30), 7, tile=16)
+    assert os.listdir(tmp_path) == []
 
 
 # -- the tool --------------------------------------------------------------------------------

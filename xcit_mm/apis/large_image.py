@@ -351,13 +351,12 @@ def write_labels(out: str, bands: Iterable[Tuple[int, int, object]], hw: Tuple[i
     tiles = _tiles(bands, hw, dtype, tile, nodata_mask, on_rows)
     try:
         with tifffile.TiffWriter(partial, bigtiff=True) as tw:
-            tw.write(tiles, shape=tuple(hw), dtype=dtype, tile=(tile, tile), compression='zlib',
-                     photometric='palette' if cmap is not None else 'minisblack',
-                     colormap=cmap, extratags=extratags, metadata=None)
-        # tifffile stops pulling at the last tile: run the bands to their end, which checks
-        # that they cover the image and lets the engine finish (its temporary folder)
-        for _ in tiles:
-            raise RuntimeError(f'label bands go past the image\'s {hw[0]} rows')
+            # tifffile closes the iterator it is given: a generator expression, so that `tiles`
+            # stays open for the line after
+            tw.write((t for t in tiles), shape=tuple(hw), dtype=dtype, tile=(tile, tile),
+                     compression='zlib', colormap=cmap, extratags=extratags, metadata=None,
+                     photometric='palette' if cmap is not None else 'minisblack')
+        next(tiles, None)  # the bands run to their end: _tiles refuses any past the last row
         os.replace(partial, out)
         done = True
     except OSError as e:
