@@ -1,16 +1,11 @@
-"""An FPN (mmdet's or mmseg's) computed in data-flow order, for whole-image inference.
+"""An FPN (mmdet's or mmseg's) in data-flow order: stock's outputs bit for bit, fewer maps alive.
 
-Stock inference makes all backbone levels, then all lateral maps, then all FPN outputs, so at high
-resolution several stride-4 maps are alive at once. :func:`fpn_in_data_flow_order` gives the same
-outputs bit for bit with each map freed once the next step no longer needs it: the levels made
-top-down, the stride-4 one last (XCiT's ``forward_trunk`` / ``forward_level``), each lateral freed
-by its FPN conv, the top-down sums added in place (:func:`add_as_stock`, the one rule, also
-UPerHead's) and in bands of rows. Every convolution runs on the same whole tensor as stock's (a
-oneDNN convolution of another size can take another algorithm and differ in the last bit).
-
-With ``band_mb``, the stride-4 FPN output is a row map (:mod:`.row_stream`) made band by band
-from the backbone's rows with the rows of context the convs need: only that output exists whole,
-equal to the whole-tensor path up to float rounding. Torch only, no task package.
+Stock makes all backbone levels, then all laterals, then all outputs, so several stride-4 maps
+live at once. Here the levels are made top-down, each map freed once used and the top-down sums
+added in place where that is stock's sum (:func:`adds_in_place`, the one rule, also UPerHead's);
+each convolution runs on stock's whole tensor (oneDNN may pick another algorithm for another
+size). With ``band_mb`` the stride-4 output is made band by band (:mod:`.row_stream`), equal up
+to float rounding. Torch only, no task package.
 """
 from typing import Callable, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
@@ -18,14 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .row_stream import (Combine, NotRowLocal, Resize, RowLocalBackbone, RowMap, TensorRows,
-                         band_rows_for, materialize, module_rows, nearest_index)
+from .row_stream import (Combine, Resize, RowMap, TensorRows, band_rows_for, materialize,
+                         module_rows, nearest_index)
 
 
 @runtime_checkable
 class LevelByLevelBackbone(Protocol):
-    """A backbone that makes its levels one at a time: the trunk maps once, then each level's
-    adapter on demand (``XCiTBackbone``). Any other backbone is run whole, as stock runs it."""
+    """A backbone that makes its trunk maps once, then each level on demand (``XCiTBackbone``);
+    any other backbone runs whole, as stock runs it."""
 
     def forward_trunk(self, x: Tensor) -> List[Tensor]:
         ...
@@ -36,8 +31,8 @@ class LevelByLevelBackbone(Protocol):
 
 def why_not_data_flow_fpn(neck, fpn_type: type, extra_levels: bool = False) -> Optional[str]:
     """Why ``neck`` is not an FPN that :func:`fpn_in_data_flow_order` computes as stock does
-    (None if it is), for both models: ``fpn_type`` itself (mmdet's or mmseg's ``FPN``) on every
-    backbone level, its extra levels (where ``extra_levels``) made by max pooling, not convs."""
+    (None if it is): ``fpn_type`` itself on every backbone level, any extra levels (where
+    ``extra_levels``) made by max pooling."""
     if type(neck) is not fpn_type:
         return f'the neck must be {fpn_type.__module__}.FPN, not {type(neck).__name__}'
     if neck.start_level != 0 or neck.backbone_end_level != neck.num_ins:
@@ -50,9 +45,8 @@ def why_not_data_flow_fpn(neck, fpn_type: type, extra_levels: bool = False) -> O
 
 # ---------------------------------------------------------------------- in-place sums
 def suggests_channels_last(shape: Sequence[int], strides: Sequence[int]) -> bool:
-    """Whether a 4-d tensor of these sizes and strides has ``suggest_memory_format()`` channels
-    last: c10's ``is_channels_last_strides_2d_s4``, which decides the layout of the tensors that
-    ``F.interpolate`` and ``torch.cat`` allocate (ambiguous strides count as NCHW)."""
+    """c10's ``is_channels_last_strides_2d_s4``: the layout ``F.interpolate`` and ``torch.cat``
+    give their outputs (ambiguous strides count as NCHW)."""
     if len(shape) != 4 or strides[1] == 0:
         return False
     low = 0
@@ -70,38 +64,30 @@ def standard_strides(shape: Sequence[int], channels_last: bool) -> Tuple[int, ..
 
 
 def resized_channels_last(x: Tensor, size) -> bool:
-    """Whether ``F.interpolate(x, size)`` suggests channels last: its output is allocated in
-    ``x``'s suggested memory format."""
+    """Whether ``F.interpolate(x, size)`` suggests channels last (it keeps ``x``'s format)."""
     shape = tuple(x.shape[:2]) + tuple(size)
     return suggests_channels_last(
         shape, standard_strides(shape, suggests_channels_last(x.shape, x.stride())))
 
 
 def adds_in_place(a: Tensor, b_shape, b_strides, *operands: Tensor) -> bool:
-    """Whether ``a.add_(b)``, ``b`` of these sizes and strides, gives the bits and strides of
-    ``a + b``: where TensorIterator's fast setup for two operands of the same shape and strides
-    (standard NCHW, else standard channels-last) gives the out-of-place sum ``a``'s strides, and
-    autograd needs none of ``operands`` (the caller holds ``a`` alone)."""
+    """Whether ``a.add_(b)`` (``b`` of these sizes and strides) gives the bits and strides of
+    ``a + b``: both of one standard layout (TensorIterator's fast setup then lays the sum out as
+    ``a``) and autograd needing none of ``operands`` (the caller holds ``a`` alone)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
         return False
-    if not (a.dim() == 4 and a.shape == b_shape and a.stride() == tuple(b_strides)):
-        return False
-    if a.is_contiguous():
-        return a.stride() == standard_strides(a.shape, False)
-    return (a.is_contiguous(memory_format=torch.channels_last)
-            and a.stride() == standard_strides(a.shape, True))
+    return (a.dim() == 4 and a.shape == b_shape
+            and a.stride() == tuple(b_strides) == standard_strides(a.shape, not a.is_contiguous()))
 
 
 def add_as_stock(a: Tensor, b: Tensor) -> Tensor:
-    """``a + b``, added into ``a`` where that gives the same bits and strides
-    (:func:`adds_in_place`)."""
+    """``a + b``, into ``a`` where :func:`adds_in_place`."""
     return a.add_(b) if adds_in_place(a, b.shape, b.stride(), a, b) else a + b
 
 
 def add_top_down_(lat: Tensor, top: Tensor, upsample_cfg: dict, band_mb: float = 64) -> Tensor:
-    """``lat + resize(top)`` as the FPN computes it, by :func:`add_as_stock`'s rule; where that
-    adds in place and the resize is nearest (a copy of pixels), without a map of ``lat``'s size:
-    ``lat`` receives the resized rows in bands of about ``band_mb``."""
+    """``lat + resize(top)`` as the FPN computes it, into ``lat`` where :func:`adds_in_place`; a
+    nearest resize (a copy of pixels) is then added in bands of rows, never whole."""
     size = lat.shape[2:]
     up_strides = standard_strides(lat.shape, resized_channels_last(top, size))
     if (upsample_cfg.get('mode', 'nearest') != 'nearest'
@@ -120,8 +106,7 @@ def add_top_down_(lat: Tensor, top: Tensor, upsample_cfg: dict, band_mb: float =
 
 # ---------------------------------------------------------------------- data-flow order
 class BackboneLevels:
-    """Backbone level ``i`` on demand, where the backbone can make its levels one at a time
-    (XCiT's trunk once, its adapter per level)."""
+    """Backbone level ``i`` on demand, where the backbone makes its levels one at a time."""
 
     def __init__(self, backbone, inputs: Tensor):
         self.backbone = backbone
@@ -140,11 +125,9 @@ class BackboneLevels:
 
 def top_down_sums(levels: BackboneLevels, lateral_convs, fpn_convs, add: Callable,
                   upper: Tensor, outs: list, bottom: int, last_conv: int) -> Tensor:
-    """The top-down pass of an FPN (mmdet's, mmseg's, UPerHead's) below the lateral sum
-    ``upper`` of level ``len(outs) - 1``: for each level ``i`` down to ``bottom``, its lateral
-    conv (the level made now) plus ``add(lat, upper)``, then the FPN conv of the level above
-    (``outs[i + 1]``, up to level ``last_conv``), whose lateral sum is freed. Returns level
-    ``bottom``'s lateral sum, the caller's."""
+    """The top-down pass of an FPN (mmdet's, mmseg's, UPerHead's) below level ``len(outs) - 1``'s
+    lateral sum ``upper``: each level's lateral ``add``-ed to the sum above, whose FPN conv
+    (up to level ``last_conv``) then runs and frees it. Returns level ``bottom``'s sum."""
     for i in range(len(outs) - 2, bottom - 1, -1):
         lat = add(lateral_convs[i](levels.pop(i)), upper)
         if i + 1 <= last_conv:  # the level above has given its top-down term
@@ -156,35 +139,30 @@ def top_down_sums(levels: BackboneLevels, lateral_convs, fpn_convs, add: Callabl
 
 def fpn_in_data_flow_order(backbone, neck, inputs: Tensor,
                            band_mb: Optional[float] = None) -> List[Tensor]:
-    """``neck(backbone(inputs))`` for the neck's own levels (no extra outputs), each map freed
-    when done. ``neck``: mmdet's or mmseg's ``FPN`` with ``start_level=0`` and every backbone
-    level in (the caller checks). ``band_mb``: level 0 in bands of about that many MB (the parts
-    must pass :func:`why_not_bottom_in_bands`; None: whole, bit for bit as stock)."""
+    """``neck(backbone(inputs))`` for the neck's own levels, each map freed when done (the
+    caller checks ``why_not_data_flow_fpn``); ``band_mb``: level 0 in bands of about that size."""
     levels = BackboneLevels(backbone, inputs)
     n = len(levels)
     outs = [None] * n
     top = top_down_sums(levels, neck.lateral_convs, neck.fpn_convs,
                         lambda lat, up: add_top_down_(lat, up, neck.upsample_cfg),
                         neck.lateral_convs[n - 1](levels.pop(n - 1)), outs, 1, n - 1)
-    if band_mb is not None:
-        trunk = TensorRows(levels.maps[0])
+    if band_mb is None:  # level 0's lateral sum
+        lat = add_top_down_(neck.lateral_convs[0](levels.pop(0)), top, neck.upsample_cfg)
+    else:  # level 0's FPN output, as rows
+        rows = fpn_bottom_rows(backbone, neck, TensorRows(levels.maps[0]), TensorRows(top),
+                               levels.image_hw)
         levels.maps[0] = None
-        outs[0] = materialize(fpn_bottom_rows(backbone, neck, trunk, TensorRows(top),
-                                              levels.image_hw), band_mb)
-        outs[1] = neck.fpn_convs[1](top)
-        return outs
-    lat = add_top_down_(neck.lateral_convs[0](levels.pop(0)), top, neck.upsample_cfg)
     outs[1] = neck.fpn_convs[1](top)
     del top  # level 1's lateral sum goes before the largest conv
-    outs[0] = neck.fpn_convs[0](lat)
+    outs[0] = neck.fpn_convs[0](lat) if band_mb is None else materialize(rows, band_mb)
     return outs
 
 
 # ---------------------------------------------------------------------- bands of rows
 def fpn_bottom_rows(backbone, neck, trunk: RowMap, top: RowMap, image_hw) -> RowMap:
-    """The FPN output of level 0 as rows: the backbone's level 0 from its trunk map's rows, the
-    lateral conv, the sum with ``top`` (level 1's finished lateral sum) resized as the FPN
-    resizes it, the FPN conv."""
+    """The FPN output of level 0 as rows from the backbone's trunk map and ``top``, level 1's
+    lateral sum."""
     lateral = module_rows(neck.lateral_convs[0], backbone.level_rows(trunk, 0, image_hw))
     return module_rows(neck.fpn_convs[0], top_down_rows(lateral, top, neck.upsample_cfg))
 
@@ -194,21 +172,3 @@ def top_down_rows(lateral: RowMap, top: RowMap, upsample_cfg: dict) -> RowMap:
     top_down = Resize(top, (lateral.height, lateral.width), upsample_cfg.get('mode', 'nearest'),
                       upsample_cfg.get('align_corners'), interpolate_kwargs=upsample_cfg)
     return Combine(torch.add, lateral, top_down)
-
-
-def why_not_bottom_in_bands(backbone, neck) -> Optional[str]:
-    """Why the FPN's level 0 cannot be made in bands of rows (None if it can): the very
-    construction :func:`fpn_in_data_flow_order` makes, on a small image's placeholder maps."""
-    if not isinstance(backbone, RowLocalBackbone):
-        return (f'the backbone {type(backbone).__name__} cannot make its stride-4 level in '
-                'bands of rows (XCiTBackbone can)')
-    side, patch = 64, backbone.patch_size
-    device = next(backbone.parameters()).device
-    trunk = TensorRows(torch.zeros(1, backbone.out_channels[0], side // patch, side // patch,
-                                   device=device))
-    top = TensorRows(torch.zeros(1, neck.out_channels, side // 8, side // 8, device=device))
-    try:
-        fpn_bottom_rows(backbone, neck, trunk, top, (side, side))
-    except NotRowLocal as error:
-        return f'the FPN: {error}'
-    return None

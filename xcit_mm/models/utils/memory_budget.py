@@ -1,14 +1,10 @@
 """Whole image or pieces within a memory budget: the estimate and the choice behind ``mode='auto'``.
 
-A lean model's whole-image peak grows linearly with its pixels (XCA is linear in the tokens; the
-FPN, heads and chunked post-processing keep a fixed number of maps per pixel), so a line through
-peaks measured at a few small sizes predicts any size. Each model lists its plans (whole image;
-windows or tiles) with their estimates and :func:`choose_plan` runs the first that fits.
-
-A budget is the memory that runs out on the inputs' device: on the CPU the resident set's peak
-growth (``VmHWM`` reset through ``/proc/self/clear_refs``, freed heap trimmed first); on CUDA what
-the caching allocator hands to tensors (its cache may reserve more: leave it room). Elsewhere
-``test_cfg.memory_model=dict(base_mb=..., mb_per_mpix=...)`` gives the line.
+A lean model's peak grows linearly with its pixels (XCA is linear in the tokens, the rest keeps a
+fixed number of maps per pixel), so a line through peaks measured at a few small sizes predicts
+any size; each model lists its plans and the first that fits runs. The budget is the memory of the
+inputs' device: on the CPU the resident set's peak growth (``VmHWM``), on CUDA what the caching
+allocator hands to tensors; elsewhere ``test_cfg.memory_model`` gives the line.
 """
 import gc
 import logging
@@ -58,8 +54,8 @@ def _status_kb(key: str) -> int:
 
 
 def release_free_heap() -> None:
-    """glibc's ``malloc_trim(0)``, so that a measured call cannot reuse pages an earlier call
-    left resident; a no-op where there is no glibc."""
+    """glibc's ``malloc_trim(0)`` (a no-op without glibc): a measured call cannot reuse pages an
+    earlier call left resident."""
     import ctypes
     try:
         ctypes.CDLL('libc.so.6').malloc_trim(0)
@@ -86,37 +82,35 @@ def measure_peak_growth_mb(call: Callable[[], object], device=None) -> float:
     """By how much ``call()`` raised the memory in use at its peak (MB) on ``device`` (default
     CPU); a :class:`MemoryBudgetError` where that cannot be read."""
     device = torch.device('cpu' if device is None else device)
-    gc.collect()
+    cuda = device.type == 'cuda'
     fix = 'give the line instead: test_cfg.memory_model=dict(base_mb=..., mb_per_mpix=...)'
-    if device.type == 'cuda':
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        result = call()
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device)
-        del result
-        return (peak - base) / MB
-    if device.type != 'cpu':
+    if not cuda and device.type != 'cpu':
         raise MemoryBudgetError(
             f'cannot measure peak memory on {device} (only the CPU and CUDA devices); {fix}')
-    release_free_heap()
-    try:
-        reset_peak_rss()
-        base = rss_mb()
-    except OSError as e:
-        raise MemoryBudgetError(f'cannot measure peak memory here ({e}); {fix}') from e
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device) / MB
+    else:
+        release_free_heap()
+        try:
+            reset_peak_rss()
+            base = rss_mb()
+        except OSError as e:
+            raise MemoryBudgetError(f'cannot measure peak memory here ({e}); {fix}') from e
     result = call()
-    peak = peak_rss_mb()
+    if cuda:
+        torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) / MB if cuda else peak_rss_mb()
     del result
     return peak - base
 
 
 def measure_line(run_at: Callable[[int, int], object], sizes: Iterable[Tuple[int, int]],
                  device=None) -> Tuple[MemoryModel, List[Tuple[int, float]]]:
-    """The line fitted to the peak growth of ``run_at(h, w)`` at each of ``sizes``, measured on
-    ``device``, and the measured ``(pixels, MB)`` points. The first size is run once more
-    beforehand, unmeasured: first calls set up thread pools and kernels whose memory stays."""
+    """The line through ``run_at(h, w)``'s peak growth at ``sizes`` and its ``(pixels, MB)``
+    points; the first size runs once unmeasured before (first calls set up memory that stays)."""
     sizes = list(sizes)
     run_at(*sizes[0])
     points = [(h * w, measure_peak_growth_mb(lambda: run_at(h, w), device)) for h, w in sizes]
@@ -126,8 +120,8 @@ def measure_line(run_at: Callable[[int, int], object], sizes: Iterable[Tuple[int
 def calibrate(run_at: Callable[[int, int], object], sizes: Iterable[Tuple[int, int]],
               what: str, fixed_mb: float = 0.0, fixed_what: str = '',
               device=None) -> MemoryModel:
-    """:func:`measure_line` plus ``fixed_mb`` (a part measured apart, the same at any size),
-    logged with the ``memory_model`` setting that skips calibrating."""
+    """:func:`measure_line` plus ``fixed_mb`` (a part the same at any size), logged with the
+    ``memory_model`` setting that skips calibrating."""
     line, points = measure_line(run_at, sizes, device)
     model = MemoryModel(line.base_mb + fixed_mb, line.mb_per_mpix)
     measured = ', '.join(f'{int(p**0.5)}^2 px: {m:.0f} MB' for p, m in points)
@@ -165,8 +159,7 @@ def read_budget_mb(test_cfg, owner: str) -> float:
 
 
 class Plan(NamedTuple):
-    """One way to run an image ('whole', 'slide', 'tiles', 'stream', 'stream-disk'), its peak
-    estimate, its pieces in words for the log, and a stream's band size."""
+    """One way to run an image, its peak estimate, its pieces in words, a stream's band size."""
     name: str
     estimate_mb: float
     detail: str = ''
@@ -193,16 +186,9 @@ def choose_plan(plans: List[Plan], budget_mb: float, what: str) -> Plan:
 
 class MemoryPlanMixin:
     """Calibrate, plan and choose under one set of names, for both lean models: each gives
-    :meth:`memory_plans` (its plans for a batch, in the order tried) and :meth:`_calibrate_memory`
-    (its line, measured); ``test_settings`` gives ``memory_model`` and ``max_memory``.
-
-    Attributes:
-        calibrated_memory_model (MemoryModel or None): the line measured on the first call that
-            needed one (None while ``test_cfg.memory_model`` gives it).
-        last_memory_plans (list[Plan]): the plans of the last choice, in order.
-        last_memory_plan (Plan or None): the plan chosen last, with its estimate (MB), for a
-            benchmark to compare with the measured peak; None after a budget no plan fits.
-    """
+    ``memory_plans`` (in the order tried) and ``_calibrate_memory``. ``calibrated_memory_model``,
+    ``last_memory_plans`` and ``last_memory_plan`` (None after a budget no plan fits) say what
+    was measured and chosen, for a benchmark to compare with the measured peak."""
     calibrated_memory_model: Optional[MemoryModel] = None
     last_memory_plans: Sequence[Plan] = ()
     last_memory_plan: Optional[Plan] = None
@@ -210,7 +196,7 @@ class MemoryPlanMixin:
 
     def network_memory_model(self, inputs: torch.Tensor) -> MemoryModel:
         """``test_cfg.memory_model`` if given (it wins over an earlier calibration), else the line
-        :meth:`_calibrate_memory` measures once per model, on the inputs' device."""
+        ``_calibrate_memory`` measures once per model."""
         given = self.test_settings.memory_model
         if given is not None:
             return given
@@ -219,8 +205,8 @@ class MemoryPlanMixin:
         return self.calibrated_memory_model
 
     def _choose_memory_plan(self, plans: List[Plan], budget_mb: float, what: str) -> Plan:
-        """:func:`choose_plan`, kept in ``last_memory_plan``; not logged again when the plans,
-        the budget and so the choice are the previous batch's (a test set of one image size)."""
+        """:func:`choose_plan`, kept; not logged again for the previous batch's plans and budget
+        (a test set of one image size)."""
         last = self.last_memory_plan
         if last is not None and (plans, budget_mb) == (self.last_memory_plans, self._last_budget):
             return last
