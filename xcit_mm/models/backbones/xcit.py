@@ -1,11 +1,8 @@
-"""XCiT backbone for dense prediction (El-Nouby et al., NeurIPS 2021).
+"""XCiT backbone for dense prediction (El-Nouby et al., NeurIPS 2021; docs/backbone.md).
 
-A conv stem brings the image to stride ``patch_size``, which every XCiT layer keeps; attention
-over channels (XCA) makes cost linear in pixels. The features of four layers are rescaled to
-strides 4, 8, 16 and 32 (paper appendix B.2) for FPN-style necks.
-
-The state-dict keys are xcit_mm's layout (docs/weights.md); the adapter's ``fpn1``..``fpn4``
-are built as the released detectors / segmentors have them, so their files load as they are.
+A conv stem to stride ``patch_size``, XCiT layers (attention over channels: cost linear in
+pixels), and four layers' features rescaled to strides 4-32 (paper B.2), ``fpn1``..``fpn4`` built
+as the released detectors / segmentors have them so that their files load as they are.
 """
 import math
 import warnings
@@ -41,9 +38,7 @@ arch_zoo = {
     'l24': dict(embed_dims=768, depth=24, num_heads=16),
 }
 
-# Output stride of each adapter level, and the smallest image side that reaches the last level.
-STRIDES = (4, 8, 16, 32)
-MIN_INPUT_SIZE = STRIDES[-1]
+STRIDES = (4, 8, 16, 32)  # of the adapter's levels; the last is the smallest image side
 
 
 class FourierPositionEncoding(nn.Module):
@@ -57,7 +52,7 @@ class FourierPositionEncoding(nn.Module):
         self.temperature = temperature
 
     def _axis_code(self, length: int, device: torch.device) -> torch.Tensor:
-        """Code of coordinates 1..length normalised to (0, 2*pi]: (length, hidden_dims)."""
+        """Code of coordinates 1..length normalised to (0, 2*pi]."""
         coords = torch.arange(1, length + 1, device=device, dtype=torch.float32)
         coords = coords / (length + 1e-6) * (2 * math.pi)
         dim_t = torch.arange(self.hidden_dims, device=device, dtype=torch.float32)
@@ -66,19 +61,17 @@ class FourierPositionEncoding(nn.Module):
         angles = coords[:, None] / dim_t
         return torch.stack([angles[:, 0::2].sin(), angles[:, 1::2].cos()], dim=2).flatten(1)
 
-    def rows(self, grid_hw: Tuple[int, int], start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of the whole grid's embedding, (stop - start, W, embed_dims)."""
+    def forward(self, grid_hw: Tuple[int, int], start: int = 0,
+                stop: Optional[int] = None) -> torch.Tensor:
+        """Rows ``start:stop`` of the whole grid's embedding, (rows, W, embed_dims)."""
         H, W = grid_hw
+        stop = H if stop is None else stop
         device = self.proj.weight.device
         code_y = self._axis_code(H, device)[start:stop, None, :].expand(-1, W, self.hidden_dims)
         code_x = self._axis_code(W, device)[None, :, :].expand(stop - start, W, self.hidden_dims)
         # A 1x1 conv is a linear map over channels: apply it to the tokens directly.
         weight = self.proj.weight.flatten(1)
         return F.linear(torch.cat([code_y, code_x], dim=2).to(weight.dtype), weight, self.proj.bias)
-
-    def forward(self, grid_hw: Tuple[int, int]) -> torch.Tensor:
-        H, W = grid_hw
-        return self.rows(grid_hw, 0, H).reshape(1, H * W, -1)
 
 
 class ConvPatchEmbed(nn.Module):
@@ -98,15 +91,13 @@ class ConvPatchEmbed(nn.Module):
         self.patch_size = 2**num_convs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # 3x3 convs run faster channels-last on CPU, and the (B, N, D) token view of a
-        # channels-last output is free.
+        # faster channels-last on CPU, and the (B, N, D) token view of the output is free
         return self.proj(x.contiguous(memory_format=torch.channels_last))
 
     def rows(self, read_pixels: Callable[[int, int], torch.Tensor], image_hw: Tuple[int, int],
              start: int, stop: int) -> torch.Tensor:
-        """Token rows ``start:stop`` (1, D, rows, ceil(W / p)) of the zero-padded image given by
-        ``read_pixels(a, b)`` (1, C, b - a, W). Token row r reads pixel rows p r - (p - 1) ..
-        p r + (p - 1): one patch row above suffices. Eval only (BN normalises over the batch)."""
+        """Token rows ``start:stop`` of the zero-padded image read by ``read_pixels(a, b)``; token
+        row r reads pixel rows p r - (p - 1) .. p r + (p - 1), so one patch row above suffices."""
         p = self.patch_size
         (H, W), lo, hi = image_hw, max(0, start - 1) * p, stop * p
         x = read_pixels(lo, min(H, hi))
@@ -115,17 +106,16 @@ class ConvPatchEmbed(nn.Module):
 
 
 class XCAProbe(nn.Module):
-    """Identity point inside XCA where forward hooks (:meth:`XCiTBackbone.capture_xca`) read
-    ``(q, k, attn, grid_hw)``; without a hook XCA does not call it."""
+    """Where :meth:`XCiTBackbone.capture_xca`'s hooks read ``(q, k, attn, grid_hw)``; XCA calls it
+    only for a hook."""
 
     def forward(self, q, k, attn, grid_hw):
         return attn
 
 
 class XCA(nn.Module):
-    """Cross-covariance attention: a (d x d) attention between channels per head, folded into
-    the output projection (one matmul on a view of qkv). Float32 even under autocast: bf16
-    would lose the small normalised entries."""
+    """Cross-covariance attention between channels, folded into the output projection. Float32
+    even under autocast: bf16 would lose the small normalised entries."""
 
     def __init__(self, embed_dims: int, num_heads: int):
         super().__init__()
@@ -153,8 +143,7 @@ class XCA(nn.Module):
 
 
 class LPI(nn.Module):
-    """Depthwise 3x3 conv -> GELU -> BN -> depthwise 3x3 conv on the tokens viewed as a
-    channels-last image (no copy)."""
+    """Local patch interaction: depthwise 3x3 conv, GELU, BN, depthwise 3x3 conv."""
 
     def __init__(self, embed_dims: int, norm_cfg: dict):
         super().__init__()
@@ -184,8 +173,8 @@ class FFN(nn.Module):
 
 
 class XCiTLayer(nn.Module):
-    """One XCiT layer: pre-norm XCA, LPI and FFN, each scaled by a learned gamma (layer scale),
-    in the released code's order XCA -> LPI (norm3, gamma3) -> FFN (norm2, gamma2)."""
+    """Pre-norm XCA, LPI and FFN residuals scaled by learned gammas, in the released code's order
+    XCA -> LPI (norm3, gamma3) -> FFN (norm2, gamma2)."""
 
     def __init__(self, embed_dims: int, num_heads: int, mlp_ratio: float, drop_path: float,
                  layer_scale_init_value: float, norm_cfg: dict):
@@ -202,8 +191,7 @@ class XCiTLayer(nn.Module):
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def _drop_scale(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """Per-sample drop-path factor (B, 1, 1), or None: mmcv's ``DropPath`` of ones, i.e. the
-        same draw as ``drop_path(gamma * branch)`` on the plain path."""
+        """Per-sample drop-path factor (B, 1, 1), or None: the draw of ``drop_path(gamma * y)``."""
         if not (isinstance(self.drop_path, DropPath) and self.training):
             return None
         return self.drop_path(x.new_ones(x.shape[0], 1, 1))
@@ -214,8 +202,7 @@ class XCiTLayer(nn.Module):
         return torch.addcmul(x, gamma, branch)  # x + gamma * branch in one pass
 
     def forward(self, x: torch.Tensor, grid_hw: Tuple[int, int]) -> torch.Tensor:
-        # eager training: the memory-lean functions of xcit_mm.models.layers; otherwise (no grad,
-        # compile / export tracing, autocast, an XCA probe listening) the module code
+        # eager training: the memory-lean autograd functions; otherwise the module code
         if (torch.is_grad_enabled() and not _tracing() and not self.attn.probe._forward_hooks
                 and not torch.is_autocast_enabled(x.device.type)):
             x = xca_residual(x, self.norm1, self.attn, self.gamma1, self._drop_scale(x))
@@ -229,10 +216,9 @@ class XCiTLayer(nn.Module):
 
     @torch.no_grad()
     def forward_streamed(self, x: TokenMap, band_rows: int) -> None:
-        """This layer on the token map ``x`` (H, W, C), in place, ``band_rows`` (>= 2) token rows
-        at a time, eval mode: :meth:`forward`'s values up to float rounding. Three passes: XCA's
-        global sums (q^T k and squared norms, float32); each band's attention and residual; LPI
-        (from the band and 2 rows either side, those above as attention left them) and FFN."""
+        """:meth:`forward` on the token map ``x`` in place, ``band_rows`` rows at a time, in three
+        passes: XCA's sums over all tokens; each band's attention; LPI (with 2 rows of context,
+        those above as attention left them) and FFN."""
         H, W, C = x.shape
         attn, h = self.attn, self.attn.num_heads
         w_q, w_k, w_v = attn.qkv.weight.split(C)
@@ -269,8 +255,8 @@ class XCiTLayer(nn.Module):
 
 
 def _build_adapter(embed_dims: int, patch_size: int, norm_cfg: dict) -> List[nn.Module]:
-    """Modules taking the trunk maps to strides 4, 8, 16, 32 (paper B.2), in ``nn.Sequential``
-    exactly where the official code has one, so that the released files' names load."""
+    """Modules taking the trunk maps to strides 4-32, in ``nn.Sequential`` exactly where the
+    official code has one, so that the released files' names load."""
 
     def up2():
         return nn.ConvTranspose2d(embed_dims, embed_dims, kernel_size=2, stride=2)
@@ -294,9 +280,8 @@ def _tracing() -> bool:
 
 def _up2_traceable(conv: nn.ConvTranspose2d, x: torch.Tensor,
                    layout: torch.memory_format) -> torch.Tensor:
-    """``conv`` (kernel 2, stride 2) of a channels-last map as plain tensor code for compilers and
-    exporters: one matmul for the four kernel offsets, oriented by ``layout`` so that the one
-    interleaving copy reads contiguous rows."""
+    """``conv`` (kernel 2, stride 2) of a channels-last map as one matmul for compilers and
+    exporters, oriented by ``layout`` so that the interleaving copy reads contiguous rows."""
     B, C, H, W = x.shape
     out_channels = conv.out_channels
     weight = conv.weight.permute(0, 2, 3, 1).reshape(C, 4 * out_channels)  # (di, dj, o) columns
@@ -314,28 +299,9 @@ def _up2_traceable(conv: nn.ConvTranspose2d, x: torch.Tensor,
 
 @MODELS.register_module()
 class XCiTBackbone(BaseModule):
-    """XCiT trunk with the multi-scale adapter, for mmdet and mmseg.
-
-    Args:
-        arch (str | dict): One of ``arch_zoo`` or a dict with ``embed_dims``, ``depth``,
-            ``num_heads`` (and optionally ``mlp_ratio``).
-        patch_size (int): 8 or 16: the stride of the trunk.
-        out_indices (Sequence[int], optional): Four layers feeding the stride 4/8/16/32 levels;
-            by default the paper's. Later layers never run: their parameters do not require grad.
-        layer_scale_init_value (float, optional): Initial gamma: by default 1.0 for up to 12
-            layers and 1e-5 for deeper models, as in the paper.
-        frozen_stages (int): -1 freezes nothing; 0 the patch and position embeddings; k >= 1
-            also the first k layers.
-        norm_eval (bool): Keep every norm layer (BN and LN) in eval mode during training.
-        with_cp (bool): Gradient checkpointing per layer.
-        out_channels_last (bool): Return the maps channels-last (no transposing copies); by
-            default NCHW, which mmcv's CPU ``RoIAlign`` needs.
-        init_cfg (dict, optional): ``dict(type='Pretrained', checkpoint=PATH_OR_URL)`` loads any
-            published layout (``prefix`` selects a sub-module, ``weights_only=False`` unpickles a
-            file you trust).
-        pretrained (str, optional): Deprecated, as in mmseg's backbones: a path or URL becomes
-            ``init_cfg``; mmseg's ResNet ``open-mmlab://`` weights are an error here.
-    """
+    """XCiT trunk with the multi-scale adapter, for mmdet and mmseg; the options are tabled in
+    docs/backbone.md. ``pretrained`` is deprecated as in mmseg's backbones: a path or URL becomes
+    ``init_cfg``, mmseg's ResNet ``open-mmlab://`` weights are an error."""
 
     def __init__(self,
                  arch: Union[str, dict] = 's12',
@@ -387,12 +353,11 @@ class XCiTBackbone(BaseModule):
         ])
         self.fpn1, self.fpn2, self.fpn3, self.fpn4 = _build_adapter(
             self.embed_dims, patch_size, norm_cfg)
-        # Their inputs are channels-last, so their weight gradients are too: channels-last weights
-        # keep DDP's gradient buckets free of stride-mismatch copies (and warnings).
+        # channels-last inputs give channels-last weight gradients: channels-last weights keep
+        # DDP's gradient buckets free of stride-mismatch copies
         for module in [self.patch_embed] + self.adapters:
             module.to(memory_format=torch.channels_last)
-        # The LPI's (D, 1, 3, 3) weights count as contiguous in both formats, so .to() keeps their
-        # NCHW strides: restride them by hand.
+        # .to() keeps the NCHW strides of (D, 1, 3, 3) weights (contiguous in both formats)
         for layer in self.layers:
             for conv in (layer.lpi.conv1, layer.lpi.conv2):
                 conv.weight.data = torch.empty_like(
@@ -400,8 +365,7 @@ class XCiTBackbone(BaseModule):
         self.out_channels = [self.embed_dims] * len(STRIDES)
         self.strides = STRIDES
         self._freeze_stages()
-        # Every loader (load_state_dict, mmengine, the mmdet / mmseg APIs) converts published
-        # layouts and fails on a file that does not fit: see xcit_mm.models.utils.ckpt_load.
+        # every loader converts published layouts and fails on a file that does not fit
         self.last_load_report: Optional[dict] = None
         self.register_load_state_dict_pre_hook(backbone_load_pre_hook)
         self.register_load_state_dict_post_hook(backbone_load_post_hook)
@@ -505,11 +469,10 @@ class XCiTBackbone(BaseModule):
             raise ValueError(f'XCiTBackbone was built for in_channels={self.in_channels} but the '
                              f'image has {C} channels: set in_channels={C} or fix the data '
                              f'preprocessor (e.g. bgr_to_rgb / grayscale conversion)')
-        if H < MIN_INPUT_SIZE or W < MIN_INPUT_SIZE:
+        if min(H, W) < STRIDES[-1]:
             raise ValueError(f'Image of {H}x{W} px is too small for XCiTBackbone: each side '
-                             f'must be at least {MIN_INPUT_SIZE} px to reach the '
-                             f'stride-{STRIDES[-1]} level; resize or pad the input '
-                             '(e.g. Pad size_divisor=32)')
+                             f'must be at least {STRIDES[-1]} px to reach the stride-{STRIDES[-1]} '
+                             'level; resize or pad the input (e.g. Pad size_divisor=32)')
 
     def forward_trunk(self, x: torch.Tensor) -> List[torch.Tensor]:
         """Trunk maps at ``out_indices`` (B, D, ceil(H/p), ceil(W/p)), the image zero-padded."""
@@ -524,7 +487,7 @@ class XCiTBackbone(BaseModule):
         x = self.patch_embed(x)
         B, D, Hp, Wp = x.shape
         grid_hw = (Hp, Wp)
-        x = x.permute(0, 2, 3, 1).reshape(B, Hp * Wp, D) + self.pos_embed(grid_hw)  # (B, N, D)
+        x = (x.permute(0, 2, 3, 1) + self.pos_embed(grid_hw)).reshape(B, Hp * Wp, D)  # (B, N, D)
         taps = {}
         for i, layer in enumerate(self.layers[:max(self.out_indices) + 1]):
             if self.with_cp and x.requires_grad:
@@ -547,11 +510,8 @@ class XCiTBackbone(BaseModule):
 
     def forward_level(self, feat: torch.Tensor, level: int,
                       image_hw: Tuple[int, int]) -> torch.Tensor:
-        """Adapter output of one level from its trunk map. A final 2x upsampling writes straight
-        into the output layout in row blocks; NCHW by default: mmcv's CPU ``RoIAlign`` reads raw
-        NCHW memory."""
-        H, W = image_hw
-        stride = self.strides[level]
+        """Adapter output of one level from its trunk map, NCHW by default (mmcv's CPU
+        ``RoIAlign`` reads raw NCHW memory); a final 2x upsampling writes straight into it."""
         layout = torch.channels_last if self.out_channels_last else torch.contiguous_format
         tracing = _tracing()
         adapter = self.adapters[level]
@@ -564,8 +524,7 @@ class XCiTBackbone(BaseModule):
             out = _up2_traceable(last, feat, layout)
         else:
             out = up2_blockwise(last, feat, layout)
-        # ceil(H / stride) in integer arithmetic: also right for traced (symbolic) sizes
-        h, w = (H + stride - 1) // stride, (W + stride - 1) // stride
+        h, w = self._level_hw(level, image_hw)
         out = out[..., :h, :w]  # the input was padded to the patch size
         if tracing:  # lay out unconditionally: no guard on the padding
             return torch.clone(out, memory_format=layout)
@@ -575,10 +534,8 @@ class XCiTBackbone(BaseModule):
     def stream_trunk(self, read_pixels: Callable[[int, int], torch.Tensor],
                      image_hw: Tuple[int, int], maps: TokenMaps, band_mb: float,
                      progress: Callable[[], None] = lambda: None) -> List[TokenMap]:
-        """:meth:`forward_trunk` of one image as token maps (ceil(H/p), ceil(W/p), D) in ``maps``
-        (memory or disk), the image read by bands of pixel rows (``read_pixels(a, b)``). Each
-        layer updates the map in place; a copy is kept at each ``out_indices`` layer but the last.
-        """
+        """:meth:`forward_trunk` of one image, read by ``read_pixels(a, b)`` (pixel rows), as token
+        maps in ``maps``: each layer updates one map in place, copied at the ``out_indices``."""
         if self.training:
             raise RuntimeError('XCiTBackbone.stream_trunk is for inference: call .eval() first')
         H, W = image_hw
@@ -589,7 +546,7 @@ class XCiTBackbone(BaseModule):
         stem_row = 4 * (D * 2 // p) * (grid[1] * p // 2) * (p // 2)
         for start, stop, _, _ in row_bands(grid[0], band_rows_for(band_mb, stem_row)):
             tokens = self.patch_embed.rows(read_pixels, image_hw, start, stop)[0].permute(1, 2, 0)
-            x.write(start, tokens + self.pos_embed.rows(grid, start, stop))
+            x.write(start, tokens + self.pos_embed(grid, start, stop))
             del tokens
         # the FFN's hidden layer, 4 D floats a token, is a band's largest map
         band_rows = band_rows_for(band_mb, 4 * 4 * D * grid[1], at_least=2)
@@ -605,11 +562,14 @@ class XCiTBackbone(BaseModule):
         return [kept[i] for i in self.out_indices]
 
     def level_rows(self, trunk_map: RowMap, level: int, image_hw: Tuple[int, int]) -> RowMap:
-        """:meth:`forward_level` of a trunk map given by rows, as rows (the adapter: row-local)."""
-        H, W = image_hw
+        """:meth:`forward_level` by rows (the adapter is row-local)."""
+        return Crop(module_rows(self.adapters[level], trunk_map), 0, 0,
+                    *self._level_hw(level, image_hw))
+
+    def _level_hw(self, level: int, image_hw: Tuple[int, int]) -> Tuple[int, int]:
+        """ceil(H / s), ceil(W / s) in integer arithmetic: also right for traced sizes."""
         stride = self.strides[level]
-        out = module_rows(self.adapters[level], trunk_map)
-        return Crop(out, 0, 0, (H + stride - 1) // stride, (W + stride - 1) // stride)
+        return tuple((n + stride - 1) // stride for n in image_hw)
 
     @contextmanager
     def capture_xca(self, layers: Optional[Sequence[int]] = None):

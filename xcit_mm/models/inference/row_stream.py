@@ -1,22 +1,9 @@
-"""One engine for whole-image inference a band of rows at a time.
+"""Whole-image inference a band of rows at a time (docs/gigapixel.md).
 
-XCiT's only operation across the whole image is cross-covariance attention, and it needs only
-per-head d x d sums over all tokens; everything else in a segmentor on XCiT is row-local (convs,
-norms in eval mode, resizes, the classifier). So the whole image's context costs no whole-image
-memory beyond the token maps:
-
-* the trunk is streamed layer by layer (``XCiTBackbone.stream_trunk``) over bands of token rows
-  of one :class:`TokenMap` updated in place; only the maps the adapter reads are kept, in memory
-  or in files of a temporary folder (:class:`TokenMaps`);
-* every later map (the adapter levels, the FPN, the head, the logits, the labels) is a
-  :class:`RowMap`: its rows on demand, from the rows of its inputs that they read, with the rows
-  of context a convolution needs (its halo) or the source rows of a resize. A map keeps the rows
-  it last made, so that the next request, a band further down with overlapping context, makes
-  only its new rows.
-
-The values equal the whole forward's up to float rounding: the attention's sums add the bands in
-another order, and a convolution of another size may sum in another order (tests/test_stream.py).
-Torch only, no task package.
+XCiT's attention needs only per-head d x d sums over all tokens and everything after it is
+row-local, so the trunk streams layer by layer over :class:`TokenMap` s (memory or disk) and every
+later map is a :class:`RowMap`, its rows made on demand from the rows of its inputs they read.
+Values equal the whole forward's up to float rounding. Torch only, no task package.
 """
 import errno
 import os
@@ -35,9 +22,8 @@ MB = 2**20
 
 
 def row_bands(height: int, band_rows: int, halo: int = 0) -> Iterator[Tuple[int, int, int, int]]:
-    """``(start, stop, lo, hi)`` of consecutive bands of ``band_rows`` rows covering ``height``
-    rows: the band's rows, and those it is computed from with ``halo`` rows of context on each
-    side where the map has them."""
+    """``(start, stop, lo, hi)``: each band's rows, and its rows with ``halo`` rows of context on
+    each side where the map has them."""
     for start in range(0, height, band_rows):
         stop = min(height, start + band_rows)
         yield start, stop, max(0, start - halo), min(height, stop + halo)
@@ -50,9 +36,8 @@ def band_rows_for(band_mb: float, row_bytes: int, at_least: int = 1) -> int:
 
 # ---------------------------------------------------------------------------- token maps
 class TokenMap:
-    """An (H, W, C) float32 token map of one image, whole in memory or in a file, read and written
-    a band of rows at a time. The file is unlinked as soon as it is made, so it goes with the
-    process whatever ends it."""
+    """An (H, W, C) float32 token map, in memory or in a file unlinked at once (so that it goes
+    with the process whatever ends it), read and written by bands of rows."""
 
     def __init__(self, shape: Sequence[int], device: torch.device, folder: Optional[str] = None):
         self.shape = tuple(shape)
@@ -66,11 +51,8 @@ class TokenMap:
         os.unlink(path)
         self.folder = folder
 
-    def nbytes(self) -> int:
-        return self.row_bytes * self.shape[0]
-
     def read(self, start: int, stop: int) -> Tensor:
-        """Token rows ``start:stop``, (rows, W, C): a view in memory, a fresh tensor from disk."""
+        """Rows ``start:stop``: a view in memory, a fresh tensor from disk."""
         if self.data is not None:
             return self.data[start:stop]
         out = torch.empty((stop - start, ) + self.shape[1:])
@@ -84,7 +66,6 @@ class TokenMap:
         return out.to(self.device)
 
     def write(self, start: int, tokens: Tensor) -> None:
-        """Store ``tokens`` (rows, W, C) as rows ``start:start + rows``."""
         if self.data is not None:
             target = self.data[start:start + tokens.shape[0]]
             if target.data_ptr() != tokens.data_ptr():
@@ -98,10 +79,11 @@ class TokenMap:
                 view, offset = view[done:], offset + done
         except OSError as error:
             if error.errno == errno.ENOSPC:
+                size = self.row_bytes * self.shape[0] / MB
                 raise OSError(errno.ENOSPC, f'no space left in {self.folder} for the token maps '
-                              f'({self.nbytes() / MB:.0f} MB each): free space there or set '
-                              'token_dir (test_cfg.token_dir / --token-dir) to a folder on a '
-                              'larger disk') from None
+                              f'({size:.0f} MB each): free space there or set token_dir '
+                              '(test_cfg.token_dir / --token-dir) to a folder on a larger disk'
+                              ) from None
             raise
 
     def close(self) -> None:
@@ -112,8 +94,8 @@ class TokenMap:
 
 
 class TokenMaps:
-    """Where the token maps of one streamed image live: memory (``folder=None``), or files in a
-    fresh temporary folder under ``folder`` that is removed on exit, error and Ctrl-C included."""
+    """The token maps of one streamed image: in memory (``folder=None``) or in a temporary folder
+    under ``folder``, removed on exit, error and Ctrl-C included."""
 
     def __init__(self, device: torch.device, folder: Optional[str] = None):
         self.device, self.parent, self.folder = device, folder, None
@@ -142,14 +124,11 @@ class TokenMaps:
 
 # ---------------------------------------------------------------------------- row maps
 class RowMap:
-    """Rows of a (B, C, height, width) map on demand.
+    """Rows of a (B, C, height, width) map on demand, made by :meth:`_make` from its inputs' rows.
 
-    Subclasses make rows ``start:stop`` from the rows of their inputs (:meth:`_make`). A map that
-    is read again (by a consumer with rows of context, or by two consumers) keeps the rows it
-    last made, from ``LOOKBACK`` rows above the latest request: bands move down the image, and
-    each consumer asks for its context rows, so most requests overlap the last one and only
-    their new rows are made. A map read once a row keeps nothing (:func:`stream_rows` decides),
-    so that a wide band (the full-resolution logits) is not held while the next one is made."""
+    Bands move down the image, so a map read again (by a consumer with a halo, or by two) keeps
+    its rows from ``LOOKBACK`` rows above the last request and makes only new ones; a map read
+    once a row keeps nothing (:func:`stream_rows` decides), so a wide band is not held."""
 
     LOOKBACK = 2  # the consumers' halos differ by less; a request above it makes its rows again
     keeps = True
@@ -157,7 +136,7 @@ class RowMap:
     def __init__(self, height: int, width: int):
         self.height, self.width = height, width
         self._rows: Optional[Tensor] = None
-        self._first = self._row_bytes = 0
+        self._first = self.row_bytes = 0  # bytes of one of its rows, once one is made
 
     def rows(self, start: int, stop: int) -> Tensor:
         start, stop = max(0, start), min(self.height, stop)
@@ -169,7 +148,7 @@ class RowMap:
             keep_from = max(first, start - self.LOOKBACK)
             kept = torch.cat([kept[:, :, keep_from - first:], self._make(last, stop)], dim=2)
             first = keep_from
-        self._row_bytes = kept[:, :, :1].numel() * kept.element_size()
+        self.row_bytes = kept[:, :, :1].numel() * kept.element_size()
         if self.keeps:
             keep_from = max(first, start - self.LOOKBACK)
             self._rows, self._first = kept[:, :, keep_from - first:], keep_from
@@ -177,10 +156,6 @@ class RowMap:
 
     def _make(self, start: int, stop: int) -> Tensor:
         raise NotImplementedError
-
-    def row_bytes(self) -> int:
-        """Bytes of one of its rows (0 before any is made)."""
-        return self._row_bytes
 
 
 class TensorRows(RowMap):
@@ -206,8 +181,8 @@ class TokenRows(RowMap):
 
 
 class Local(RowMap):
-    """``fn`` of its source's rows with ``halo`` rows of context on each side (where the map has
-    them; beyond, the zero padding of ``fn`` itself); ``fn`` keeps the map's size."""
+    """Size-keeping ``fn`` of its source's rows with ``halo`` rows of context on each side (beyond
+    the map, ``fn``'s own zero padding)."""
 
     def __init__(self, fn: Callable[[Tensor], Tensor], source: RowMap, halo: int = 0):
         super().__init__(source.height, source.width)
@@ -231,8 +206,7 @@ class Combine(RowMap):
 
 class Strided(RowMap):
     """A module whose output row ``r`` reads input rows ``r * num // den`` on: a 2x2 stride-2
-    transposed conv (``num=1, den=2``: row r reads r // 2) or a max pool whose kernel is its
-    stride ``k`` (``num=k, den=1``, ceil mode: row r reads rows k r .. k r + k - 1)."""
+    transposed conv (``num=1, den=2``) or a ceil-mode max pool of kernel = stride ``k`` (k, 1)."""
 
     def __init__(self, module: nn.Module, source: RowMap, num: int, den: int):
         super().__init__(-(-source.height * den // num), -(-source.width * den // num))
@@ -247,12 +221,12 @@ class Strided(RowMap):
 
 
 class Resize(RowMap):
-    """``F.interpolate(source, size=(height, width), mode, align_corners)`` for 'nearest' and
-    'bilinear', by rows: a band reads the source rows its rows sample. Nearest copies those rows
-    (the source row of each output row read off the same call on a map of row numbers, so it is
-    the call's own). Bilinear resizes the band's width by the same call (its rows unchanged: a
-    scale of 1 samples each row exactly) and blends each output row's two source rows with the
-    weights the kernel computes (``area_pixel_compute_source_index``)."""
+    """``F.interpolate(source, size, mode, align_corners)``, nearest or bilinear, by rows.
+
+    An integer factor resizes the band's source rows (one more each side) by the call itself: its
+    inner rows are the whole call's, bit for bit. Otherwise nearest copies the call's own source
+    rows; bilinear resizes the width alone and blends each row's two source rows with the
+    kernel's weights (``area_pixel_compute_source_index``)."""
 
     def __init__(self, source: RowMap, size: Sequence[int], mode: str = 'bilinear',
                  align_corners: Optional[bool] = None, interpolate_kwargs: Optional[dict] = None):
@@ -262,8 +236,7 @@ class Resize(RowMap):
         self.source, self.mode = source, mode
         self.align_corners = bool(align_corners) if mode == 'bilinear' else None
         h_in, h_out = source.height, self.height
-        # an integer factor with the call's own scale (1 / factor) and no corner alignment: a
-        # slice resized by the same factor samples its rows as the whole call does
+        # an integer factor, the call's own scale (1 / factor), no corner alignment
         self.factor = h_out // h_in if (h_out % h_in == 0 and not self.align_corners and (
             mode == 'bilinear' or 'scale_factor' not in (interpolate_kwargs or {}))) else 0
         if mode == 'nearest':  # the call's own source rows and columns
@@ -283,8 +256,12 @@ class Resize(RowMap):
         self.weight = (src - self.row_of).view(1, 1, -1, 1)
 
     def _make(self, start: int, stop: int) -> Tensor:
-        if self.factor:
-            return self._make_by_factor(start, stop)
+        f = self.factor
+        if f:
+            lo, hi = max(0, start // f - 1), min(self.source.height, -(-stop // f) + 1)
+            band = F.interpolate(self.source.rows(lo, hi), size=(f * (hi - lo), self.width),
+                                 mode=self.mode, align_corners=self.align_corners)
+            return band[:, :, start - f * lo:stop - f * lo]
         first = int(self.row_of[start])
         if self.mode == 'nearest':
             band = self.source.rows(first, int(self.row_of[stop - 1]) + 1)
@@ -299,27 +276,14 @@ class Resize(RowMap):
         lower = band.index_select(2, (self.next_of[start:stop] - first).to(device))
         return upper * (1 - w1) + lower * w1
 
-    def _make_by_factor(self, start: int, stop: int) -> Tensor:
-        """Rows ``start:stop`` from the source rows they read and one more on each side, resized
-        by the factor: a slice from source row ``a`` maps its output row ``y - f a`` to the same
-        position relative to ``a`` with the same scale, so inside it every row is the whole
-        call's, bit for bit; only its outermost rows (clamped at its edges) differ, and they lie
-        outside ``start:stop``."""
-        f = self.factor
-        lo, hi = max(0, start // f - 1), min(self.source.height, -(-stop // f) + 1)
-        band = F.interpolate(self.source.rows(lo, hi), size=(f * (hi - lo), self.width),
-                             mode=self.mode, align_corners=self.align_corners)
-        return band[:, :, start - f * lo:stop - f * lo]
-
 
 def _pair(value):
     return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
 
 
 def nearest_index(n_in: int, n_out: int, axis: int, kwargs: dict) -> Tensor:
-    """The source index of each output row (``axis`` 0) or column (1) of a nearest resize
-    ``F.interpolate(x, **kwargs)`` (with ``size=`` when ``kwargs`` has no scale factor), read off
-    the same call on a line of indices."""
+    """The source index of each output row (``axis`` 0) or column (1) of the nearest resize
+    ``F.interpolate(x, **kwargs)`` (``size=`` if no scale factor): the call's own, on indices."""
     shape = [1, 1, 1, 1]
     shape[2 + axis] = n_in
     line = torch.arange(n_in, dtype=torch.float64).view(shape)
@@ -350,10 +314,9 @@ class Crop(RowMap):
 
 # ---------------------------------------------------------------------------- modules as rows
 def conv_halo(module) -> Optional[int]:
-    """The rows of context on each side that ``module`` (an ``nn.Conv2d``, or an mmcv
-    ``ConvModule`` around one with no norm or a BatchNorm, per pixel in eval mode) needs for a
-    band of its output rows: its padding, for a stride-1 conv padded to keep the size; None for
-    any other module (e.g. GroupNorm normalises over the whole map)."""
+    """The rows of context on each side (its padding) a band of a size-keeping stride-1
+    ``nn.Conv2d`` needs, bare or in a ``ConvModule`` with no norm or a BatchNorm (per pixel in
+    eval mode); None for any other module."""
     conv = getattr(module, 'conv', module)
     if getattr(module, 'with_norm', False) and not isinstance(
             getattr(module, module.norm_name), _BatchNorm):
@@ -376,10 +339,8 @@ class NotRowLocal(ValueError):
 
 
 def module_rows(module: nn.Module, source: RowMap) -> RowMap:
-    """``module`` applied to ``source`` as a :class:`RowMap`: an ``nn.Sequential`` link by link;
-    per-pixel modules (norms in eval mode, activations) as they are; a size-keeping stride-1 conv
-    with its halo; a 2x2 stride-2 transposed conv and a max pool of kernel = stride by the rows
-    they read. Anything else raises :class:`NotRowLocal` naming it."""
+    """``module`` of ``source`` as a :class:`RowMap` (``nn.Sequential`` link by link), or
+    :class:`NotRowLocal` naming what cannot run by rows."""
     if isinstance(module, nn.Sequential):
         for link in module:
             source = module_rows(link, source)
@@ -408,27 +369,24 @@ def module_rows(module: nn.Module, source: RowMap) -> RowMap:
                       'stride-2 transposed conv or a max pool of kernel = stride can)')
 
 
-def _inputs(node: RowMap) -> List[RowMap]:
-    inputs = getattr(node, 'sources', None) or [getattr(node, 'source', None)]
-    return [source for source in inputs if isinstance(source, RowMap)]
-
-
-def maps_of(node: RowMap) -> List[RowMap]:
-    """Every map ``node`` is made from, itself included (each once)."""
-    seen, order, todo = set(), [], [node]
+def _graph(node: RowMap) -> Tuple[List[RowMap], dict]:
+    """Every map ``node`` is made from, itself included (each once), and each one's consumers."""
+    maps, consumers, todo = {}, {}, [node]
     while todo:
         current = todo.pop()
-        if id(current) not in seen:
-            seen.add(id(current))
-            order.append(current)
-            todo.extend(_inputs(current))
-    return order
+        if id(current) in maps:
+            continue
+        maps[id(current)] = current
+        for source in getattr(current, 'sources', None) or [getattr(current, 'source', None)]:
+            if isinstance(source, RowMap):
+                consumers.setdefault(id(source), []).append(current)
+                todo.append(source)
+    return list(maps.values()), consumers
 
 
 def _read_once(node: RowMap, consumers: dict) -> bool:
-    """Whether each row of ``node`` is read once: by the stream itself, or by one consumer that
-    reads just the rows it makes (a sum, a per-pixel function, a crop that passes them on to
-    such a consumer)."""
+    """Whether each row of ``node`` is read once: by the stream, or by one consumer of just the
+    rows it makes (a sum, a per-pixel function, a crop passing them on to such a consumer)."""
     users = consumers.get(id(node), [])
     if len(users) != 1:
         return not users
@@ -440,14 +398,10 @@ def _read_once(node: RowMap, consumers: dict) -> bool:
 
 def stream_rows(node: RowMap, band_mb: float, first_rows: int = 8) -> Iterator[Tuple[int, int,
                                                                                      Tensor]]:
-    """``(start, stop, rows)`` of ``node`` band by band, top to bottom. The first band has
-    ``first_rows`` rows; then each band has as many rows as keep near ``band_mb`` the band and
-    the rows each map makes for it (a map of ``h`` rows makes ``h / height`` rows a band row),
-    as measured on the band before. Only the maps read again keep their last rows."""
-    maps, consumers = maps_of(node), {}
-    for current in maps:
-        for source in _inputs(current):
-            consumers.setdefault(id(source), []).append(current)
+    """``(start, stop, rows)`` of ``node`` band by band, top to bottom: after ``first_rows`` rows,
+    bands that keep the band and the rows every map makes for it, as measured on the band
+    before, near ``band_mb``."""
+    maps, consumers = _graph(node)
     for current in maps:
         current.keeps = not _read_once(current, consumers)
     start, rows = 0, first_rows
@@ -455,14 +409,14 @@ def stream_rows(node: RowMap, band_mb: float, first_rows: int = 8) -> Iterator[T
         stop = min(node.height, start + rows)
         band = node.rows(start, stop)
         per_row = band[:, :, :1].numel() * band.element_size() + sum(
-            m.row_bytes() * m.height / node.height for m in maps)
+            m.row_bytes * m.height / node.height for m in maps)
         yield start, stop, band
         del band
         start, rows = stop, band_rows_for(band_mb, int(per_row), at_least=first_rows)
 
 
 def materialize(node: RowMap, band_mb: float) -> Tensor:
-    """The whole map of ``node``, made band by band (:func:`stream_rows`) into one tensor."""
+    """The whole map of ``node``, made band by band into one tensor."""
     out = None
     for start, stop, band in stream_rows(node, band_mb):
         if out is None:

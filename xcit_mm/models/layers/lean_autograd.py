@@ -1,10 +1,8 @@
 """Memory-lean autograd for the XCiT layer and the adapter's 2x upsampling.
 
-Plain autograd keeps every intermediate of an XCiT layer for the backward, most of a training
-step's peak at detection resolution. These functions keep only what is expensive to recompute
-(x and qkv for XCA, x and the pre-GELU hidden layer for the FFN, x alone for the cheap LPI
-branch, which is re-run) and hand-derive the rest; drop-path enters as a per-sample ``scale`` of
-gamma. Gradients equal plain autograd (tests/test_gradients.py).
+Plain autograd keeps every intermediate of an XCiT layer, most of a training step's peak. These
+keep only what is expensive to recompute and hand-derive the rest; drop-path enters as a
+per-sample ``scale`` of gamma. Gradients equal plain autograd (tests/test_gradients.py).
 """
 from contextlib import contextmanager, nullcontext
 from typing import Callable, Optional, Sequence, Tuple
@@ -20,8 +18,8 @@ _NORM_EPS = 1e-12  # as F.normalize: the q / k column norms are clamped from bel
 
 def xca_mixing(q: torch.Tensor, k: torch.Tensor, temperature: torch.Tensor,
                proj_weight: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-    """XCA's channel attention folded into the output projection: ``(mixing, attn, cosine,
-    q_norm, k_norm)`` from q, k (B, h, N, d), ``v @ mixing + bias`` being the projected output."""
+    """``(mixing, attn, cosine, q_norm, k_norm)`` of q, k (B, h, N, d): XCA's attention folded
+    into the output projection, ``v @ mixing + bias``."""
     q_norm = torch.linalg.vector_norm(q, dim=-2).clamp_min(_NORM_EPS)  # (B, h, d)
     k_norm = torch.linalg.vector_norm(k, dim=-2).clamp_min(_NORM_EPS)
     mixing, attn, cosine = xca_mixing_of_sums(q.transpose(-2, -1) @ k, q_norm, k_norm,
@@ -31,8 +29,8 @@ def xca_mixing(q: torch.Tensor, k: torch.Tensor, temperature: torch.Tensor,
 
 def xca_mixing_of_sums(qk: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
                        temperature: torch.Tensor, proj_weight: torch.Tensor):
-    """XCA's ``(mixing, attn, cosine)`` from its sums over the tokens, ``qk`` = q^T k (B, h, d, d)
-    and the column norms (B, h, d), which a streamed trunk adds up band by band."""
+    """XCA's ``(mixing, attn, cosine)`` from its sums over the tokens (which a streamed trunk
+    adds up band by band): ``qk`` = q^T k (B, h, d, d) and the column norms (B, h, d)."""
     B, h, d, _ = qk.shape
     q_norm, k_norm = q_norm.clamp_min(_NORM_EPS), k_norm.clamp_min(_NORM_EPS)
     cosine = qk / (q_norm[..., :, None] * k_norm[..., None, :])
@@ -64,7 +62,7 @@ def _norm_linear(x, ln_weight, ln_bias, weight, bias, eps) -> torch.Tensor:
 
 
 def _output_grads(grad_out, gamma, scale):
-    """The block output's gradient made contiguous, that of ``gamma * y`` and that of ``y``."""
+    """The output's gradient made contiguous, that of ``gamma * y`` and that of ``y``."""
     grad_out = grad_out.contiguous()
     grad_scaled = grad_out if scale is None else grad_out * scale
     return grad_out, grad_scaled, grad_scaled * gamma
@@ -89,7 +87,8 @@ def _norm_linear_backward(grad_lin, x, ln_weight, ln_bias, lin_weight, eps, grad
 
 
 class _XCAResidual(torch.autograd.Function):
-    """``x + coef * (v @ mixing + proj_bias)`` with q, k, v from ``qkv(LN(x))``; see module doc."""
+    """``x + coef * (v @ mixing + proj_bias)`` with q, k, v from ``qkv(LN(x))``, saving x and
+    qkv."""
 
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, qkv_weight, qkv_bias, temperature, proj_weight,
@@ -153,7 +152,7 @@ class _XCAResidual(torch.autograd.Function):
 
 
 class _FFNResidual(torch.autograd.Function):
-    """``x + coef * fc2(GELU(fc1(LN(x))))``; see module doc."""
+    """``x + coef * fc2(GELU(fc1(LN(x))))``, saving x and the pre-GELU hidden layer."""
 
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, gamma,
@@ -193,7 +192,7 @@ class _FFNResidual(torch.autograd.Function):
 
 def xca_residual(x: torch.Tensor, norm: nn.LayerNorm, attn: nn.Module, gamma: torch.Tensor,
                  scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """``x + scale * gamma * attn(norm(x))``, saving x and qkv only."""
+    """``x + scale * gamma * attn(norm(x))`` by :class:`_XCAResidual`."""
     return _XCAResidual.apply(x, norm.weight, norm.bias, attn.qkv.weight, attn.qkv.bias,
                               attn.temperature, attn.proj.weight, attn.proj.bias, gamma, scale,
                               attn.num_heads, norm.eps)
@@ -201,15 +200,15 @@ def xca_residual(x: torch.Tensor, norm: nn.LayerNorm, attn: nn.Module, gamma: to
 
 def ffn_residual(x: torch.Tensor, norm: nn.LayerNorm, ffn: nn.Module, gamma: torch.Tensor,
                  scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """``x + scale * gamma * ffn(norm(x))``, saving x and the pre-GELU hidden layer only."""
+    """``x + scale * gamma * ffn(norm(x))`` by :class:`_FFNResidual`."""
     return _FFNResidual.apply(x, norm.weight, norm.bias, ffn.fc1.weight, ffn.fc1.bias,
                               ffn.fc2.weight, ffn.fc2.bias, gamma, scale, norm.eps)
 
 
 @contextmanager
 def batch_norm_stats_frozen(*modules: nn.Module):
-    """Inside the block, the batch norms in ``modules`` leave their running statistics alone, so
-    that a forward re-run in the backward does not update them a second time."""
+    """Inside the block, the batch norms in ``modules`` leave their running statistics alone: a
+    forward re-run in the backward does not update them twice."""
     norms = [m for module in modules for m in module.modules()
              if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
     saved = [(m.momentum, m.num_batches_tracked.clone()) for m in norms]
@@ -227,8 +226,8 @@ def batch_norm_stats_frozen(*modules: nn.Module):
 def recomputed_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor],
                         modules: Sequence[nn.Module], gamma: torch.Tensor,
                         scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """``x + scale * gamma * branch(x)`` keeping only ``x``: the backward re-runs it (cheap ops
-    only), the batch norms in ``modules`` leaving their running statistics alone."""
+    """``x + scale * gamma * branch(x)`` (cheap ops only) keeping only ``x``: the backward re-runs
+    it, the batch norms in ``modules`` updated once."""
 
     def residual(x, gamma, scale):
         return torch.addcmul(x, _coef(gamma, scale), branch(x))
