@@ -155,15 +155,19 @@ def test_binary_head_threshold():
 
 
 def test_chunk_width_rule():
-    # a multiple of 8, at least 8 (24 channels-last), at most all classes
-    assert [lean_width for lean_width in (
-        _width(150, 10000, 0.01, False), _width(150, 10000, 0.01, True),
-        _width(150, 100, 1000, False), _width(150, 2**20, 256, False))] == [8, 24, 150, 64]
+    """A multiple of 8, at least 8 (24 channels-last), at most all classes, at the largest
+    image's planes (and the windows' map): ``lean_chunk_mb`` over 4 bytes a pixel."""
+    _, lean = _pair(SEM_FPN)
 
+    def width(budget_mb, head_hw, channels_last=False, metas=(None, ), batch_map=0):
+        lean.test_cfg.lean_chunk_mb = budget_mb
+        return lean._chunk_width(head_hw, list(metas), channels_last, batch_map)
 
-def _width(*args):
-    from xcit_mm.models.segmentors.lean_encoder_decoder import chunk_width
-    return chunk_width(*args)
+    assert [width(0.01, (100, 100)), width(0.01, (100, 100), True), width(1000, (10, 10)),
+            width(256, (1024, 1024))] == [8, 24, NUM_CLASSES, 64]
+    two = [dict(ori_shape=(512, 1024)), dict(ori_shape=(1024, 1024))]
+    assert width(256, (8, 8), metas=two) == 64  # 2**20 pixels, not 2**19 (128)
+    assert width(256, (512, 1024), batch_map=2**19) == 64
 
 
 @pytest.mark.parametrize('top_hw,lat_hw', [((6, 7), (12, 14)), ((5, 7), (9, 13)),

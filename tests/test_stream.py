@@ -17,6 +17,7 @@ import torch
 from mmcv.cnn import ConvModule
 from mmengine.config import ConfigDict
 from mmengine.registry import init_default_scope
+from mmseg.models.decode_heads import FPNHead
 
 import xcit_mm  # noqa: F401  (registers XCiTBackbone and LeanEncoderDecoder)
 from mmseg.registry import MODELS
@@ -64,6 +65,10 @@ def test_streamed_trunk_equals_forward_trunk(patch_size, folder, tmp_path):
     assert os.listdir(tmp_path) == []  # the disk maps' folder is gone
 
 
+def _levels(model, trunk, img_hw):
+    return [model.backbone.level_rows(TokenRows(m), i, img_hw) for i, m in enumerate(trunk)]
+
+
 SIZES = [(128, 192), (97, 131), (45, 200), (160, 48)]
 
 
@@ -83,9 +88,9 @@ def test_stream_logits_and_labels_equal_the_whole_forward(heads, patch_size):
             with TokenMaps('cpu') as maps, torch.no_grad():
                 trunk = model.backbone.stream_trunk(lambda a, b: x[:, :, a:b], img_hw, maps,
                                                     band_mb)
-                logits = materialize(logits_rows(model.backbone, getattr(model, 'neck', None),
-                                                 model.decode_head,
-                                                 [TokenRows(m) for m in trunk], img_hw), band_mb)
+                logits = materialize(logits_rows(_levels(model, trunk, img_hw),
+                                                 getattr(model, 'neck', None), model.decode_head),
+                                     band_mb)
             torch.testing.assert_close(logits, whole, **TOLERANCE)
             got = _predict(model, x, None)[0].pred_sem_seg.data
             assert got.shape == expected.shape
@@ -106,8 +111,7 @@ def test_each_row_is_made_once_and_only_maps_read_again_keep_rows(monkeypatch):
     x = torch.randn(1, 3, *img_hw, generator=torch.Generator().manual_seed(3))
     with TokenMaps('cpu') as maps, torch.no_grad():
         trunk = model.backbone.stream_trunk(lambda a, b: x[:, :, a:b], img_hw, maps, 1e-3)
-        logits = logits_rows(model.backbone, model.neck, model.decode_head,
-                             [TokenRows(m) for m in trunk], img_hw)
+        logits = logits_rows(_levels(model, trunk, img_hw), model.neck, model.decode_head)
         labels = labels_rows(logits, img_hw, (0, 0, 0, 0), img_hw, False, False)
         bands = [stop - start for start, stop, _ in stream_rows(labels, 1e-3)]
     assert len(bands) > 4
@@ -231,6 +235,49 @@ def test_a_part_that_cannot_run_by_rows_is_named():
     with pytest.raises(ValueError, match="mode='stream' cannot run: a part of the neck or head: "
                        'ConvModule: its GroupNorm normalises over the whole map'):
         _predict(model, torch.randn(1, 3, 64, 64), None)
+
+
+class _HeadOfItsOwn(FPNHead):
+    def predict(self, *args, **kwargs):  # not mmseg's forward + resize: no lean resize
+        return super().predict(*args, **kwargs)
+
+
+PART_CHANGES = {
+    'own_predict': (lambda m: setattr(m.decode_head, '__class__', _HeadOfItsOwn),
+                    "_HeadOfItsOwn overrides the decode head's predict"),
+    'levels_out_of_order': (lambda m: setattr(m.decode_head, 'in_index', [1, 0, 2, 3]),
+                            r'FPNHead must read the levels 0\.\.n-1 in order'),
+    'other_neck': (lambda m: setattr(m, 'neck', torch.nn.Identity()),
+                   r'it runs Semantic FPN \(mmseg FPN \+ FPNHead\) or UperNet \(UPerHead, no '
+                   r'neck\), not Identity \+ FPNHead'),
+    'one_channel': (lambda m: setattr(m.decode_head, 'out_channels', 1),
+                    r'a one-channel \(sigmoid\) head is thresholded'),
+}
+
+
+@pytest.mark.parametrize('change', PART_CHANGES)
+def test_each_part_the_stream_cannot_run_is_named(change):
+    """The one check of the parts (``lean_paths``) names each reason, in predict and in
+    ``stream_labels``; 'auto' names a head whose own predict it cannot estimate."""
+    import numpy as np
+    model = _model(SEM_FPN)
+    make, reason = PART_CHANGES[change]
+    make(model)
+    with pytest.raises(ValueError, match="mode='stream' cannot run: " + reason):
+        _predict(model, torch.randn(1, 3, 64, 64), None)
+    img = np.zeros((64, 64, 3), dtype=np.uint8)
+    with pytest.raises(ValueError, match='stream_labels: cannot stream: ' + reason):
+        list(model.stream_labels(lambda a, b: img[a:b], (64, 64)))
+    if change == 'own_predict':
+        model.test_cfg = ConfigDict(mode='auto', max_memory=1000,
+                                    memory_model=dict(base_mb=1, mb_per_mpix=1))
+        with pytest.raises(ValueError, match="'auto' estimates memory only for mmseg's decode "
+                           'head predict; ' + reason):
+            _predict(model, torch.randn(1, 3, 64, 64), None)
+    model = _model(SEM_FPN)
+    model.test_cfg = ConfigDict(mode='whole', lean=False)
+    with pytest.raises(ValueError, match='cannot stream: it needs the lean predict'):
+        list(model.stream_labels(lambda a, b: img[a:b], (64, 64)))
 
 
 def test_the_band_follows_each_call_not_the_last_budget(monkeypatch):

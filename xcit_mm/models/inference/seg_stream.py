@@ -1,14 +1,11 @@
 """Semantic FPN and UperNet on a streamed XCiT trunk: logits and labels as row maps.
 
-The backbone's trunk maps (``XCiTBackbone.stream_trunk``) become the adapter levels, the neck,
-the head, the logits and the labels as :class:`~.row_stream.RowMap` s, made a band of rows at a
-time by :func:`~.row_stream.stream_rows`: mmseg's FPN + FPNHead and UPerHead, link by link, in
-their own order of operations (each sum and resize where stock does it). UperNet's pyramid
-pooling reads the whole stride-32 map (small); its pooled maps are resized by rows like the rest.
-The labels are stock ``predict``'s: the head's resize to the input, the padding crop, the resize
-to the original shape, the argmax, each a band of rows at a time.
+The levels, the neck, the head and stock ``predict``'s labels (the head's resize, the padding
+crop, the resize to the original shape, the argmax) as :class:`~.row_stream.RowMap` s, made a band
+of rows at a time, each sum and resize where stock does it; UperNet's pyramid pooling reads the
+whole (small) stride-32 map.
 """
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import torch
 from mmseg.models.decode_heads import FPNHead, UPerHead
@@ -16,7 +13,7 @@ from mmseg.models.necks import FPN
 from mmseg.models.utils import Upsample
 from torch import Tensor
 
-from .fpn_data_flow import top_down_rows, why_not_data_flow_fpn
+from .fpn_data_flow import top_down_rows
 from .row_stream import (Combine, Crop, Local, NotRowLocal, Resize, RowMap, StreamedBackbone,
                          TensorRows, module_rows)
 
@@ -79,11 +76,8 @@ def upernet_rows(levels: Sequence[RowMap], head: UPerHead) -> RowMap:
     return Local(head.cls_seg, module_rows(head.fpn_bottleneck, Combine(_cat, *outs)))
 
 
-def logits_rows(backbone, neck, head, trunk_maps: Sequence[RowMap],
-                image_hw: Tuple[int, int]) -> RowMap:
-    """The head's logits of a streamed trunk, by rows (Semantic FPN or UperNet)."""
-    levels = [backbone.level_rows(trunk_map, i, image_hw) for i, trunk_map in
-              enumerate(trunk_maps)]
+def logits_rows(levels: Sequence[RowMap], neck, head) -> RowMap:
+    """The head's logits of the backbone's level maps, by rows (Semantic FPN or UperNet)."""
     if type(head) is UPerHead:
         return upernet_rows(levels, head)
     return semantic_fpn_rows(levels, neck, head)
@@ -102,37 +96,16 @@ def labels_rows(logits: RowMap, head_hw: Sequence[int], crop: Sequence[int],
     return Local(_argmax, x)
 
 
-def why_not_streamed(backbone, neck, head) -> Optional[str]:
-    """Why this backbone, neck and head cannot run streamed (None if they can), as a reason a
-    user can act on: the graph is built on a small image's placeholder maps, so the check is
-    the very construction a streamed predict makes."""
-    if not isinstance(backbone, StreamedBackbone):
-        return f'{type(backbone).__name__} cannot stream its trunk (XCiTBackbone can)'
-    semantic_fpn = type(neck) is FPN and type(head) is FPNHead
-    if not (semantic_fpn or (neck is None and type(head) is UPerHead)):
-        return (f'it runs Semantic FPN (mmseg FPN + FPNHead) or UperNet (UPerHead, no neck), not '
-                f'{type(neck).__name__} + {type(head).__name__}')
-    if semantic_fpn and (why := why_not_data_flow_fpn(neck, FPN)):
-        return why
-    if head.out_channels == 1:
-        return 'a one-channel (sigmoid) head is thresholded, not an argmax: use mode whole'
+def why_not_by_rows(backbone: StreamedBackbone, neck, head) -> Optional[str]:
+    """Why the neck or head of a Semantic FPN or UperNet cannot run by rows (None if they can):
+    the very graph a streamed predict builds, on a small image's placeholder maps."""
     side, device = 64, next(head.parameters()).device
-    placeholders = [TensorRows(torch.zeros(1, channels, -(-side // stride), -(-side // stride),
-                                           device=device))
-                    for channels, stride in zip(backbone.out_channels, backbone.strides)]
+    levels = [TensorRows(torch.zeros(1, channels, -(-side // stride), -(-side // stride),
+                                     device=device))
+              for channels, stride in zip(backbone.out_channels, backbone.strides)]
     try:
         with torch.no_grad():
-            logits_rows(_Placeholder(placeholders), neck, head, placeholders, (side, side))
+            logits_rows(levels, neck, head)
     except NotRowLocal as error:
         return f'a part of the neck or head: {error}'
     return None
-
-
-class _Placeholder:
-    """A backbone whose levels are given maps (for :func:`why_not_streamed`)."""
-
-    def __init__(self, levels: Sequence[RowMap]):
-        self.levels = levels
-
-    def level_rows(self, trunk_map: RowMap, level: int, image_hw) -> RowMap:
-        return self.levels[level]

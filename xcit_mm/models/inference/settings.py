@@ -1,10 +1,8 @@
 """The lean models' ``test_cfg`` read into one frozen settings object, checked key by key.
 
-``LeanEncoderDecoder`` and ``LeanMaskRCNN`` read theirs when built and read them again only after
-``test_cfg`` changed (:class:`LeanSettingsMixin`): a benchmark or a user who sets a key after the
-build gets the same checks as a config. Each check names the fix: an unknown key (a misspelt
-``max_memory`` would run the image whole, with no budget), a value of the wrong kind, a key the
-mode does not read, a mode that needs the lean predict with ``lean=False``.
+Read at build and again only after ``test_cfg`` changed (:class:`LeanSettingsMixin`), so a key set
+later gets a config's checks; each error names the fix (a misspelt ``max_memory`` would otherwise
+run the image whole, with no budget).
 """
 import copy
 import math
@@ -32,16 +30,6 @@ def _is_int(value) -> bool:
 def _is_pair(value, least: int) -> bool:
     return (isinstance(value, (tuple, list)) and len(value) == 2
             and all(_is_int(v) and v >= least for v in value))
-
-
-def read_band_mb(value, owner: str) -> Optional[float]:
-    """``band_mb``: None or the MB of a band of rows, a positive finite number."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f'{owner}: test_cfg.band_mb must be a positive number of MB, e.g. '
-                         f'band_mb=64 (or None); got {value!r}')
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -85,7 +73,11 @@ class LeanSettings:
                 f'{owner}: test_cfg {[k for k in unread if cls.READ_BY[k] == modes]} only apply '
                 f"to {' or '.join(f'mode={m!r}' for m in modes)}, but mode is {mode!r}; set "
                 f'test_cfg.mode={modes[-1]!r} or remove them')
-        band_mb = read_band_mb(cfg.get('band_mb'), owner)
+        band_mb = cfg.get('band_mb')
+        if band_mb is not None and (isinstance(band_mb, bool) or not isinstance(
+                band_mb, (int, float)) or not 0 < band_mb < math.inf):
+            raise ValueError(f'{owner}: test_cfg.band_mb must be a positive number of MB, e.g. '
+                             f'band_mb=64 (or None); got {band_mb!r}')
         needs_lean = (f'mode={mode!r}' if mode in cls.LEAN_MODES
                       else 'band_mb' if band_mb is not None else None)
         if needs_lean and not lean:
@@ -94,7 +86,8 @@ class LeanSettings:
         budget = (read_budget_mb(cfg, owner)
                   if mode == 'auto' or cfg.get('max_memory') is not None else None)
         return cls(mode, lean, budget, read_memory_model(cfg.get('memory_model'), owner),
-                   band_mb, **cls._read_own(cfg, mode, owner, **context))
+                   None if band_mb is None else float(band_mb),
+                   **cls._read_own(cfg, mode, owner, **context))
 
     @classmethod
     def _read_own(cls, cfg: dict, mode: str, owner: str, **context) -> dict:
@@ -164,9 +157,9 @@ class SegmentorSettings(LeanSettings):
         crop, stride = cfg.get('crop_size'), cfg.get('stride')
         if mode != 'slide' and crop is None:  # auto's window; stock's slide needs both keys
             crop = default_crop or DEFAULT_CROP
+        if mode != 'slide' and stride is None and _is_pair(crop, 1):
+            stride = tuple(c * 2 // 3 for c in crop)
         for key, value in (('crop_size', crop), ('stride', stride)):
-            if key == 'stride' and value is None and mode != 'slide':
-                value = stride = tuple(c * 2 // 3 for c in crop)
             if not _is_pair(value, 1):
                 raise ValueError(
                     f"{owner}: test_cfg mode='slide' needs {key}=(h, w), two positive ints, "
@@ -181,9 +174,8 @@ class SegmentorSettings(LeanSettings):
 
 
 class LeanSettingsMixin:
-    """``test_settings``: the model's ``test_cfg`` read by ``SETTINGS.from_cfg`` at build, and
-    read again only when it differs from the copy last read (users and benchmarks change keys
-    after the build; a predict should not check unchanged keys again)."""
+    """``test_settings``: ``test_cfg`` read by ``SETTINGS.from_cfg``, again only when it differs
+    from the copy last read (a predict does not check unchanged keys again)."""
     SETTINGS = LeanSettings
 
     def _settings_context(self) -> dict:

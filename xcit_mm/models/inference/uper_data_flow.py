@@ -1,19 +1,9 @@
-"""mmseg's ``UPerHead`` computed in data-flow order, for whole-image inference.
+"""mmseg's ``UPerHead`` in data-flow order, for whole-image inference.
 
-Stock ``EncoderDecoder`` keeps every backbone level until the head returns, and
-``UPerHead._forward_feature`` (mmseg 1.2.2) keeps every lateral map until it returns, upsamples the
-three coarser FPN outputs to stride 4 into a list and ``torch.cat``s them into a second copy: at
-full resolution many ``channels`` x H/4 x W/4 maps are alive at once.
-
-:func:`uper_head_in_data_flow_order` gives the same logits bit for bit: the same operations on the
-same whole tensors (nothing is tiled: a convolution of another size can take another oneDNN
-algorithm and differ in the last bit), each map freed as soon as the next step no longer needs it.
-The backbone levels are made top-down, the stride-4 one last; a lateral is freed once it has given
-its top-down term and its FPN conv has run (``fpn_data_flow.top_down_sums``); the top-down sums
-are added in place where that gives the strides of stock's out-of-place sum
-(``fpn_data_flow.add_as_stock``); and the FPN outputs are written one level at a time into a
-buffer allocated with the shape and memory format ``torch.cat`` gives (:func:`empty_for_cat`; the
-layout rules are ATen's, ported, as meta tensors would import ``torch._dynamo`` on first use).
+Stock keeps every backbone level, every lateral map and the upsampled FPN outputs twice (a list
+and its ``torch.cat``) until the head returns. :func:`uper_head_in_data_flow_order` runs the same
+operations on the same whole tensors (the logits bit for bit), each map freed once no later step
+needs it, the FPN outputs written one at a time into a buffer laid out as ``torch.cat``'s.
 """
 from itertools import accumulate
 from typing import Sequence
@@ -29,9 +19,9 @@ from .fpn_data_flow import (BackboneLevels, add_as_stock, resized_channels_last,
 
 def empty_for_cat(shapes: Sequence[Sequence[int]], channels_last: Sequence[bool], dim: int,
                   like: Tensor) -> Tensor:
-    """An uninitialised tensor (``like``'s dtype and device) with the shape and memory format of
-    ``torch.cat`` of tensors of these shapes along ``dim``, each suggesting channels last or not:
-    channels last only if every one does (ATen's ``cat_compute_output_memory_format``)."""
+    """An empty tensor (``like``'s dtype and device) laid out as ``torch.cat`` of tensors of these
+    shapes along ``dim`` would be: channels last only if every one suggests it (ATen's rule,
+    ported, as meta tensors would import ``torch._dynamo``)."""
     shape = list(shapes[0])
     shape[dim] = sum(s[dim] for s in shapes)
     fmt = torch.channels_last if all(channels_last) else torch.contiguous_format
@@ -39,14 +29,9 @@ def empty_for_cat(shapes: Sequence[Sequence[int]], channels_last: Sequence[bool]
 
 
 def uper_head_in_data_flow_order(backbone, head, inputs: Tensor) -> Tensor:
-    """``head.forward(backbone(inputs))`` for mmseg's ``UPerHead`` reading backbone levels
-    ``0 .. n-1`` (``input_transform='multiple_select'``, ``in_index = range(n)``; the caller
-    checks), bit for bit, each map freed when done.
-
-    Order: PSP on level n-1; the top-down pass down to level 0 and its FPN conv; then the concat
-    buffer, filled with FPN output 0 and the others upsampled one at a time (stock's order, n-1
-    first); ``fpn_bottleneck`` and ``cls_seg``.
-    """
+    """``head.forward(backbone(inputs))`` for mmseg's ``UPerHead`` on backbone levels 0..n-1 (the
+    caller checks), bit for bit: PSP on level n-1, the top-down pass, then the concat buffer
+    filled level by level in stock's order, ``fpn_bottleneck`` and ``cls_seg``."""
     levels = BackboneLevels(backbone, inputs)
     n = len(head.in_index)
     for j in range(n, len(levels)):  # levels the head does not read

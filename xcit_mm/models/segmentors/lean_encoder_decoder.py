@@ -1,40 +1,16 @@
-"""Segmentation without full-size logits of all classes: :class:`LeanEncoderDecoder`.
+"""mmseg's ``EncoderDecoder`` whose ``predict`` never holds full-size logits of all classes.
 
-mmseg's ``EncoderDecoder.predict`` (1.2.2) resizes the C-class logits to the input, crops the
-padding, resizes them to the original image and only then takes the argmax, keeping C x H x W
-floats per image; ``slide_inference`` adds every window into one such map (a zero-padded full-size
-copy each), and Semantic FPN keeps every level of three stages alive at once. This class gives the
-same labels with less memory, by exact means only:
-
-* **Class chunks.** Bilinear resizing is per channel, so a chunk of classes resizes to the full
-  call's values, and a running maximum with a strict ``>`` (the earlier class wins a tie, a NaN
-  wins, as in ``argmax``) is the argmax. torch's CPU kernels give the full call's bits only for
-  some widths (a 1-channel call vectorises differently; channels-last below 24 channels or off
-  multiples of 8 takes another path): chunks are multiples of 8, at least 24 channels-last.
-* **Data-flow order** (Semantic FPN, UperNet): the levels made one at a time, each map freed once
-  no later step needs it; each operation the stock one on the same full tensor (a convolution of
-  another size may pick another oneDNN algorithm and flip an argmax at a near-tie).
-* **Windows without the full map** (``mode='slide'``): window logits kept at the head's
-  resolution, each class chunk of stock's map rebuilt as stock builds it, each window added into
-  its region in place (``x + 0.0 == x`` for every value the map holds: it starts at +0.0).
-* **A memory budget** (``mode='auto'``): the first plan whose estimate fits ``max_memory`` runs;
-  both parts of an estimate are measured: the network's line once per model, the
-  post-processing on zeros at the batch's geometry scaled down once per geometry.
-* **Stream** (``mode='stream'``, Semantic FPN or UperNet on XCiT): the trunk layer by layer over
-  bands of token rows, every later map a band of rows at a time (``row_stream``, ``seg_stream``);
-  equal to the whole-map logits up to float rounding, not bit for bit.
-
-Labels equal stock ``predict``'s with the mode run; kept logits equal stock's. Without
-``keep_seg_logits`` the results carry ``pred_sem_seg`` only, all that IoUMetric, the visualizer
-and ``MMSegInferencer`` read. The ``test_cfg`` keys: :class:`SegmentorSettings`,
-``docs/lean_segmentation.md``. ``custom_imports`` of ``xcit_mm`` registers the name; mmseg is
-imported on the first build.
+Stock's labels (and logits, when kept) with less memory, by exact means only: the
+post-processing by chunks of classes with a running argmax, Semantic FPN and UperNet in
+data-flow order, sliding windows without the full map, a memory budget (``mode='auto'``); and
+the whole image streamed by bands of rows (``mode='stream'``, equal up to float rounding). Why
+each step is exact, and the ``test_cfg`` keys: ``docs/lean_segmentation.md``.
 """
 import math
 import tempfile
 from contextlib import contextmanager
 from functools import partial
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -52,61 +28,43 @@ from mmseg.structures import SegDataSample
 from mmseg.utils import OptSampleList, SampleList
 
 from ..inference.fpn_data_flow import fpn_in_data_flow_order, why_not_data_flow_fpn
-from ..inference.row_stream import TokenMaps, TokenRows, stream_rows
-from ..inference.seg_stream import labels_rows, logits_rows, why_not_streamed
+from ..inference.row_stream import StreamedBackbone, TokenMaps, TokenRows, stream_rows
+from ..inference.seg_stream import labels_rows, logits_rows, why_not_by_rows
 from ..inference.settings import LeanSettingsMixin, SegmentorSettings
 from ..inference.uper_data_flow import uper_head_in_data_flow_order
 from ..utils.ckpt_load import refuse_headless_load
 from ..utils.memory_budget import (MB, MemoryModel, MemoryPlanMixin, Plan, calibrate,
                                    measure_line, read_budget_mb, release_free_heap)
 
-# Chunk widths whose bilinear results equal the full call's, channel by channel (module docstring).
+# Chunk widths whose bilinear results equal the full call's, channel by channel: torch's CPU
+# kernels take another path for 1 channel, and channels-last below 24 or off multiples of 8.
 CHUNK_MULTIPLE = 8
 MIN_CHUNK_CHANNELS_LAST = 24
-# The stream's bands when test_cfg.band_mb gives none: many rows keep the share of context rows and
-# per-call costs small; on the CPU small beside a large image's token maps (a GPU's kernels want
-# larger ones). Under a budget they shrink to fit, down to the minimum.
+# The stream's bands when test_cfg.band_mb gives none, shrunk under a budget down to the minimum.
 STREAM_BAND_MB = dict(cpu=128, cuda=4096)
 MIN_STREAM_BAND_MB = 32
 # Square sizes at which the network's peak is measured (mode='auto'): cheap, and spread enough
 # that a size whose peak sits off the line moves the fitted slope little.
 CALIBRATION_SIZES = ((256, 256), (512, 512), (896, 896))
-# The longer side to which a batch's post-processing is scaled down to be measured (and half of
-# it): small enough that measuring stays well below any budget the network needs.
+# The longer side (and half of it) at which the post-processing is measured: far below any budget.
 POST_CALIBRATION_SIDE = 384
-# Both lines are extrapolated far beyond the sizes measured, where a slope a few percent off
-# becomes that many percent of the estimate: the estimates are raised by this factor.
-MARGIN = 1.05
+MARGIN = 1.05  # both lines are extrapolated far beyond the sizes measured
 STRIDE_PROBE = 128  # input side of the forward that finds the head's output stride
 LABEL_BYTES = 8  # the labels (int64) each image keeps until predict returns
 FLOAT_BYTES = 4
-# What the stream's shape-counted terms leave out: kernels' scratch, the allocator's rounding.
+# What the stream's shape-counted terms leave out (kernels' scratch, the allocator's rounding), and
+# its work beyond the token maps: a fixed part and bands of band_mb (docs/gigapixel.md).
 SLACK_MB = 16
-# The stream's work beyond its token maps: a fixed part (the coarse maps made whole, kernels'
-# scratch) and bands of band_mb (the trunk's band with its FFN hidden layer; or the row maps'
-# kept rows and the band being made). Upper bounds of the peaks measured with glibc's malloc
-# (docs/gigapixel.md; at 8192² two bands fell short).
 STREAM_WORK_MB = 64
 STREAM_WORK_BANDS = 2.5
-# Bytes per input element that mmseg's doors (inference_model, the test loop) hold while predict
-# runs (the float batch, the packed uint8 image): the growth a caller sees includes them.
+# Bytes per input element that mmseg's doors hold while predict runs (float batch, uint8 image).
 INPUT_BYTES = 4 + 1
-
-
-def chunk_width(num_channels: int, plane_numel: int, budget_mb: float,
-                channels_last: bool) -> int:
-    """Classes per chunk: as many as ``budget_mb`` holds at ``plane_numel`` float32 pixels each,
-    rounded down to a multiple of 8, at least 8 (24 channels-last) and at most all of them."""
-    width = int(budget_mb * 2**20 // (4 * max(plane_numel, 1)))
-    width = width // CHUNK_MULTIPLE * CHUNK_MULTIPLE
-    width = max(width, MIN_CHUNK_CHANNELS_LAST if channels_last else CHUNK_MULTIPLE)
-    return min(width, num_channels)
 
 
 def slide_windows(img_hw: Sequence[int], crop_size: Sequence[int],
                   stride: Sequence[int]) -> List[Tuple[int, int, int, int]]:
-    """The windows ``(y1, y2, x1, x2)`` of stock ``slide_inference``, in its order (row-major);
-    a window is clipped to the image where the image is smaller than the crop."""
+    """Stock ``slide_inference``'s windows ``(y1, y2, x1, x2)``, in its order, clipped to the
+    image."""
     (h_img, w_img), (h_crop, w_crop), (h_stride, w_stride) = img_hw, crop_size, stride
     h_grids = max(h_img - h_crop + h_stride - 1, 0) // h_stride + 1
     w_grids = max(w_img - w_crop + w_stride - 1, 0) // w_stride + 1
@@ -134,19 +92,18 @@ def _class_slice(x: Tensor, c0: int, c1: int, batch: slice = slice(None)) -> Ten
 
 
 class _RunningArgmax:
-    """``argmax`` over the classes of one image given chunk by chunk in class order, and the
-    full logits when they are kept."""
+    """``argmax`` over one image's classes given chunk by chunk in class order, and the logits
+    when kept."""
 
-    def __init__(self, num_classes: int, keep_logits: bool,
-                 step_done: Callable[[], None] = lambda: None):
+    def __init__(self, num_classes: int, keep_logits: bool, step_done: Callable[[], None]):
         self.num_classes = num_classes
         self.keep_logits = keep_logits
         self.step_done = step_done  # called between the steps below (LeanEncoderDecoder)
         self.best = self.labels = self.logits = None
 
     def add(self, c0: int, make_chunk: Callable[[], Tensor]) -> None:
-        """Classes [c0, c0 + c): ``make_chunk()`` gives them as (c, H, W). The chunk is made
-        here, so that it is freed before the running maximum is updated."""
+        """Classes [c0, c0 + c) as (c, H, W), made here so that they are freed before the
+        running maximum is updated."""
         chunk = make_chunk()
         self.step_done()
         if self.keep_logits:
@@ -159,34 +116,28 @@ class _RunningArgmax:
         if self.best is None:
             self.best, self.labels = values, index
             return
-        # strictly greater: on a tie the earlier class keeps the pixel, as argmax does;
-        # a NaN beats a number, as argmax's NaN does
+        # strictly greater: on a tie the earlier class keeps the pixel, and a NaN beats a
+        # number, as in argmax
         better = (values > self.best) | (values.isnan() & ~self.best.isnan())
         self.best = torch.where(better, values, self.best)
         self.labels = torch.where(better, index + c0, self.labels)
         del values, index, better
         self.step_done()
 
-    def finish(self) -> None:
-        """Free the running maxima once every class is in (the labels and logits stay)."""
-        self.best = None
 
-    @classmethod
-    def of_labels(cls, labels: Tensor) -> '_RunningArgmax':
-        """The finished state of labels made otherwise (no logits kept)."""
-        state = cls(0, keep_logits=False)
-        state.labels = labels
-        return state
+class LeanPaths(NamedTuple):
+    """The lean paths a segmentor's parts and ``test_cfg`` allow: its network in data-flow order
+    ('semantic_fpn', 'upernet'; None: stock's forward), and why the head's resize cannot join the
+    lean post-processing and why the stream cannot run (None where they can)."""
+    network: Optional[str]
+    why_not_lean_resize: Optional[str]
+    why_not_stream: Optional[str]
 
 
 @MODELS.register_module()
 class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
-    """mmseg's ``EncoderDecoder`` whose ``predict`` never holds full-size logits of all classes.
-
-    Same constructor, training and ``_forward`` as ``EncoderDecoder``; only ``predict`` changes
-    (see the module docstring for why each step is exact, and for the ``test_cfg`` keys).
-    ``mode='auto'`` and a budgeted stream keep their plans as :class:`MemoryPlanMixin` says.
-    """
+    """mmseg's ``EncoderDecoder`` with a lean ``predict`` (module docstring); same constructor,
+    training and ``_forward``."""
     SETTINGS = SegmentorSettings
 
     def __init__(self, *args, **kwargs):
@@ -198,62 +149,87 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         self._post_lines = {}  # the post-processing's measured line per batch geometry
         self.test_settings  # a malformed or misspelt key in the config fails at build
 
-    # ------------------------------------------------------------------ settings
     def _settings_context(self) -> dict:
         return dict(default_crop=getattr(self.data_preprocessor, 'size', None))
 
-    def _check_parts(self, settings: SegmentorSettings) -> None:
-        """What the mode needs of the model's parts, checked on every predict (a part may be
-        replaced after the build): a streaming model, a stock head resize for 'auto'."""
-        name = type(self).__name__
-        stream_keys = settings.band_mb, settings.token_maps, settings.token_dir
-        streams = settings.mode == 'stream' or any(k is not None for k in stream_keys)
-        why = self._why_not_streamed() if streams else None
-        if why is not None:
-            raise ValueError(f"{name}: test_cfg mode='stream' cannot run: {why}; choose mode "
-                             "'whole', 'slide' or 'auto'")
-        if settings.mode == 'auto' and not self._head_resize_is_stock():
-            raise ValueError(
-                f"{name}: test_cfg.mode='auto' estimates memory only for a decode head whose "
-                f'predict is mmseg\'s (forward + resize); {type(self.decode_head).__name__} '
-                "overrides it: choose mode 'whole' or 'slide'")
-
-    def _why_not_streamed(self) -> Optional[str]:
-        """Why this model cannot run mode='stream' (None if it can)."""
-        if not self.test_settings.lean:
-            return 'it needs the lean predict (test_cfg.lean=False is set)'
-        if self.test_settings.keep_seg_logits:
-            return 'it keeps no full-size logits (remove test_cfg.keep_seg_logits)'
-        if not self._head_resize_is_stock():
-            return (f'{type(self.decode_head).__name__} overrides the decode head\'s predict')
-        return why_not_streamed(self.backbone, getattr(self, 'neck', None), self.decode_head)
+    def lean_paths(self, stream: bool = True) -> LeanPaths:
+        """Which lean paths the parts and ``test_cfg`` allow, and why not; read on every predict,
+        as a part may be replaced after the build. ``stream=False`` skips the stream's check."""
+        neck, head = getattr(self, 'neck', None), self.decode_head
+        in_order = (head.input_transform == 'multiple_select'
+                    and list(head.in_index) == list(range(len(head.in_index))))
+        if type(neck) is FPN and type(head) is FPNHead:
+            network, why_network = 'semantic_fpn', why_not_data_flow_fpn(neck, FPN)
+            in_order = in_order and len(head.in_index) <= neck.num_outs
+        elif neck is None and type(head) is UPerHead:
+            network, why_network = 'upernet', None
+            in_order = in_order and (len(head.lateral_convs) == len(head.fpn_convs)
+                                     == len(head.in_index) - 1)
+        else:
+            network, why_network = None, (
+                'it runs Semantic FPN (mmseg FPN + FPNHead) or UperNet (UPerHead, no neck), not '
+                f'{type(neck).__name__} + {type(head).__name__}')
+        if network is not None and why_network is None and not in_order:
+            why_network = f'{type(head).__name__} must read the levels 0..n-1 in order (in_index)'
+        stock_resize = (type(head).predict is BaseDecodeHead.predict
+                        and type(head).predict_by_feat is BaseDecodeHead.predict_by_feat)
+        why_resize = None if stock_resize else (
+            f"{type(head).__name__} overrides the decode head's predict (forward + resize)")
+        why_stream = None
+        if stream:
+            settings = self.test_settings
+            reasons = [
+                (not settings.lean, 'it needs the lean predict (test_cfg.lean=False is set)'),
+                (settings.keep_seg_logits,
+                 'it keeps no full-size logits (remove test_cfg.keep_seg_logits)'),
+                (why_resize is not None, why_resize),
+                (not isinstance(self.backbone, StreamedBackbone),
+                 f'{type(self.backbone).__name__} cannot stream its trunk (XCiTBackbone can)'),
+                (why_network is not None, why_network),
+                (head.out_channels == 1,
+                 'a one-channel (sigmoid) head is thresholded, not an argmax: use mode whole')]
+            why_stream = next((why for fails, why in reasons if fails), None)
+            if why_stream is None:
+                why_stream = why_not_by_rows(self.backbone, neck, head)
+        return LeanPaths(network if why_network is None else None, why_resize, why_stream)
 
     # ------------------------------------------------------------------ predict
     def predict(self, inputs: Tensor, data_samples: OptSampleList = None) -> SampleList:
         """Labels (and, with ``test_cfg.keep_seg_logits``, logits) equal to stock ``predict``
-        with the mode run: 'whole', 'slide', or the one 'auto' chooses within ``max_memory``."""
+        with the mode run: 'whole', 'slide', 'stream' or the one 'auto' chooses."""
         settings = self.test_settings
-        self._check_parts(settings)
-        mode = settings.mode
-        self._release_heap = auto = mode == 'auto'
+        mode, name = settings.mode, type(self).__name__
+        stream_keys = settings.band_mb, settings.token_maps, settings.token_dir
+        paths = self.lean_paths(mode == 'stream' or any(k is not None for k in stream_keys))
+        if paths.why_not_stream is not None:
+            raise ValueError(f"{name}: test_cfg mode='stream' cannot run: {paths.why_not_stream}; "
+                             "choose mode 'whole', 'slide' or 'auto'")
+        if mode == 'auto' and paths.why_not_lean_resize is not None:
+            raise ValueError(f"{name}: test_cfg.mode='auto' estimates memory only for mmseg's "
+                             f"decode head predict; {paths.why_not_lean_resize}: choose mode "
+                             "'whole' or 'slide'")
+        self._release_heap = mode == 'auto'
         if not settings.lean:
             return super().predict(inputs, data_samples)
-        batch_img_metas = self._batch_img_metas(inputs, data_samples)
-        if not self._head_resize_is_stock():
+        if paths.why_not_lean_resize is not None:
             # full-size logits come from the inference itself: only the post-processing is lean
-            return self._postprocess(self.inference(inputs, batch_img_metas), None, data_samples)
+            return self._whole_post(self.inference(inputs, self._batch_img_metas(
+                inputs, data_samples)), None, data_samples)
         plan = None  # mode='stream' within max_memory: where its token maps live
-        if auto or mode == 'stream' and settings.max_memory is not None:
+        if mode == 'auto' or mode == 'stream' and settings.max_memory is not None:
             B, _, H, W = inputs.shape
             plan = self._choose_memory_plan(
-                self.memory_plans(inputs, data_samples, stream_only=not auto),
-                settings.max_memory, f'{type(self).__name__} on {B} x {H}x{W} px')
+                self.memory_plans(inputs, data_samples, stream_only=mode == 'stream'),
+                settings.max_memory, f'{name} on {B} x {H}x{W} px')
         run = mode if plan is None else plan.name
         if run == 'slide':
             return self._slide_predict(inputs, data_samples, settings.crop_size, settings.stride)
         if run.startswith('stream'):
-            return self._stream_predict(inputs, data_samples, batch_img_metas, plan)
-        return self._whole_predict(inputs, batch_img_metas, data_samples)
+            return self._stream_predict(inputs, data_samples, plan)
+        low_res = self._network_forward(inputs)  # whole: the head's resize joins the chunked ones
+        self._step_done()
+        return self._whole_post(low_res, self._head_resize_size(inputs, data_samples),
+                                data_samples)
 
     def _step_done(self) -> None:
         """Between the steps of a mode='auto' run: the freed heap back to the OS, where glibc
@@ -269,57 +245,35 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         return [dict(ori_shape=inputs.shape[2:], img_shape=inputs.shape[2:],
                      pad_shape=inputs.shape[2:], padding_size=[0, 0, 0, 0])] * inputs.shape[0]
 
-    def _whole_predict(self, inputs: Tensor, batch_img_metas: List[dict],
-                       data_samples: OptSampleList) -> SampleList:
-        """Stock whole inference: ``inference()`` -> ``encode_decode()`` ->
-        ``decode_head.predict()`` = forward() and a resize to the input size (predict_by_feat);
-        here that resize joins the chunked ones of the post-processing."""
-        low_res = self._network_forward(inputs)
-        self._step_done()
-        return self._postprocess(low_res, self._head_resize_size(batch_img_metas), data_samples)
-
-    def _head_resize_is_stock(self) -> bool:
-        """Whether the decode head's ``predict`` is mmseg's forward + bilinear resize."""
-        head = type(self.decode_head)
-        return (head.predict is BaseDecodeHead.predict
-                and head.predict_by_feat is BaseDecodeHead.predict_by_feat)
-
     @staticmethod
-    def _head_resize_size(batch_img_metas: List[dict]):
+    def _head_resize_size(inputs: Tensor, data_samples: OptSampleList) -> Tuple[int, int]:
         """The size ``BaseDecodeHead.predict_by_feat`` resizes the whole batch to."""
-        meta = batch_img_metas[0]
+        if data_samples is None:
+            return tuple(inputs.shape[2:])
+        meta = data_samples[0].metainfo
         if 'pad_shape' in meta and not isinstance(meta['img_shape'], torch.Size):
-            return meta['pad_shape'][:2]
-        return meta['img_shape']
+            return tuple(meta['pad_shape'][:2])
+        return tuple(meta['img_shape'])
 
     # ------------------------------------------------------------------ network
     def _network_forward(self, inputs: Tensor) -> Tensor:
         """``decode_head.forward(extract_feat(inputs))``: the logits at the head's resolution."""
-        if self._is_semantic_fpn():
+        network = self.lean_paths(stream=False).network
+        if network == 'semantic_fpn':
             return self._semantic_fpn_forward(inputs)
-        if self._is_upernet():
+        if network == 'upernet':
             return uper_head_in_data_flow_order(self.backbone, self.decode_head, inputs)
         return self.decode_head.forward(self.extract_feat(inputs))
 
-    def _is_semantic_fpn(self) -> bool:
-        """mmseg's FPN on every level, adding none (``why_not_data_flow_fpn``) + FPNHead."""
-        neck, head = getattr(self, 'neck', None), self.decode_head
-        return (why_not_data_flow_fpn(neck, FPN) is None and type(head) is FPNHead
-                and head.input_transform == 'multiple_select'
-                and list(head.in_index) == list(range(len(head.in_index)))
-                and len(head.in_index) <= neck.num_outs)
-
     def _semantic_fpn_forward(self, inputs: Tensor) -> Tensor:
-        """``FPNHead.forward(FPN.forward(backbone(inputs)))`` with each map freed when done:
-        stock's operations in data-flow order (``fpn_in_data_flow_order``), the head's branches
-        added into branch 0 in stock's order (float addition is not associative); ``a.add_(b)``
-        on a tensor only this function holds gives the bits of ``a + b``."""
+        """``FPNHead.forward(FPN.forward(backbone(inputs)))``, each map freed when done; the
+        branches added into branch 0 in stock's order (float addition is not associative), in
+        place on a tensor only this function holds (the bits of ``a + b``)."""
         head = self.decode_head
         fpn_out = fpn_in_data_flow_order(self.backbone, self.neck, inputs)
-        num_branches = len(head.feature_strides)
         output = head.scale_heads[0](fpn_out[0])
         fpn_out[0] = None
-        for i in range(1, num_branches):
+        for i in range(1, len(head.feature_strides)):
             branch = resize(head.scale_heads[i](fpn_out[i]), size=output.shape[2:],
                             mode='bilinear', align_corners=head.align_corners)
             fpn_out[i] = None
@@ -327,31 +281,18 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
             del branch
         return head.cls_seg(output)
 
-    def _is_upernet(self) -> bool:
-        """mmseg's UPerHead (not a subclass) on the backbone's levels 0..n-1 in order, no neck:
-        what ``uper_head_in_data_flow_order`` computes as stock does."""
-        head = self.decode_head
-        return (not self.with_neck and type(head) is UPerHead
-                and head.input_transform == 'multiple_select'
-                and list(head.in_index) == list(range(len(head.in_index)))
-                and len(head.lateral_convs) == len(head.fpn_convs) == len(head.in_index) - 1)
-
     # ------------------------------------------------------------------ streamed
     def stream_labels(self, read_rows: Callable[[int, int], 'np.ndarray'],
                       image_hw: Tuple[int, int], max_memory: Optional[float] = None,
                       token_dir: Optional[str] = None,
                       progress: Optional[Callable[[int, int], None]] = None
                       ) -> Iterator[Tuple[int, int, Tensor]]:
-        """Labels of an image larger than memory, a band of rows at a time, top to bottom:
-        ``(start, stop, labels)`` with ``labels`` int64 (stop - start, W) on the CPU.
-
-        ``read_rows(a, b)`` gives pixel rows a..b-1 as mmcv reads images: (b - a, W, C) uint8,
-        BGR for colour; they are normalised as this model's data preprocessor does, at full
-        resolution (no test-pipeline resize). ``max_memory`` (MB): what the call may add; the
-        token maps go to files under ``token_dir`` when they do not fit in it (an error names
-        the minimum when not even that fits). ``progress(done, total)`` follows the work.
-        """
-        why = self._why_not_streamed()
+        """Labels of an image larger than memory, top to bottom: ``(start, stop, labels)``, int64
+        (stop - start, W) on the CPU. ``read_rows(a, b)``: pixel rows a..b-1 as mmcv reads them
+        ((b - a, W, C) uint8, BGR), normalised as the data preprocessor does, at full resolution.
+        ``max_memory`` (MB) puts the token maps under ``token_dir`` where memory is too small;
+        ``progress(done, total)`` follows the work."""
+        why = self.lean_paths().why_not_stream
         if why is not None:
             raise ValueError(f'{type(self).__name__}.stream_labels: cannot stream: {why}')
         pre = self.data_preprocessor
@@ -378,13 +319,12 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                 yield start, stop, labels.cpu()
 
     def _stream_predict(self, inputs: Tensor, data_samples: OptSampleList,
-                        batch_img_metas: List[dict], plan: Optional[Plan]) -> SampleList:
+                        plan: Optional[Plan]) -> SampleList:
         """mode='stream' (or the stream 'auto' chose): each image's labels made band by band
         into one (1, H, W) map, as stock's ``predict`` makes them."""
-        head_hw = tuple(self._head_resize_size(batch_img_metas))
-        states = []
-        for i in range(inputs.shape[0]):
-            meta = None if data_samples is None else data_samples[i].metainfo
+        head_hw = self._head_resize_size(inputs, data_samples)
+        results = []
+        for i, meta in enumerate(self._metas(data_samples, inputs.shape[0])):
             if meta is not None and meta.get('flip', None):
                 raise ValueError(f"{type(self).__name__}: test_cfg mode='stream' does not flip "
                                  "(test-time augmentation): use mode 'whole' for flipped images")
@@ -395,17 +335,16 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                     lambda a, b: image[:, :, a:b], tuple(inputs.shape[2:]), head_hw,
                     self._padding(meta), out_hw, plan, self.test_settings.token_dir):
                 labels[0, start:stop] = band
-            states.append(_RunningArgmax.of_labels(labels))
-        return self._set_results(data_samples, states)
+            results.append((labels, None))
+        return self._set_results(data_samples, results)
 
     def _stream_bands(self, read_pixels, image_hw, head_hw, crop, out_hw, plan: Optional[Plan],
                       token_dir: Optional[str],
                       progress: Optional[Callable[[int, int], None]] = None
                       ) -> Iterator[Tuple[int, int, Tensor]]:
-        """The stream of one image: the trunk into token maps (on disk for plan 'stream-disk'),
-        then the labels (rows, W) band by band, in bands of the plan's size (no plan: the
-        default, :meth:`_stream_band_mb`). ``progress(done, total)``: the trunk's layers count as
-        half the work, the label rows as the other half."""
+        """One image streamed: the trunk into token maps (on disk for 'stream-disk'), then the
+        labels (rows, W) in bands of the plan's size (:meth:`_stream_band_mb` without a plan).
+        ``progress``: the trunk's layers count as half the work, the label rows as the rest."""
         band_mb = plan.band_mb if plan is not None else self._stream_band_mb(None, 0)
         on_disk = (self.test_settings.token_maps == 'disk'
                    or plan is not None and plan.name == 'stream-disk')
@@ -418,13 +357,13 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                 progress(min(done[0], total), total)
 
         folder = (token_dir or tempfile.gettempdir()) if on_disk else None
-        with TokenMaps(next(self.parameters()).device, folder) as maps, \
-                torch.no_grad():
+        with TokenMaps(next(self.parameters()).device, folder) as maps, torch.no_grad():
             trunk = self.backbone.stream_trunk(read_pixels, image_hw, maps, band_mb,
                                                lambda: advance(out_hw[0] // layers))
             advance(out_hw[0] - done[0])
-            logits = logits_rows(self.backbone, getattr(self, 'neck', None), self.decode_head,
-                                 [TokenRows(m) for m in trunk], image_hw)
+            levels = [self.backbone.level_rows(TokenRows(trunk_map), i, image_hw)
+                      for i, trunk_map in enumerate(trunk)]
+            logits = logits_rows(levels, getattr(self, 'neck', None), self.decode_head)
             labels = labels_rows(logits, head_hw, crop, out_hw, self.decode_head.align_corners,
                                  self.align_corners)
             for start, stop, band in stream_rows(labels, band_mb):
@@ -433,11 +372,9 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
 
     def _stream_plans(self, image_hw: Sequence[int], held_mb: float,
                       budget_mb: Optional[float] = None) -> List[Plan]:
-        """The stream's plans for an image with their estimates: the token maps in memory, then
-        on disk. Each adds the bands' work (``STREAM_WORK_MB`` and ``STREAM_WORK_BANDS`` bands),
-        what the caller holds (``held_mb``: the input, the labels) and ``SLACK_MB``; the maps
-        are the trunk's kept ones and the one updated. The bands are as large as ``budget_mb``
-        leaves room for (:meth:`_stream_band_mb`), the size each plan then runs with."""
+        """The stream's plans, token maps in memory then on disk, each estimated as the maps, the
+        bands' work, what the caller holds (``held_mb``) and ``SLACK_MB``; the bands as large as
+        ``budget_mb`` leaves room for (:meth:`_stream_band_mb`)."""
         p, D = self.backbone.patch_size, self.backbone.embed_dims
         grid = [(side + p - 1) // p for side in image_hw]
         kept = len(set(self.backbone.out_indices) - {max(self.backbone.out_indices)}) + 1
@@ -456,9 +393,8 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         return plans
 
     def _stream_band_mb(self, budget_mb: Optional[float], fixed_mb: float) -> float:
-        """``test_cfg.band_mb`` if given; else ``STREAM_BAND_MB`` of the device, or under
-        ``budget_mb`` the largest band up to that which fits beside ``fixed_mb`` (at least the
-        minimum)."""
+        """``test_cfg.band_mb`` if given; else the device's default, or under ``budget_mb`` the
+        largest band up to that which fits beside ``fixed_mb`` (at least the minimum)."""
         given = self.test_settings.band_mb
         if given is not None:
             return given
@@ -471,9 +407,8 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
     # ------------------------------------------------------------------ sliding windows
     def _slide_predict(self, inputs: Tensor, data_samples: OptSampleList,
                        crop_size: Tuple[int, int], stride: Tuple[int, int]) -> SampleList:
-        """Stock ``slide_inference`` + ``postprocess_result``, one class chunk at a time: the
-        window logits stay at the head's resolution (the one cost that grows with the window
-        count), and :meth:`_slide_post` rebuilds each chunk of stock's map from them."""
+        """Stock ``slide_inference`` + ``postprocess_result``: the window logits kept at the
+        head's resolution, stock's map rebuilt from them a class chunk at a time."""
         windows = slide_windows(inputs.shape[2:], crop_size, stride)
         window_logits = []  # at the head's resolution, in stock's order
         for y1, y2, x1, x2 in windows:
@@ -481,29 +416,6 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
             self._step_done()
         count = self._window_count(inputs, inputs.shape, windows)
         return self._slide_post(window_logits, windows, count, data_samples)
-
-    def _slide_post(self, window_logits: List[Tensor], windows: list, count: Tensor,
-                    data_samples: OptSampleList, widths: Optional[List[int]] = None) -> SampleList:
-        """Each class chunk (``widths[0]`` classes, default :meth:`_chunk_widths`) of stock's map
-        (:meth:`_slide_chunk`), post-processed per image into its running argmax."""
-        C = window_logits[0].shape[1]
-        if C == 1:  # binary head: one channel, nothing to chunk; stock code on the full map
-            return self.postprocess_result(
-                self._slide_chunk(window_logits, windows, count, 0, 1), data_samples)
-        metas = self._metas(data_samples, count.shape[0])
-        width = (widths or self._chunk_widths(
-            C, count.shape, metas, any(map(_is_channels_last, window_logits)), slide=True))[0]
-        states = [_RunningArgmax(C, self.test_settings.keep_seg_logits, self._step_done)
-                  for _ in metas]
-        for c0 in range(0, C, width):
-            chunk = self._slide_chunk(window_logits, windows, count, c0, min(c0 + width, C))
-            for i, (state, meta) in enumerate(zip(states, metas)):
-                state.add(c0, partial(self._image_chunk, chunk, i, 0, chunk.shape[1], None, meta))
-            del chunk
-            self._step_done()
-        for state in states:
-            state.finish()
-        return self._set_results(data_samples, states)
 
     @staticmethod
     def _window_count(like: Tensor, shape: Sequence[int], windows: list) -> Tensor:
@@ -516,9 +428,8 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
 
     def _slide_chunk(self, window_logits: List[Tensor], windows: list, count: Tensor, c0: int,
                      c1: int) -> Tensor:
-        """Classes [c0, c1) of stock ``slide_inference``'s result, (batch, c1 - c0, H, W): each
-        window resized to its size as ``decode_head.predict_by_feat`` resizes it, added in
-        stock's order into a zero map, which is divided by the count map."""
+        """Classes [c0, c1) of stock ``slide_inference``'s map: each window resized as the head
+        resizes it, added in stock's order into a zero map, divided by the count map."""
         acc = count.new_zeros((count.shape[0], c1 - c0) + tuple(count.shape[2:]))
         for (y1, y2, x1, x2), logits in zip(windows, window_logits):
             part = resize(_class_slice(logits, c0, c1), size=(y2 - y1, x2 - x1),
@@ -529,40 +440,59 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         return acc.div_(count)
 
     # ------------------------------------------------------------------ post-processing
-    def _postprocess(self, seg_logits: Tensor, head_size, data_samples: OptSampleList,
-                     widths: Optional[List[int]] = None) -> list:
-        """Stock ``postprocess_result`` (and, when ``head_size`` is given, the head's resize to
-        it before), class chunk by class chunk (``widths`` classes per image, default
-        :meth:`_chunk_widths`), with a running argmax."""
-        batch_size, C = seg_logits.shape[:2]
+    def _whole_post(self, low_res: Tensor, head_hw, data_samples: OptSampleList,
+                    width: Optional[int] = None) -> SampleList:
+        """Stock's resize to ``head_hw`` (if given) and ``postprocess_result`` on the network's
+        output, class chunk by class chunk."""
+        metas = self._metas(data_samples, low_res.shape[0])
+        width = width or self._chunk_width(head_hw or low_res.shape[2:], metas,
+                                           _is_channels_last(low_res))
+        return self._postprocess(partial(_class_slice, low_res), head_hw, data_samples, metas,
+                                 width)
+
+    def _slide_post(self, window_logits: List[Tensor], windows: list, count: Tensor,
+                    data_samples: OptSampleList, width: Optional[int] = None) -> SampleList:
+        """Stock ``slide_inference``'s map (:meth:`_slide_chunk`) post-processed class chunk by
+        class chunk; a chunk of the whole batch's map counts in every image's width."""
+        metas = self._metas(data_samples, count.shape[0])
+        width = width or self._chunk_width(count.shape[2:], metas,
+                                           any(map(_is_channels_last, window_logits)),
+                                           count[:, 0].numel())
+        return self._postprocess(partial(self._slide_chunk, window_logits, windows, count), None,
+                                 data_samples, metas, width)
+
+    def _postprocess(self, chunk_of: Callable[[int, int], Tensor], head_size,
+                     data_samples: OptSampleList, metas: List[Optional[dict]],
+                     width: int) -> SampleList:
+        """Stock ``postprocess_result`` (after the head's resize to ``head_size``, if given) on
+        the batch's logits that ``chunk_of(c0, c1)`` gives, into each image's running argmax."""
+        C = self.out_channels
         if C == 1:  # binary head: one channel, nothing to chunk; stock code on the full map
+            seg_logits = chunk_of(0, 1)
             if head_size is not None:
                 seg_logits = resize(seg_logits, size=head_size, mode='bilinear',
                                     align_corners=self.decode_head.align_corners)
             return self.postprocess_result(seg_logits, data_samples)
-        metas = self._metas(data_samples, batch_size)
-        widths = widths or self._chunk_widths(C, head_size or seg_logits.shape[2:], metas,
-                                              _is_channels_last(seg_logits))
-        states = []
-        for i, (meta, width) in enumerate(zip(metas, widths)):
-            state = _RunningArgmax(C, self.test_settings.keep_seg_logits, self._step_done)
-            for c0 in range(0, C, width):
-                state.add(c0, lambda: self._image_chunk(seg_logits, i, c0, min(c0 + width, C),
-                                                        head_size, meta))
-            state.finish()
-            states.append(state)
-        return self._set_results(data_samples, states)
+        states = [_RunningArgmax(C, self.test_settings.keep_seg_logits, self._step_done)
+                  for _ in metas]
+        for c0 in range(0, C, width):
+            chunk = chunk_of(c0, min(c0 + width, C))
+            for i, (state, meta) in enumerate(zip(states, metas)):
+                state.add(c0, partial(self._image_chunk, chunk, i, head_size, meta))
+            del chunk
+            self._step_done()
+        return self._set_results(data_samples, [(s.labels, s.logits) for s in states])
 
-    def _chunk_widths(self, num_classes: int, head_hw: Sequence[int],
-                      metas: List[Optional[dict]], channels_last: bool,
-                      slide: bool = False) -> List[int]:
-        """Classes per chunk of each image's post-processing: its planes per class are the
-        image's labels and, for the windows (``slide``), the batch's map of ``head_hw``
-        (B, _, H, W): then the narrowest of the images' widths, for all."""
-        batch_map = len(metas) * math.prod(head_hw[-2:]) if slide else 0
-        widths = [chunk_width(num_classes, batch_map + math.prod(self._output_hw(m, head_hw[-2:])),
-                              self.test_settings.lean_chunk_mb, channels_last) for m in metas]
-        return [min(widths)] * len(widths) if slide else widths
+    def _chunk_width(self, head_hw: Sequence[int], metas: List[Optional[dict]],
+                     channels_last: bool, batch_map: int = 0) -> int:
+        """Classes per chunk: as many float32 planes of the largest image (its labels and
+        ``batch_map`` pixels: the windows' whole map) as ``lean_chunk_mb`` holds, a multiple of
+        8, at least 8 (24 channels-last), at most all."""
+        plane = batch_map + max(math.prod(self._output_hw(meta, head_hw)) for meta in metas)
+        width = int(self.test_settings.lean_chunk_mb * 2**20 // (FLOAT_BYTES * max(plane, 1)))
+        width = max(width // CHUNK_MULTIPLE * CHUNK_MULTIPLE,
+                    MIN_CHUNK_CHANNELS_LAST if channels_last else CHUNK_MULTIPLE)
+        return min(width, self.out_channels)
 
     @staticmethod
     def _metas(data_samples: OptSampleList, batch_size: int) -> List[Optional[dict]]:
@@ -571,15 +501,17 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
             return [None] * batch_size
         return [sample.metainfo for sample in data_samples]
 
-    def _set_results(self, data_samples: OptSampleList,
-                     states: List[_RunningArgmax]) -> SampleList:
-        """Stock's results: ``pred_sem_seg`` (and ``seg_logits`` when kept) per image."""
+    @staticmethod
+    def _set_results(data_samples: OptSampleList,
+                     results: List[Tuple[Tensor, Optional[Tensor]]]) -> SampleList:
+        """Stock's results from each image's (labels, logits or None): ``pred_sem_seg`` (and
+        ``seg_logits`` when kept)."""
         if data_samples is None:
-            data_samples = [SegDataSample() for _ in states]
-        for sample, state in zip(data_samples, states):
-            data = {'pred_sem_seg': PixelData(data=state.labels)}
-            if state.keep_logits:
-                data['seg_logits'] = PixelData(data=state.logits)
+            data_samples = [SegDataSample() for _ in results]
+        for sample, (labels, logits) in zip(data_samples, results):
+            data = {'pred_sem_seg': PixelData(data=labels)}
+            if logits is not None:
+                data['seg_logits'] = PixelData(data=logits)
             sample.set_data(data)
         return data_samples
 
@@ -588,8 +520,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         """The padding (top, bottom, left, right) that stock's post-processing crops off."""
         if meta is None:
             return (0, 0, 0, 0)
-        padding = meta.get('img_padding_size', meta.get('padding_size', [0] * 4))
-        left, right, top, bottom = padding
+        left, right, top, bottom = meta.get('img_padding_size', meta.get('padding_size', [0] * 4))
         return (top, bottom, left, right)
 
     @staticmethod
@@ -597,11 +528,10 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         """The size of an image's labels: its original shape, or the head's size without metas."""
         return tuple(meta['ori_shape']) if meta is not None else tuple(head_hw)
 
-    def _image_chunk(self, seg_logits: Tensor, i: int, c0: int, c1: int, head_size,
-                     meta: Optional[dict]) -> Tensor:
-        """Classes [c0, c1) of image i after the stock steps: head resize, padding crop, flip,
-        resize to the original shape. Returns (c1 - c0, H, W)."""
-        x = _class_slice(seg_logits, c0, c1, slice(i, i + 1))
+    def _image_chunk(self, chunk: Tensor, i: int, head_size, meta: Optional[dict]) -> Tensor:
+        """Image i of a class chunk (c, H, W) after stock's steps: the head's resize, the
+        padding crop, the flip, the resize to the original shape."""
+        x = _class_slice(chunk, 0, chunk.shape[1], slice(i, i + 1))
         if head_size is not None:
             x = resize(x, size=head_size, mode='bilinear',
                        align_corners=self.decode_head.align_corners)
@@ -620,28 +550,24 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
     # ------------------------------------------------------------------ memory budget
     def memory_plans(self, inputs: Tensor, data_samples: OptSampleList = None,
                      stream_only: bool = False) -> List[Plan]:
-        """The plans of ``mode='auto'`` (the stream's alone with ``stream_only``, for a budgeted
-        mode='stream') for this batch, in the order tried, with the estimated peak (MB) that
-        ``predict`` adds running each.
-
-        A run has two phases, and its estimate is the larger: the network (its line,
-        :meth:`network_memory_model`) with what is kept from before, then the post-processing
-        beside the network's output (:meth:`_post_mb`). Both lines are extrapolated, so their
-        estimates are raised by ``MARGIN``; both add the input batch (``INPUT_BYTES``).
-        """
+        """The plans of ``mode='auto'`` for this batch in the order tried (the stream's alone with
+        ``stream_only``: a budgeted mode='stream'), each with the peak (MB) ``predict`` adds: the
+        input batch and the larger of its two phases, the network (its line, with what is kept)
+        and the post-processing (:meth:`_post_mb`), both raised by ``MARGIN``."""
         B, _, H, W = inputs.shape
         metas = self._metas(data_samples, B)
-        head_hw = tuple(self._head_resize_size(self._batch_img_metas(inputs, data_samples)))
+        head_hw = self._head_resize_size(inputs, data_samples)
+        input_mb = INPUT_BYTES * inputs.numel() / MB
         stream = []
-        if stream_only or self._why_not_streamed() is None:
-            stream = self._stream_plans((H, W), self._held_mb(inputs, metas, head_hw),
+        if stream_only or self.lean_paths().why_not_stream is None:
+            labels = sum(math.prod(self._output_hw(meta, head_hw)) for meta in metas)
+            stream = self._stream_plans((H, W), input_mb + LABEL_BYTES * labels / MB,
                                         self.test_settings.max_memory)
         if stream_only:
             return stream
         crop, stride = self.test_settings.crop_size, self.test_settings.stride
         line = self.network_memory_model(inputs)
         self._release_heap = True  # the post-processing is measured as mode='auto' runs it
-        input_mb = INPUT_BYTES * inputs.numel() / MB
         windows = slide_windows((H, W), crop, stride)
         win_hw = (min(crop[0], H), min(crop[1], W))
         s_h, s_w, _ = self._head_output_geometry(inputs)
@@ -655,24 +581,17 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                 Plan('slide', slide_mb, f'({len(windows)} windows {win_hw[0]}x{win_hw[1]}, '
                      f'stride {stride[0]}x{stride[1]})')]
 
-    def _held_mb(self, inputs: Tensor, metas: List[Optional[dict]], head_hw) -> float:
-        """What a stream's caller holds: the input batch and every image's labels."""
-        labels = sum(math.prod(self._output_hw(meta, head_hw)) for meta in metas)
-        return (INPUT_BYTES * inputs.numel() + LABEL_BYTES * labels) / MB
-
     def _post_mb(self, inputs: Tensor, metas: List[Optional[dict]], head_hw: Sequence[int],
                  windows: Optional[list] = None) -> float:
-        """Peak (MB) of the post-processing of this batch with the tensors it starts from (the
-        network's output; or the windows' logits and count map), measured on zeros at the batch's
-        geometry scaled down (``POST_CALIBRATION_SIDE``) at the full-size run's chunk widths, and
-        extrapolated: each of its tensors has a fixed number of elements per pixel. Kept per
-        geometry."""
+        """Peak (MB) of this batch's post-processing with the tensors it starts from (the
+        network's output; or the windows' logits and count map): the same code measured on zeros
+        at the batch's geometry scaled down, at the full size's chunk widths, and extrapolated
+        (each tensor has a fixed number of elements per pixel); kept per geometry."""
         B, _, H, W = inputs.shape
         C = self.out_channels
         s_h, s_w, channels_last = self._head_output_geometry(inputs)
-        widths = self._chunk_widths(C, head_hw if windows is None else inputs.shape, metas,
-                                    channels_last, slide=windows is not None)
-        key = (tuple(inputs.shape), tuple(head_hw), tuple(windows or ()), str(widths),
+        width = self._chunk_width(head_hw, metas, channels_last, B * H * W if windows else 0)
+        key = (tuple(inputs.shape), tuple(head_hw), tuple(windows or ()), width,
                self.test_settings.keep_seg_logits,
                tuple((self._output_hw(m, head_hw), self._padding(m), m and m.get('flip'),
                       m and m.get('flip_direction')) for m in metas))
@@ -696,11 +615,11 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
             f = h / H
             samples = None if metas[0] is None else [sample(meta, f) for meta in metas]
             if windows is None:
-                return self._postprocess(logits(f, H, W), scaled(f, *head_hw), samples, widths)
+                return self._whole_post(logits(f, H, W), scaled(f, *head_hw), samples, width)
             boxes = [tuple(round(v * f) for v in box) for box in windows]
             count = self._window_count(inputs, (B, 1) + scaled(f, H, W), boxes)
             return self._slide_post([logits(f, y2 - y1, x2 - x1) for y1, y2, x1, x2 in windows],
-                                    boxes, count, samples, widths)
+                                    boxes, count, samples, width)
 
         top = min(max(H, W), POST_CALIBRATION_SIDE)
         sides = [scaled(side / max(H, W), H, W) for side in (top / 2, top)]
@@ -708,8 +627,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         return self._post_lines[key].estimate_mb(H * W)
 
     def _calibrate_memory(self, inputs: Tensor) -> MemoryModel:
-        """The network's peak line (:meth:`network_memory_model`): the network forward on zeros
-        at ``CALIBRATION_SIZES``, in eval mode."""
+        """The network's peak line: its forward on zeros at ``CALIBRATION_SIZES``, in eval mode."""
         channels = inputs.shape[1]
         with self._eval_no_grad():
             return calibrate(
