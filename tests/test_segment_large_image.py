@@ -130,6 +130,9 @@ def test_windows_of_rows_equal_the_whole_read(tmp_path, layout):
         assert source.dtype == whole.dtype
         for start, stop in WINDOWS + WINDOWS[::-1]:
             np.testing.assert_array_equal(source.read_rows(start, stop), whole[start:stop])
+        for start, stop in ((-1, 5), (5, 5), (190, H + 1)):
+            with pytest.raises(ValueError, match=rf'rows \[{start}, {stop}\) are not inside'):
+                source.read_rows(start, stop)
 
 
 def test_rows_for_the_model(tmp_path):
@@ -157,6 +160,39 @@ def test_rows_for_the_model(tmp_path):
     mmcv.imwrite(img[:, :, 2::-1].copy(), png)  # written from BGR: the file holds img's RGB
     with open_image(png) as source:
         np.testing.assert_array_equal(model_rows(source)(0, H), mmcv.imread(png))
+
+
+@pytest.mark.parametrize('bands,dtype,options,words', [
+    (3, np.uint8, dict(rgb_from='gray'), "has 3 bands (RGB), as the config's preprocessing "
+     'expects: --rgb-from gray does not apply; drop it'),
+    (1, np.uint8, {}, "has 1 band(s) (grey); the config's preprocessing expects 3 (RGB): pass "
+     '--rgb-from gray to use band 1 repeated as R, G and B'),
+    (2, np.uint8, dict(rgb_from='first3'), 'has 2 band(s) (grey + alpha); the config\'s '
+     'preprocessing expects 3 (RGB): pass --rgb-from gray to use band 1 repeated as R, G and B '
+     '(--rgb-from first3 does not apply)'),
+    (5, np.uint8, {}, "has 5 band(s) (multispectral); the config's preprocessing expects 3 "
+     '(RGB): pass --rgb-from first3 to use bands 1-3 as R, G, B'),
+    (3, np.uint8, dict(scale_16bit=4095.0), 'was given but in.tif is already 8-bit; drop it'),
+    (3, np.uint16, dict(scale_16bit=0.0), '--scale-16bit must be positive, got 0.0'),
+    (3, np.float32, {}, 'has float32 pixels; the config\'s preprocessing expects 8-bit'),
+    (3, np.uint8, dict(channels=1), "has 3 band(s); the config's preprocessing expects 1: "
+     'convert it first'),
+    (1, np.uint8, dict(channels=1, rgb_from='gray'), 'has 1 band(s); the config\'s '
+     'preprocessing expects 1: convert it first'),
+])
+def test_rows_the_model_would_misread_are_refused(bands, dtype, options, words):
+    """Inputs the config's normalisation would take wrongly without a word: each is a
+    LargeImageError naming the flag that fixes it (or the conversion to make)."""
+    from types import SimpleNamespace
+
+    from xcit_mm.apis.large_image import LargeImageError, model_rows
+    source = SimpleNamespace(bands=bands, dtype=np.dtype(dtype), path='in.tif')
+    with pytest.raises(LargeImageError) as error:
+        model_rows(source, **options)
+    assert words in str(error.value)
+    gray = np.arange(12, dtype=np.uint8).reshape(2, 6, 1)  # a one-channel config takes it as is
+    source = SimpleNamespace(bands=1, dtype=gray.dtype, read_rows=lambda start, stop: gray)
+    np.testing.assert_array_equal(model_rows(source, channels=1)(0, 2), gray)
 
 
 # -- the writer ------------------------------------------------------------------------------
@@ -290,6 +326,10 @@ def _bad_input(kind, tmp_path, monkeypatch):
         return path, [], ['not an image', path]
     if kind == 'missing':
         return str(tmp_path / 'nowhere.tif'), [], ['image not found']
+    if kind == 'broken_header':  # TIFF's magic, then bytes that are no header
+        with open(path, 'wb') as f:
+            f.write(b'II*\x00' + bytes(range(256)) * 4)
+        return path, [], ['corrupt or truncated TIFF', path]
     if kind in ('truncated', 'corrupt_tile'):
         tifffile.imwrite(path, img[:, :, :3], tile=(64, 64), compression='zlib',
                          photometric='rgb')
@@ -336,8 +376,8 @@ def _bad_input(kind, tmp_path, monkeypatch):
     raise AssertionError(kind)
 
 
-BEFORE_THE_MODEL = ['not_an_image', 'missing', 'truncated', '1_band', '2_band', '4_band',
-                    'gray_flag_on_4_band', '16_bit', 'output_folder_missing']
+BEFORE_THE_MODEL = ['not_an_image', 'missing', 'broken_header', 'truncated', '1_band', '2_band',
+                    '4_band', 'gray_flag_on_4_band', '16_bit', 'output_folder_missing']
 DURING_THE_STREAM = ['corrupt_tile', 'disk_full', 'budget_below_minimum', 'interrupted']
 
 

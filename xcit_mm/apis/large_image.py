@@ -3,10 +3,10 @@
 (``tools/segment_large_image.py``, docs/gigapixel.md). ``tifffile`` is imported inside the
 functions, not by ``import xcit_mm``."""
 import errno
+import functools
 import math
 import os
 import os.path as osp
-from collections import OrderedDict
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -74,8 +74,6 @@ class _TiffSource(_Source):
     """A TIFF read by windows of rows, decoding only the tiles (or strips) a window touches; the
     last decoded tile rows are kept, since consecutive bands with their halos share them."""
 
-    _CACHED_TILE_ROWS = 4
-
     def __init__(self, path: str):
         import tifffile
         self.path = path
@@ -104,7 +102,7 @@ class _TiffSource(_Source):
             except ValueError:
                 raise LargeImageError(f'{path}: GDAL_NODATA tag {nodata.value!r} is not a '
                                       'number') from None
-        self._cache = OrderedDict()
+        self._tile_row = functools.lru_cache(maxsize=4 * len(self.pages))(self._decode_tile_row)
 
     def _image_pages(self, series, pages) -> list:
         """The pages of level 0 of the first image: one page, or one per channel (OME-TIFF's C
@@ -151,12 +149,8 @@ class _TiffSource(_Source):
         planes = int(page.samplesperpixel) if page.planarconfig == 2 else 1
         return th, tw, math.ceil(self.height / th), math.ceil(self.width / tw), planes
 
-    def _tile_row(self, p: int, ty: int) -> np.ndarray:
-        """Rows of segment row ``ty`` of page ``p``, all columns and samples, decoded."""
-        key = (p, ty)
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            return self._cache[key]
+    def _decode_tile_row(self, p: int, ty: int) -> np.ndarray:
+        """Rows of segment row ``ty`` of page ``p``, all columns and samples."""
         page = self.pages[p]
         th, tw, nty, ntx, planes = self._grid(page)
         rows = min(th, self.height - ty * th)
@@ -184,9 +178,6 @@ class _TiffSource(_Source):
                     out[:, x0:x0 + cols, plane] = segment[:rows, :cols, 0]
                 else:
                     out[:, x0:x0 + cols] = segment[:rows, :cols]
-        self._cache[key] = out
-        if len(self._cache) > self._CACHED_TILE_ROWS * len(self.pages):
-            self._cache.popitem(last=False)
         return out
 
     def _read(self, start: int, stop: int) -> np.ndarray:
