@@ -124,11 +124,9 @@ class TokenMaps:
 
 # ---------------------------------------------------------------------------- row maps
 class RowMap:
-    """Rows of a (B, C, height, width) map on demand, made by :meth:`_make` from its inputs' rows.
-
-    Bands move down the image, so a map read again (by a consumer with a halo, or by two) keeps
-    its rows from ``LOOKBACK`` rows above the last request and makes only new ones; a map read
-    once a row keeps nothing (:func:`stream_rows` decides), so a wide band is not held."""
+    """Rows of a (B, C, height, width) map on demand (:meth:`_make`). Bands move down the image: a
+    map read again keeps its rows from ``LOOKBACK`` rows above the last request and makes only
+    new ones; one read once a row (:func:`stream_rows` decides) keeps none, holding no wide band."""
 
     LOOKBACK = 2  # the consumers' halos differ by less; a request above it makes its rows again
     keeps = True
@@ -221,12 +219,10 @@ class Strided(RowMap):
 
 
 class Resize(RowMap):
-    """``F.interpolate(source, size, mode, align_corners)``, nearest or bilinear, by rows.
-
-    An integer factor resizes the band's source rows (one more each side) by the call itself: its
-    inner rows are the whole call's, bit for bit. Otherwise nearest copies the call's own source
-    rows; bilinear resizes the width alone and blends each row's two source rows with the
-    kernel's weights (``area_pixel_compute_source_index``)."""
+    """``F.interpolate(source, size, mode, align_corners)`` by rows. An integer factor resizes the
+    band's source rows, one more each side, by the call itself (bit for bit); else nearest copies
+    the call's own source rows, and bilinear resizes the width by the call and blends each row's
+    two source rows with the kernel's weights."""
 
     def __init__(self, source: RowMap, size: Sequence[int], mode: str = 'bilinear',
                  align_corners: Optional[bool] = None, interpolate_kwargs: Optional[dict] = None):

@@ -14,6 +14,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
 _NORM_EPS = 1e-12  # as F.normalize: the q / k column norms are clamped from below
+_OFFSETS = ((0, 0), (0, 1), (1, 0), (1, 1))  # (di, dj) of a 2x2 stride-2 transposed conv
 
 
 def xca_mixing(q: torch.Tensor, k: torch.Tensor, temperature: torch.Tensor,
@@ -257,10 +258,9 @@ def _up2_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     for top in range(0, H, rows):
         h = min(rows, H - top)
         block = tokens[:, top:top + h].reshape(B * h * W, C)
-        for di in range(2):
-            for dj in range(2):
-                y = torch.addmm(bias, block, weight[:, :, di, dj])
-                grid[:, :, top:top + h, di, :, dj] = y.view(B, h, W, -1).permute(0, 3, 1, 2)
+        for di, dj in _OFFSETS:
+            y = torch.addmm(bias, block, weight[:, :, di, dj])
+            grid[:, :, top:top + h, di, :, dj] = y.view(B, h, W, -1).permute(0, 3, 1, 2)
     return out
 
 
@@ -288,15 +288,13 @@ class _Up2Blockwise(torch.autograd.Function):
             h = min(rows, H - top)
             block = tokens[:, top:top + h].reshape(B * h * W, C) if needs[1] else None
             grad_block = None
-            for di in range(2):
-                for dj in range(2):
-                    g = grid[:, :, top:top + h, di, :, dj].permute(0, 2, 3, 1)
-                    g = g.reshape(-1, out_channels)
-                    if needs[0]:
-                        w = weight[:, :, di, dj].t()
-                        grad_block = g @ w if grad_block is None else grad_block.addmm_(g, w)
-                    if needs[1]:
-                        grad_weight[di, dj].addmm_(block.t(), g)
+            for di, dj in _OFFSETS:
+                g = grid[:, :, top:top + h, di, :, dj].permute(0, 2, 3, 1).reshape(-1, out_channels)
+                if needs[0]:
+                    w = weight[:, :, di, dj].t()
+                    grad_block = g @ w if grad_block is None else grad_block.addmm_(g, w)
+                if needs[1]:
+                    grad_weight[di, dj].addmm_(block.t(), g)
             if needs[0]:
                 grad_tokens[:, top:top + h] = grad_block.view(B, h, W, C)
         grad_x = grad_tokens.permute(0, 3, 1, 2) if needs[0] else None  # channels-last
