@@ -3,12 +3,9 @@
     python benchmarks/peak_memory.py --out docs/results/whole_image_inference
     python benchmarks/peak_memory.py --report docs/results/whole_image_inference.json
 
-A point is (task, backbone, path, size): a model of :data:`CONFIGS` (random weights) run stock,
-lean, lean with ``band_mb`` (``bands``), streamed (``stream`` / ``stream-disk``: token maps in
-memory / on disk) or in ``mode='auto'`` within a budget (``auto``), on the whole image at full
-resolution. On the CPU each point runs in a process of its own (a process keeps the heap its
-earlier calls grew); on CUDA the peak counters are reset per call, so a process runs a series.
-Method and figures: docs/benchmark_high_resolution.md, benchmark_gpu.md, benchmark_gigapixel.md.
+A point is (task, backbone, path, size), random weights. A CPU point runs in a process of its own
+(a process keeps the heap its earlier calls grew); on CUDA one process runs a series. Method and
+paths: docs/benchmark_high_resolution.md, benchmark_gpu.md, benchmark_gigapixel.md.
 """
 import argparse
 import contextlib
@@ -76,9 +73,8 @@ def resolve_config(config: str) -> str:
 
 
 def build_cfg(point: dict):
-    """The config of a series: its path's model, random weights, a full-resolution test
-    pipeline, and for a detector the XCiT config's test settings with ``score_thr=0`` (exactly
-    100 detections: the same RoI-head work for every backbone)."""
+    """The config of a series: its path's model, random weights, a full-resolution pipeline; a
+    detector gets the XCiT config's test settings, ``score_thr=0``: the same RoI work for all."""
     from mmengine.config import ConfigDict
     from xcit_benchmark.whole_model import drop_pretrained, load_whole_config
     cfg = load_whole_config(resolve_config(point['config']))
@@ -111,8 +107,7 @@ def build_cfg(point: dict):
 
 
 def output_digest(task: str, result) -> dict:
-    """A sha256 prefix of the output (equal digests: identical outputs), with its shape and the
-    label sum (segmentor) or the detections and mask pixels (detector)."""
+    """A sha256 prefix of the output (equal digests: identical outputs), its shape and sums."""
     import torch
     digest = hashlib.sha256()
 
@@ -138,7 +133,7 @@ def output_digest(task: str, result) -> dict:
 
 class PartMeter:
     """Peak RSS growth while each method of :data:`PARTS` runs (``--parts``): each part's start
-    and end fold the peak so far into the overall one and each open part's, then reset it."""
+    and end fold the peak so far into every open part's, then reset it."""
 
     def __init__(self, model):
         from xcit_mm.models.utils.memory_budget import peak_rss_mb, reset_peak_rss, rss_mb
@@ -244,8 +239,8 @@ def device_info(device: str) -> dict:
 
 
 def child(spec: dict, out=None) -> None:
-    """Build the series' model once, warm it up, then measure its points in order: a line per
-    point on ``out`` (stdout; every other print goes to stderr)."""
+    """Build the series' model once, warm it up, then measure its points in order: a row per
+    point on ``out`` (every other print goes to stderr)."""
     import numpy as np
     import torch
     from mmengine.utils import import_modules_from_strings
@@ -275,8 +270,8 @@ def child(spec: dict, out=None) -> None:
 
 # ---------------------------------------------------------------------------- the parent
 def why_not(previous, point: dict, deadline: float, limit_mb=None) -> dict:
-    """``{}`` to run ``point``, else its skipped row's fields: the budget is spent, or
-    :func:`skip_reason` (a budget point does not depend on the one before)."""
+    """``{}`` to run ``point``, else its skipped row's fields (a budget point does not depend on
+    the one before)."""
     if time.time() > deadline:
         return dict(status='skipped', note='not run: the budget was spent')
     why = skip_reason(None if point['path'] == 'auto' else previous, point['size'], limit_mb)
@@ -284,10 +279,9 @@ def why_not(previous, point: dict, deadline: float, limit_mb=None) -> dict:
 
 
 def skip_reason(previous, size: int, limit_mb) -> dict:
-    """``{}`` to run the point of ``size``, else why not (``note``, ``extrapolated_mb``), from
-    its series' previous point: after one that did not finish larger sizes cannot fit either;
-    and memory grows at least linearly with the pixels, so the previous RSS before the call
-    plus its growth times the pixel ratio is a lower bound of the peak RSS."""
+    """``{}`` to run the point of ``size``, else why not, from its series' previous point: after
+    one that did not finish larger sizes cannot fit either; memory grows at least linearly with
+    the pixels, so the previous RSS plus its growth times the pixel ratio bounds the peak."""
     if previous is None:
         return {}
     if previous['status'] != 'ok':
@@ -313,8 +307,8 @@ def series_key(row: dict) -> tuple:
 
 
 def plan(args, configs: dict) -> list:
-    """The points in the order they run: size by size (smallest first), so that each series has
-    run its smaller sizes before; then the budget points in the order given."""
+    """The points in the order they run: size by size (each series' smaller sizes first), then
+    the budget points in the order given."""
     extra = {} if args.pipeline == 'full' else dict(pipeline=args.pipeline)
     if args.device != 'cpu':
         extra['device'] = args.device
@@ -334,8 +328,7 @@ def plan(args, configs: dict) -> list:
 
 
 def groups(points: list, device: str) -> list:
-    """The points of each child: one on the CPU; on CUDA a series, a (task, backbone)'s series
-    one after the other, in the order of the command line."""
+    """The points of each child: one on the CPU; on CUDA a series, in command-line order."""
     if device == 'cpu':
         return [[p] for p in points]
     keys = list(dict.fromkeys(series_key(p) for p in points))
@@ -420,8 +413,8 @@ def write(out, meta: dict, rows: list) -> None:
 
 
 def kept_rows(args, points: list):
-    """With ``--update``: the rows of the artifact at ``--out`` this run does not measure (each
-    with the revision that measured it), and the commands and notes of the runs that did."""
+    """With ``--update``: the rows at ``--out`` this run does not measure (with the revision that
+    measured them), and the commands and notes of the runs that did."""
     if not args.update:
         return [], {}
     artifact = load_artifact(args.out + '.json')
@@ -499,8 +492,7 @@ def agreement(rows: list, cuda: bool) -> str:
 
 
 def per_megapixel(grid: list, series: list) -> list:
-    """The lines of a table of time per megapixel (s / 2^20 px), a column per series, and the
-    stream's over the bands' where both ran."""
+    """A table of time per megapixel, a column per series, and the stream's over the bands'."""
     def rate(row):
         return row['time_s'] / (row['size'] ** 2 / 2**20) if row and row['status'] == 'ok' else None
 
@@ -519,8 +511,8 @@ def per_megapixel(grid: list, series: list) -> list:
 
 
 def markdown(artifact: dict) -> str:
-    """A table per task (a row per size, a column per backbone and path), which outputs agree,
-    the budget points, and the machine."""
+    """A table per task (a row per size, a column per series), which outputs agree, the budget
+    points, and the machine."""
     rows, meta = artifact['rows'], artifact.get('meta', {})
     cuda = any('max_reserved_mb' in r for r in rows)
     paths = (('lean', 'stock') if cuda else ('stock', 'lean', 'bands')) + ('stream', 'stream-disk')
@@ -569,9 +561,9 @@ def markdown(artifact: dict) -> str:
 
 
 def plot(artifact: dict, png: str) -> None:
-    """Peak memory and time against the image size (log-log), a row per task: a colour per
-    backbone, solid lean under dashed stock (equal figures show both); points over the limit
-    drawn at it, side by side; the budget points as their budget (-) and peak (v)."""
+    """Peak memory and time against the image size (log-log), a row per task, a colour per
+    backbone, a line style per path; points over the limit drawn at it, budget points as (-) and
+    their peak (v)."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from background import background_process
+from background import background_once
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path.insert(0, osp.join(ROOT, 'benchmarks'))
@@ -66,14 +66,14 @@ def small(tmp_path_factory):
 @pytest.fixture(scope='module', autouse=True)
 def script_run(tmp_path_factory):
     """``peak_memory.py`` end to end from another directory: one point of the small Semantic
-    FPN in a fresh child process, on the other core while the other tests run."""
-    out_dir = tmp_path_factory.mktemp('script')
-    config = _write_small(str(out_dir), 'segmentor')
-    cmd = [sys.executable, osp.join(ROOT, 'benchmarks', 'peak_memory.py'), '--tasks',
-           'segmentor', '--backbones', 'xcit', '--paths', 'lean', '--sizes', '64', '--config',
-           f'segmentor:xcit={config}', '--out', str(out_dir / 'run'), '--limit-gb', '8']
-    with background_process(cmd, out_dir, cwd=str(out_dir)) as proc:
-        yield proc, out_dir, config
+    FPN in a fresh child process (once per session), while the other tests run."""
+    def cmd(out_dir):
+        config = _write_small(str(out_dir), 'segmentor')
+        return [sys.executable, osp.join(ROOT, 'benchmarks', 'peak_memory.py'), '--tasks',
+                'segmentor', '--backbones', 'xcit', '--paths', 'lean', '--sizes', '64',
+                '--config', f'segmentor:xcit={config}', '--out', str(out_dir / 'run'),
+                '--limit-gb', '8']
+    return background_once(tmp_path_factory, 'peak_memory_script', cmd, timeout=300)
 
 
 def test_skip_reason_extrapolates_by_the_pixels_and_stops_after_a_failure():
@@ -392,8 +392,9 @@ def test_tiled_accuracy_script_names_its_variants_and_rejects_bad_tiles(capsys):
 
 
 def test_script_runs_a_point_in_a_fresh_process_and_writes_the_artifact(script_run):
-    proc, out_dir, config = script_run
-    assert proc.wait(timeout=300) == 0, (out_dir / 'stderr.txt').read_text()[-3000:]
+    status, out_dir = script_run()
+    assert status == 0, (out_dir / 'stderr.txt').read_text()[-3000:]
+    config = osp.join(str(out_dir), 'small_segmentor.py')
     with open(out_dir / 'run.csv') as f:
         (row,) = list(csv.DictReader(f))
     assert list(row) == ['task', 'backbone', 'path', 'size', 'status', 'peak_growth_mb',

@@ -1,12 +1,8 @@
 """``--whole-model CONFIG ...``: a whole detector / segmentor, train step or inference, by part.
 
-Each config runs in a fresh process (random weights, SyncBN -> BN, CPU) on synthetic images. The
-heads' work depends on the model's detections, so every config gets the first config's detector
-settings, keeps exactly ``detections`` boxes and the same AdamW, and the work is counted. Times
-come from steps under glibc's default malloc (as training runs), peaks from as many more under
-the 64 KiB mmap threshold (the RSS follows the live tensors); wrappers cut each step at the parts.
-Rounds are interleaved; a figure is the median over the rounds, a ratio the median (min-max) of
-the per-round ratios.
+Each config runs in a fresh process per round (random weights, SyncBN -> BN) on synthetic images,
+with the first config's detector settings (the heads' work depends on the detections). Method:
+docs/benchmark_whole_model.md.
 """
 import copy
 import gc
@@ -36,7 +32,7 @@ class WholeModelError(ValueError):
 
 
 def check_config_path(config: str) -> None:
-    """A usage error before any process starts: a missing file or an unknown package prefix."""
+    """A usage error before any process starts: a missing file or an unknown prefix."""
     scope, sep, rel = config.partition('::')
     if sep and (scope not in SCOPES or not rel):
         raise WholeModelError(f'config {config!r}: the prefix must be mmdet:: or mmseg::')
@@ -81,7 +77,7 @@ def adamw_kernel_flags(cfg) -> dict:
 
 
 def work_settings(config: str, detections: int = 100) -> dict:
-    """What every config of a comparison shares, read from the subject's ``config``."""
+    """What every config of a comparison shares, from the subject's ``config``."""
     cfg = load_whole_config(config)
     model = cfg.get('model', None) or {}
     two_stage = all(key in model for key in ('roi_head', 'train_cfg', 'test_cfg'))
@@ -185,8 +181,8 @@ def count_rois(model) -> dict:
 
 
 def worker_main(cfg: dict) -> dict:
-    """Measure one config in this fresh process (``cfg``: config, height, width, batch, mode,
-    repeats, threads, mem_pass 'live' or 'process', work)."""
+    """Measure one config in this fresh process: times under glibc's default malloc (as training
+    runs), then peaks under the 64 KiB mmap threshold (``mem_pass='live'``)."""
     set_threads(cfg.get('threads'))
     torch.manual_seed(0)
     model, task, adamw_flags = build_whole_model(cfg['config'], cfg.get('work'))
@@ -296,8 +292,8 @@ def run_whole_models(configs: Sequence[str], mode: str, height: int, width: int,
                      cpu_mem_mode: str = 'process', limit_bytes: float = 8 * 2 ** 30,
                      timeout_s: float = 1800., log: Optional[Callable[[str], None]] = None,
                      rounds: int = 1, work: Optional[dict] = None) -> List[dict]:
-    """A record per config (a fresh process per config and round; not measured again after a
-    failure); ``per_round`` keeps each round's figures, position and load."""
+    """A record per config (a fresh process per config and round, none after a failure);
+    ``per_round`` keeps each round's figures, position and load."""
     n, log = len(configs), log or (lambda message: None)
     per_round: List[List[dict]] = [[] for _ in configs]
     for r in range(rounds):
@@ -333,7 +329,7 @@ def run_whole_models(configs: Sequence[str], mode: str, height: int, width: int,
 
 def whole_model_ratios(records: Sequence[dict]) -> List[dict]:
     """Subject (the first record) / each baseline: median, min, max of the per-round ratios of
-    step time and peak over the rounds both were ok in, and each part's median time ratio."""
+    step time and peak over the rounds both were ok in; each part's median time ratio."""
     if len(records) < 2:
         return []
     subject, rows = records[0], []
@@ -363,8 +359,8 @@ def whole_model_ratios(records: Sequence[dict]) -> List[dict]:
 
 def write_whole_outputs(records: Sequence[dict], meta: dict, out_dir: str,
                         name: str) -> List[str]:
-    """``<name>.json`` (``{"meta", "records"}``) and ``<name>.csv``: a row per record, the parts
-    as ``<part>_ms`` / ``<part>_peak_mb`` columns, the rounds' range as ``*_min`` / ``*_max``."""
+    """``<name>.json`` and ``<name>.csv``: a row per record, the parts as ``<part>_ms`` /
+    ``<part>_peak_mb`` columns, the rounds' range as ``*_min`` / ``*_max``."""
     rows = []
     for r in records:
         row = {k: v for k, v in r.items() if k not in ('parts', 'times_ms', 'per_round',
