@@ -52,9 +52,9 @@ def download_checkpoint(url: str) -> str:
     if failure is not None or not osp.isfile(cached):
         cause = (f'{type(failure).__name__}: {str(failure)[:300]}' if failure is not None else
                  f'local rank 0 did not download it to {cached} (its own error says why)')
-        raise CheckpointError(f'Cannot download checkpoint {url}: {cause}. Check the URL and the '
-                              f'network, or download it yourself and pass the local file.'
-                              ) from failure
+        raise CheckpointError(
+            f'Cannot download checkpoint {url}: {cause}. Check the URL and the network, or '
+            f'download it yourself and pass the local file.') from failure
     return cached
 
 
@@ -169,7 +169,7 @@ def _resolve_and_read(path: str, what: str, weights_only: bool = True, map_locat
                 f'or corrupt ({type(e).__name__}: {first}). A checkpoint cut short while being '
                 f'written (a killed job, a full disk) looks like this: use an earlier '
                 f'checkpoint, or copy the file again.{fresh}') from e
-    elif looks_like_safetensors(head) or (named and len(head) <= 8):  # or one cut short
+    elif looks_like_safetensors(head) or (named and len(head) <= 8):  # or cut in its length
         checkpoint = read_safetensors(local, name, map_location, fresh)
     else:
         shown = head.decode('utf-8', 'replace').replace('\n', ' ').strip()
