@@ -1,10 +1,6 @@
 """The benchmark's data (docs/benchmark/goals_spec.json, checked by :func:`load_spec`): default
 models and resolutions, the project's goals, paper Table 1; and ``--goals``, which measures the
-points of the goal runs and evaluates the checks.
-
-A check's value is ``a / b`` ("ratio") or ``1 - a / b`` ("saving") of the metric of two points
-measured in ``mode``; every point a check names must be measured by a run of that mode.
-"""
+goal runs' points and evaluates the checks: ``a / b`` ("ratio") or ``1 - a / b`` ("saving")."""
 import json
 import os
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -27,7 +23,7 @@ class SpecError(ValueError):
 
 
 def validate_spec(spec: dict, path: str = '<spec>') -> dict:
-    """Check the layout of goals_spec.json; return ``spec``."""
+    """Check the layout of goals_spec.json (an error names the entry); return ``spec``."""
     def check(cond: bool, message: str):
         if not cond:
             raise SpecError(f'{path}: {message}')
@@ -45,22 +41,20 @@ def validate_spec(spec: dict, path: str = '<spec>') -> dict:
 
     for key in ('default_models', 'default_resolutions', 'goals', 'flops_report'):
         check(key in spec, f'missing key {key!r}')
+    for key in ('batch', 'precision', 'warmup', 'repeats', 'runs', 'checks'):
+        check(key in spec['goals'], f'missing key goals.{key}')
     for name in spec['default_models']:
         check_model(name, 'default_models')
     check(all(isinstance(r, int) and r >= 32 for r in spec['default_resolutions']),
           'default_resolutions must be integers >= 32')
-    goals = spec['goals']
-    for key in ('batch', 'precision', 'warmup', 'repeats', 'runs', 'checks'):
-        check(key in goals, f'missing key goals.{key}')
-    measured = set()
-    for i, run in enumerate(goals['runs']):
-        where = f'goals.runs[{i}]'
-        check(run.get('mode') in MODES, f'{where}.mode must be one of {MODES}')
-        check(isinstance(run.get('time'), bool), f'{where}.time must be true or false')
+    measured = set()  # (model, resolution, mode, timed) of every run's points
+    for i, run in enumerate(spec['goals']['runs']):
+        check(run.get('mode') in MODES, f'goals.runs[{i}].mode must be one of {MODES}')
+        check(isinstance(run.get('time'), bool), f'goals.runs[{i}].time must be true or false')
         for point in run.get('points', []):
-            check_point(point, f'{where}.points')
+            check_point(point, f'goals.runs[{i}].points')
             measured.add((point[0], point[1], run['mode'], run['time']))
-    for i, goal in enumerate(goals['checks']):
+    for i, goal in enumerate(spec['goals']['checks']):
         where = f'goals.checks[{i}]'
         for key, allowed in (('metric', METRICS), ('mode', MODES), ('value', VALUE_KINDS),
                              ('op', OPS)):
@@ -68,11 +62,12 @@ def validate_spec(spec: dict, path: str = '<spec>') -> dict:
         check(isinstance(goal.get('goal'), str), f'{where}.goal must be a string')
         check(isinstance(goal.get('threshold'), (int, float)),
               f'{where}.threshold must be a number')
+        timed = goal['metric'] == 'ms_per_img'
         for side in ('a', 'b'):
             check_point(goal.get(side), f'{where}.{side}')
-            (name, res), timed = goal[side], goal['metric'] == 'ms_per_img'
-            check(any(m[:3] == (name, res, goal['mode']) and (m[3] or not timed)
-                      for m in measured),
+            name, res = goal[side]
+            check((name, res, goal['mode'], True) in measured
+                  or not timed and (name, res, goal['mode'], False) in measured,
                   f'{where}.{side}: {name}@{res} ({goal["mode"]}) is measured by no run of '
                   'goals.runs' + (' with "time": true' if timed else ''))
     check(isinstance(spec['flops_report'].get('tolerance'), (int, float)),
