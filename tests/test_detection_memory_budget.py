@@ -82,6 +82,30 @@ def test_settings_defaults_and_build_time_check():
         MODELS.build(dict(cfg, type='LeanMaskRCNN'))
 
 
+def test_a_box_only_roi_head_runs_stock_whole_and_is_refused_tiles():
+    """Parts the lean RoI steps do not cover: whole runs them stock; tiles, which need them, are
+    refused at build and at predict, naming the parts."""
+    cfg = _model_cfg()
+    cfg.roi_head.mask_head = cfg.roi_head.mask_roi_extractor = None
+    torch.manual_seed(0)
+    stock = MODELS.build(dict(cfg, type='MaskRCNN')).eval()
+    lean = MODELS.build(dict(cfg, type='LeanMaskRCNN')).eval()
+    lean.load_state_dict(stock.state_dict())
+    inputs = torch.randn(1, 3, 64, 96, generator=torch.Generator().manual_seed(5))
+    metas = [_meta((64, 96), (64, 96), (128, 192))]
+    expected, got = (_predict(m, inputs, metas)[0].pred_instances for m in (stock, lean))
+    assert len(expected) == MAX_DETS and 'masks' not in expected
+    for key in ('bboxes', 'labels', 'scores'):
+        assert torch.equal(expected[key], got[key]), key
+    refused = (r"mode='tiles' / 'auto' need mmdet's StandardRoIHead with an FCNMaskHead "
+               r"\(.*\), got StandardRoIHead / NoneType; use mode='whole'")
+    lean.test_cfg['mode'] = 'tiles'
+    with pytest.raises(ValueError, match=refused):
+        _predict(lean, inputs, metas)
+    with pytest.raises(ValueError, match=refused):
+        MODELS.build(dict(cfg, type='LeanMaskRCNN', test_cfg=lean.test_cfg))
+
+
 # ---------------------------------------------------------------------- tile grid
 @pytest.mark.parametrize('img_hw,input_hw,tile_hw,overlap', [
     ((300, 410), (320, 416), (128, 128), 32), ((1000, 1000), (1024, 1024), (512, 384), 100),
@@ -402,9 +426,9 @@ def test_calibrated_line_has_the_first_stage_slope_and_the_roi_stage_in_its_base
     assert 'RoI branch: 48 MB more' in logged[-1]
 
 
-# ---------------------------------------------------------------------- the budget, measured
-CHILD = r'''
-import json, logging, math, sys, torch
+# ---------------------------------------------------------------------- peaks, measured
+CHILD = r"""
+import copy, json, logging, math, sys, torch
 sys.path.insert(0, 'tests')
 from mmengine.logging import MMLogger
 from test_lean_detection import _meta, _model_cfg, _samples
@@ -412,33 +436,59 @@ from mmdet.registry import MODELS
 from xcit_mm.models.utils.memory_budget import measure_peak_growth_mb
 MMLogger.get_current_instance().setLevel(logging.WARNING)
 torch.set_num_threads(1)
-size, ori = 2048, 1024  # network scale, original: masks small next to the network's maps
-cfg = _model_cfg()
+base_cfg = _model_cfg()
+# 1. auto at the tightest budget of each plan (its own estimate), the line calibrated first
+size, ori = 1536, 768  # network scale, original: masks small next to the network's maps
+cfg = copy.deepcopy(base_cfg)
 cfg.test_cfg.rcnn.max_per_img = 5
-cfg.test_cfg.update(mode='auto', max_memory=10**6, tile_size=768, tile_overlap=64)
+cfg.test_cfg.update(mode='auto', max_memory=10**6, tile_size=640, tile_overlap=64)
 torch.manual_seed(0)
 model = MODELS.build(dict(cfg, type='LeanMaskRCNN')).eval()
 with torch.no_grad():  # calibrates the line
     model.predict(torch.randn(1, 3, 64, 64), _samples([_meta((64, 64), (64, 64), (64, 64))]))
 inputs = torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(1))
 metas = [_meta((size, size), (size, size), (ori, ori))]
-plans = model.memory_plans(inputs, _samples(metas))
 rows = []
-for plan in plans:  # the tightest budget that admits each plan: its own estimate
+for plan in model.memory_plans(inputs, _samples(metas)):
     model.test_cfg.max_memory = math.ceil(plan.estimate_mb)
     with torch.no_grad():
         peak = measure_peak_growth_mb(lambda: model.predict(inputs, _samples(metas)))
     chosen = model.last_memory_plan
     rows.append(dict(budget=model.test_cfg.max_memory, plan=chosen.name, detail=chosen.detail,
                      estimate_mb=chosen.estimate_mb, peak_mb=peak))
-print(json.dumps(dict(line=list(model.calibrated_memory_model), rows=rows)))
-'''
+line = list(model.calibrated_memory_model)
+del model, inputs
+# 2. features and the RPN's convs, whole vs bands of 4 MB (mmdet's top-k of proposals left out)
+size = 1024
+cfg = copy.deepcopy(base_cfg)
+cfg.neck.out_channels = 128  # the stride-4 maps (not the patch embedding) set the peak
+cfg.rpn_head.update(in_channels=128, feat_channels=128)
+torch.manual_seed(0)
+model = MODELS.build(dict(cfg, type='LeanMaskRCNN')).eval()
+model.rpn_head.predict_by_feat = lambda *args, **kwargs: None  # the maps, not mmdet's top-k
+inputs = torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(1))
+meta = _meta((size, size), (size, size), (size, size))
+bands = {}
+with torch.no_grad():
+    model._features_and_proposals(inputs[..., :256, :256], _meta(*[(256, 256)] * 3))  # warm-up
+    for band_mb in (None, 4):
+        model.test_cfg.band_mb = band_mb
+        bands[str(band_mb)] = measure_peak_growth_mb(
+            lambda: model._features_and_proposals(inputs, meta))
+print(json.dumps(dict(line=line, rows=rows, bands=bands)))
+"""
 
 
-def test_measured_peak_stays_within_two_budgets_that_pick_different_plans():
-    """A fresh process (malloc returning freed memory at once, so the resident set follows the
-    live tensors): auto at the tightest budget of each plan on a 2048 x 2048 input, the peak
-    growth of ``predict`` measured; the estimate's error is printed."""
+def test_measured_peaks_stay_within_the_budgets_and_the_bands():
+    """One fresh process (malloc returning freed memory at once, so the resident set follows the
+    live tensors), two independent measurements, each with its own model and warm-up.
+
+    Budgets: auto at the tightest budget of each plan on a 1536 x 1536 input, the peak growth of
+    ``predict`` measured (the estimate's error is printed). Bands: the peak growth of features
+    and the RPN's convs at 1024 x 1024, whole vs bands of 4 MB. Whole holds, besides the FPN's
+    outputs, the stride-4 lateral map or the RPN conv's map (each the size of the FPN's level 0);
+    bands hold the outputs and less than one such map.
+    """
     report = run_fresh(CHILD)
     rows = report['rows']
     print('line (base MB, MB per megapixel):', report['line'])
@@ -446,7 +496,17 @@ def test_measured_peak_stays_within_two_budgets_that_pick_different_plans():
         row['error_pct'] = round(100 * (row['peak_mb'] - row['estimate_mb']) / row['estimate_mb'])
         print(json.dumps(row))
     assert [row['plan'] for row in rows] == ['whole', 'tiles']
+    assert rows[0]['detail'] == '1536x1536'
+    assert rows[1]['detail'] == '3x3 tiles of 640x640 px, overlap 64 px'
     assert rows[1]['budget'] < rows[0]['estimate_mb']  # the whole image did not fit
     for row in rows:
         assert row['peak_mb'] <= row['budget'], row
     assert rows[1]['peak_mb'] < rows[0]['peak_mb'] / 2, rows
+
+    bands = report['bands']
+    print(bands)
+    # the FPN's 5 levels of 128 channels (stride 4 to 64) at 1024 x 1024, float32
+    level_mb = [128 * (1024 // stride)**2 * 4 / 2**20 for stride in (4, 8, 16, 32, 64)]
+    maps_mb, level0_mb = sum(level_mb), level_mb[0]
+    assert bands['4'] < maps_mb + level0_mb, (bands, maps_mb)
+    assert bands['None'] > maps_mb + 1.5 * level0_mb, (bands, maps_mb)

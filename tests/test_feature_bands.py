@@ -3,7 +3,8 @@
 Expected values come from the whole-tensor paths: ``XCiTBackbone.forward_level`` for a band's
 rows, mmdet's ``FPN`` on ``XCiTBackbone``'s levels for the banded FPN, and mmdet's stock
 ``MaskRCNN.predict`` on the same weights for the detections. A band's convolutions have other
-sizes than the whole map's, so values agree up to float rounding, not bit for bit.
+sizes than the whole map's, so values agree up to float rounding, not bit for bit. The memory the
+bands save is measured in ``test_detection_memory_budget.py`` (one fresh process for two peaks).
 """
 import os.path as osp
 import sys
@@ -21,7 +22,6 @@ from xcit_mm.models.inference.fpn_data_flow import fpn_in_data_flow_order
 from xcit_mm.models.inference.row_stream import TensorRows, conv_halo
 
 sys.path.insert(0, osp.dirname(osp.abspath(__file__)))
-from fresh_process import run_fresh  # noqa: E402
 from test_lean_detection import _meta, _pair, _predict  # noqa: E402
 
 
@@ -160,46 +160,3 @@ def test_parts_that_cannot_run_in_bands_are_an_error(part, change, message, monk
     with pytest.raises(ValueError, match=message) as error:
         MODELS.build(dict(cfg, type='LeanMaskRCNN'))
     assert 'remove band_mb' in str(error.value)
-
-
-CHILD = r'''
-import json, sys, torch
-sys.path.insert(0, 'tests')
-from test_lean_detection import _meta, _model_cfg
-from mmdet.registry import MODELS
-from xcit_mm.models.utils.memory_budget import measure_peak_growth_mb
-torch.set_num_threads(1)
-size = 1536
-cfg = _model_cfg()
-cfg.neck.out_channels = 128  # the stride-4 maps (not the patch embedding) set the peak
-cfg.rpn_head.update(in_channels=128, feat_channels=128)
-torch.manual_seed(0)
-model = MODELS.build(dict(cfg, type='LeanMaskRCNN')).eval()
-model.rpn_head.predict_by_feat = lambda *args, **kwargs: None  # the maps, not mmdet's top-k
-inputs = torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(1))
-meta = _meta((size, size), (size, size), (size, size))
-small = _meta((256, 256), (256, 256), (256, 256))
-report = {}
-with torch.no_grad():
-    model._features_and_proposals(inputs[..., :256, :256], small)  # warm-up
-    for band_mb in (None, 4):
-        model.test_cfg.band_mb = band_mb
-        report[str(band_mb)] = measure_peak_growth_mb(
-            lambda: model._features_and_proposals(inputs, meta))
-    maps = model._lean_extract_feat(inputs)
-report['maps_mb'] = sum(m.numel() * m.element_size() for m in maps) / 2**20
-report['level0_mb'] = maps[0].numel() * maps[0].element_size() / 2**20
-print(json.dumps(report))
-'''
-
-
-def test_bands_hold_the_fpn_outputs_and_little_more():
-    """A fresh process (malloc returning freed memory at once): the peak growth of features and
-    the RPN's convs at 1536 x 1536 (mmdet's top-k of the proposals left out), whole vs bands of
-    4 MB. Whole holds, besides the FPN's outputs, the stride-4 lateral map or the RPN conv's map
-    (each the size of the FPN's level 0); bands hold the outputs and less than one such map."""
-    report = run_fresh(CHILD)
-    print(report)
-    maps_mb, level0_mb = report['maps_mb'], report['level0_mb']
-    assert report['4'] < maps_mb + level0_mb, report
-    assert report['None'] > maps_mb + 1.5 * level0_mb, report

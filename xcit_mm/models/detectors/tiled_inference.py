@@ -6,7 +6,6 @@ besides the network's line.
 import math
 from typing import List, NamedTuple, Sequence, Tuple
 
-import torch
 import torch.nn.functional as F
 from mmcv.ops import batched_nms
 from mmengine.structures import InstanceData
@@ -97,16 +96,10 @@ def image_meta(img_hw: Sequence[int], input_hw: Sequence[int]) -> dict:
 def touches_cut_edge(bboxes: Tensor, tile: Tile, margin: float = EDGE_MARGIN) -> Tensor:
     """Which boxes (tile coordinates) touch a side of ``tile`` inside the image: their object may
     be cut there, and seen whole by a neighbouring tile."""
-    cut = torch.zeros(bboxes.shape[0], dtype=torch.bool, device=bboxes.device)
-    if tile.cut_left:
-        cut |= bboxes[:, 0] <= margin
-    if tile.cut_top:
-        cut |= bboxes[:, 1] <= margin
-    if tile.cut_right:
-        cut |= bboxes[:, 2] >= tile.valid_w - margin
-    if tile.cut_bottom:
-        cut |= bboxes[:, 3] >= tile.valid_h - margin
-    return cut
+    x1, y1, x2, y2 = bboxes.unbind(1)
+    return ((x1 <= margin) & tile.cut_left | (y1 <= margin) & tile.cut_top
+            | (x2 >= tile.valid_w - margin) & tile.cut_right
+            | (y2 >= tile.valid_h - margin) & tile.cut_bottom)
 
 
 # ---------------------------------------------------------------------- merge
