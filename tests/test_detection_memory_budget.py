@@ -19,6 +19,7 @@ from mmengine.structures import InstanceData
 import xcit_mm  # noqa: F401  (registers XCiTBackbone and LeanMaskRCNN)
 from fresh_process import run_fresh
 from mmdet.registry import MODELS
+from mmdet.structures import DetDataSample
 from test_lean_detection import (MAX_DETS, SIZES, _assert_same, _meta, _model_cfg, _pair,
                                  _predict)
 from xcit_mm.models.detectors import tiled_inference as tiling
@@ -377,6 +378,24 @@ def test_auto_runs_whole_when_the_estimate_fits_else_tiles_and_logs_it(
     monkeypatch.setitem(lean.test_cfg, 'max_memory', math.floor(tile_mb))
     with pytest.raises(MemoryBudgetError, match=f'to at least {tile_mb:.0f} or'):
         _predict(lean, inputs, metas)
+
+
+def test_a_flat_line_leaves_the_masks_estimate_at_the_size_they_are_pasted_at(pair, monkeypatch):
+    """The masks' part by hand: the base, 50 boolean masks of the pasted size, one mask's
+    13 bytes a pixel of pasting, the logits (50 x 10 classes x 28 x 28 floats) twice; pasted at
+    the original size with ``rescale``, else at network scale."""
+    _, lean = pair
+    for key, value in dict(mode='auto', max_memory=10**6, tile_size=128, tile_overlap=32,
+                           memory_model=dict(base_mb=10, mb_per_mpix=0)).items():
+        monkeypatch.setitem(lean.test_cfg, key, value)
+    inputs = torch.zeros(1, 3, 256, 256)
+    samples = [DetDataSample(metainfo=_meta((256, 256), (256, 256), (512, 384)))]
+    held_mb = 9 * MAX_DETS * (16 + 4 + 8 + 1 + 4 * 28**2) / 2**20
+    for rescale, (h, w) in ((True, (512, 384)), (False, (256, 256))):
+        masks_mb = 10 + (MAX_DETS * h * w + 13 * h * w + 2 * MAX_DETS * 10 * 28**2 * 4) / 2**20
+        whole, tiles = lean.memory_plans(inputs, samples, rescale)
+        assert whole.estimate_mb == pytest.approx(masks_mb)
+        assert tiles.estimate_mb == pytest.approx(masks_mb + held_mb)
 
 
 def test_calibration_runs_once_per_model_on_the_first_auto_predict(pair, monkeypatch, logged):
