@@ -16,14 +16,15 @@ import functools
 import logging
 import os.path as osp
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
 from mmengine.config import Config
 from mmengine.hooks import Hook
-from mmengine.logging import MMLogger
-from mmengine.optim import build_optim_wrapper
+from mmengine.logging import MessageHub, MMLogger
+from mmengine.optim import OptimWrapperDict, build_optim_wrapper
 from mmengine.registry import MODELS, init_default_scope
 
 import xcit_mm  # noqa: F401  (registers the backbone, constructor and hook)
@@ -191,6 +192,27 @@ def test_other_paramwise_rules_still_apply_and_head_group_without_lr_mult_comes_
     # backbone.fpn1.0.weight is the first head parameter, but its group has lr_mult.
     assert wrapper.optimizer.param_groups[0]['lr'] == lr
     assert wrapper.optimizer.param_groups[0]['layer_depth'] == 13
+
+    # LayerDecayLrHook records each depth's plain lr (depths 5 and 13 also have lr_mult groups),
+    # under the wrapper's name in an OptimWrapperDict; nothing and a warning without depths.
+    hub = MessageHub.get_instance('test_layer_decay_hook')
+    for optim_wrapper, prefix in ((wrapper, ''), (OptimWrapperDict(det=wrapper), 'det.')):
+        runner = SimpleNamespace(optim_wrapper=optim_wrapper, message_hub=hub)
+        LayerDecayLrHook().before_train_iter(runner, 0)
+        for d in range(14):
+            assert hub.get_scalar(f'train/{prefix}depth_{d}_lr').current() == pytest.approx(
+                lr * 0.5**(13 - d), rel=1e-12), (prefix, d)
+    plain = build_optim_wrapper(nn.Linear(2, 2), dict(optimizer=dict(type='SGD', lr=0.1)))
+    runner = SimpleNamespace(optim_wrapper=plain, message_hub=MessageHub.get_instance('plain'))
+    logger, records = MMLogger.get_current_instance(), _Records()
+    logger.addHandler(records)
+    try:
+        LayerDecayLrHook().before_train(runner)
+        LayerDecayLrHook().before_train_iter(runner, 0)
+    finally:
+        logger.removeHandler(records)
+    assert [m for m in records.messages if 'no param group has a layer depth' in m]
+    assert not runner.message_hub.log_scalars
 
 
 @pytest.mark.parametrize('paramwise_cfg,error,pattern', [

@@ -218,12 +218,20 @@ def test_bad_inputs_are_one_error_line(onnx_tool, onnx_packages, tmp_path, capsy
 BLOCK_ONNX = r'''
 import sys
 class Block:
+    blocked = {'onnx', 'onnxruntime'}
     def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('onnx', 'onnxruntime'):
+        if name.split('.')[0] in self.blocked:
             raise ImportError(f'blocked {name}')
-sys.meta_path.insert(0, Block())
+block = Block()
+sys.meta_path.insert(0, block)
 import xcit_mm, xcit_mm.apis, xcit_mm.deployment
 from xcit_mm.deployment import check_onnx_runtime
+try:
+    check_onnx_runtime()
+except ImportError as e:
+    print('@@', e)
+block.blocked.discard('onnx')  # onnx alone: enough for an export, not for --verify
+print('@@ export only:', check_onnx_runtime(need_runtime=False)[1])
 try:
     check_onnx_runtime()
 except ImportError as e:
@@ -253,3 +261,5 @@ def test_package_imports_without_onnx(blocked_import_run):
     stdout = (out_dir / 'stdout.txt').read_text()
     assert returncode == 0, (out_dir / 'stderr.txt').read_text()
     assert "@@ ONNX export needs the onnx package: pip install 'xcit_mm[onnx]'" in stdout
+    assert '@@ export only: None' in stdout
+    assert "@@ --verify needs onnxruntime: pip install 'xcit_mm[onnx]'" in stdout
