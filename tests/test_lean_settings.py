@@ -82,3 +82,20 @@ def test_test_cfg_is_read_once_and_again_after_each_change(kind, monkeypatch):
     _predict_any(model)  # stock predict with lean=False
     _predict_any(model)
     assert len(reads) == 1 and model.test_settings.lean is False
+
+
+def test_segmentor_window_defaults():
+    """mode='auto' without crop_size: the data preprocessor's size, else mmseg's usual 512 crop,
+    the stride two thirds of it (as mmseg's slide configs); mode='slide' needs both keys."""
+    from xcit_mm.models.inference.settings import SegmentorSettings
+    read = SegmentorSettings.from_cfg
+    auto = dict(mode='auto', max_memory=1000)
+    assert (read(auto).crop_size, read(auto).stride) == ((512, 512), (341, 341))
+    got = read(auto, default_crop=(90, 60))
+    assert (got.crop_size, got.stride) == ((90, 60), (60, 40))
+    got = read(dict(auto, crop_size=(64, 64), stride=(64, 32)))
+    assert (got.crop_size, got.stride) == ((64, 64), (64, 32))
+    with pytest.raises(ValueError, match=r'needs crop_size=\(h, w\).*got \(0, 5\)'):
+        read(dict(auto, crop_size=(0, 5)))
+    with pytest.raises(ValueError, match=r'needs stride=\(h, w\).*got None'):
+        read(dict(mode='slide', crop_size=(64, 64)))
