@@ -43,9 +43,10 @@ def agreement(model, size: int, device: str) -> dict:
         with TokenMaps(x.device) as maps:
             trunk = model.backbone.stream_trunk(lambda a, b: x[:, :, a:b], (size, size), maps,
                                                 model._stream_band_mb(None, 0))
-            streamed = materialize(logits_rows(model.backbone, getattr(model, 'neck', None),
-                                               model.decode_head, [TokenRows(m) for m in trunk],
-                                               (size, size)), model._stream_band_mb(None, 0))
+            levels = [model.backbone.level_rows(TokenRows(m), i, (size, size))
+                      for i, m in enumerate(trunk)]
+            streamed = materialize(logits_rows(levels, getattr(model, 'neck', None),
+                                               model.decode_head), model._stream_band_mb(None, 0))
         row['logits_max_abs_diff'] = float((streamed - logits).abs().max())
         row['logits_max_abs'] = float(logits.abs().max())
     return row
