@@ -143,24 +143,18 @@ class XCiTLayerDecayOptimizerConstructor(DefaultOptimWrapperConstructor):
                    num_layers: int) -> None:
         head = num_layers + 1
         where = f'{backbone_prefix}.' if backbone_prefix else ''
-
-        def part(depth):
-            if depth == 0:
-                return f'{where}patch_embed, {where}pos_embed'
-            if depth == head:
-                return 'after the trunk (adapter, neck, heads)'
-            return f'{where}layers.{depth - 1}'
-
+        parts = {0: f'{where}patch_embed, {where}pos_embed',
+                 head: 'after the trunk (adapter, neck, heads)'}
         rows = [('group', 'depth', 'part', 'lr scale', 'lr', 'weight decay', 'tensors',
                  'parameters')]
         for index, group in enumerate(groups):
-            wd = group.get('weight_decay')
-            rows.append((str(index), str(group[DEPTH_KEY]), part(group[DEPTH_KEY]),
-                         f'{self.decay_rate**(head - group[DEPTH_KEY]):.6g}',
-                         f'{group["lr"]:.4e}', 'optimizer default' if wd is None else f'{wd:g}',
+            depth, wd = group[DEPTH_KEY], group.get('weight_decay')
+            rows.append((str(index), str(depth), parts.get(depth, f'{where}layers.{depth - 1}'),
+                         f'{self.decay_rate**(head - depth):.6g}', f'{group["lr"]:.4e}',
+                         'optimizer default' if wd is None else f'{wd:g}',
                          str(len(group['params'])),
                          f'{sum(p.numel() for p in group["params"]):,}'))
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        widths = [max(map(len, column)) for column in zip(*rows)]
         lines = ['  '.join(cell.ljust(w) if i == 2 else cell.rjust(w)
                            for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
                  for row in rows]
