@@ -1,11 +1,9 @@
 #!/usr/bin/env python
 """CPU speed of GatherRoIAlign against mmcv's RoIAlign, forward and forward + backward.
 
-Each case is a RoI-pooling call of Mask R-CNN on its stride-4 level (boxes under 112 px): the
-shapes quick-start's box / mask branch and COCO's, on seeded inputs. Both implementations first
-run on the same inputs (their largest output and gradient difference is recorded), then are timed
-in interleaved rounds (xcit_benchmark.timing): medians, speedup = mmcv / gather.
-docs/benchmark_shapes.md.
+Each case is a RoI-pooling call of Mask R-CNN on its stride-4 level (the shapes quick-start's and
+COCO's), seeded; both run on the same inputs (their largest difference recorded), then timed in
+interleaved rounds. docs/benchmark_shapes.md.
 
 Examples::
 

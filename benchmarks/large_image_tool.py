@@ -3,10 +3,8 @@
     python benchmarks/large_image_tool.py --size 16384 --budgets none 3000 [--update] \
         --out docs/results/large_image_tool.json
 
-The input (made once in ``--work-dir``, tile by tile): a ``--size``² RGB BigTIFF of 512² deflate
-tiles, gradients with noise, GeoTIFF tags. The model: the paper's Semantic FPN XCiT-S12/16 ADE20k
-config with random weights. Each run is the tool in a fresh process: the kernel's peak RSS of it
-(``ru_maxrss``), the wall time.
+The input (made once in ``--work-dir``): a ``--size``² tiled RGB BigTIFF; the model: Semantic FPN
+XCiT-S12/16, random weights. Each run is the tool in a fresh process: its ``ru_maxrss``, its time.
 """
 import argparse
 import json

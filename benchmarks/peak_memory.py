@@ -21,9 +21,9 @@ import time
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path[:0] = [ROOT, osp.join(ROOT, 'benchmarks')]  # xcit_mm of this checkout; xcit_benchmark
-from xcit_benchmark.fresh_points import (LIVE_MALLOC, MIB, cpu_model, hooked,  # noqa: E402
-                                         measure, package_version, print_row, revision,
-                                         run_process, test_image, write_artifact)
+from xcit_benchmark.fresh_points import (LIVE_MALLOC, MIB, PartMeter, cpu_model,  # noqa: E402
+                                         hooked, measure, package_version, print_row,
+                                         revision, run_process, test_image, write_artifact)
 
 TASKS = ('segmentor', 'detector')
 BACKBONES = ('xcit', 'swin', 'vit', 'uper')
@@ -131,37 +131,15 @@ def output_digest(task: str, result) -> dict:
     return dict(digest=digest.hexdigest()[:16], **out)
 
 
-class PartMeter:
-    """Peak RSS growth while each method of :data:`PARTS` runs (``--parts``): each part's start
-    and end fold the peak so far into every open part's, then reset it."""
-
-    def __init__(self, model):
-        from xcit_mm.models.utils.memory_budget import peak_rss_mb, reset_peak_rss, rss_mb
-        self.rss, self.peak_rss, self.reset = rss_mb, peak_rss_mb, reset_peak_rss
-        self.base = self.peak = 0.0
-        self.parts, self.open = [], []
-        for label, where in PARTS:
-            path, _, method = where.rpartition('.')
-            obj = functools.reduce(getattr, filter(None, path.split('.')), model)
-            if hasattr(obj, method):
-                setattr(obj, method, self.wrap(getattr(obj, method), label))
-
-    def fold(self):
-        peak = self.peak_rss() - self.base
-        self.peak, self.open = max(self.peak, peak), [max(p, peak) for p in self.open]
-        self.reset()
-
-    def wrap(self, inner, label: str):
-        def wrapped(*args, **kwargs):
-            self.fold()
-            start = self.rss() - self.base
-            self.open.append(start)
-            out = inner(*args, **kwargs)
-            self.fold()
-            self.parts.append(dict(part=label, start_mb=round(start),
-                                   peak_mb=round(self.open.pop())))
-            return out
-        return wrapped
+def part_meter(model) -> PartMeter:
+    """A meter of the methods of :data:`PARTS` that ``model`` has (``--parts``)."""
+    meter = PartMeter()
+    for label, where in PARTS:
+        path, _, method = where.rpartition('.')
+        obj = functools.reduce(getattr, filter(None, path.split('.')), model)
+        if hasattr(obj, method):
+            setattr(obj, method, meter.wrap(getattr(obj, method), label))
+    return meter
 
 
 def measure_point(model, infer, point: dict, spec: dict) -> dict:
@@ -182,9 +160,9 @@ def measure_point(model, infer, point: dict, spec: dict) -> dict:
         in_use = (lambda: torch.cuda.memory_allocated(device) / MIB) if cuda else rss_mb
         model.test_cfg['max_memory'] = point['max_memory']
         model.predict = hooked(model.predict, before=lambda: at_predict.append(in_use()))
-    meter = PartMeter(model) if spec.get('parts') and task == 'detector' else None
+    meter = part_meter(model) if spec.get('parts') and task == 'detector' else None
     if meter:
-        call = hooked(call, before=lambda: setattr(meter, 'base', meter.rss()))
+        call = hooked(call, before=lambda: setattr(meter, 'base', rss_mb()))
     try:
         with torch.no_grad():
             result, growth, base, seconds = measure(call, device)

@@ -3,8 +3,7 @@ fit: the share of pixels whose label differs and the largest logit difference.
 
     python benchmarks/stream_agreement.py --device cuda --sizes 4096 8192 --out FILE.json
 
-Semantic FPN and UperNet with XCiT-S12/16 (the paper ADE20k configs, random weights), one seeded
-random image per size, both paths through ``LeanEncoderDecoder.predict`` on the same input.
+Semantic FPN and UperNet XCiT-S12/16 (random weights), one seeded image per size.
 """
 import argparse
 import json

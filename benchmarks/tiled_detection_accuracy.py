@@ -5,9 +5,8 @@
     python benchmarks/tiled_detection_accuracy.py configs/shapes/mask_rcnn_xcit_shapes_coco.py \
         work_dirs/shapes_det/iter_1200.pth --out docs/results/shapes_mask_rcnn_tiles
 
-Each variant is the config's own test (``Runner.test``, ``CocoMetric``) with ``model.test_cfg``
-updated: whole (stock's results bit for bit), bands (equal up to float rounding), tiles of each
-``--tiles SIZE:OVERLAP`` (network pixels: less context, objects larger than the overlap cut).
+Each variant is the config's own test (``Runner.test``) with ``model.test_cfg`` updated: whole,
+bands, tiles of each ``--tiles SIZE:OVERLAP`` (network pixels).
 """
 import argparse
 import json

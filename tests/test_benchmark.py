@@ -438,7 +438,7 @@ FRESH_SCRIPT = """
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from xcit_benchmark import runner, whole_model
+from xcit_benchmark import fresh_points, runner
 
 
 class KnownAllocation(torch.nn.Module):
@@ -459,7 +459,7 @@ worker = [runner.memory_worker(dict(
     model='resnet50', resolution=res, batch=1, mode='inference', precision='fp32',
     device='cpu', threads=1, mem_iters=2)) for res in (128, 256)]
 runner.build_model = real_build  # check_same_trunk builds the real port
-clock = whole_model.PartClock()
+clock = fresh_points.PartMeter()
 clock.start()
 clock.mark('trunk')
 x = torch.ones(48 * 2 ** 20 // 4)
@@ -468,7 +468,7 @@ clock.mark('neck')
 y = torch.ones(16 * 2 ** 20 // 4)
 clock.mark('heads')
 del y
-parts = clock.parts(('trunk', 'adapter', 'neck', 'heads'))
+parts = clock.sequence(('trunk', 'adapter', 'neck', 'heads'))
 from xcit_benchmark import flops, models, spec
 table = spec.load_spec()['flops_report']
 port = {f'{a}_p{p}': flops.point_flops(models.parse_model(f'mmpretrain_xcit_{a}_p{p}'), r,
@@ -1147,8 +1147,8 @@ def test_part_clock_times_and_peaks_of_known_parts(monkeypatch, fresh_run):
     own time and its own peak (the counter is reset at each mark), the trunk none; a part
     without a mark is 0."""
     clock = FakeClock()
-    monkeypatch.setattr(lib_whole, 'time', clock)
-    part_clock = lib_whole.PartClock()
+    monkeypatch.setattr(lib_fresh, 'time', clock)
+    part_clock = lib_fresh.PartMeter()
     part_clock.start()
     clock.advance(0.002)
     part_clock.mark('trunk')
@@ -1156,7 +1156,7 @@ def test_part_clock_times_and_peaks_of_known_parts(monkeypatch, fresh_run):
     part_clock.mark('neck')
     clock.advance(0.001)
     part_clock.mark('heads')
-    parts = part_clock.parts(('trunk', 'adapter', 'neck', 'heads'))
+    parts = part_clock.sequence(('trunk', 'adapter', 'neck', 'heads'))
     assert {k: t for k, (t, _) in parts.items()} == pytest.approx(
         dict(trunk=0.002, adapter=0., neck=0.005, heads=0.001), rel=1e-9, abs=1e-12)
 

@@ -1,10 +1,6 @@
-"""FLOPs: the exact counter, the XCiT trunk formula, per-point FLOPs and the paper Table 1 report.
-
-``torch.utils.flop_counter.FlopCounterMode`` counts matrix products, convolutions and SDPA (not
-norms, softmax or element-wise ops); ``gmacs`` are forward multiply-accumulates per image (the
-papers' "GFLOPs"), ``gflop_exec`` 2 FLOPs per MAC of all that runs (train: the backward too). It
-stays beside mmengine's ``FlopAnalyzer`` for what jit tracing cannot do: fake tensors, backward.
-"""
+"""FLOPs: the exact counter (torch's ``FlopCounterMode``: fake tensors and backward, which
+mmengine's jit tracing cannot do), the XCiT trunk formula, per-point FLOPs, the Table 1 report;
+``gmacs``: forward multiply-accumulates per image, ``gflop_exec``: 2 per MAC of all that runs."""
 import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -18,8 +14,8 @@ from .models import (XCIT_ARCHS, ModelSpec, build_model, count_params, load_mmpr
 def _conv_backward_flop(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation,
                         transposed, _output_padding, _groups, output_mask, out_shape=None,
                         **kwargs) -> int:
-    """FLOPs of ``aten.convolution_backward``: torch 2.13's formula ignores ``groups`` for the
-    weight gradient (a depthwise conv's counted as dense); each gradient costs its forward."""
+    """FLOPs of ``aten.convolution_backward``, each gradient its forward's: torch's formula counts
+    a depthwise conv's weight gradient as dense."""
     from torch.utils.flop_counter import conv_flop_count
     forward = conv_flop_count(list(x_shape), list(w_shape), list(grad_out_shape), transposed)
     return forward * (int(bool(output_mask[0])) + int(bool(output_mask[1])))
@@ -35,9 +31,8 @@ def count_flops(fn: Callable[[], object]) -> int:
 
 
 def analytic_trunk_macs(arch: str, patch: int, height: int, width: int) -> int:
-    """Multiply-accumulates of an XCiT trunk by formula (a cross-check of the counter): the conv
-    patch embedding, the 1x1 position projection and per layer ``N * (12 D^2 + 2 D d_h + 18 D)``
-    (qkv 3D^2, XCA 2 D d_h, proj D^2, LPI 18 D, FFN 8 D^2); no biases, norms or softmax."""
+    """MACs of an XCiT trunk by formula (the counter's cross-check): patch embedding, position
+    projection, per layer ``N (12 D^2 + 2 D d_h + 18 D)`` (qkv, XCA, proj, LPI, FFN)."""
     dims, depth, heads = XCIT_ARCHS[arch]
     chans = [3, dims // 8, dims // 4, dims // 2, dims] if patch == 16 else \
         [3, dims // 4, dims // 2, dims]
@@ -70,8 +65,8 @@ def _count_model_flops(model: nn.Module, forward: Callable, resolution: int,
 
 def point_flops(spec: ModelSpec, resolution: int, mode: str,
                 cache: Optional[Dict[str, Tuple[nn.Module, Callable]]] = None) -> dict:
-    """Forward MACs and executed FLOPs of one image, counted on a fake input (shapes only: any
-    size is cheap; real weights, so ``.item()`` on buffers works), else on a real one."""
+    """Forward MACs and executed FLOPs of one image, counted on a fake input (any size is cheap),
+    else (data-dependent control flow) on a real one."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     cache = {} if cache is None else cache
     if spec.name not in cache:
@@ -91,9 +86,8 @@ def point_flops(spec: ModelSpec, resolution: int, mode: str,
 
 def flops_report(paper_table: Dict[str, Dict[str, float]], tolerance: float = 0.05,
                  archs: Optional[Sequence[str]] = None) -> List[dict]:
-    """GMACs of every XCiT arch at 224/p16 and 384/p8 against paper Table 1: the trunk plus
-    what the ImageNet classifier adds (mmpretrain's class-attention blocks, norm and head),
-    with mmpretrain's whole classifier and the formula as independent checks (docs/flops.md)."""
+    """GMACs of every XCiT arch at 224/p16 and 384/p8 against paper Table 1: the trunk plus the
+    classifier's class attention and head, checked by mmpretrain's classifier and the formula."""
     xcit_mod = load_mmpretrain_xcit()
     rows = []
     for arch in (archs if archs is not None else list(paper_table)):

@@ -13,7 +13,8 @@ import threading
 import time
 
 from training_extras.cpu_info import read_cpuinfo
-from xcit_mm.models.utils.memory_budget import measure_peak_growth_mb, rss_mb
+from xcit_mm.models.utils.memory_budget import (measure_peak_growth_mb, peak_rss_mb,
+                                                reset_peak_rss, rss_mb)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -78,6 +79,53 @@ def hooked(fn, before=None, after=None):
             after()
         return out
     return call
+
+
+class PartMeter:
+    """Time and peak RSS growth (MB over ``base``, the RSS at :meth:`start`) of a call's parts:
+    each boundary folds the kernel's peak since the last one into each open part, then resets it."""
+
+    def __init__(self):
+        self.parts = []  # the parts of :meth:`wrap`, as they end
+        self.start()
+
+    def start(self):
+        reset_peak_rss()
+        self.base, self.peak, self.t0 = rss_mb(), 0.0, time.perf_counter()
+        self.open, self.marks = [], []
+
+    def fold(self) -> float:
+        """The peak since the last boundary, folded into the call's and each open part's."""
+        peak = peak_rss_mb() - self.base
+        self.peak, self.open = max(self.peak, peak), [max(p, peak) for p in self.open]
+        reset_peak_rss()
+        return peak
+
+    def mark(self, name: str):
+        """The end of part ``name``, which began at the previous mark (or the start)."""
+        self.marks.append((name, time.perf_counter(), self.fold()))
+
+    def sequence(self, names) -> dict:
+        """{part: (seconds, peak MB)} of the marks since the start; a part without one: 0."""
+        out, prev = {n: [0., 0] for n in names}, self.t0
+        for name, t, peak in self.marks:
+            out[name][0] += t - prev
+            out[name][1] = max(out[name][1], peak)
+            prev = t
+        return {k: tuple(v) for k, v in out.items()}
+
+    def wrap(self, inner, label: str):
+        """``inner`` measured as part ``label``, which may hold (and see the peaks of) others."""
+        def wrapped(*args, **kwargs):
+            self.fold()
+            start = rss_mb() - self.base
+            self.open.append(start)
+            out = inner(*args, **kwargs)
+            self.fold()
+            self.parts.append(dict(part=label, start_mb=round(start),
+                                   peak_mb=round(self.open.pop())))
+            return out
+        return wrapped
 
 
 def child_rss(pid: int) -> int:

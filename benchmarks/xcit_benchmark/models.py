@@ -1,9 +1,5 @@
-"""The benchmark's model names (``--list-models``) and factory.
-
-Every model is built untrained, all parameters trainable, drop-path 0, BatchNorm (no SyncBN).
-``+compile`` models are built eager (FLOPs of the same computation); the runner and the memory
-process compile them. Nothing here imports torchvision (:func:`load_mmpretrain_xcit`).
-"""
+"""The benchmark's model names (``--list-models``) and factory: untrained, all parameters
+trainable, drop-path 0, BatchNorm; ``+compile`` models built eager (the runner compiles them)."""
 import dataclasses
 import importlib
 import importlib.machinery
@@ -116,11 +112,9 @@ def list_models() -> str:
 
 
 def load_mmpretrain_xcit():
-    """Import ``mmpretrain.models.backbones.xcit`` (which needs no torchvision) without running
-    ``mmpretrain.models``' ``__init__`` (which does). Without torchvision, bare packages marked
-    ``__xcit_benchmark_placeholder__`` stand for ``mmpretrain.models`` and ``.backbones`` for the
-    life of the process (mmpretrain's registry imports them lazily later): so call it only in a
-    process of its own, never in one that imports ``mmpretrain.models`` for real (pytest)."""
+    """Import ``mmpretrain.models.backbones.xcit`` (no torchvision needed) without
+    ``mmpretrain.models``' ``__init__`` (needs it): without torchvision, placeholder packages stand
+    for the parents for the life of the process, so call it only in a process of its own."""
     name = 'mmpretrain.models.backbones.xcit'
     if importlib.util.find_spec('mmpretrain') is None:
         raise ImportError('mmpretrain is not installed; it is needed for the mmpretrain_xcit_* '

@@ -1,6 +1,5 @@
 """What the tools print (``format_*``), the Markdown tables the docs quote, rendered from the
-committed results (``markdown_*``: the docs carry figures of artifacts only), and a run's files.
-"""
+committed results (``markdown_*``), and a run's files."""
 import os
 from typing import List, Sequence
 
@@ -114,8 +113,8 @@ def markdown_flops_report(rows: Sequence[dict]) -> str:
 
 
 def markdown_whole_model(data: dict) -> str:
-    """A ``--whole-model`` run: per config the median step and its parts (ms) and the peak RSS
-    growth; then, per baseline, the medians (min-max) of the per-round ratios."""
+    """A ``--whole-model`` run: per config the median step, its parts and the peak; then per
+    baseline the medians (min-max) of the per-round ratios."""
     meta = data['meta']['whole_model']
     parts = [p for p in PARTS_TRAIN
              if any(p in (r.get('parts') or {}) for r in data['records'])]
@@ -164,8 +163,7 @@ def write_outputs(records: Sequence[dict], meta: dict, out_dir: str, name: str,
 
 
 def plot_records(records: Sequence[dict], path: str, meta: dict):
-    """ms/image and peak memory against the resolution (log-log), a line per model; the title:
-    device, mode, precision, batch, threads, load and date of the run."""
+    """ms/image and peak memory against the resolution (log-log), a line per model."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt

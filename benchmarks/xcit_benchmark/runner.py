@@ -35,8 +35,7 @@ def mem_available_bytes() -> int:
 
 
 def memory_worker(cfg: dict) -> dict:
-    """Measure the peak memory of one point (``cfg``: model, resolution, batch, mode,
-    precision, device, threads, mem_iters); runs in a fresh process."""
+    """The peak memory of one point (``cfg``: model, resolution, ...), in a fresh process."""
     set_threads(cfg.get('threads'))
     device, spec, res = cfg['device'], parse_model(cfg['model']), cfg['resolution']
     torch.manual_seed(0)
@@ -89,8 +88,8 @@ def run_memory_worker(cfg: dict, limit_bytes: int, timeout_s: float) -> dict:
 
 
 def child_main(argv=None, worker=None) -> int:
-    """A memory process: ``worker`` (default :func:`memory_worker`; the whole-model module
-    passes its own) on the config ``argv[0]``, its result printed as a row."""
+    """A memory process: ``worker`` (default :func:`memory_worker`) on the config ``argv[0]``,
+    its result printed as a row."""
     # mmcv's ConvModule warns about mmpretrain's LPI conv (bias before a norm): not our concern
     warnings.filterwarnings('ignore', message='Unnecessary conv bias before batch/instance norm')
     try:
@@ -140,9 +139,8 @@ def load_warning(opts: RunOptions) -> Optional[str]:
 
 def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions,
                log: Callable[[str], None] = log_stderr) -> Tuple[List[dict], dict]:
-    """(records, meta) of (spec, resolution) points. Per resolution: FLOPs (fake tensors), a
-    fresh memory process per point, then the interleaved timing of every point that fitted, in
-    this process (models built once)."""
+    """(records, meta) of (spec, resolution) points. Per resolution: FLOPs, a fresh memory process
+    per point, then the interleaved timing of every point that fitted (models built once)."""
     if opts.device == 'cuda' and not torch.cuda.is_available():
         raise RuntimeError('--device cuda requested but torch.cuda.is_available() is False')
     set_threads(opts.threads)
@@ -232,10 +230,9 @@ def onnx_model_names(config: str) -> Tuple[str, str]:
 
 def run_onnx_points(config: str, resolutions: Sequence[int], opts: RunOptions,
                     log: Callable[[str], None] = log_stderr) -> Tuple[List[dict], dict]:
-    """``--onnx CONFIG``: the config's model (random init) exported by :mod:`xcit_mm.deployment`
-    (static axes; a segmentor: image -> logits, a detector: backbone + neck) at each resolution,
-    checked against PyTorch (``verify_onnx``, in the ``note``), then timed in ONNX Runtime (as
-    many threads as torch) against PyTorch eager in the same interleaved rounds."""
+    """``--onnx CONFIG``: the config's model (random init) exported with static axes at each
+    resolution, checked against PyTorch (the ``note``), then timed in ONNX Runtime against eager
+    in the same interleaved rounds."""
     import onnxruntime
 
     from xcit_mm.deployment import (build_export_model, export_onnx, onnx_session, run_onnx,
@@ -330,9 +327,8 @@ def compare_pairs(specs: Sequence[ModelSpec]) -> Tuple[List[ModelSpec], List[Tup
 
 def variants(specs: Sequence[ModelSpec], mode: str, pairs: List[Tuple[str, str]],
              suffix: str = '+cp') -> List[ModelSpec]:
-    """``--with-cp`` (suffix ``+cp``) / ``--compile`` (``+compile``) ``on``: every model's
-    variant where it has one; ``both``: the variant next to the model, the pair (variant, model)
-    added to ``pairs`` for the ratios. Each model once."""
+    """``--with-cp`` / ``--compile`` ``on``: every model's ``suffix`` variant where it has one;
+    ``both``: the variant next to the model, (variant, model) added to ``pairs``."""
     if mode == 'off':
         return list(dict.fromkeys(specs))
     out = []
@@ -355,7 +351,7 @@ def compile_variants(specs, mode: str, pairs) -> List[ModelSpec]:
 
 def check_same_trunk(arch: str, patch: int, resolution: int = 64) -> str:
     """A one-line verdict that ``--compare`` times the same computation: the port's weights,
-    loaded into XCiTBackbone through its ``Pretrained`` loader, give the same trunk maps."""
+    loaded through XCiTBackbone's ``Pretrained`` loader, give the same trunk maps."""
     name = f'same trunk check XCiT-{arch.upper()}/{patch}'
     try:
         torch.manual_seed(0)

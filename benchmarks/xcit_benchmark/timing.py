@@ -1,9 +1,6 @@
-"""Steps (one inference call or one train step) and their interleaved timing.
-
-The repeats are *interleaved* across models (round r runs every step once, in an order rotated by
-r), so slow drifts of a shared machine hit all models alike. A float32 1024x1024 ``torch.mm`` step
-timed in the same rounds gives the reference rate of the machine.
-"""
+"""Steps (one inference call or one train step) and their interleaved timing: round r runs every
+step once, in an order rotated by r, so slow drifts of a shared machine hit all models alike; a
+float32 ``torch.mm`` step timed in the same rounds gives the machine's reference rate."""
 import contextlib
 import gc
 import statistics
@@ -30,10 +27,8 @@ def sync(device: str):
 
 def make_step(model: nn.Module, forward: Callable, img: torch.Tensor, mode: str, device: str,
               precision: str) -> Callable[[], None]:
-    """One inference call (``eval``, ``no_grad``) or one train step (``train``, forward,
-    ``sum(out.float().mean())``, backward, then ``grad = None``: every step allocates the
-    gradients, as a real step before ``optimizer.step``); ``precision='amp'``: under autocast,
-    bf16 on CPU, fp16 on CUDA."""
+    """One inference call (``no_grad``) or one train step (forward, ``sum(out.float().mean())``,
+    backward, ``grad = None``: every step allocates the gradients); ``amp``: bf16 CPU, fp16 CUDA."""
     if mode not in ('inference', 'train') or precision not in ('fp32', 'amp'):
         raise ValueError(f'unknown mode {mode!r} or precision {precision!r}')
     model.train(mode == 'train')
@@ -84,8 +79,7 @@ def time_figures(times: Sequence[float], batch: int) -> dict:
 
 
 def round_order(items: Sequence, r: int) -> list:
-    """``items`` rotated by ``r``: the order of interleaved round ``r`` (round 0 in the given
-    order, round 1 starting at the second item, ...)."""
+    """``items`` rotated by ``r``: the order of interleaved round ``r``."""
     items = list(items)
     shift = r % len(items) if items else 0
     return items[shift:] + items[:shift]
@@ -93,8 +87,8 @@ def round_order(items: Sequence, r: int) -> list:
 
 def time_interleaved(steps: Dict[str, Callable[[], None]], warmup: int, repeats: int,
                      device: str) -> Dict[str, List[float]]:
-    """``warmup`` calls of every step, then ``repeats`` rounds, round ``r`` calling every step
-    once in the order rotated by ``r``; the garbage collector is off while timing."""
+    """``warmup`` calls of every step, then ``repeats`` rounds in :func:`round_order`; the garbage
+    collector is off while timing."""
     for _ in range(warmup):
         for step in steps.values():
             step()

@@ -15,10 +15,9 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from xcit_mm.models.utils.memory_budget import (peak_rss_mb, release_free_heap, reset_peak_rss,
-                                                rss_mb)
+from xcit_mm.models.utils.memory_budget import release_free_heap, reset_peak_rss, rss_mb
 
-from .fresh_points import hooked, mallopt_mmap_threshold, write_artifact
+from .fresh_points import PartMeter, hooked, mallopt_mmap_threshold, write_artifact
 from .runner import child_main, run_memory_worker
 from .timing import round_order, set_threads
 
@@ -146,29 +145,6 @@ def synthetic_batch(model, task: str, h: int, w: int, batch: int, training: bool
     return data['inputs'], data['data_samples']
 
 
-class PartClock:
-    """Boundary marks of one step: time, peak RSS (MB) since the previous mark (then reset)."""
-    marks, start_rss, t0 = (), 0., 0.  # set by start()
-
-    def start(self):
-        reset_peak_rss()
-        self.start_rss, self.marks, self.t0 = rss_mb(), [], time.perf_counter()
-
-    def mark(self, name: str):
-        t, peak = time.perf_counter(), peak_rss_mb()
-        reset_peak_rss()
-        self.marks.append((name, t, peak))
-
-    def parts(self, names: Sequence[str]) -> dict:
-        """{part: (seconds, peak MB over the step start)}; parts absent from the marks = 0."""
-        out, prev = {n: [0., 0] for n in names}, self.t0
-        for name, t, peak in self.marks:
-            out[name][0] += t - prev
-            out[name][1] = max(out[name][1], peak - self.start_rss)
-            prev = t
-        return {k: tuple(v) for k, v in out.items()}
-
-
 def count_rois(model) -> dict:
     """``{'bbox_rois': n, 'mask_rois': n}``, counted by the detector's RoI extractors."""
     counts = dict(bbox_rois=0, mask_rois=0)
@@ -190,7 +166,7 @@ def worker_main(cfg: dict) -> dict:
     model.train(train)
     inputs, samples = synthetic_batch(model, task, cfg['height'], cfg['width'], cfg['batch'],
                                       train)
-    clock, counts, detections = PartClock(), count_rois(model), []
+    clock, counts, detections = PartMeter(), count_rois(model), []
     from xcit_mm.models.backbones.xcit import XCiTBackbone
     backbone, neck = model.backbone, getattr(model, 'neck', None)
     is_xcit = isinstance(backbone, XCiTBackbone)  # the part boundaries
@@ -226,7 +202,7 @@ def worker_main(cfg: dict) -> dict:
             counts.update(bbox_rois=0, mask_rois=0)
             clock.start()
             step()
-            out.append((clock.marks[-1][1] - clock.t0, clock.parts(names), clock.start_rss))
+            out.append((clock.marks[-1][1] - clock.t0, clock.sequence(names), clock.base))
         return out
 
     clock.start()
