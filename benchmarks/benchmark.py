@@ -23,12 +23,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from xcit_benchmark import report, runner  # noqa: E402
 from xcit_benchmark.flops import flops_report  # noqa: E402
-from xcit_benchmark.spec import run_goals  # noqa: E402
-from xcit_benchmark.models import list_models, parse_models  # noqa: E402
 from xcit_benchmark.fresh_points import run_metadata, write_artifact  # noqa: E402
+from xcit_benchmark.models import list_models, parse_models  # noqa: E402
 from xcit_benchmark.runner import RunOptions, mem_available_bytes, run_points  # noqa: E402
 from xcit_benchmark.runner import log_stderr as log  # noqa: E402
-from xcit_benchmark.spec import SpecError, load_spec  # noqa: E402
+from xcit_benchmark.spec import SpecError, load_spec, run_goals  # noqa: E402
 from xcit_benchmark.timing import set_threads  # noqa: E402
 
 

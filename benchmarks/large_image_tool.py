@@ -16,7 +16,8 @@ import sys
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path[:0] = [ROOT, osp.join(ROOT, 'benchmarks')]
 from training_extras.run_results import cpu_description  # noqa: E402
-from xcit_benchmark.fresh_points import random_segmentor, revision, write_json  # noqa: E402
+from xcit_benchmark.fresh_points import (kept_rows, random_segmentor, revision,  # noqa: E402
+                                         write_json)
 
 CONFIG = 'configs/sem_fpn_xcit_s12_p16_80k_ade20k.py'
 TILE = 512
@@ -92,10 +93,8 @@ def main(argv=None):
     if args.update and osp.exists(args.out):  # the rows this run does not measure, as they were
         with open(args.out) as f:
             artifact = json.load(f)
-        measured = {(args.size, None if b == 'none' else float(b)) for b in args.budgets}
-        rows = [r for r in artifact['rows'] if (r['size'], r['max_memory']) not in measured]
-        meta = artifact['meta']  # as peak_memory.py --update keeps them
-        earlier = dict(earlier_commands=meta.get('earlier_commands', []) + [meta['command']])
+        again = {(args.size, None if b == 'none' else float(b)) for b in args.budgets}
+        rows, earlier = kept_rows(artifact, lambda r: (r['size'], r['max_memory']) in again)
     baseline = run_tool(baseline_image, checkpoint, osp.join(args.work_dir, 'labels_256.tif'),
                         None, token_dir)
     for budget in args.budgets:

@@ -22,8 +22,9 @@ import time
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path[:0] = [ROOT, osp.join(ROOT, 'benchmarks')]  # xcit_mm of this checkout; xcit_benchmark
 from xcit_benchmark.fresh_points import (LIVE_MALLOC, MIB, PartMeter, cpu_model,  # noqa: E402
-                                         hooked, measure, package_version, print_row,
-                                         revision, run_process, test_image, write_artifact)
+                                         hooked, kept_rows, measure, package_version,
+                                         print_row, revision, run_process, test_image,
+                                         write_artifact)
 
 TASKS = ('segmentor', 'detector')
 BACKBONES = ('xcit', 'swin', 'vit', 'uper')
@@ -343,7 +344,11 @@ def run(args, configs: dict, runner=run_child) -> list:
     """Run (or skip) every point, writing the artifact after each row."""
     start = time.time()
     points = plan(args, configs)
-    kept, earlier = kept_rows(args, points)
+    kept, earlier = [], {}
+    if args.update:  # the rows this run does not measure stay
+        again = {point_key(p) for p in points}
+        artifact = load_artifact(args.out + '.json')
+        kept, earlier = kept_rows(artifact, lambda r: point_key(r) in again)
     meta = dict(command='python ' + shlex.join(sys.argv), cpu=cpu_model(),
                 threads=int(os.environ.get('OMP_NUM_THREADS') or os.cpu_count()),
                 torch=package_version('torch'), mmdet=package_version('mmdet'),
@@ -388,22 +393,6 @@ def write(out, meta: dict, rows: list) -> None:
     if out:
         write_artifact(out, meta, rows, [c for c in COLUMNS if c == 'note' or any(
             c in r for r in rows)])
-
-
-def kept_rows(args, points: list):
-    """With ``--update``: the rows at ``--out`` this run does not measure (with the revision that
-    measured them), and the commands and notes of the runs that did."""
-    if not args.update:
-        return [], {}
-    artifact = load_artifact(args.out + '.json')
-    again, meta = {point_key(p) for p in points}, artifact.get('meta', {})
-    kept = [r for r in artifact['rows'] if point_key(r) not in again]
-    for row in kept if meta.get('revision') else []:
-        row.setdefault('revision', meta['revision'])
-    commands = meta.get('earlier_commands', [])
-    notes = meta.get('earlier_notes', [None] * len(commands))  # one per command
-    return kept, dict(earlier_commands=commands + [meta.get('command', '?')],
-                      earlier_notes=notes + [meta.get('note')])
 
 
 def digest_agreement(rows: list, path: str = 'lean', other: str = 'stock') -> dict:

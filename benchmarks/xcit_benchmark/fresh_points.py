@@ -198,6 +198,19 @@ def revision() -> str:
     return commit + ('+dirty' if dirty else '')
 
 
+def kept_rows(artifact: dict, again) -> tuple:
+    """``--update``: the rows of ``artifact`` not measured ``again`` (each with the revision that
+    measured it), and the commands and notes of the runs that did."""
+    meta = artifact.get('meta', {})
+    kept = [r for r in artifact['rows'] if not again(r)]
+    for row in kept if meta.get('revision') else []:
+        row.setdefault('revision', meta['revision'])
+    commands = meta.get('earlier_commands', [])
+    notes = meta.get('earlier_notes', [None] * len(commands))  # one per command
+    return kept, dict(earlier_commands=commands + [meta.get('command', '?')],
+                      earlier_notes=notes + [meta.get('note')])
+
+
 def write_json(path: str, meta: dict, rows: list) -> None:
     """``{"meta", "rows"}`` at ``path``, written again after each row: a later one may not come."""
     with open(path, 'w') as f:
