@@ -125,9 +125,7 @@ class _XCAResidual(torch.autograd.Function):
         del grad_y
         # mixing[b, (h, j), :] = sum_i attn[b, h, i, j] W^T[h, i, :]
         weight_t = proj_weight.t().reshape(h, d, C)
-        grad_proj_weight = None
-        if needs[6]:
-            grad_proj_weight = (attn @ grad_mixing).sum(0).reshape(C, C).t()
+        grad_proj_weight = (attn @ grad_mixing).sum(0).reshape(C, C).t() if needs[6] else None
         grad_attn = (grad_mixing @ weight_t.transpose(-2, -1)).transpose(-2, -1)  # (B,h,d,d)
         # softmax, temperature, cosine = S / (|q_i| |k_j|) with S = q^T k
         grad_logits = attn * (grad_attn - (grad_attn * attn).sum(-1, keepdim=True))
@@ -140,9 +138,7 @@ class _XCAResidual(torch.autograd.Function):
         q_coef = -grad_cos_cos.sum(-1) / q_norm.square()  # (B, h, d)
         k_coef = -grad_cos_cos.sum(-2) / k_norm.square()
         grad_qkv = qkv.new_empty(B, N, 3, h, d)
-        grad_q = k @ grad_s.transpose(-2, -1) + q * q_coef[..., None, :]  # (B, h, N, d)
-        grad_qkv[:, :, 0] = grad_q.transpose(1, 2)
-        del grad_q
+        grad_qkv[:, :, 0] = (k @ grad_s.mT + q * q_coef[..., None, :]).transpose(1, 2)
         grad_qkv[:, :, 1] = (q @ grad_s + k * k_coef[..., None, :]).transpose(1, 2)
         grad_qkv[:, :, 2] = grad_v.view(B, N, h, d)
         del grad_v
