@@ -152,13 +152,11 @@ def traceable_upstream_modules(model: nn.Module):
     """Inside the block, ``model``'s mmseg ``Upsample`` and ``nn.AdaptiveAvgPool2d`` modules run
     the traceable forwards above."""
     from mmseg.models.utils import Upsample
-    forwards = {Upsample: _upsample_traceable, nn.AdaptiveAvgPool2d: _adaptive_avg_pool_traceable}
-    patched = []
-    for module in model.modules():
-        for cls, forward in forwards.items():
-            if isinstance(module, cls):
-                module.forward = types.MethodType(forward, module)
-                patched.append(module)
+    patched = [m for m in model.modules() if isinstance(m, (Upsample, nn.AdaptiveAvgPool2d))]
+    for module in patched:
+        forward = _upsample_traceable if isinstance(module, Upsample) else \
+            _adaptive_avg_pool_traceable
+        module.forward = types.MethodType(forward, module)
     try:
         yield model
     finally:
@@ -197,11 +195,9 @@ def export_onnx(model: nn.Module, out_file: str, shape: Sequence[int], dynamic: 
                           input_names=['image'], output_names=names, dynamic_axes=axes,
                           do_constant_folding=True)
     proto = onnx.load(out_file)
-    for key, value in dict(getattr(model, 'metadata', {}),
-                           **{'xcit_mm.export_shape': f'{h}x{w}',
-                              'xcit_mm.dynamic': str(bool(dynamic))}).items():
-        entry = proto.metadata_props.add()
-        entry.key, entry.value = key, value
+    onnx.helper.set_model_props(proto, dict(getattr(model, 'metadata', {}),
+                                            **{'xcit_mm.export_shape': f'{h}x{w}',
+                                               'xcit_mm.dynamic': str(bool(dynamic))}))
     onnx.checker.check_model(proto)
     onnx.save(proto, out_file)
     return out_file
