@@ -77,7 +77,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     from xcit_mm.apis import error_line
     from xcit_mm.deployment import (ExportError, build_export_model, check_onnx_runtime,
-                                    export_onnx, other_shape, verify_onnx)
+                                    export_onnx, verify_onnx)
     from xcit_mm.models.utils.checkpoint_io import CheckpointError
     try:
         check_onnx_runtime(need_runtime=args.verify)
@@ -104,7 +104,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     shapes = [tuple(args.shape)]
     if args.dynamic:
-        shapes.append(tuple(args.verify_shape or other_shape(args.shape)))
+        # by default 32 px more rows, 16 px fewer columns (16 more under 64): the backbone's
+        # padded path runs
+        h, w = args.shape
+        shapes.append(tuple(args.verify_shape or (h + 32, w - 16 if w - 16 >= 64 else w + 16)))
     else:
         print('verify: static file, checked at the export size only (export with --dynamic '
               'to check another size)')

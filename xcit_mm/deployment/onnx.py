@@ -219,13 +219,6 @@ def run_onnx(session, image: torch.Tensor) -> List[torch.Tensor]:
     return [torch.from_numpy(o) for o in outs]
 
 
-def other_shape(shape: Sequence[int]) -> Tuple[int, int]:
-    """The second size ``--verify`` checks a dynamic file at: 32 px more rows, 16 px fewer
-    columns (16 more under 64), so that the backbone's padded path runs."""
-    h, w = shape
-    return h + 32, (w - 16 if w - 16 >= 64 else w + 16)
-
-
 def verify_onnx(model: nn.Module, onnx_file: str, shapes: Sequence[Sequence[int]],
                 tolerance: float = DEFAULT_TOLERANCE, threads: Optional[int] = None,
                 batch: int = 1, seed: int = 0) -> List[Dict]:
