@@ -32,7 +32,7 @@ class MemoryModel(NamedTuple):
     @classmethod
     def fit(cls, points: Sequence[Tuple[float, float]]) -> 'MemoryModel':
         """Least-squares line through ``(num_pixels, peak_mb)`` points, its slope kept
-        non-negative and raised so that it never undercuts a point it was calibrated on."""
+        non-negative and its base raised so that it never undercuts a point it was fitted on."""
         if len({p for p, _ in points}) < 2:
             raise MemoryBudgetError('calibrating a memory model needs peaks at two or more sizes')
         xs = [p / 1e6 for p, _ in points]
