@@ -146,16 +146,16 @@ def fpn_in_data_flow_order(backbone, neck, inputs: Tensor,
     outs = [None] * n
     top = top_down_sums(levels, neck.lateral_convs, neck.fpn_convs,
                         lambda lat, up: add_top_down_(lat, up, neck.upsample_cfg),
-                        neck.lateral_convs[n - 1](levels.pop(n - 1)), outs, 1, n - 1)
-    if band_mb is None:  # level 0's lateral sum
-        lat = add_top_down_(neck.lateral_convs[0](levels.pop(0)), top, neck.upsample_cfg)
-    else:  # level 0's FPN output, as rows
-        rows = fpn_bottom_rows(backbone, neck, TensorRows(levels.maps[0]), TensorRows(top),
-                               levels.image_hw)
-        levels.maps[0] = None
+                        neck.lateral_convs[n - 1](levels.pop(n - 1)), outs,
+                        0 if band_mb is None else 1, n - 1)
+    if band_mb is None:  # level 0's lateral sum; level 1's went before this largest conv
+        outs[0] = neck.fpn_convs[0](top)
+        return outs
+    trunk = TensorRows(levels.maps[0])
+    levels.maps[0] = None
+    outs[0] = materialize(fpn_bottom_rows(backbone, neck, trunk, TensorRows(top),
+                                          levels.image_hw), band_mb)
     outs[1] = neck.fpn_convs[1](top)
-    del top  # level 1's lateral sum goes before the largest conv
-    outs[0] = neck.fpn_convs[0](lat) if band_mb is None else materialize(rows, band_mb)
     return outs
 
 
