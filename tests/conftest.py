@@ -232,19 +232,17 @@ def build_once(tmp_path_factory):
     return run
 
 
-@pytest.fixture
-def run_script(monkeypatch, cpu_only):
-    """``run_script(path, *args)``: a script (mmdet's / mmseg's ``tools/*.py``) run in this
-    process as its ``__main__`` block runs it, its command line in ``sys.argv``: what the script
-    does, without a new interpreter's imports. (Tests of what a process prints as it ends start
-    one.) The ``LOCAL_RANK`` the upstream tools set is restored afterwards."""
+def run_as_main(path, *args):
+    """A script (mmdet's / mmseg's ``tools/*.py``) run on the CPU in this process as its
+    ``__main__`` block runs it, its command line in ``sys.argv``: what the script does, without a
+    new interpreter's imports. (Tests of what a process prints as it ends start one.) The
+    ``LOCAL_RANK`` the upstream tools set is restored afterwards."""
     import runpy
-    monkeypatch.setenv('LOCAL_RANK', '0')
-
-    def run(path, *args):
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _cpu_only(monkeypatch)
+        monkeypatch.setenv('LOCAL_RANK', '0')
         monkeypatch.setattr(sys, 'argv', [path, *args])
         runpy.run_path(path, run_name='__main__')
-    return run
 
 
 def unique_visualizer(name: str) -> str:
@@ -260,6 +258,10 @@ def cpu_only(monkeypatch):
     """The test's CPU code paths (gloo, CPU AMP, CPU DDP) also on a machine with a GPU: torch
     reports no CUDA device in this process (mmengine picks the device from
     ``torch.cuda.is_available()``) nor in the processes it starts (``CUDA_VISIBLE_DEVICES``)."""
+    _cpu_only(monkeypatch)
+
+
+def _cpu_only(monkeypatch):
     import torch
     monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '')
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)

@@ -30,7 +30,7 @@ import zipfile
 
 import pytest
 import torch
-from conftest import unique_visualizer, upstream_tool
+from conftest import run_as_main, unique_visualizer, upstream_tool
 
 from work_dir_files import evaluation_metrics, newest_run_log
 
@@ -175,7 +175,8 @@ def det_files(build_once):
         cfg = root / 'mask_rcnn_readme_snippet.py'
         cfg.write_text(DET_CONFIG.format(root=root / 'coco', classes=CLASSES, arch=SMALL_ARCH))
         work_dir = str(root / 'train')
-        _run(upstream_tool('mmdet', 'train'), str(cfg), '--work-dir', work_dir)
+        run_as_main(upstream_tool('mmdet', 'train'), str(cfg), '--work-dir', work_dir,
+                    '--cfg-options', unique_visualizer('det_train'))
         return _files(root, str(cfg), _last_checkpoint(work_dir))
     return build_once('det_doors', train)
 
@@ -254,32 +255,32 @@ def test_detector_checkpoint_evaluates_with_our_test_tool(det_files, test_tool, 
     assert 'coco/bbox_mAP_50' in evaluation_metrics(work_dir)
 
 
-def test_detector_checkpoint_evaluates_with_mmdets_test_tool(det_files, tmp_path, run_script):
+def test_detector_checkpoint_evaluates_with_mmdets_test_tool(det_files, tmp_path):
     """mmdet's own ``tools/test.py``, with ``--show-dir`` drawing every held-out image."""
-    run_script(upstream_tool('mmdet', 'test'), det_files['cfg'], det_files['numpy1'],
-               '--work-dir', str(tmp_path / 'test'), '--show-dir', str(tmp_path / 'show'),
-               '--cfg-options', unique_visualizer('det_mmdet_test'))
+    run_as_main(upstream_tool('mmdet', 'test'), det_files['cfg'], det_files['numpy1'],
+                '--work-dir', str(tmp_path / 'test'), '--show-dir', str(tmp_path / 'show'),
+                '--cfg-options', unique_visualizer('det_mmdet_test'))
     assert 'coco/bbox_mAP_50' in evaluation_metrics(tmp_path / 'test')
     drawn = glob.glob(str(tmp_path / '**' / 'show' / '*.jpg'), recursive=True) + glob.glob(
         str(tmp_path / '**' / 'show' / '*.png'), recursive=True)
     assert len(drawn) == 2, drawn  # every held-out image of the tiny world
 
 
-def test_segmentor_checkpoint_evaluates_with_mmsegs_test_tool(seg_files, tmp_path, run_script):
+def test_segmentor_checkpoint_evaluates_with_mmsegs_test_tool(seg_files, tmp_path):
     """mmseg's own ``tools/test.py`` with ``--show-dir``; and mmdet's log analysis (as
     ``tools/install.sh`` installs it: it imports seaborn) plots the run's loss curve."""
     show_dir = tmp_path / 'show'
-    run_script(upstream_tool('mmseg', 'test'), seg_files['cfg'], seg_files['numpy2'],
-               '--work-dir', str(tmp_path / 'test'), '--show-dir', str(show_dir),
-               '--cfg-options', 'default_hooks.visualization.interval=1',  # base: every 50th
-               unique_visualizer('seg_mmseg_test'))
+    run_as_main(upstream_tool('mmseg', 'test'), seg_files['cfg'], seg_files['numpy2'],
+                '--work-dir', str(tmp_path / 'test'), '--show-dir', str(show_dir),
+                '--cfg-options', 'default_hooks.visualization.interval=1',  # base: every 50th
+                unique_visualizer('seg_mmseg_test'))
     assert re.search(r'mIoU: [\d.]+', newest_run_log(tmp_path / 'test'))
     drawn = glob.glob(str(show_dir / '**' / '*.png'), recursive=True)
     assert len(drawn) == 2, drawn  # every held-out image of the tiny world
     log = glob.glob(osp.join(seg_files['work_dir'], '*', 'vis_data', '2*.json'))[0]
     curve = str(tmp_path / 'loss.png')
-    run_script(upstream_tool('mmdet', osp.join('analysis_tools', 'analyze_logs')), 'plot_curve',
-               log, '--keys', 'loss', '--out', curve)
+    run_as_main(upstream_tool('mmdet', osp.join('analysis_tools', 'analyze_logs')), 'plot_curve',
+                log, '--keys', 'loss', '--out', curve)
     assert osp.getsize(curve) > 0
 
 
@@ -288,12 +289,12 @@ def _loss_history(path: str):
     return list(hub['log_scalars']['train/loss']._log_history)
 
 
-def test_detector_resumes_with_mmdets_train_tool(det_files, tmp_path, run_script):
+def test_detector_resumes_with_mmdets_train_tool(det_files, tmp_path):
     """The resumed run continues the file's iteration count and message hub."""
     work_dir = str(tmp_path / 'resumed')
-    run_script(upstream_tool('mmdet', 'train'), det_files['cfg'], '--work-dir', work_dir,
-               '--resume', det_files['numpy2'], '--cfg-options', 'train_cfg.max_iters=3',
-               unique_visualizer('det_resume'))
+    run_as_main(upstream_tool('mmdet', 'train'), det_files['cfg'], '--work-dir', work_dir,
+                '--resume', det_files['numpy2'], '--cfg-options', 'train_cfg.max_iters=3',
+                unique_visualizer('det_resume'))
     resumed = _last_checkpoint(work_dir)
     assert osp.basename(resumed) == 'iter_3.pth'
     before = _loss_history(det_files['numpy1'])

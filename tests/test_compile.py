@@ -13,6 +13,7 @@ import os.path as osp
 import pytest
 import torch
 import torch._dynamo
+import torch._inductor.config
 import torch.nn as nn
 from torch._dynamo.testing import CompileCounter
 
@@ -23,6 +24,12 @@ TINY = dict(embed_dims=64, depth=4, num_heads=4)
 # One layer feeding all four levels, for what dynamo traces: XCiT's layers are alike (one drop
 # path rate, checkpointed one by one), so a graph break or a size guard in one is in each.
 ONE_LAYER = dict(arch=dict(TINY, depth=1), out_indices=(0, 0, 0, 0))
+
+
+# inductor's CPU vector instructions taken from the CPU's flags, without torch's trial compile and
+# load of a program per instruction set (on a cold cache, a first step of its own): the same
+# instruction set, so the same kernels, wherever the compiler builds them.
+CPU_FLAGS_TRUSTED = torch._inductor.config.patch({'cpp.vec_isa_ok': True})
 
 
 def tiny(patch_size=16, **kwargs):
@@ -147,6 +154,7 @@ def test_new_image_sizes_do_not_recompile(patch_size):
     assert counter.frame_count == 1, f'{counter.frame_count} compilations for {sizes}'
 
 
+@CPU_FLAGS_TRUSTED
 def test_inductor_train_step_equals_eager():
     """inductor (CPU), train mode, compiled as ``CompileFeatureExtractorHook`` compiles
     (``dynamic=False``), at a size padded to an odd grid (100x90 px: 7x6 patches, cropped back):
@@ -180,6 +188,7 @@ def test_inductor_train_step_equals_eager():
         assert_close_scaled(comp_grad[name], eager_grad[name], 1e-4, f'grad {name}', floor)
 
 
+@CPU_FLAGS_TRUSTED
 def test_inductor_serves_every_image_size():
     """inductor (CPU), eval, p8 (the train-step test above runs p16), ``dynamic=True``: the
     dynamic-shape graph serves three image sizes, padded or not (in detection every batch can

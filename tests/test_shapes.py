@@ -22,7 +22,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import unique_visualizer, upstream_tool
+from conftest import run_as_main, unique_visualizer, upstream_tool
 from PIL import Image
 
 from shapes_world import CLASSES, generate_shapes, load_samples, make_mosaic
@@ -377,7 +377,7 @@ _FIT_METRIC = {'coco': ('coco/bbox_mAP_50', 0.3), 'ade': ('mIoU', 40.0)}
 
 
 @pytest.mark.parametrize('task', ['coco', 'ade'])
-def test_train_then_test_learns(tmp_path, task, train_tool, test_tool, run_script):
+def test_train_then_test_learns(tmp_path, task, train_tool, test_tool):
     """The training scripts train on generated data (the detector with mmdet's own
     ``tools/train.py``, the segmentor with ours, both in this process: the scripts started as
     commands are tested in tests/test_reliability.py and tests/test_checkpoint_doors.py); our
@@ -392,8 +392,8 @@ def test_train_then_test_learns(tmp_path, task, train_tool, test_tool, run_scrip
     # 1. a short run: the data is generated on first use, validation runs at the end
     options = _short_options(task, root, iters) + [unique_visualizer(f'shapes_{task}')]
     if task == 'coco':
-        run_script(upstream_tool('mmdet', 'train'), config, '--work-dir', work, '--cfg-options',
-                   *options)
+        run_as_main(upstream_tool('mmdet', 'train'), config, '--work-dir', work, '--cfg-options',
+                    *options)
     else:
         train_tool.main([config, '--work-dir', work, '--cfg-options', *options])
     out = newest_run_log(work)
