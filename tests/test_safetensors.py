@@ -193,6 +193,22 @@ def test_nothing_is_unpickled_on_the_safetensors_path(timm_files, offline_hub, m
         load_checkpoint_file(timm_files['pth'])
 
 
+def test_save_safetensors_writes_numpy_and_tensor_meta_as_json_and_leaves_out_the_rest(tmp_path):
+    """numpy and torch values become JSON lists / numbers; an object JSON cannot hold is named."""
+    import numpy as np
+
+    from xcit_mm.models.utils.safetensors_io import save_safetensors
+    out = str(tmp_path / 'meta.safetensors')
+    weight = torch.arange(4.)
+    meta = dict(epoch=3, loss=np.float64(0.25), hist=np.array([1, 2]), t=torch.tensor([1.5]),
+                hook=object())
+    # the same storage twice: written as a copy (safetensors refuses shared tensors)
+    assert save_safetensors({'w': weight, 'v': weight}, out, meta) == ['hook']
+    loaded = load_checkpoint_file(out)
+    assert loaded['meta'] == dict(epoch=3, loss=0.25, hist=[1, 2], t=[1.5])
+    assert torch.equal(loaded['state_dict']['v'], weight)
+
+
 # ----------------------------------------------------------------------------- errors
 def _one_line(info) -> str:
     message = str(info.value)

@@ -9,12 +9,15 @@ import pytest
 import torch
 from PIL import Image
 
-from xcit_mm.apis import IMAGENET_MEAN, IMAGENET_STD, error_line, init_backbone
+from xcit_mm.apis import error_line, init_backbone
 from xcit_mm.visualization import xca as vx
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TINY = dict(embed_dims=64, depth=4, num_heads=4)
 TINY_OUT = (0, 1, 2, 3)
+# ImageNet's mean and std in 0-255 RGB, mmdet's and mmseg's defaults
+IMAGENET_MEAN = (123.675, 116.28, 103.53)
+IMAGENET_STD = (58.395, 57.12, 57.375)
 
 
 @pytest.fixture(scope='module')

@@ -77,14 +77,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     from xcit_mm.apis import error_line
     from xcit_mm.deployment import (ExportError, build_export_model, check_onnx_runtime,
-                                    export_onnx, verify_onnx)
+                                    check_shape, export_onnx, verify_onnx)
     from xcit_mm.models.utils.checkpoint_io import CheckpointError
     try:
         check_onnx_runtime(need_runtime=args.verify)
-        if min(args.shape) < 32 or (args.verify_shape and min(args.verify_shape) < 32):
-            raise ExportError(f'image sides must be >= 32 px, got --shape {args.shape}'
-                              + (f' --verify-shape {args.verify_shape}'
-                                 if args.verify_shape else ''))
+        check_shape(args.shape)
+        if args.verify_shape:
+            check_shape(args.verify_shape, '--verify-shape')
         if args.verify_shape and not args.dynamic:
             raise ExportError('--verify-shape needs --dynamic (a static file takes only '
                               'the export size)')

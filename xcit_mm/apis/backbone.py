@@ -70,4 +70,4 @@ def init_backbone(model: str, arch: Union[str, dict] = 's12', patch_size: int = 
     return backbone.to(device).eval(), preprocess_cfg(cfg)
 
 
-__all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'init_backbone', 'preprocess_cfg']
+__all__ = ['init_backbone', 'preprocess_cfg']

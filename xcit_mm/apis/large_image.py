@@ -363,5 +363,5 @@ def write_labels(out: str, bands: Iterable[Tuple[int, int, object]], hw: Tuple[i
             os.remove(partial)
 
 
-__all__ = ['GEO_TAGS', 'LargeImageError', 'check_output', 'model_rows', 'nodata_rows',
-           'open_image', 'write_labels']
+__all__ = ['LargeImageError', 'check_output', 'model_rows', 'nodata_rows', 'open_image',
+           'write_labels']

@@ -164,10 +164,10 @@ def traceable_upstream_modules(model: nn.Module):
             del module.forward
 
 
-def _check_shape(shape: Sequence[int], what: str = '--shape') -> Tuple[int, int]:
+def check_shape(shape: Sequence[int], what: str = '--shape') -> Tuple[int, int]:
     if len(shape) != 2 or any(not isinstance(s, int) or s < 32 for s in shape):
-        raise ExportError(f'{what} needs two image sides H W, each >= 32 px (the stride-32 '
-                          f'level of the backbone), got {list(shape)}')
+        raise ExportError(f'image sides must be >= 32 px (the stride-32 level of the backbone), '
+                          f'got {what} {list(shape)}: give two sides H W')
     return int(shape[0]), int(shape[1])
 
 
@@ -176,7 +176,7 @@ def export_onnx(model: nn.Module, out_file: str, shape: Sequence[int], dynamic: 
     """Export ``model`` (:func:`build_export_model`) traced at ``batch`` x 3 x ``shape``;
     ``dynamic``: batch, height and width as dynamic axes. Returns ``out_file``."""
     onnx, _ = check_onnx_runtime(need_runtime=False)
-    h, w = _check_shape(shape)
+    h, w = check_shape(shape)
     names = list(getattr(model, 'output_names', None) or ['output'])
     axes = None
     if dynamic:
@@ -230,7 +230,7 @@ def verify_onnx(model: nn.Module, onnx_file: str, shapes: Sequence[Sequence[int]
     results = []
     model.eval()
     for shape in shapes:
-        h, w = _check_shape(shape, 'verify size')
+        h, w = check_shape(shape, 'verify size')
         image = torch.randn(batch, 3, h, w, generator=torch.Generator().manual_seed(seed))
         with torch.no_grad():
             ref = model(image)

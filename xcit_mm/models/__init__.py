@@ -6,11 +6,8 @@ from .backbones import XCiTBackbone, arch_zoo
 
 
 def _register_lazily(name: str, package: str) -> None:
-    """Register ``name`` in mmengine's root MODELS as a builder that imports ``package`` (and so
-    mmseg or mmdet) only when a config builds it: ``model = dict(type=name, ...)`` works with
-    ``custom_imports`` of ``xcit_mm`` alone, and ``import xcit_mm`` stays free of both. Once
-    imported, the class itself is in mmseg's / mmdet's registry, which their scoped builds search
-    before this one."""
+    """A root-registry builder that imports ``package`` (mmseg / mmdet) only when a config builds
+    ``name``, so that ``import xcit_mm`` stays free of both."""
 
     def build(*args, **kwargs):
         return getattr(importlib.import_module(package, __name__), name)(*args, **kwargs)

@@ -14,11 +14,10 @@ from urllib.parse import urlparse
 
 import torch
 
-from .checkpoint_error import CheckpointError
 from .ckpt_convert import LayoutError, convert_backbone_state_dict, kind_of_backbone
 from .safe_unpickling import allow_training_state
-from .safetensors_io import (HUB_EXAMPLE, HUB_PREFIXES, SUFFIX, download_from_hub,
-                             hub_architecture, hub_copy_advice, is_hub_name,
+from .safetensors_io import (HUB_EXAMPLE, HUB_PREFIXES, SUFFIX, CheckpointError,
+                             download_from_hub, hub_architecture, hub_copy_advice, is_hub_name,
                              looks_like_safetensors, parse_hub_name, read_safetensors)
 
 _URL = re.compile(r'^https?://')

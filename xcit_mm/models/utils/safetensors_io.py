@@ -1,6 +1,5 @@
 """safetensors files and ``hf-hub:OWNER/NAME[@REVISION]`` names, read with no unpickling into the
-``{'state_dict', 'meta'}`` of a ``.pth`` checkpoint (each ``meta`` entry as JSON under its key).
-"""
+``{'state_dict', 'meta'}`` of a ``.pth`` checkpoint (each ``meta`` entry as JSON under its key)."""
 import json
 import os.path as osp
 import re
@@ -10,8 +9,6 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .checkpoint_error import CheckpointError
-
 SUFFIX = '.safetensors'
 HUB_PREFIXES = ('hf-hub:', 'hf_hub:')
 HUB_FILENAME = 'model.safetensors'
@@ -19,6 +16,10 @@ HUB_EXAMPLE = 'hf-hub:timm/xcit_small_12_p16_384.fb_dist_in1k'
 _FORMAT_KEY = 'format'
 _HEADER_LIMIT = 100_000_000  # safetensors refuses larger headers
 _REPO_ID = re.compile(r'^[\w.-]+/[\w.-]+$')
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, unreadable, unsafe to unpickle, or does not fit the model."""
 
 
 def is_hub_name(path) -> bool:
@@ -66,13 +67,6 @@ def read_safetensors(path: str, name: str, map_location='cpu',
     return {'state_dict': tensors, 'meta': meta}
 
 
-def _tolist(value):
-    """JSON for numpy arrays and scalars and tensors, which ``json`` cannot write."""
-    if hasattr(value, 'tolist'):
-        return value.tolist()
-    raise TypeError(type(value).__name__)
-
-
 def save_safetensors(state_dict: Dict[str, torch.Tensor], path: str,
                      meta: Optional[dict] = None) -> List[str]:
     """Write ``state_dict`` (shared tensors as copies) and ``meta``; return the ``meta`` keys left
@@ -80,9 +74,9 @@ def save_safetensors(state_dict: Dict[str, torch.Tensor], path: str,
     from safetensors.torch import save_file
     metadata, left_out = {_FORMAT_KEY: 'pt'}, []
     for key, value in (meta or {}).items():
-        try:
-            metadata[str(key)] = json.dumps(value, default=_tolist)
-        except (TypeError, ValueError):
+        try:  # numpy arrays and scalars and tensors, which json cannot write, as lists
+            metadata[str(key)] = json.dumps(value, default=lambda v: v.tolist())
+        except (TypeError, ValueError, AttributeError):
             left_out.append(str(key))
     tensors, seen = OrderedDict(), set()
     for key, value in state_dict.items():
