@@ -25,6 +25,7 @@ from xcit_benchmark.fresh_points import (LIVE_MALLOC, MIB, PartMeter, cpu_model,
                                          hooked, kept_rows, measure, package_version,
                                          print_row, revision, run_process, test_image,
                                          write_artifact)
+from xcit_benchmark.report import log_log_axes, md_table  # noqa: E402
 
 TASKS = ('segmentor', 'detector')
 BACKBONES = ('xcit', 'swin', 'vit', 'uper')
@@ -464,17 +465,16 @@ def per_megapixel(grid: list, series: list) -> list:
         return row['time_s'] / (row['size'] ** 2 / 2**20) if row and row['status'] == 'ok' else None
 
     pairs = [(b, p) for b, p in series if p in STREAMS and (b, 'bands') in series]
-    lines = ['Time per megapixel (s / Mpx, 1 Mpx = 2^20 px):', '',
-             '| image | ' + ' | '.join(f'{LABELS[b]} {p}' for b, p in series)
-             + ''.join(f' | {p} / bands' for _, p in pairs) + ' |',
-             '|---|' + '---:|' * (len(series) + len(pairs))]
+    rows = []
     for size in sorted({r['size'] for r in grid}):
         at = {(r['backbone'], r['path']): rate(r) for r in grid if r['size'] == size}
         ratios = [at.get(s) and at.get((s[0], 'bands')) and at[s] / at[(s[0], 'bands')]
                   for s in pairs]
-        lines.append(f'| {size}² | ' + ' | '.join(
-            f'{v:.3g}' if v else '' for v in [at.get(s) for s in series] + ratios) + ' |')
-    return lines + ['']
+        rows.append([f'{size}²'] + [f'{v:.3g}' if v else ''
+                                    for v in [at.get(s) for s in series] + ratios])
+    header = (['image'] + [f'{LABELS[b]} {p}' for b, p in series]
+              + [f'{p} / bands' for _, p in pairs])
+    return ['Time per megapixel (s / Mpx, 1 Mpx = 2^20 px):', '', md_table(header, rows), '']
 
 
 def markdown(artifact: dict) -> str:
@@ -493,28 +493,25 @@ def markdown(artifact: dict) -> str:
         if not cuda:
             lines += [f"**{LABELS[task]}** (`{DOORS[task]}`), peak RSS growth and time of the "
                       'call:', '']
-        lines += ['| image | ' + ' | '.join(f'{LABELS[b]} {p}' for b, p in series) + ' |',
-                  '|---|' + '---:|' * len(series)]
-        for size, pipeline in sorted({(r['size'], r.get('pipeline', 'full')) for r in grid}):
-            at = {(r['backbone'], r['path']): r for r in grid
-                  if (r['size'], r.get('pipeline', 'full')) == (size, pipeline)}
-            label = f'{size}²' + ('' if pipeline == 'full' else f' ({pipeline})')
-            lines.append(f'| {label} | ' + ' | '.join(cell(at.get(s), cuda) for s in series)
-                         + ' |')
+        keys = sorted({(r['size'], r.get('pipeline', 'full')) for r in grid})
+        at = {(r['backbone'], r['path'], r['size'], r.get('pipeline', 'full')): r for r in grid}
+        lines.append(md_table(['image'] + [f'{LABELS[b]} {p}' for b, p in series], [
+            [f'{size}²' + ('' if pipeline == 'full' else f' ({pipeline})')]
+            + [cell(at.get((*s, size, pipeline)), cuda) for s in series]
+            for size, pipeline in keys]))
         text = agreement(grid, cuda)
         lines += ['', text, ''] if text else ['']
         if not any(r['path'] == 'stock' for r in grid):  # the stream's artifacts
             lines += per_megapixel(grid, series)
     budget = [r for r in rows if r['path'] == 'auto']
     if budget:
-        lines += ['| image | `max_memory` | plan | estimate | peak growth | reserved | time |',
-                  '|---|---:|---|---:|---:|---:|---:|']
         tasks = len({r['task'] for r in budget}) > 1  # which model, where both are there
-        lines += [f"| {r['size']}²{' ' + LABELS[r['task']] if tasks else ''} | {r['max_memory']} | "
-                  f"{r.get('plan', r['status'])} | "
-                  f"{r.get('estimate_mb', '')} | {r.get('peak_growth_mb', '')} | "
-                  f"{r.get('max_reserved_mb', '')} | {r.get('time_s', '')} |" for r in budget]
-        lines.append('')
+        lines += [md_table(
+            ['image', '`max_memory`', 'plan', 'estimate', 'peak growth', 'reserved', 'time'],
+            [[f"{r['size']}²{' ' + LABELS[r['task']] if tasks else ''}", str(r['max_memory']),
+              r.get('plan', r['status'])] + [str(r.get(k, '')) for k in (
+                  'estimate_mb', 'peak_growth_mb', 'max_reserved_mb', 'time_s')] for r in budget],
+            'lrlrrrr'), '']
     info = meta.get('device_info', {})
     if cuda:
         lines.append(f"{info['device_name']}, torch {info['torch']}, CUDA {info['cuda']}, cuDNN "
@@ -535,7 +532,6 @@ def plot(artifact: dict, png: str) -> None:
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
-    from matplotlib.ticker import FuncFormatter, LogLocator
     rows, meta = artifact['rows'], artifact.get('meta', {})
     cuda = any('max_reserved_mb' in r for r in rows)
     info = meta.get('device_info', {})
@@ -573,17 +569,9 @@ def plot(artifact: dict, png: str) -> None:
                 ax_mem.plot([x], [r['peak_growth_mb'] / 1024], marker='v', color='k')
                 ax_time.plot([x], [r['time_s']], marker='v', color='k')
         ax_mem.axhline(limit, color='grey', linestyle=':', linewidth=1)
-        for ax, what, unit in ((ax_mem, 'peak memory', f"peak {'allocated' if cuda else 'RSS'} "
-                                'growth (GiB)'), (ax_time, 'time', 'time of the call (s)')):
-            ax.set_xscale('log', base=2)
-            ax.set(yscale='log', xlim=(sizes[0] / 1.25, sizes[-1] * 1.25),
-                   xlabel='image size (px)', ylabel=unit)
-            ax.set_xticks(sizes, [f'{s}²' for s in sizes])
-            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
-            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f'{v:g}'))
-            ax.yaxis.set_minor_locator(LogLocator(base=10, subs=()))
-            ax.set_title(f'{LABELS[task]}: {what}', fontsize=10)
-            ax.grid(True, which='major', alpha=0.3)
+        log_log_axes(ax_mem, sizes, f"peak {'allocated' if cuda else 'RSS'} growth (GiB)",
+                     f'{LABELS[task]}: peak memory')
+        log_log_axes(ax_time, sizes, 'time of the call (s)', f'{LABELS[task]}: time')
     used = {r['backbone'] for r in rows}
     handles = ([Line2D([], [], color=c, linewidth=2, label=LABELS[b])
                 for b, c in colours.items() if b in used]

@@ -55,21 +55,25 @@ def format_ratios(rows: Sequence[dict]) -> str:
     return '\n'.join(lines)
 
 
-def _md_row(cells: Sequence[str]) -> str:
-    return '| ' + ' | '.join(cells) + ' |'
+def md_table(header: Sequence[str], rows, align: str = '') -> str:
+    """A Markdown table; ``align`` has 'l' or 'r' per column (default: the first left, the rest
+    right)."""
+    rule = ''.join('---|' if a == 'l' else '---:|' for a in align or 'l' + 'r' * (len(header) - 1))
+    lines = ['| ' + ' | '.join(cells) + ' |' for cells in [header, *rows]]
+    return '\n'.join([lines[0], '|' + rule] + lines[1:])
 
 
 def markdown_goals(goals: Sequence[dict]) -> str:
     """The goals table (``meta.goals`` of a goals JSON)."""
-    lines = ['| goal | target | measured | numbers |', '|---|---|---:|---|']
+    rows = []
     for g in goals:
         value, ok = g['value'], g['ok']
         measured = '-' if value is None else (f'**{value:.0%}**' if g['target'].endswith('%')
                                               else f'**{value:.2f}**')
         verdict = 'PASS' if ok else ('FAIL' if ok is not None else 'N/A')
-        lines.append(_md_row([g['goal'].replace('^2', '²'), g['target'], f'{measured} {verdict}',
-                              g['detail']]))
-    return '\n'.join(lines)
+        rows.append([g['goal'].replace('^2', '²'), g['target'], f'{measured} {verdict}',
+                     g['detail']])
+    return md_table(['goal', 'target', 'measured', 'numbers'], rows, 'llrl')
 
 
 _RECORD_TABLES = (
@@ -85,31 +89,23 @@ def markdown_records(records: Sequence[dict]) -> str:
     models = list(dict.fromkeys(r['model'] for r in records))
     resolutions = sorted({r['resolution'] for r in records})
     index = {(r['model'], r['resolution']): r for r in records}
-    tables = []
-    for title, cell in _RECORD_TABLES:
-        lines = [_md_row([title] + [f'{res}²' for res in resolutions]),
-                 '|---|' + '---:|' * len(resolutions)]
-        for model in models:
-            lines.append(_md_row([f'`{model}`'] + [
-                cell(index[(model, res)]) if (model, res) in index else '-'
-                for res in resolutions]))
-        tables.append('\n'.join(lines))
-    return '\n\n'.join(tables)
+    return '\n\n'.join(md_table([title] + [f'{res}²' for res in resolutions], [
+        [f'`{model}`'] + [cell(index[(model, res)]) if (model, res) in index else '-'
+                          for res in resolutions] for model in models])
+        for title, cell in _RECORD_TABLES)
 
 
 def markdown_flops_report(rows: Sequence[dict]) -> str:
     """The paper Table 1 comparison (``rows`` of a FLOPs report JSON)."""
-    lines = ['| arch | setting | trunk | analytic trunk | +cls | = classifier | port classifier '
-             '| paper | diff | params (M) | paper params |',
-             '|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|']
-    for r in rows:
-        lines.append(_md_row([
-            r['arch'].upper(), r['setting'], f'{r["trunk_gmacs"]:.3f}',
-            f'{r["analytic_trunk_gmacs"]:.3f}', f'{r["cls_part_gmacs"]:.3f}',
-            f'{r["classifier_gmacs"]:.3f}', f'{r["port_classifier_gmacs"]:.3f}',
-            str(r['paper_gmacs']), f'{100 * r["rel_diff"]:+.1f}%',
-            f'{r["classifier_params_m"]:.2f}', str(r['paper_params_m'])]))
-    return '\n'.join(lines)
+    return md_table(
+        ['arch', 'setting', 'trunk', 'analytic trunk', '+cls', '= classifier', 'port classifier',
+         'paper', 'diff', 'params (M)', 'paper params'],
+        [[r['arch'].upper(), r['setting'], f'{r["trunk_gmacs"]:.3f}',
+          f'{r["analytic_trunk_gmacs"]:.3f}', f'{r["cls_part_gmacs"]:.3f}',
+          f'{r["classifier_gmacs"]:.3f}', f'{r["port_classifier_gmacs"]:.3f}',
+          str(r['paper_gmacs']), f'{100 * r["rel_diff"]:+.1f}%',
+          f'{r["classifier_params_m"]:.2f}', str(r['paper_params_m'])] for r in rows],
+        'll' + 'r' * 9)
 
 
 def markdown_whole_model(data: dict) -> str:
@@ -119,24 +115,18 @@ def markdown_whole_model(data: dict) -> str:
     parts = [p for p in PARTS_TRAIN
              if any(p in (r.get('parts') or {}) for r in data['records'])]
     setting = f'{meta["mode"]}, {meta["shape"][0]}x{meta["shape"][1]}, batch {meta["batch"]}'
-    lines = [_md_row([setting, 'step (ms)'] + parts + ['peak RSS (MB)']),
-             '|---|' + '---:|' * (len(parts) + 2)]
-    for r in data['records']:
-        cells = ([r.get('status', '?')] + ['-'] * (len(parts) + 1) if r.get('status') != 'ok' else
-                 [f'{r["time_ms"]:.0f}'] + [f'{r["parts"][p]["time_ms"]:.0f}' for p in parts]
-                 + [f'+{r["peak_mem_mb"]:.0f}'])
-        lines.append(_md_row([f'`{r["model"]}`'] + cells))
+    text = md_table([setting, 'step (ms)'] + parts + ['peak RSS (MB)'], [[f'`{r["model"]}`'] + (
+        [r.get('status', '?')] + ['-'] * (len(parts) + 1) if r.get('status') != 'ok' else
+        [f'{r["time_ms"]:.0f}'] + [f'{r["parts"][p]["time_ms"]:.0f}' for p in parts]
+        + [f'+{r["peak_mem_mb"]:.0f}']) for r in data['records']])
     ratios = data['meta'].get('ratios') or []
     if ratios:
-        lines += ['', '| subject / baseline | time | peak memory | rounds |',
-                  '|---|---:|---:|---:|']
-        for q in ratios:
-            lines.append(_md_row([
-                f'`{q["subject"]}` / `{q["baseline"]}`',
-                f'{q["time_ratio"]:.2f}x ({q["time_ratio_min"]:.2f}-{q["time_ratio_max"]:.2f})',
-                f'{q["peak_ratio"]:.2f}x ({q["peak_ratio_min"]:.2f}-{q["peak_ratio_max"]:.2f})',
-                str(q['rounds'])]))
-    return '\n'.join(lines)
+        text += '\n\n' + md_table(['subject / baseline', 'time', 'peak memory', 'rounds'], [[
+            f'`{q["subject"]}` / `{q["baseline"]}`',
+            f'{q["time_ratio"]:.2f}x ({q["time_ratio_min"]:.2f}-{q["time_ratio_max"]:.2f})',
+            f'{q["peak_ratio"]:.2f}x ({q["peak_ratio_min"]:.2f}-{q["peak_ratio_max"]:.2f})',
+            str(q['rounds'])] for q in ratios])
+    return text
 
 
 def markdown_result(data: dict) -> str:
@@ -162,16 +152,28 @@ def write_outputs(records: Sequence[dict], meta: dict, out_dir: str, name: str,
     return paths
 
 
+def log_log_axes(ax, sizes: Sequence[int], ylabel: str, title: str = '') -> None:
+    """Log-log axes of a figure against the image side: a tick at each measured size."""
+    from matplotlib.ticker import FuncFormatter, LogLocator
+    ax.set_xscale('log', base=2)
+    ax.set(yscale='log', xlim=(sizes[0] / 1.25, sizes[-1] * 1.25), xlabel='image size (px)',
+           ylabel=ylabel)
+    ax.set_xticks(sizes, [f'{s}²' for s in sizes])
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f'{v:g}'))
+    ax.yaxis.set_minor_locator(LogLocator(base=10, subs=()))
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which='major', alpha=0.3)
+
+
 def plot_records(records: Sequence[dict], path: str, meta: dict):
     """ms/image and peak memory against the resolution (log-log), a line per model."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    resolutions = sorted({r['resolution'] for r in records})
-    for key, ax, label in (('ms_per_img', axes[0], 'time per image [ms]'),
-                           ('peak_mem_mb', axes[1], 'peak memory growth [MB]')):
+    for key, ax, label in (('ms_per_img', axes[0], 'time per image (ms)'),
+                           ('peak_mem_mb', axes[1], 'peak memory growth (MB)')):
         for model in dict.fromkeys(r['model'] for r in records):
             pts = sorted((r['resolution'], r[key]) for r in records
                          if r['model'] == model and r.get(key) is not None and r[key] > 0)
@@ -181,11 +183,7 @@ def plot_records(records: Sequence[dict], path: str, meta: dict):
                 continue
             suffix = f' ({", ".join(map(str, failed))}: OOM/failed)' if failed else ''
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker='o', label=model + suffix)
-        ax.set_xscale('log', base=2)
-        ax.set(yscale='log', xlabel='input side [px] (square input)', ylabel=label)
-        ax.set_xticks(resolutions, [str(r) for r in resolutions])
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.grid(True, which='both', alpha=0.3)
+        log_log_axes(ax, sorted({r['resolution'] for r in records}), label)
         if ax.get_lines():
             ax.legend(fontsize=8)
         else:
