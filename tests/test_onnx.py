@@ -210,6 +210,9 @@ def test_bad_inputs_are_one_error_line(onnx_tool, onnx_packages, tmp_path, capsy
         assert not out.exists()
     assert onnx_tool.main([SEG_CFG, '--out', str(tmp_path / 'x.onnx'), '--shape', '16', '64']) == 2
     assert 'error: image sides must be >= 32 px' in capsys.readouterr().err
+    assert onnx_tool.main([SEG_CFG, '--out', str(tmp_path / 'x.onnx'), '--shape', '64', '64',
+                           '--dynamic', '--verify-shape', '64', '16']) == 2
+    assert 'got --verify-shape [64, 16]' in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------
