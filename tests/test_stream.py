@@ -23,8 +23,8 @@ import xcit_mm  # noqa: F401  (registers XCiTBackbone and LeanEncoderDecoder)
 from mmseg.registry import MODELS
 from test_lean_segmentation import (BACKBONE, SEM_FPN, UPERNET, _meta, _predict,
                                     spread_statistics_and_logits)
-from xcit_mm.models.inference.row_stream import (Combine, Local, Resize, Strided, TokenMaps,
-                                                 TokenRows, materialize, stream_rows)
+from xcit_mm.models.inference.row_stream import (MB, Combine, Local, Resize, TensorRows, TokenMaps,
+                                                 TokenRows, materialize, module_rows, stream_rows)
 from xcit_mm.models.inference.seg_stream import labels_rows, logits_rows
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
@@ -103,7 +103,7 @@ def test_each_row_is_made_once_and_only_maps_read_again_keep_rows(monkeypatch):
     full-resolution logits of a band are not held while the next band is made."""
     model, img_hw = _model(SEM_FPN), (97, 131)
     made = {}
-    for cls in (Local, Combine, Strided, Resize):
+    for cls in (Local, Combine, Resize):
         def spy(self, start, stop, real=cls._make):
             made[self] = made.get(self, 0) + stop - start
             return real(self, start, stop)
@@ -119,6 +119,20 @@ def test_each_row_is_made_once_and_only_maps_read_again_keep_rows(monkeypatch):
     full_resolution = [m for m in made if (m.height, m.width) == img_hw]
     assert full_resolution and all(m._rows is None for m in full_resolution)
     assert any(m._rows is not None for m in made)
+
+
+def test_bands_follow_the_bytes_of_a_row_of_every_map():
+    """After the first 8 rows, a band has ``band_mb`` over the bytes of one output row: the band's
+    own row and the rows every map makes for it, a map twice as tall making two (by hand: 8
+    channels x 8 columns x 4 bytes for the pool, twice; 8 x 16 x 4 for the doubled map, twice)."""
+    x = torch.randn(1, 4, 200, 16, generator=torch.Generator().manual_seed(4))
+    doubled = Local(lambda t: torch.cat([t, t], 1), TensorRows(x))
+    pooled = module_rows(torch.nn.MaxPool2d(2, 2, ceil_mode=True), doubled)
+    per_row = 2 * 8 * 8 * 4 + 2 * 8 * 16 * 4
+    bands = list(stream_rows(pooled, 30 * per_row / MB))
+    assert [stop - start for start, stop, _ in bands] == [8, 30, 30, 30, 2]
+    expected = torch.nn.functional.max_pool2d(torch.cat([x, x], 1), 2)
+    torch.testing.assert_close(torch.cat([band for _, _, band in bands], 2), expected)
 
 
 def test_predict_through_the_test_resize_and_padding_equals_whole():

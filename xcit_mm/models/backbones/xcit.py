@@ -1,9 +1,6 @@
-"""XCiT backbone for dense prediction (El-Nouby et al., NeurIPS 2021; docs/backbone.md).
-
-A conv stem to stride ``patch_size``, XCiT layers (attention over channels: cost linear in
-pixels), and four layers' features rescaled to strides 4-32 (paper B.2), ``fpn1``..``fpn4`` built
-as the released detectors / segmentors have them so that their files load as they are.
-"""
+"""XCiT backbone for dense prediction (El-Nouby et al., NeurIPS 2021; docs/backbone.md): a conv
+stem, XCiT layers and four layers' features rescaled to strides 4-32 (paper B.2) by ``fpn1``..
+``fpn4``, built as the released detectors / segmentors have them so that their files load."""
 import math
 import warnings
 from contextlib import contextmanager, nullcontext
@@ -42,8 +39,8 @@ STRIDES = (4, 8, 16, 32)  # of the adapter's levels; the last is the smallest im
 
 
 class FourierPositionEncoding(nn.Module):
-    """2-D sine/cosine code of the patch grid (DETR style, ``hidden_dims`` per axis) through a
-    1x1 conv to ``embed_dims``; computed for any grid, so no interpolation across image sizes."""
+    """DETR-style 2-D sine/cosine code of the patch grid through a 1x1 conv, computed for any
+    grid: no interpolation across image sizes."""
 
     def __init__(self, embed_dims: int, hidden_dims: int = 32, temperature: float = 10000.):
         super().__init__()
@@ -52,7 +49,6 @@ class FourierPositionEncoding(nn.Module):
         self.temperature = temperature
 
     def _axis_code(self, length: int, device: torch.device) -> torch.Tensor:
-        """Code of coordinates 1..length normalised to (0, 2*pi]."""
         coords = torch.arange(1, length + 1, device=device, dtype=torch.float32)
         coords = coords / (length + 1e-6) * (2 * math.pi)
         dim_t = torch.arange(self.hidden_dims, device=device, dtype=torch.float32)
@@ -96,8 +92,8 @@ class ConvPatchEmbed(nn.Module):
 
     def rows(self, read_pixels: Callable[[int, int], torch.Tensor], image_hw: Tuple[int, int],
              start: int, stop: int) -> torch.Tensor:
-        """Token rows ``start:stop`` of the zero-padded image read by ``read_pixels(a, b)``; token
-        row r reads pixel rows p r - (p - 1) .. p r + (p - 1), so one patch row above suffices."""
+        """Token rows ``start:stop`` of the zero-padded image read by ``read_pixels(a, b)``: a token
+        row reads p - 1 pixel rows above its own, so one patch row of context suffices."""
         p = self.patch_size
         (H, W), lo, hi = image_hw, max(0, start - 1) * p, stop * p
         x = read_pixels(lo, min(H, hi))
@@ -106,8 +102,7 @@ class ConvPatchEmbed(nn.Module):
 
 
 class XCAProbe(nn.Module):
-    """Where :meth:`XCiTBackbone.capture_xca`'s hooks read ``(q, k, attn, grid_hw)``; XCA calls it
-    only for a hook."""
+    """Where :meth:`XCiTBackbone.capture_xca`'s hooks read ``(q, k, attn, grid_hw)``."""
 
     def forward(self, q, k, attn, grid_hw):
         return attn
@@ -216,9 +211,8 @@ class XCiTLayer(nn.Module):
 
     @torch.no_grad()
     def forward_streamed(self, x: TokenMap, band_rows: int) -> None:
-        """:meth:`forward` on the token map ``x`` in place, ``band_rows`` rows at a time, in three
-        passes: XCA's sums over all tokens; each band's attention; LPI (with 2 rows of context,
-        those above as attention left them) and FFN."""
+        """:meth:`forward` on the token map ``x`` in place, by bands of rows, in three passes: XCA's
+        sums, each band's attention, then LPI (its context above as attention left it) and FFN."""
         H, W, C = x.shape
         attn, h = self.attn, self.attn.num_heads
         w_q, w_k, w_v = attn.qkv.weight.split(C)
@@ -273,8 +267,7 @@ def _build_adapter(embed_dims: int, patch_size: int, norm_cfg: dict) -> List[nn.
 
 
 def _tracing() -> bool:
-    """Whether dynamo or a TorchScript trace (ONNX) records: then plain tensor code replaces the
-    hand-scheduled eager path, so that one graph serves every image size."""
+    """Whether dynamo or an ONNX trace records: then plain tensor code, one graph for every size."""
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
@@ -299,9 +292,8 @@ def _up2_traceable(conv: nn.ConvTranspose2d, x: torch.Tensor,
 
 @MODELS.register_module()
 class XCiTBackbone(BaseModule):
-    """XCiT trunk with the multi-scale adapter, for mmdet and mmseg; the options are tabled in
-    docs/backbone.md. ``pretrained`` is deprecated as in mmseg's backbones: a path or URL becomes
-    ``init_cfg``, mmseg's ResNet ``open-mmlab://`` weights are an error."""
+    """XCiT trunk with the multi-scale adapter, for mmdet and mmseg; options in docs/backbone.md.
+    ``pretrained`` (deprecated) becomes ``init_cfg``; mmseg's ResNet weights are an error."""
 
     def __init__(self,
                  arch: Union[str, dict] = 's12',
@@ -415,7 +407,6 @@ class XCiTBackbone(BaseModule):
         return tuple(self._layer_index(i, f'out_indices {out_indices}') for i in out_indices)
 
     def _layer_index(self, index: int, what: str) -> int:
-        """``index`` as 0..num_layers - 1, negative ones counted from the end."""
         if not -self.num_layers <= index < self.num_layers:
             raise ValueError(f'{what}: layer {index} is out of range for a {self.num_layers}-layer '
                              f'model (valid: 0..{self.num_layers - 1} or negative from the end)')
@@ -475,7 +466,7 @@ class XCiTBackbone(BaseModule):
                              'level; resize or pad the input (e.g. Pad size_divisor=32)')
 
     def forward_trunk(self, x: torch.Tensor) -> List[torch.Tensor]:
-        """Trunk maps at ``out_indices`` (B, D, ceil(H/p), ceil(W/p)), the image zero-padded."""
+        """Trunk maps at ``out_indices``, (B, D, ceil(H/p), ceil(W/p)) channels-last views."""
         self._check_input(x)
         H, W = x.shape[-2:]
         # round up with floor division, not ``-H % p``: a modulo of symbolic sizes makes
@@ -510,8 +501,8 @@ class XCiTBackbone(BaseModule):
 
     def forward_level(self, feat: torch.Tensor, level: int,
                       image_hw: Tuple[int, int]) -> torch.Tensor:
-        """Adapter output of one level from its trunk map, NCHW by default (mmcv's CPU
-        ``RoIAlign`` reads raw NCHW memory); a final 2x upsampling writes straight into it."""
+        """Adapter output of one level, NCHW by default (mmcv's CPU ``RoIAlign`` reads raw NCHW
+        memory); a final 2x upsampling writes straight into that layout."""
         layout = torch.channels_last if self.out_channels_last else torch.contiguous_format
         tracing = _tracing()
         adapter = self.adapters[level]
@@ -534,8 +525,8 @@ class XCiTBackbone(BaseModule):
     def stream_trunk(self, read_pixels: Callable[[int, int], torch.Tensor],
                      image_hw: Tuple[int, int], maps: TokenMaps, band_mb: float,
                      progress: Callable[[], None] = lambda: None) -> List[TokenMap]:
-        """:meth:`forward_trunk` of one image, read by ``read_pixels(a, b)`` (pixel rows), as token
-        maps in ``maps``: each layer updates one map in place, copied at the ``out_indices``."""
+        """:meth:`forward_trunk` of one image read by ``read_pixels(a, b)`` (pixel rows) as token
+        maps in ``maps``: the layers update one map in place, copied at the ``out_indices``."""
         if self.training:
             raise RuntimeError('XCiTBackbone.stream_trunk is for inference: call .eval() first')
         H, W = image_hw
@@ -567,15 +558,13 @@ class XCiTBackbone(BaseModule):
                     *self._level_hw(level, image_hw))
 
     def _level_hw(self, level: int, image_hw: Tuple[int, int]) -> Tuple[int, int]:
-        """ceil(H / s), ceil(W / s) in integer arithmetic: also right for traced sizes."""
         stride = self.strides[level]
         return tuple((n + stride - 1) // stride for n in image_hw)
 
     @contextmanager
     def capture_xca(self, layers: Optional[Sequence[int]] = None):
-        """Yield ``{layer_index: dict(q, k, attn, grid)}``, filled by forward passes inside the
-        block: normalised q and k (B, heads, d, N), attention (B, heads, d, d) and the patch grid
-        (Hp, Wp), detached, of the last pass."""
+        """Yield ``{layer_index: dict(q, k, attn, grid)}`` of the last forward pass inside the
+        block, detached (docs/visualisation.md)."""
         layers = range(self.num_layers) if layers is None else layers
         records: Dict[int, dict] = {}
         handles = []
@@ -596,7 +585,6 @@ class XCiTBackbone(BaseModule):
 
 
 def _init_module(m: nn.Module):
-    """The reference code's init: trunc-normal(0.02) linears, unit LayerNorms."""
     if isinstance(m, nn.Linear):
         trunc_normal_(m.weight, std=.02)
         if m.bias is not None:

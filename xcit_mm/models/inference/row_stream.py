@@ -1,10 +1,6 @@
-"""Whole-image inference a band of rows at a time (docs/gigapixel.md).
-
-XCiT's attention needs only per-head d x d sums over all tokens and everything after it is
-row-local, so the trunk streams layer by layer over :class:`TokenMap` s (memory or disk) and every
-later map is a :class:`RowMap`, its rows made on demand from the rows of its inputs they read.
-Values equal the whole forward's up to float rounding. Torch only, no task package.
-"""
+"""Whole-image inference a band of rows at a time (docs/gigapixel.md): the trunk streams layer by
+layer over :class:`TokenMap` s, every later map is a :class:`RowMap` made on demand from the rows
+of its inputs. Torch only, no task package."""
 import errno
 import os
 import shutil
@@ -17,13 +13,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.utils import _pair
 
 MB = 2**20
 
 
 def row_bands(height: int, band_rows: int, halo: int = 0) -> Iterator[Tuple[int, int, int, int]]:
-    """``(start, stop, lo, hi)``: each band's rows, and its rows with ``halo`` rows of context on
-    each side where the map has them."""
+    """``(start, stop, lo, hi)``: each band's rows, then with ``halo`` rows of context each side."""
     for start in range(0, height, band_rows):
         stop = min(height, start + band_rows)
         yield start, stop, max(0, start - halo), min(height, stop + halo)
@@ -36,8 +32,8 @@ def band_rows_for(band_mb: float, row_bytes: int, at_least: int = 1) -> int:
 
 # ---------------------------------------------------------------------------- token maps
 class TokenMap:
-    """An (H, W, C) float32 token map, in memory or in a file unlinked at once (so that it goes
-    with the process whatever ends it), read and written by bands of rows."""
+    """An (H, W, C) float32 token map read and written by bands of rows, in memory or in a file
+    unlinked at once (so that it goes with the process whatever ends it)."""
 
     def __init__(self, shape: Sequence[int], device: torch.device, folder: Optional[str] = None):
         self.shape = tuple(shape)
@@ -179,16 +175,21 @@ class TokenRows(RowMap):
 
 
 class Local(RowMap):
-    """Size-keeping ``fn`` of its source's rows with ``halo`` rows of context on each side (beyond
-    the map, ``fn``'s own zero padding)."""
+    """``fn`` of its source's rows, output row ``r`` reading input rows from ``r * num // den`` with
+    ``halo`` rows of context each side (beyond the map, ``fn``'s own zero padding): size-keeping,
+    a 2x2 stride-2 transposed conv (``num=1, den=2``) or a ceil-mode max pool of kernel = stride k
+    (``num=k``)."""
 
-    def __init__(self, fn: Callable[[Tensor], Tensor], source: RowMap, halo: int = 0):
-        super().__init__(source.height, source.width)
-        self.fn, self.source, self.halo = fn, source, halo
+    def __init__(self, fn: Callable[[Tensor], Tensor], source: RowMap, halo: int = 0,
+                 num: int = 1, den: int = 1):
+        super().__init__(-(-source.height * den // num), -(-source.width * den // num))
+        self.fn, self.source, self.halo, self.num, self.den = fn, source, halo, num, den
 
     def _make(self, start: int, stop: int) -> Tensor:
-        lo, hi = max(0, start - self.halo), min(self.source.height, stop + self.halo)
-        return self.fn(self.source.rows(lo, hi))[:, :, start - lo:stop - lo]
+        lo = max(0, start * self.num // self.den - self.halo)
+        hi = min(self.source.height, -(-stop * self.num // self.den) + self.halo)
+        first = lo * self.den // self.num
+        return self.fn(self.source.rows(lo, hi))[:, :, start - first:stop - first]
 
 
 class Combine(RowMap):
@@ -202,27 +203,10 @@ class Combine(RowMap):
         return self.fn(*(source.rows(start, stop) for source in self.sources))
 
 
-class Strided(RowMap):
-    """A module whose output row ``r`` reads input rows ``r * num // den`` on: a 2x2 stride-2
-    transposed conv (``num=1, den=2``) or a ceil-mode max pool of kernel = stride ``k`` (k, 1)."""
-
-    def __init__(self, module: nn.Module, source: RowMap, num: int, den: int):
-        super().__init__(-(-source.height * den // num), -(-source.width * den // num))
-        self.module, self.source, self.num, self.den = module, source, num, den
-
-    def _make(self, start: int, stop: int) -> Tensor:
-        lo = start * self.num // self.den
-        hi = min(self.source.height, -(-stop * self.num // self.den))
-        out = self.module(self.source.rows(lo, hi))
-        first = lo * self.den // self.num
-        return out[:, :, start - first:stop - first]
-
-
 class Resize(RowMap):
-    """``F.interpolate(source, size, mode, align_corners)`` by rows. An integer factor resizes the
-    band's source rows, one more each side, by the call itself (bit for bit); else nearest copies
-    the call's own source rows, and bilinear resizes the width by the call and blends each row's
-    two source rows with the kernel's weights."""
+    """``F.interpolate(source, size, mode, align_corners)`` by rows, equal to the call: an integer
+    factor by the call on the band's source rows and one more each side, else by the call's own
+    source rows (nearest) or their blend with its weights (bilinear)."""
 
     def __init__(self, source: RowMap, size: Sequence[int], mode: str = 'bilinear',
                  align_corners: Optional[bool] = None, interpolate_kwargs: Optional[dict] = None):
@@ -273,13 +257,9 @@ class Resize(RowMap):
         return upper * (1 - w1) + lower * w1
 
 
-def _pair(value):
-    return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
-
-
 def nearest_index(n_in: int, n_out: int, axis: int, kwargs: dict) -> Tensor:
     """The source index of each output row (``axis`` 0) or column (1) of the nearest resize
-    ``F.interpolate(x, **kwargs)`` (``size=`` if no scale factor): the call's own, on indices."""
+    ``F.interpolate(x, **kwargs)``, by the call itself on indices."""
     shape = [1, 1, 1, 1]
     shape[2 + axis] = n_in
     line = torch.arange(n_in, dtype=torch.float64).view(shape)
@@ -310,9 +290,8 @@ class Crop(RowMap):
 
 # ---------------------------------------------------------------------------- modules as rows
 def conv_halo(module) -> Optional[int]:
-    """The rows of context on each side (its padding) a band of a size-keeping stride-1
-    ``nn.Conv2d`` needs, bare or in a ``ConvModule`` with no norm or a BatchNorm (per pixel in
-    eval mode); None for any other module."""
+    """The rows of context each side a size-keeping stride-1 ``nn.Conv2d`` needs, bare or in a
+    ``ConvModule`` with no norm or a BatchNorm (per pixel in eval mode); else None."""
     conv = getattr(module, 'conv', module)
     if getattr(module, 'with_norm', False) and not isinstance(
             getattr(module, module.norm_name), _BatchNorm):
@@ -356,10 +335,10 @@ def module_rows(module: nn.Module, source: RowMap) -> RowMap:
     if (type(module) is nn.ConvTranspose2d and _pair(module.kernel_size) == (2, 2)
             and _pair(module.stride) == (2, 2) and _pair(module.padding) == (0, 0)
             and _pair(module.output_padding) == (0, 0)):
-        return Strided(module, source, 1, 2)
+        return Local(module, source, num=1, den=2)
     if (type(module) is nn.MaxPool2d and _pair(module.kernel_size) == _pair(module.stride)
             and _pair(module.padding) == (0, 0) and _pair(module.dilation) == (1, 1)):
-        return Strided(module, source, _pair(module.stride)[0], 1)
+        return Local(module, source, num=_pair(module.stride)[0])
     raise NotRowLocal(f'{type(module).__name__} cannot run a band of rows at a time (a '
                       'size-keeping stride-1 conv with BN or no norm, a per-pixel module, a 2x2 '
                       'stride-2 transposed conv or a max pool of kernel = stride can)')
@@ -389,14 +368,14 @@ def _read_once(node: RowMap, consumers: dict) -> bool:
     user = users[0]
     if isinstance(user, Crop):
         return _read_once(user, consumers)
-    return isinstance(user, Combine) or isinstance(user, Local) and user.halo == 0
+    return isinstance(user, Combine) or isinstance(user, Local) and user.halo == 0 and (
+        user.num == user.den == 1)
 
 
 def stream_rows(node: RowMap, band_mb: float, first_rows: int = 8) -> Iterator[Tuple[int, int,
                                                                                      Tensor]]:
-    """``(start, stop, rows)`` of ``node`` band by band, top to bottom: after ``first_rows`` rows,
-    bands that keep the band and the rows every map makes for it, as measured on the band
-    before, near ``band_mb``."""
+    """``(start, stop, rows)`` of ``node`` band by band: after ``first_rows`` rows, bands whose
+    rows in every map, as measured on the band before, come near ``band_mb``."""
     maps, consumers = _graph(node)
     for current in maps:
         current.keeps = not _read_once(current, consumers)
