@@ -1,9 +1,8 @@
 #!/usr/bin/env python
 """CPU speed of GatherRoIAlign against mmcv's RoIAlign, forward and forward + backward.
 
-Each case is a RoI-pooling call of Mask R-CNN on its stride-4 level (the shapes quick-start's and
-COCO's), seeded; both run on the same inputs (their largest difference recorded), then timed in
-interleaved rounds. docs/benchmark_shapes.md.
+Each case: a seeded RoI-pooling call of Mask R-CNN on its stride-4 level (shapes', COCO's), both
+on the same inputs (largest difference recorded), interleaved rounds. docs/benchmark_shapes.md.
 
 Examples::
 
@@ -25,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from training_extras.roi_heads import GatherRoIAlign  # noqa: E402
 from xcit_benchmark.fresh_points import run_metadata, write_artifact  # noqa: E402
+from xcit_benchmark.report import md_table  # noqa: E402
 from xcit_benchmark.timing import time_interleaved  # noqa: E402
 
 CASES = tuple(dict(name=name, map=m, stride=4, rois=rois, output=out, sampling_ratio=ratio)
@@ -96,13 +96,11 @@ def measure(case: dict, repeats: int = 10, warmup: int = 2) -> dict:
 
 
 def markdown_table(records: Sequence[dict]) -> str:
-    rows = [COLUMNS] + [[
+    return md_table(COLUMNS, [[
         r['case'], 'x'.join(map(str, r['map'])), str(r['rois']), f"{r['output']}x{r['output']}",
         str(r['sampling_ratio']), f"{r['mmcv_fwd_ms']:.2f}", f"{r['gather_fwd_ms']:.2f}",
         f"{r['fwd_speedup']:.1f}x", f"{r['mmcv_fwd_bwd_ms']:.2f}", f"{r['gather_fwd_bwd_ms']:.2f}",
-        f"{r['fwd_bwd_speedup']:.1f}x", f"{r['max_diff']:.1e}"] for r in records]
-    lines = ['| ' + ' | '.join(row) + ' |' for row in rows]
-    return '\n'.join(lines[:1] + ['|' + '---|' * len(COLUMNS)] + lines[1:])
+        f"{r['fwd_bwd_speedup']:.1f}x", f"{r['max_diff']:.1e}"] for r in records], 'l' * 12)
 
 
 def parse_args(argv: Optional[Sequence[str]], cases: Sequence[dict]) -> argparse.Namespace:

@@ -75,8 +75,8 @@ def resolve_config(config: str) -> str:
 
 
 def build_cfg(point: dict):
-    """The config of a series: its path's model, random weights, a full-resolution pipeline; a
-    detector gets the XCiT config's test settings, ``score_thr=0``: the same RoI work for all."""
+    """A series' config: its path's model, random weights, full resolution; a detector gets the
+    XCiT config's test settings, ``score_thr=0``: the same RoI work for every backbone."""
     from mmengine.config import ConfigDict
     from xcit_benchmark.whole_model import drop_pretrained, load_whole_config
     cfg = load_whole_config(resolve_config(point['config']))
@@ -103,8 +103,6 @@ def build_cfg(point: dict):
         cfg.model.test_cfg.update(mode='auto', max_memory=NO_LIMIT_MB)
     if path in STREAMS:
         cfg.model.test_cfg.update(mode='stream', token_maps=STREAMS[path])
-        if point.get('token_dir'):
-            cfg.model.test_cfg.token_dir = point['token_dir']
     return cfg
 
 
@@ -219,8 +217,7 @@ def device_info(device: str) -> dict:
 
 
 def child(spec: dict, out=None) -> None:
-    """Build the series' model once, warm it up, then measure its points in order: a row per
-    point on ``out`` (every other print goes to stderr)."""
+    """Build the series' model once, warm it up, measure its points: a row each on ``out``."""
     import numpy as np
     import torch
     from mmengine.utils import import_modules_from_strings
@@ -250,8 +247,7 @@ def child(spec: dict, out=None) -> None:
 
 # ---------------------------------------------------------------------------- the parent
 def why_not(previous, point: dict, deadline: float, limit_mb=None) -> dict:
-    """``{}`` to run ``point``, else its skipped row's fields (a budget point does not depend on
-    the one before)."""
+    """``{}`` to run ``point``, else its skipped row's fields (a budget point stands alone)."""
     if time.time() > deadline:
         return dict(status='skipped', note='not run: the budget was spent')
     why = skip_reason(None if point['path'] == 'auto' else previous, point['size'], limit_mb)
@@ -287,15 +283,12 @@ def series_key(row: dict) -> tuple:
 
 
 def plan(args, configs: dict) -> list:
-    """The points in the order they run: size by size (each series' smaller sizes first), then
-    the budget points in the order given."""
+    """The points in the order they run: size by size, then the budget points as given."""
     extra = {} if args.pipeline == 'full' else dict(pipeline=args.pipeline)
     if args.device != 'cpu':
         extra['device'] = args.device
-    tokens = {'token_dir': args.token_dir} if getattr(args, 'token_dir', None) else {}
     series = [(t, b) for t in args.tasks for b in args.backbones if (t, b) in configs]
-    points = [dict(task=t, backbone=b, path=p, size=s, config=configs[(t, b)], **extra,
-                   **(tokens if p in STREAMS else {}))
+    points = [dict(task=t, backbone=b, path=p, size=s, config=configs[(t, b)], **extra)
               for s in sorted(args.sizes) for t, b in series
               for p in sorted(set(args.paths) - {'auto'}, key=PATHS.index)
               if (t, b) in (STREAMED if p in STREAMS else BANDED if p == 'bands' else configs)
@@ -478,8 +471,7 @@ def per_megapixel(grid: list, series: list) -> list:
 
 
 def markdown(artifact: dict) -> str:
-    """A table per task (a row per size, a column per series), which outputs agree, the budget
-    points, and the machine."""
+    """A table per task (a row per size, a column per series), agreement, budgets, the machine."""
     rows, meta = artifact['rows'], artifact.get('meta', {})
     cuda = any('max_reserved_mb' in r for r in rows)
     paths = (('lean', 'stock') if cuda else ('stock', 'lean', 'bands')) + ('stream', 'stream-disk')
@@ -525,9 +517,8 @@ def markdown(artifact: dict) -> str:
 
 
 def plot(artifact: dict, png: str) -> None:
-    """Peak memory and time against the image size (log-log), a row per task, a colour per
-    backbone, a line style per path; points over the limit drawn at it, budget points as (-) and
-    their peak (v)."""
+    """Peak memory and time against the image size: a row per task, a colour per backbone, a line
+    style per path; points over the limit drawn at it, budget points as (-), their peak (v)."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -618,7 +609,6 @@ def make_parser() -> argparse.ArgumentParser:
     add('--repeat-below-s', type=float, default=0.0, help='time a shorter call twice (mean)')
     add('--limit-gb', type=float, default=20.0, help='RSS limit of a child (CPU)')
     add('--timeout', type=float, default=1800.0, help='seconds per child')
-    add('--token-dir', help='stream-disk: test_cfg.token_dir')
     add('--budget-s', type=float, default=float('inf'), help='no point starts after this')
     add('--grace-s', type=float, default=120.0, help='kill a child this long after --budget-s')
     add('--out', help='artifact path without extension (.json, .csv)')
