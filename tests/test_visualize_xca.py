@@ -85,8 +85,8 @@ def test_cli_writes_grid_of_defined_size(tmp_path, capsys, cli):
     rc = cli.main(['coffee', 'random', '--arch', 'n12', '--layers', '0', '-1', '--size', '80',
                    '--cell', '64', '--out', str(out)])
     assert rc == 0
-    width, height = vx.figure_size(num_layers=2, num_heads=4, cell=64)
-    assert (width, height) == (vx.LEFT_PX + 64 * 5, vx.TOP_PX + 64 * 6)
+    # docs/visualisation.md: 110 + cell * (1 + heads) wide, 70 + cell * 3 * layers high
+    width, height = 110 + 64 * (1 + 4), 70 + 64 * 3 * 2
     png = Image.open(out)
     assert png.size == (width, height)
     arr = np.asarray(png.convert('RGB'))

@@ -104,14 +104,9 @@ def xca_maps(backbone, x, layers: Sequence[int]) -> Dict[int, Dict[str, np.ndarr
     return maps
 
 
-def figure_size(num_layers: int, num_heads: int, cell: int = 160) -> Tuple[int, int]:
-    """``(width, height)`` of the PNG: the image column and one per head, 3 rows per layer."""
-    return LEFT_PX + cell * (1 + num_heads), TOP_PX + cell * 3 * num_layers
-
-
 def draw_grid(image: np.ndarray, maps: Dict[int, Dict[str, np.ndarray]], out_file: str,
               cell: int = 160, title: str = '', progress: bool = False) -> Tuple[int, int]:
-    """Draw ``image`` and its :func:`xca_maps` as one PNG; return its :func:`figure_size`."""
+    """Draw ``image`` and its :func:`xca_maps` as one PNG; return its ``(width, height)``."""
     import matplotlib
     matplotlib.use('Agg', force=False)
     import matplotlib.pyplot as plt
@@ -119,7 +114,8 @@ def draw_grid(image: np.ndarray, maps: Dict[int, Dict[str, np.ndarray]], out_fil
 
     layers = list(maps)
     heads = maps[layers[0]]['q_norm'].shape[0]
-    width, height = figure_size(len(layers), heads, cell)
+    # the image column and one per head; 3 rows per layer
+    width, height = LEFT_PX + cell * (1 + heads), TOP_PX + cell * 3 * len(layers)
     fig = plt.figure(figsize=(width / DPI, height / DPI), dpi=DPI)
     pad = 0.05 * cell
     foot = 0.09 * cell  # room under each map for its value range
@@ -183,7 +179,6 @@ def visualize_xca(image: str, model: str, out_file: str, arch: Union[str, dict] 
     if checkpoint:
         src += f' + {osp.basename(checkpoint)}'
     image_hw = (int(img.shape[0]), int(img.shape[1]))
-    # the image and the patch grid both as H x W, saying so
     title = (f'XCA of {src} on {name}: image {image_hw[0]}x{image_hw[1]} px, '
              f'patch grid {grid_hw[0]}x{grid_hw[1]} (both HxW)')
     png_size = draw_grid(img, maps, out_file, cell=cell, title=title, progress=progress)
