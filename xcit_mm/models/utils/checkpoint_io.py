@@ -1,7 +1,6 @@
 """The one checkpoint reader of xcit_mm, its tools and mmengine's loader: ``torch.load`` with
 ``weights_only=True`` (mmengine's training state allow-listed), safetensors, URLs and ``hf-hub:``
-names. Every failure is a :class:`CheckpointError` naming the file, the cause and the fix.
-"""
+names. Every failure is a :class:`CheckpointError` naming the file, the cause and the fix."""
 import importlib
 import os
 import os.path as osp
@@ -78,8 +77,7 @@ def _unsafe_detail(error: Exception) -> Optional[str]:
 
 def load_from_weights_only(filename: str, map_location=None):
     """mmengine's ``CheckpointLoader`` backend for local paths, http(s) URLs and ``hf-hub:``."""
-    return load_checkpoint_file(osp.expanduser(filename), 'checkpoint',
-                                map_location=map_location)
+    return load_checkpoint_file(osp.expanduser(filename), map_location=map_location)
 
 
 def install_checkpoint_reader() -> None:
@@ -131,7 +129,7 @@ def load_checkpoint_file(path: str, what: str = 'checkpoint', weights_only: bool
 
 def _resolve_and_read(path: str, what: str, weights_only: bool = True, map_location='cpu',
                       mmap: bool = False) -> Tuple[str, object]:
-    """(the local file, what it holds) for a path, URL or Hub name; a Hub file must be XCiT."""
+    """(the local file, what it holds); a Hub file must be XCiT."""
     local = resolve_checkpoint_path(path, what)
     name, fresh = f'{what} {local}', ''
     if is_hub_name(path):
