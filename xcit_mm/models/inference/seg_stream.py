@@ -1,10 +1,7 @@
-"""Semantic FPN and UperNet on a streamed XCiT trunk: logits and labels as row maps.
-
-The levels, the neck, the head and stock ``predict``'s labels (the head's resize, the padding
-crop, the resize to the original shape, the argmax) as :class:`~.row_stream.RowMap` s, made a band
-of rows at a time, each sum and resize where stock does it; UperNet's pyramid pooling reads the
-whole (small) stride-32 map.
-"""
+"""Semantic FPN and UperNet on a streamed XCiT trunk, and stock ``predict``'s labels, as
+:class:`~.row_stream.RowMap` s made a band of rows at a time, each sum and resize where stock
+does it (``docs/gigapixel.md``)."""
+from functools import partial
 from typing import Optional, Sequence
 
 import torch
@@ -22,13 +19,8 @@ def _cat(*maps: Tensor) -> Tensor:
     return torch.cat(maps, dim=1)
 
 
-def _argmax(logits: Tensor) -> Tensor:
-    return logits.argmax(dim=1, keepdim=True)
-
-
 def _resized(source: RowMap, target: RowMap, align_corners) -> RowMap:
-    """``source`` resized bilinearly to ``target``'s size, or itself where the sizes agree (a
-    resize to its own size copies)."""
+    """``source`` resized bilinearly to ``target``'s size (itself where the sizes agree)."""
     if (source.height, source.width) == (target.height, target.width):
         return source
     return Resize(source, (target.height, target.width), 'bilinear', align_corners)
@@ -60,8 +52,8 @@ def semantic_fpn_rows(levels: Sequence[RowMap], neck: FPN, head: FPNHead) -> Row
 
 
 def upernet_rows(levels: Sequence[RowMap], head: UPerHead) -> RowMap:
-    """``UPerHead.forward(levels)`` by rows; its pyramid pooling module reads the whole (small)
-    coarsest level, and the pooled maps are resized by rows."""
+    """``UPerHead.forward(levels)`` by rows; the pyramid pooling reads the whole (small)
+    coarsest level."""
     top = levels[-1].rows(0, levels[-1].height)
     pooled = [TensorRows(top)] + [_resized(TensorRows(ppm(top)), levels[-1],
                                            head.psp_modules.align_corners)
@@ -87,18 +79,18 @@ def labels_rows(logits: RowMap, head_hw: Sequence[int], crop: Sequence[int],
                 out_hw: Sequence[int], head_align_corners: bool,
                 align_corners: bool) -> RowMap:
     """Stock ``predict``'s labels (1, 1, H, W) by rows: the head's resize to ``head_hw``, the
-    padding ``crop`` (top, bottom, left, right), the resize to ``out_hw``, the argmax."""
+    padding ``crop`` (left, right, top, bottom), the resize to ``out_hw``, the argmax."""
     x = Resize(logits, head_hw, 'bilinear', head_align_corners)
-    top, bottom, left, right = crop
+    left, right, top, bottom = crop
     x = Crop(x, top, left, head_hw[0] - top - bottom, head_hw[1] - left - right)
     if (x.height, x.width) != tuple(out_hw):
         x = Resize(x, out_hw, 'bilinear', align_corners)
-    return Local(_argmax, x)
+    return Local(partial(torch.argmax, dim=1, keepdim=True), x)
 
 
 def why_not_by_rows(backbone: StreamedBackbone, neck, head) -> Optional[str]:
-    """Why the neck or head of a Semantic FPN or UperNet cannot run by rows (None if they can):
-    the very graph a streamed predict builds, on a small image's placeholder maps."""
+    """Why the neck or head cannot run by rows (None if they can): the graph a streamed predict
+    builds, on a small image's placeholder maps."""
     side, device = 64, next(head.parameters()).device
     levels = [TensorRows(torch.zeros(1, channels, -(-side // stride), -(-side // stride),
                                      device=device))

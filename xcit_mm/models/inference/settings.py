@@ -1,9 +1,6 @@
-"""The lean models' ``test_cfg`` read into one frozen settings object, checked key by key.
-
-Read at build and again only after ``test_cfg`` changed (:class:`LeanSettingsMixin`), so a key set
-later gets a config's checks; each error names the fix (a misspelt ``max_memory`` would otherwise
-run the image whole, with no budget).
-"""
+"""The lean models' ``test_cfg`` read into one frozen settings object, checked key by key at
+build and after each change, each error naming the fix (a misspelt ``max_memory`` would otherwise
+run the image whole, with no budget)."""
 import copy
 import math
 from dataclasses import dataclass, fields
@@ -11,15 +8,14 @@ from typing import ClassVar, Dict, Optional, Sequence, Tuple
 
 from ..utils.memory_budget import MemoryModel, read_budget_mb, read_memory_model
 
-# Network-scale tiles of about the size a COCO detector is trained and tested at (800 x 1333),
-# so each tile looks like an image the detector knows; the overlap is what an object may measure
-# (network pixels) and still be seen whole in some tile.
+# Tiles near COCO's test size (800 x 1333), images the detector knows; the overlap is the largest
+# object (network pixels) still seen whole in some tile.
 DEFAULT_TILE_SIZE = (1024, 1024)
 DEFAULT_TILE_OVERLAP = 256
 # The smallest tile side: XCiT needs 32 px to reach its stride-32 level.
 MIN_TILE_SIZE = 32
-# The window of mode='auto' when neither test_cfg.crop_size nor data_preprocessor.size gives one:
-# mmseg's usual training crop; the stride is two thirds of it, as in mmseg's slide configs.
+# The window of mode='auto' without test_cfg.crop_size or data_preprocessor.size: mmseg's usual
+# training crop; the stride is two thirds of it, as in mmseg's slide configs.
 DEFAULT_CROP = (512, 512)
 
 
@@ -50,8 +46,8 @@ class LeanSettings:
 
     @classmethod
     def from_cfg(cls, test_cfg, owner: Optional[str] = None, **context) -> 'LeanSettings':
-        """``test_cfg`` checked: a ``ValueError`` naming the key and the fix (``MemoryBudgetError``
-        for the budget keys). ``context``: what the model gives its subclass's reader."""
+        """``test_cfg`` checked (``MemoryBudgetError`` for the budget keys, else ``ValueError``);
+        ``context``: what the model gives its subclass's reader."""
         cfg, owner = dict(test_cfg or {}), owner or cls.OWNER
         keys = cls.OTHER_KEYS + tuple(f.name for f in fields(cls))
         unknown = sorted(set(cfg) - set(keys))
@@ -174,8 +170,7 @@ class SegmentorSettings(LeanSettings):
 
 
 class LeanSettingsMixin:
-    """``test_settings``: ``test_cfg`` read by ``SETTINGS.from_cfg``, again only when it differs
-    from the copy last read (a predict does not check unchanged keys again)."""
+    """``test_settings``: ``test_cfg`` read by ``SETTINGS.from_cfg``, again only when it changed."""
     SETTINGS = LeanSettings
 
     def _settings_context(self) -> dict:

@@ -1,10 +1,6 @@
-"""mmseg's ``UPerHead`` in data-flow order, for whole-image inference.
-
-Stock keeps every backbone level, every lateral map and the upsampled FPN outputs twice (a list
-and its ``torch.cat``) until the head returns. :func:`uper_head_in_data_flow_order` runs the same
-operations on the same whole tensors (the logits bit for bit), each map freed once no later step
-needs it, the FPN outputs written one at a time into a buffer laid out as ``torch.cat``'s.
-"""
+"""mmseg's ``UPerHead`` in data-flow order: stock's operations on the same whole tensors (the
+logits bit for bit), each map freed once no later step needs it, the FPN outputs written one at a
+time into a buffer laid out as ``torch.cat``'s (``docs/lean_segmentation.md``)."""
 from itertools import accumulate
 from typing import Sequence
 
@@ -19,9 +15,8 @@ from .fpn_data_flow import (BackboneLevels, add_as_stock, resized_channels_last,
 
 def empty_for_cat(shapes: Sequence[Sequence[int]], channels_last: Sequence[bool], dim: int,
                   like: Tensor) -> Tensor:
-    """An empty tensor (``like``'s dtype and device) laid out as ``torch.cat`` of tensors of these
-    shapes along ``dim`` would be: channels last only if every one suggests it (ATen's rule,
-    ported, as meta tensors would import ``torch._dynamo``)."""
+    """An empty tensor laid out as ``torch.cat`` of these shapes along ``dim`` would be: channels
+    last only if every one suggests it (ATen's rule; meta tensors would import torch._dynamo)."""
     shape = list(shapes[0])
     shape[dim] = sum(s[dim] for s in shapes)
     fmt = torch.channels_last if all(channels_last) else torch.contiguous_format
@@ -29,9 +24,8 @@ def empty_for_cat(shapes: Sequence[Sequence[int]], channels_last: Sequence[bool]
 
 
 def uper_head_in_data_flow_order(backbone, head, inputs: Tensor) -> Tensor:
-    """``head.forward(backbone(inputs))`` for mmseg's ``UPerHead`` on backbone levels 0..n-1 (the
-    caller checks), bit for bit: PSP on level n-1, the top-down pass, then the concat buffer
-    filled level by level in stock's order, ``fpn_bottleneck`` and ``cls_seg``."""
+    """``head.forward(backbone(inputs))`` for ``UPerHead`` on levels 0..n-1 (the caller checks),
+    bit for bit."""
     levels = BackboneLevels(backbone, inputs)
     n = len(head.in_index)
     for j in range(n, len(levels)):  # levels the head does not read

@@ -1,11 +1,6 @@
-"""mmseg's ``EncoderDecoder`` whose ``predict`` never holds full-size logits of all classes.
-
-Stock's labels (and logits, when kept) with less memory, by exact means only: the
-post-processing by chunks of classes with a running argmax, Semantic FPN and UperNet in
-data-flow order, sliding windows without the full map, a memory budget (``mode='auto'``); and
-the whole image streamed by bands of rows (``mode='stream'``, equal up to float rounding). Why
-each step is exact, and the ``test_cfg`` keys: ``docs/lean_segmentation.md``.
-"""
+"""mmseg's ``EncoderDecoder`` whose ``predict`` gives stock's labels (and logits, when kept)
+without full-size logits of all classes; ``mode='stream'`` is equal up to float rounding. Why
+each step is exact, and the ``test_cfg`` keys: ``docs/lean_segmentation.md``."""
 import math
 import tempfile
 from contextlib import contextmanager
@@ -63,8 +58,7 @@ INPUT_BYTES = 4 + 1
 
 def slide_windows(img_hw: Sequence[int], crop_size: Sequence[int],
                   stride: Sequence[int]) -> List[Tuple[int, int, int, int]]:
-    """Stock ``slide_inference``'s windows ``(y1, y2, x1, x2)``, in its order, clipped to the
-    image."""
+    """Stock ``slide_inference``'s windows ``(y1, y2, x1, x2)``, in its order."""
     (h_img, w_img), (h_crop, w_crop), (h_stride, w_stride) = img_hw, crop_size, stride
     h_grids = max(h_img - h_crop + h_stride - 1, 0) // h_stride + 1
     w_grids = max(w_img - w_crop + w_stride - 1, 0) // w_stride + 1
@@ -92,8 +86,7 @@ def _class_slice(x: Tensor, c0: int, c1: int, batch: slice = slice(None)) -> Ten
 
 
 class _RunningArgmax:
-    """``argmax`` over one image's classes given chunk by chunk in class order, and the logits
-    when kept."""
+    """One image's ``argmax`` (and logits, when kept) over class chunks given in class order."""
 
     def __init__(self, num_classes: int, keep_logits: bool, step_done: Callable[[], None]):
         self.num_classes = num_classes
@@ -102,8 +95,7 @@ class _RunningArgmax:
         self.best = self.labels = self.logits = None
 
     def add(self, c0: int, make_chunk: Callable[[], Tensor]) -> None:
-        """Classes [c0, c0 + c) as (c, H, W), made here so that they are freed before the
-        running maximum is updated."""
+        """Classes [c0, c0 + c) as (c, H, W), made here to be freed before the maximum updates."""
         chunk = make_chunk()
         self.step_done()
         if self.keep_logits:
@@ -126,9 +118,8 @@ class _RunningArgmax:
 
 
 class LeanPaths(NamedTuple):
-    """The lean paths a segmentor's parts and ``test_cfg`` allow: its network in data-flow order
-    ('semantic_fpn', 'upernet'; None: stock's forward), and why the head's resize cannot join the
-    lean post-processing and why the stream cannot run (None where they can)."""
+    """The network in data-flow order ('semantic_fpn', 'upernet'; None: stock's forward), and
+    why the head's resize cannot join the chunked post-processing or the stream cannot run."""
     network: Optional[str]
     why_not_lean_resize: Optional[str]
     why_not_stream: Optional[str]
@@ -136,8 +127,7 @@ class LeanPaths(NamedTuple):
 
 @MODELS.register_module()
 class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
-    """mmseg's ``EncoderDecoder`` with a lean ``predict`` (module docstring); same constructor,
-    training and ``_forward``."""
+    """mmseg's ``EncoderDecoder`` with a lean ``predict``; training is stock's."""
     SETTINGS = SegmentorSettings
 
     def __init__(self, *args, **kwargs):
@@ -153,8 +143,8 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         return dict(default_crop=getattr(self.data_preprocessor, 'size', None))
 
     def lean_paths(self, stream: bool = True) -> LeanPaths:
-        """Which lean paths the parts and ``test_cfg`` allow, and why not; read on every predict,
-        as a part may be replaced after the build. ``stream=False`` skips the stream's check."""
+        """The lean paths the parts and ``test_cfg`` allow, read on every predict (a part may be
+        replaced after the build); ``stream=False`` skips the stream's check."""
         neck, head = getattr(self, 'neck', None), self.decode_head
         in_order = (head.input_transform == 'multiple_select'
                     and list(head.in_index) == list(range(len(head.in_index))))
@@ -195,8 +185,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
 
     # ------------------------------------------------------------------ predict
     def predict(self, inputs: Tensor, data_samples: OptSampleList = None) -> SampleList:
-        """Labels (and, with ``test_cfg.keep_seg_logits``, logits) equal to stock ``predict``
-        with the mode run: 'whole', 'slide', 'stream' or the one 'auto' chooses."""
+        """Stock ``predict``'s labels (and logits with ``test_cfg.keep_seg_logits``)."""
         settings = self.test_settings
         mode, name = settings.mode, type(self).__name__
         stream_keys = settings.band_mb, settings.token_maps, settings.token_dir
@@ -223,7 +212,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                 settings.max_memory, f'{name} on {B} x {H}x{W} px')
         run = mode if plan is None else plan.name
         if run == 'slide':
-            return self._slide_predict(inputs, data_samples, settings.crop_size, settings.stride)
+            return self._slide_predict(inputs, data_samples)
         if run.startswith('stream'):
             return self._stream_predict(inputs, data_samples, plan)
         low_res = self._network_forward(inputs)  # whole: the head's resize joins the chunked ones
@@ -232,8 +221,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                                 data_samples)
 
     def _step_done(self) -> None:
-        """Between the steps of a mode='auto' run: the freed heap back to the OS, where glibc
-        would keep it resident and add it to the next step's (the estimate measures each)."""
+        """mode='auto': the freed heap back to the OS, as its estimate measures each step alone."""
         if self._release_heap:
             release_free_heap()
 
@@ -245,12 +233,9 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         return [dict(ori_shape=inputs.shape[2:], img_shape=inputs.shape[2:],
                      pad_shape=inputs.shape[2:], padding_size=[0, 0, 0, 0])] * inputs.shape[0]
 
-    @staticmethod
-    def _head_resize_size(inputs: Tensor, data_samples: OptSampleList) -> Tuple[int, int]:
+    def _head_resize_size(self, inputs: Tensor, data_samples: OptSampleList) -> Tuple[int, int]:
         """The size ``BaseDecodeHead.predict_by_feat`` resizes the whole batch to."""
-        if data_samples is None:
-            return tuple(inputs.shape[2:])
-        meta = data_samples[0].metainfo
+        meta = self._batch_img_metas(inputs, data_samples)[0]
         if 'pad_shape' in meta and not isinstance(meta['img_shape'], torch.Size):
             return tuple(meta['pad_shape'][:2])
         return tuple(meta['img_shape'])
@@ -267,8 +252,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
 
     def _semantic_fpn_forward(self, inputs: Tensor) -> Tensor:
         """``FPNHead.forward(FPN.forward(backbone(inputs)))``, each map freed when done; the
-        branches added into branch 0 in stock's order (float addition is not associative), in
-        place on a tensor only this function holds (the bits of ``a + b``)."""
+        branches summed in stock's order, in place where nothing else holds the sum."""
         head = self.decode_head
         fpn_out = fpn_in_data_flow_order(self.backbone, self.neck, inputs)
         output = head.scale_heads[0](fpn_out[0])
@@ -287,11 +271,10 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                       token_dir: Optional[str] = None,
                       progress: Optional[Callable[[int, int], None]] = None
                       ) -> Iterator[Tuple[int, int, Tensor]]:
-        """Labels of an image larger than memory, top to bottom: ``(start, stop, labels)``, int64
-        (stop - start, W) on the CPU. ``read_rows(a, b)``: pixel rows a..b-1 as mmcv reads them
-        ((b - a, W, C) uint8, BGR), normalised as the data preprocessor does, at full resolution.
-        ``max_memory`` (MB) puts the token maps under ``token_dir`` where memory is too small;
-        ``progress(done, total)`` follows the work."""
+        """An image larger than memory's labels, top to bottom: ``(start, stop, labels)``, int64
+        (stop - start, W) on the CPU. ``read_rows(a, b)``: rows a..b-1 as mmcv reads them ((b - a,
+        W, C) uint8, BGR), normalised here. Under ``max_memory`` (MB) the token maps may go to
+        ``token_dir``; ``progress(done, total)`` follows the work."""
         why = self.lean_paths().why_not_stream
         if why is not None:
             raise ValueError(f'{type(self).__name__}.stream_labels: cannot stream: {why}')
@@ -320,8 +303,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
 
     def _stream_predict(self, inputs: Tensor, data_samples: OptSampleList,
                         plan: Optional[Plan]) -> SampleList:
-        """mode='stream' (or the stream 'auto' chose): each image's labels made band by band
-        into one (1, H, W) map, as stock's ``predict`` makes them."""
+        """mode='stream' (or the stream 'auto' chose): each image's labels, band by band."""
         head_hw = self._head_resize_size(inputs, data_samples)
         results = []
         for i, meta in enumerate(self._metas(data_samples, inputs.shape[0])):
@@ -342,9 +324,8 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                       token_dir: Optional[str],
                       progress: Optional[Callable[[int, int], None]] = None
                       ) -> Iterator[Tuple[int, int, Tensor]]:
-        """One image streamed: the trunk into token maps (on disk for 'stream-disk'), then the
-        labels (rows, W) in bands of the plan's size (:meth:`_stream_band_mb` without a plan).
-        ``progress``: the trunk's layers count as half the work, the label rows as the rest."""
+        """One image: the trunk into token maps (on disk for 'stream-disk'), then the labels in
+        bands of the plan's size; the trunk counts as half the ``progress``."""
         band_mb = plan.band_mb if plan is not None else self._stream_band_mb(None, 0)
         on_disk = (self.test_settings.token_maps == 'disk'
                    or plan is not None and plan.name == 'stream-disk')
@@ -372,9 +353,8 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
 
     def _stream_plans(self, image_hw: Sequence[int], held_mb: float,
                       budget_mb: Optional[float] = None) -> List[Plan]:
-        """The stream's plans, token maps in memory then on disk, each estimated as the maps, the
-        bands' work, what the caller holds (``held_mb``) and ``SLACK_MB``; the bands as large as
-        ``budget_mb`` leaves room for (:meth:`_stream_band_mb`)."""
+        """The stream's plans, token maps in memory then on disk: the maps, the bands' work, what
+        the caller holds and ``SLACK_MB``; the bands as large as ``budget_mb`` allows."""
         p, D = self.backbone.patch_size, self.backbone.embed_dims
         grid = [(side + p - 1) // p for side in image_hw]
         kept = len(set(self.backbone.out_indices) - {max(self.backbone.out_indices)}) + 1
@@ -395,21 +375,18 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
     def _stream_band_mb(self, budget_mb: Optional[float], fixed_mb: float) -> float:
         """``test_cfg.band_mb`` if given; else the device's default, or under ``budget_mb`` the
         largest band up to that which fits beside ``fixed_mb`` (at least the minimum)."""
-        given = self.test_settings.band_mb
-        if given is not None:
-            return given
+        if self.test_settings.band_mb is not None:
+            return self.test_settings.band_mb
         default = STREAM_BAND_MB.get(next(self.parameters()).device.type, STREAM_BAND_MB['cpu'])
         if budget_mb is None:
             return default
-        room = (budget_mb - fixed_mb) / STREAM_WORK_BANDS
-        return max(MIN_STREAM_BAND_MB, min(default, room))
+        return max(MIN_STREAM_BAND_MB, min(default, (budget_mb - fixed_mb) / STREAM_WORK_BANDS))
 
     # ------------------------------------------------------------------ sliding windows
-    def _slide_predict(self, inputs: Tensor, data_samples: OptSampleList,
-                       crop_size: Tuple[int, int], stride: Tuple[int, int]) -> SampleList:
-        """Stock ``slide_inference`` + ``postprocess_result``: the window logits kept at the
-        head's resolution, stock's map rebuilt from them a class chunk at a time."""
-        windows = slide_windows(inputs.shape[2:], crop_size, stride)
+    def _slide_predict(self, inputs: Tensor, data_samples: OptSampleList) -> SampleList:
+        """Stock ``slide_inference``, the window logits at the head's resolution, by chunks."""
+        settings = self.test_settings
+        windows = slide_windows(inputs.shape[2:], settings.crop_size, settings.stride)
         window_logits = []  # at the head's resolution, in stock's order
         for y1, y2, x1, x2 in windows:
             window_logits.append(self._network_forward(inputs[:, :, y1:y2, x1:x2]))
@@ -428,8 +405,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
 
     def _slide_chunk(self, window_logits: List[Tensor], windows: list, count: Tensor, c0: int,
                      c1: int) -> Tensor:
-        """Classes [c0, c1) of stock ``slide_inference``'s map: each window resized as the head
-        resizes it, added in stock's order into a zero map, divided by the count map."""
+        """Classes [c0, c1) of stock ``slide_inference``'s map, built as stock builds it."""
         acc = count.new_zeros((count.shape[0], c1 - c0) + tuple(count.shape[2:]))
         for (y1, y2, x1, x2), logits in zip(windows, window_logits):
             part = resize(_class_slice(logits, c0, c1), size=(y2 - y1, x2 - x1),
@@ -442,8 +418,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
     # ------------------------------------------------------------------ post-processing
     def _whole_post(self, low_res: Tensor, head_hw, data_samples: OptSampleList,
                     width: Optional[int] = None) -> SampleList:
-        """Stock's resize to ``head_hw`` (if given) and ``postprocess_result`` on the network's
-        output, class chunk by class chunk."""
+        """The head's resize to ``head_hw`` (if given) and stock's post-processing, by chunks."""
         metas = self._metas(data_samples, low_res.shape[0])
         width = width or self._chunk_width(head_hw or low_res.shape[2:], metas,
                                            _is_channels_last(low_res))
@@ -452,8 +427,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
 
     def _slide_post(self, window_logits: List[Tensor], windows: list, count: Tensor,
                     data_samples: OptSampleList, width: Optional[int] = None) -> SampleList:
-        """Stock ``slide_inference``'s map (:meth:`_slide_chunk`) post-processed class chunk by
-        class chunk; a chunk of the whole batch's map counts in every image's width."""
+        """Stock ``slide_inference``'s map, post-processed class chunk by class chunk."""
         metas = self._metas(data_samples, count.shape[0])
         width = width or self._chunk_width(count.shape[2:], metas,
                                            any(map(_is_channels_last, window_logits)),
@@ -464,8 +438,8 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
     def _postprocess(self, chunk_of: Callable[[int, int], Tensor], head_size,
                      data_samples: OptSampleList, metas: List[Optional[dict]],
                      width: int) -> SampleList:
-        """Stock ``postprocess_result`` (after the head's resize to ``head_size``, if given) on
-        the batch's logits that ``chunk_of(c0, c1)`` gives, into each image's running argmax."""
+        """Stock ``postprocess_result`` on the logits ``chunk_of(c0, c1)`` gives, resized to
+        ``head_size`` first if given, into each image's running argmax."""
         C = self.out_channels
         if C == 1:  # binary head: one channel, nothing to chunk; stock code on the full map
             seg_logits = chunk_of(0, 1)
@@ -485,9 +459,8 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
 
     def _chunk_width(self, head_hw: Sequence[int], metas: List[Optional[dict]],
                      channels_last: bool, batch_map: int = 0) -> int:
-        """Classes per chunk: as many float32 planes of the largest image (its labels and
-        ``batch_map`` pixels: the windows' whole map) as ``lean_chunk_mb`` holds, a multiple of
-        8, at least 8 (24 channels-last), at most all."""
+        """As many classes as ``lean_chunk_mb`` holds planes of the largest image's labels (plus
+        ``batch_map`` pixels), a multiple of 8, at least 8 (24 channels-last), at most all."""
         plane = batch_map + max(math.prod(self._output_hw(meta, head_hw)) for meta in metas)
         width = int(self.test_settings.lean_chunk_mb * 2**20 // (FLOAT_BYTES * max(plane, 1)))
         width = max(width // CHUNK_MULTIPLE * CHUNK_MULTIPLE,
@@ -496,7 +469,6 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
 
     @staticmethod
     def _metas(data_samples: OptSampleList, batch_size: int) -> List[Optional[dict]]:
-        """Each image's meta, None for every image without data samples."""
         if data_samples is None:
             return [None] * batch_size
         return [sample.metainfo for sample in data_samples]
@@ -504,8 +476,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
     @staticmethod
     def _set_results(data_samples: OptSampleList,
                      results: List[Tuple[Tensor, Optional[Tensor]]]) -> SampleList:
-        """Stock's results from each image's (labels, logits or None): ``pred_sem_seg`` (and
-        ``seg_logits`` when kept)."""
+        """Stock's ``pred_sem_seg`` (and ``seg_logits`` if not None) of each image."""
         if data_samples is None:
             data_samples = [SegDataSample() for _ in results]
         for sample, (labels, logits) in zip(data_samples, results):
@@ -517,11 +488,10 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
 
     @staticmethod
     def _padding(meta: Optional[dict]) -> Tuple[int, int, int, int]:
-        """The padding (top, bottom, left, right) that stock's post-processing crops off."""
+        """The padding (left, right, top, bottom) that stock's post-processing crops off."""
         if meta is None:
             return (0, 0, 0, 0)
-        left, right, top, bottom = meta.get('img_padding_size', meta.get('padding_size', [0] * 4))
-        return (top, bottom, left, right)
+        return tuple(meta.get('img_padding_size', meta.get('padding_size', [0] * 4)))
 
     @staticmethod
     def _output_hw(meta: Optional[dict], head_hw: Sequence[int]) -> Tuple[int, int]:
@@ -538,7 +508,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         if meta is None:
             return x[0]
         H, W = x.shape[2:]
-        top, bottom, left, right = self._padding(meta)
+        left, right, top, bottom = self._padding(meta)
         x = x[:, :, top:H - bottom, left:W - right]
         if meta.get('flip', None):
             direction = meta.get('flip_direction', None)
@@ -550,10 +520,9 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
     # ------------------------------------------------------------------ memory budget
     def memory_plans(self, inputs: Tensor, data_samples: OptSampleList = None,
                      stream_only: bool = False) -> List[Plan]:
-        """The plans of ``mode='auto'`` for this batch in the order tried (the stream's alone with
-        ``stream_only``: a budgeted mode='stream'), each with the peak (MB) ``predict`` adds: the
-        input batch and the larger of its two phases, the network (its line, with what is kept)
-        and the post-processing (:meth:`_post_mb`), both raised by ``MARGIN``."""
+        """``mode='auto'``'s plans in the order tried (``stream_only``: a budgeted mode='stream'),
+        each with the peak (MB) ``predict`` adds: the input batch and the larger of the network's
+        and the post-processing's, raised by ``MARGIN`` (``docs/lean_segmentation.md``)."""
         B, _, H, W = inputs.shape
         metas = self._metas(data_samples, B)
         head_hw = self._head_resize_size(inputs, data_samples)
@@ -583,9 +552,8 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
 
     def _post_mb(self, inputs: Tensor, metas: List[Optional[dict]], head_hw: Sequence[int],
                  windows: Optional[list] = None) -> float:
-        """Peak (MB) of this batch's post-processing with the tensors it starts from (the
-        network's output; or the windows' logits and count map): the same code measured on zeros
-        at the batch's geometry scaled down, at the full size's chunk widths, and extrapolated
+        """Peak (MB) of this batch's post-processing and its inputs: the same code measured on
+        zeros at the batch's geometry scaled down, at the full size's chunk widths, extrapolated
         (each tensor has a fixed number of elements per pixel); kept per geometry."""
         B, _, H, W = inputs.shape
         C = self.out_channels
@@ -606,9 +574,9 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
             return out.contiguous(memory_format=torch.channels_last) if channels_last else out
 
         def sample(meta: dict, f: float) -> SegDataSample:
-            top, bottom, left, right = (round(p * f) for p in self._padding(meta))
             return SegDataSample(metainfo=dict(
-                ori_shape=scaled(f, *meta['ori_shape']), padding_size=[left, right, top, bottom],
+                ori_shape=scaled(f, *meta['ori_shape']),
+                padding_size=[round(p * f) for p in self._padding(meta)],
                 flip=meta.get('flip'), flip_direction=meta.get('flip_direction')))
 
         def run(h: int, w: int):
@@ -635,8 +603,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                 CALIBRATION_SIZES, f'{type(self).__name__} network', device=inputs.device)
 
     def _head_output_geometry(self, inputs: Tensor) -> Tuple[float, float, bool]:
-        """Input pixels per head output pixel (h, w) and whether the output is channels-last
-        (which sets the chunk widths), from one small forward on zeros, kept."""
+        """Input pixels per head output pixel (h, w), and if channels-last: one forward, kept."""
         if self._head_geometry is None:
             with self._eval_no_grad():
                 out = self._network_forward(
@@ -647,7 +614,6 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
 
     @contextmanager
     def _eval_no_grad(self) -> Iterator[None]:
-        """Eval mode (batch norm statistics stay as they are) without autograd, then as before."""
         was_training = self.training
         self.eval()
         try:
