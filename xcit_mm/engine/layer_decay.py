@@ -103,7 +103,6 @@ class XCiTLayerDecayOptimizerConstructor(DefaultOptimWrapperConstructor):
         num_layers = backbone.num_layers
         head = num_layers + 1
         names = {id(param): name for name, param in module.named_parameters(prefix=prefix)}
-
         # mmengine's rules: one group per trainable parameter, with its lr / weight decay / ...
         per_param: List[dict] = []
         logger = MMLogger.get_current_instance()
@@ -113,7 +112,6 @@ class XCiTLayerDecayOptimizerConstructor(DefaultOptimWrapperConstructor):
                                         is_dcn_module=is_dcn_module)
         finally:
             logger.removeFilter(_drop_base_rule_lines)
-
         # Layer decay on top, then one group per (depth, options).
         merged: Dict[tuple, dict] = {}
         sort_keys: Dict[tuple, tuple] = {}  # head first, a group without custom lr_mult first
@@ -130,7 +128,6 @@ class XCiTLayerDecayOptimizerConstructor(DefaultOptimWrapperConstructor):
             key = (depth, repr(sorted(options.items())))
             merged.setdefault(key, dict(params=[], **options))['params'].append(param)
             sort_keys.setdefault(key, (-depth, custom_lr, order))
-
         groups = [merged[key] for key in sorted(merged, key=sort_keys.get)]
         self._log_table(groups, module, backbone_prefix, num_layers)
         params.extend(groups)

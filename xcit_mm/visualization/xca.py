@@ -111,7 +111,6 @@ def draw_grid(image: np.ndarray, maps: Dict[int, Dict[str, np.ndarray]], out_fil
     matplotlib.use('Agg', force=False)
     import matplotlib.pyplot as plt
     from tqdm import tqdm
-
     layers = list(maps)
     heads = maps[layers[0]]['q_norm'].shape[0]
     # the image column and one per head; 3 rows per layer

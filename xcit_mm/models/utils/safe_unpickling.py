@@ -1,8 +1,6 @@
 """What ``torch.load(weights_only=True)`` may rebuild beyond tensors once ``xcit_mm`` is imported:
-mmengine's message hub (``HistoryBuffer``, plain numpy data) in every training checkpoint and
-``argparse.Namespace`` (official XCiT files), each through a stand-in that checks what the file
-gives it and runs no code the file names.
-"""
+mmengine's message hub (``HistoryBuffer``, plain numpy data) and ``argparse.Namespace`` (official
+XCiT files), each through a stand-in that checks what the file gives and runs no code it names."""
 import argparse
 import pickle
 
@@ -66,18 +64,6 @@ def _plain_scalar(dtype, data=None):
     return _SCALAR(dtype, data)
 
 
-def _numpy_entries() -> list:
-    entries = [(_plain_dtype, 'numpy.dtype'), (_NdarrayName, 'numpy.ndarray'),
-               _build_only(np.ndarray)]
-    # the dtype types whose instances numpy fills from the file (BUILD)
-    dtypes = {type(np.dtype(code)) for code in '?bhilqBHILQefdgFDGUS'}
-    entries += [_build_only(cls) for cls in sorted(dtypes, key=lambda t: t.__qualname__)]
-    for module in ('numpy.core.multiarray', 'numpy._core.multiarray'):
-        entries += [(_plain_reconstruct, f'{module}._reconstruct'),
-                    (_plain_scalar, f'{module}.scalar')]
-    return entries
-
-
 class HistoryBufferState(HistoryBuffer):
     """What a file gets for ``HistoryBuffer``: becomes one once its state is checked as data."""
 
@@ -112,8 +98,17 @@ def _statistics_getattr(obj, name):
 
 def training_state_entries() -> list:
     """The allow-list, as ``torch.serialization.add_safe_globals`` takes it."""
-    return [(HistoryBufferState, 'mmengine.logging.history_buffer.HistoryBuffer'),
-            (_statistics_getattr, 'builtins.getattr'), argparse.Namespace] + _numpy_entries()
+    entries = [(HistoryBufferState, 'mmengine.logging.history_buffer.HistoryBuffer'),
+               (_statistics_getattr, 'builtins.getattr'), argparse.Namespace,
+               (_plain_dtype, 'numpy.dtype'), (_NdarrayName, 'numpy.ndarray'),
+               _build_only(np.ndarray)]
+    # the dtype types whose instances numpy fills from the file (BUILD)
+    dtypes = {type(np.dtype(code)) for code in '?bhilqBHILQefdgFDGUS'}
+    entries += [_build_only(cls) for cls in sorted(dtypes, key=lambda t: t.__qualname__)]
+    for module in ('numpy.core.multiarray', 'numpy._core.multiarray'):
+        entries += [(_plain_reconstruct, f'{module}._reconstruct'),
+                    (_plain_scalar, f'{module}.scalar')]
+    return entries
 
 
 def allow_training_state() -> None:
