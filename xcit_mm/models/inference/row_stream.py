@@ -401,16 +401,12 @@ def materialize(node: RowMap, band_mb: float) -> Tensor:
 
 
 @runtime_checkable
-class RowLocalBackbone(Protocol):
-    """A backbone whose levels come by rows from its trunk maps' rows (``XCiTBackbone``)."""
+class StreamedBackbone(Protocol):
+    """A backbone whose trunk runs streamed, into token maps, and whose levels come by rows from
+    its trunk maps' rows (``XCiTBackbone``)."""
 
     def level_rows(self, trunk_map: RowMap, level: int, image_hw: Tuple[int, int]) -> RowMap:
         ...
-
-
-@runtime_checkable
-class StreamedBackbone(RowLocalBackbone, Protocol):
-    """A row-local backbone whose trunk also runs streamed, into token maps (``XCiTBackbone``)."""
 
     def stream_trunk(self, read_pixels: Callable[[int, int], Tensor], image_hw: Tuple[int, int],
                      maps: TokenMaps, band_mb: float, progress: Callable[[], None] = None

@@ -1,9 +1,6 @@
-"""Memory-lean autograd for the XCiT layer and the adapter's 2x upsampling.
-
-Plain autograd keeps every intermediate of an XCiT layer, most of a training step's peak. These
-keep only what is expensive to recompute and hand-derive the rest; drop-path enters as a
-per-sample ``scale`` of gamma. Gradients equal plain autograd (tests/test_gradients.py).
-"""
+"""Memory-lean autograd for the XCiT layer and the adapter's 2x upsampling: keep only what is
+expensive to recompute, hand-derive the rest (docs/benchmark_whole_model.md); drop-path enters as
+a per-sample ``scale`` of gamma."""
 from contextlib import contextmanager, nullcontext
 from typing import Callable, Optional, Sequence, Tuple
 
@@ -88,8 +85,7 @@ def _norm_linear_backward(grad_lin, x, ln_weight, ln_bias, lin_weight, eps, grad
 
 
 class _XCAResidual(torch.autograd.Function):
-    """``x + coef * (v @ mixing + proj_bias)`` with q, k, v from ``qkv(LN(x))``, saving x and
-    qkv."""
+    """``x + coef * (v @ mixing + proj_bias)``, q, k, v from ``qkv(LN(x))``, saving x and qkv."""
 
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, qkv_weight, qkv_bias, temperature, proj_weight,
@@ -234,8 +230,8 @@ def recomputed_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.
 
 
 def _row_block(B: int, W: int, channels: int, H: int, device: torch.device) -> int:
-    """Input rows per block of :func:`up2_blockwise`: on the CPU, temporaries that stay in cache;
-    elsewhere the whole map (each block costs kernel launches)."""
+    """Input rows per block: on the CPU, temporaries that stay in cache; elsewhere the whole map
+    (each block costs kernel launches)."""
     if device.type != 'cpu':
         return H
     return max(1, min(H, (1 << 19) // max(1, B * W * channels)))
@@ -261,8 +257,6 @@ def _up2_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 
 class _Up2Blockwise(torch.autograd.Function):
-    """See :func:`up2_blockwise`."""
-
     @staticmethod
     def forward(ctx, x, weight, bias, memory_format):
         ctx.save_for_backward(x, weight)

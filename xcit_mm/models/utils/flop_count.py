@@ -5,8 +5,6 @@ from typing import Any, List
 from mmengine.analysis import complexity_analysis
 from mmengine.analysis.jit_handles import bmm_flop_jit, generic_activation_jit
 
-__all__ = ['baddbmm_flop_jit', 'baddbmm_activation_jit', 'install_flop_handles']
-
 # the output's elements, as mmengine counts ``aten::bmm``
 baddbmm_activation_jit = generic_activation_jit()
 
