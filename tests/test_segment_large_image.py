@@ -133,6 +133,7 @@ def test_windows_of_rows_equal_the_whole_read(tmp_path, layout):
         for start, stop in ((-1, 5), (5, 5), (190, H + 1)):
             with pytest.raises(ValueError, match=rf'rows \[{start}, {stop}\) are not inside'):
                 source.read_rows(start, stop)
+    assert source.tif is None  # the file is closed when the block ends
 
 
 def test_rows_for_the_model(tmp_path):

@@ -2,6 +2,7 @@
 """Images larger than memory in, tiled labels out, around ``LeanEncoderDecoder.stream_labels``
 (``tools/segment_large_image.py``, docs/gigapixel.md). ``tifffile`` is imported inside the
 functions, not by ``import xcit_mm``."""
+import contextlib
 import errno
 import functools
 import math
@@ -24,7 +25,7 @@ class LargeImageError(ValueError):
     """A problem with the user's input or output path, told in one line that names the fix."""
 
 
-class _Source:
+class _Source(contextlib.AbstractContextManager):
     """Rows of an image, bands in R, G, B(, ...) order: ``height``, ``width``, ``bands``,
     ``dtype``; subclasses read a checked window in ``_read``."""
 
@@ -39,9 +40,6 @@ class _Source:
 
     def close(self) -> None:
         pass
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, *exc):
         self.close()
@@ -82,11 +80,10 @@ class _TiffSource(_Source):
             self.tif = tifffile.TiffFile(path)
             series = self.tif.series[0]
             self.pages = self._image_pages(series, [page.aspage() for page in series.pages])
-        except LargeImageError:
-            self.close()
-            raise
         except Exception as e:  # tifffile's many ways of meeting a broken header
             self.close()
+            if isinstance(e, LargeImageError):
+                raise
             raise LargeImageError(f'corrupt or truncated TIFF: {path} ({e})') from None
         page = self.pages[0]
         self.height, self.width = int(page.imagelength), int(page.imagewidth)
@@ -157,7 +154,6 @@ class _TiffSource(_Source):
         samples = int(page.samplesperpixel)
         out = np.zeros((rows, self.width, samples), self.dtype)
         fh = self.tif.filehandle
-        kind = 'tile' if page.is_tiled else 'strip'
         for plane in range(planes):
             for tx in range(ntx):
                 index = (plane * nty + ty) * ntx + tx
@@ -169,6 +165,7 @@ class _TiffSource(_Source):
                 try:
                     segment = page.decode(data, index, jpegtables=page.jpegtables)[0]
                 except Exception as e:
+                    kind = 'tile' if page.is_tiled else 'strip'
                     raise LargeImageError(f'corrupt TIFF: {self.path}: {kind} {index} does not '
                                           f'decode ({type(e).__name__}: {e})') from None
                 segment = segment.reshape(segment.shape[-3:])  # (rows, columns, samples)
@@ -259,14 +256,13 @@ def model_rows(source: _Source, channels: int = 3, rgb_from: Optional[str] = Non
 def nodata_rows(source: _Source) -> Optional[Callable[[int, int], np.ndarray]]:
     """``mask(start, stop)`` of the pixels whose every band is the input's GDAL nodata value (the
     labels get their own: the input's, often 0, is a class id), or None without one."""
-    if source.nodata is None:
-        return None
     value = source.nodata
+    if value is None:
+        return None
 
     def mask(start: int, stop: int) -> np.ndarray:
         rows = source.read_rows(start, stop)
-        hit = np.isnan(rows) if math.isnan(value) else rows == value
-        return hit.all(axis=2)
+        return (np.isnan(rows) if math.isnan(value) else rows == value).all(axis=2)
 
     return mask
 
