@@ -25,8 +25,7 @@ from xcit_benchmark import report, runner  # noqa: E402
 from xcit_benchmark.flops import flops_report  # noqa: E402
 from xcit_benchmark.fresh_points import run_metadata, write_artifact  # noqa: E402
 from xcit_benchmark.models import list_models, parse_models  # noqa: E402
-from xcit_benchmark.runner import RunOptions, mem_available_bytes, run_points  # noqa: E402
-from xcit_benchmark.runner import log_stderr as log  # noqa: E402
+from xcit_benchmark.runner import RunOptions, log_stderr, mem_available_bytes  # noqa: E402
 from xcit_benchmark.spec import SpecError, load_spec, run_goals  # noqa: E402
 from xcit_benchmark.timing import set_threads  # noqa: E402
 
@@ -55,8 +54,7 @@ def build_parser(spec: Optional[dict]) -> argparse.ArgumentParser:
     add('--whole-model', nargs='+', metavar='CONFIG',
         help='whole models on --shape images, by part; the first one the subject of the ratios')
     add('--detections', type=int, default=100, help='--whole-model: detections per image')
-    add('--own-settings', action='store_true',
-        help="--whole-model: each config's detector settings, not the first config's")
+    add('--own-settings', action='store_true', help="--whole-model: each one's detector settings")
     add('--rounds', type=int, help='--whole-model: interleaved rounds (3)')
     add('--shape', nargs=2, type=int, metavar=('H', 'W'), help='--whole-model: input size')
     add('--mem-iters', type=int, default=2, help='calls measured in each memory process')
@@ -131,7 +129,7 @@ def whole_models(args, limit: float) -> int:
     records = run_whole_models(
         args.whole_model, args.mode, args.shape[0], args.shape[1], batch=args.batch_size,
         repeats=repeats, threads=args.threads, cpu_mem_mode=args.cpu_mem_mode,
-        limit_bytes=limit, timeout_s=args.mem_timeout, log=None if args.quiet else log,
+        limit_bytes=limit, timeout_s=args.mem_timeout, log=None if args.quiet else log_stderr,
         rounds=rounds, work=work)
     meta = dict(run_metadata(), whole_model=dict(
         configs=args.whole_model, mode=args.mode, shape=args.shape, batch=args.batch_size,
@@ -181,12 +179,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     pairs: List[Tuple[str, str]] = []
     name, plot, checks = args.name or 'benchmark', not args.no_plot, []
     if args.goals:
-        goals, records, meta = run_goals(opts, goals_spec, log)
+        goals, records, meta = run_goals(opts, goals_spec)
         meta['goals'] = goals
         name, plot = args.name or 'goals', False
     elif args.onnx:
         from xcit_benchmark.runner import onnx_model_names, run_onnx_points
-        records, meta = run_onnx_points(args.onnx, args.resolutions, opts, log=log)
+        records, meta = run_onnx_points(args.onnx, args.resolutions, opts)
         pairs = [onnx_model_names(args.onnx)[::-1]]
         name, plot = args.name or 'onnx', False
     else:
@@ -198,7 +196,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         specs = runner.variants(specs, args.compile, pairs, '+compile')
         checks = [runner.check_same_trunk(s.arch, s.patch) for s in specs
                   if args.compare and s.family == 'xcit_trunk' and not s.with_cp]
-        records, meta = run_points([(s, r) for r in args.resolutions for s in specs], opts, log)
+        records, meta = runner.run_points([(s, r) for r in args.resolutions for s in specs], opts)
         meta['checks'] = checks
     print(report.format_table(records))
     if pairs:

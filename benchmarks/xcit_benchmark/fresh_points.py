@@ -138,10 +138,9 @@ def child_rss(pid: int) -> int:
 
 
 def run_process(cmd, limit_bytes: float, seconds: float, env=None, cwd=None, on_row=None):
-    """Run ``cmd``, killed above ``limit_bytes`` of RSS or after ``seconds`` (a point that does not
-    fit never reaches the kernel's OOM killer); ``on_row`` gets each :func:`print_row` row as it
-    comes. Returns returncode, rows, stderr, killed ('rss', 'timeout' or None), rss (the highest
-    seen), note (why it was killed)."""
+    """Run ``cmd``, killed above ``limit_bytes`` of RSS (before the kernel's OOM killer) or after
+    ``seconds``; ``on_row`` gets each :func:`print_row` row as it comes. Returns returncode, rows,
+    stderr, killed ('rss', 'timeout' or None), rss (the highest seen), note (why killed)."""
     with tempfile.TemporaryFile('w+') as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
                                 cwd=cwd)

@@ -1,7 +1,7 @@
 """``--whole-model CONFIG ...``: a whole detector / segmentor, train step or inference, by part.
 
-Each config runs in a fresh process per round (random weights, SyncBN -> BN) on synthetic images,
-with the first config's detector settings (the heads' work depends on the detections). Method:
+A fresh process per config and round (random weights, SyncBN -> BN, synthetic images), with the
+first config's detector settings: the heads' work depends on the detections. Method:
 docs/benchmark_whole_model.md.
 """
 import copy
@@ -268,8 +268,8 @@ def run_whole_models(configs: Sequence[str], mode: str, height: int, width: int,
                      cpu_mem_mode: str = 'process', limit_bytes: float = 8 * 2 ** 30,
                      timeout_s: float = 1800., log: Optional[Callable[[str], None]] = None,
                      rounds: int = 1, work: Optional[dict] = None) -> List[dict]:
-    """A record per config (a fresh process per config and round, none after a failure);
-    ``per_round`` keeps each round's figures, position and load."""
+    """A record per config (a process per config and round, none after a failure); ``per_round``
+    keeps each round's figures, position and load."""
     n, log = len(configs), log or (lambda message: None)
     per_round: List[List[dict]] = [[] for _ in configs]
     for r in range(rounds):
@@ -283,8 +283,8 @@ def run_whole_models(configs: Sequence[str], mode: str, height: int, width: int,
                        config=config if '::' in config else osp.abspath(config),
                        batch=batch, repeats=repeats, threads=threads, cpu_mem_mode='process',
                        mem_pass=cpu_mem_mode, work=work)
-            load, t0 = os.getloadavg()[0] if hasattr(os, 'getloadavg') else None, time.time()
-            point = dict(round=r, position=pos, loadavg_1m=load,
+            t0 = time.time()
+            point = dict(round=r, position=pos, loadavg_1m=os.getloadavg()[0],
                          **run_memory_worker(cfg, int(limit_bytes), timeout_s))
             point.setdefault('status', 'error')
             per_round[i].append(point)
