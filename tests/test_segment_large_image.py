@@ -337,7 +337,8 @@ def _bad_input(kind, tmp_path, monkeypatch):
         if kind == 'truncated':
             with open(path, 'r+b') as f:
                 f.truncate(os.path.getsize(path) // 2)
-            return path, [], ['truncated TIFF', 'download it again']
+            # named as such, not wrapped as a broken header
+            return path, [], ['error: truncated TIFF: ', 'download it again']
         _corrupt_tile(path)
         return path, [], ['corrupt TIFF', 'tile 5']
     if kind in ('1_band', '2_band', '4_band', 'gray_flag_on_4_band'):
