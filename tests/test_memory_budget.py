@@ -10,9 +10,8 @@ import torch
 
 from xcit_mm.models.utils import memory_budget as mb
 from xcit_mm.models.utils.memory_budget import (MemoryBudgetError, MemoryModel, MemoryPlanMixin,
-                                                Plan, calibrate, choose_plan,
-                                                measure_peak_growth_mb, read_budget_mb,
-                                                read_memory_model)
+                                                Plan, calibrate, measure_peak_growth_mb,
+                                                read_budget_mb, read_memory_model)
 
 
 @pytest.fixture
@@ -111,8 +110,8 @@ def test_calibration_measures_each_size_and_fits_the_slope(logged):
 
 def test_choice_takes_the_first_plan_that_fits_and_logs_every_estimate(logged):
     plans = [Plan('whole', 900.0), Plan('slide', 300.0, '512x512 stride 341')]
-    assert choose_plan(plans, 1000, 'img 4096x4096').name == 'whole'
-    assert choose_plan(plans, 500, 'img 4096x4096').name == 'slide'
+    assert _Planner()._choose_memory_plan(plans, 1000, 'img 4096x4096').name == 'whole'
+    assert _Planner()._choose_memory_plan(plans, 500, 'img 4096x4096').name == 'slide'
     assert 'slide within max_memory=500 MB' in logged[-1]
     assert 'whole: 900 MB' in logged[-1] and 'slide 512x512 stride 341: 300 MB' in logged[-1]
 
@@ -120,7 +119,7 @@ def test_choice_takes_the_first_plan_that_fits_and_logs_every_estimate(logged):
 def test_no_plan_within_the_budget_names_the_smallest_budget_that_would_do(logged):
     plans = [Plan('whole', 900.0), Plan('slide', 300.0)]
     with pytest.raises(MemoryBudgetError, match=r'max_memory to at least 300'):
-        choose_plan(plans, 200, 'img 4096x4096')
+        _Planner()._choose_memory_plan(plans, 200, 'img 4096x4096')
 
 
 @pytest.mark.parametrize('budget', [None, 0, -5, '4G', True])

@@ -1,16 +1,9 @@
 """Mask R-CNN with fewer live maps, whole or in tiles within a memory budget: :class:`LeanMaskRCNN`.
 
-mmdet's ``TwoStageDetector.predict`` keeps every backbone and neck level alive until the RoI head
-returns, and pastes the N x H x W masks while they are all still there. Here, by exact means only
-(each operation stock's on the same whole tensor: a oneDNN convolution of another size may pick
-another algorithm), the whole image gives stock's detections bit for bit: backbone + FPN in
-data-flow order (``fpn_data_flow``), an in-place ReLU in the RPN, every map dropped once the mask
-logits exist, then the masks pasted. ``band_mb`` makes the stride-4 maps in bands of rows (equal
-up to float rounding); ``mode='tiles'`` runs one tile's maps at a time and merges the detections
-(``tiled_inference``); ``mode='auto'`` runs whole if its estimated peak fits ``max_memory``, else
-tiles (``utils.memory_budget``). Keys: ``docs/lean_detection.md``. ``lean=False``, or a whole
-``predict`` under autograd (in-place sums would break it), is stock ``predict``; so is training.
+Whole, it gives stock's detections bit for bit (each operation stock's, on the same whole tensor);
+bands, tiles, ``mode='auto'`` and the keys: ``docs/lean_detection.md``. Training is stock's.
 """
+import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -41,15 +34,14 @@ from . import tiled_inference as tiling
 
 @MODELS.register_module()
 class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
-    """mmdet's ``MaskRCNN`` whose ``predict`` keeps fewer full-resolution maps alive (module
-    docstring); ``mode='auto'`` keeps its plans as :class:`MemoryPlanMixin` says."""
+    """mmdet's ``MaskRCNN`` whose ``predict`` keeps fewer full-resolution maps alive."""
     SETTINGS = DetectorSettings
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # a file without weights for a head is an error, never a silently random head
         self.register_load_state_dict_post_hook(refuse_headless_load)
-        self._check_parts(self.test_settings)  # a malformed test_cfg, or parts it cannot run
+        self._check_parts()  # a malformed test_cfg, or parts it cannot run
 
     def _band_mb(self) -> Optional[float]:
         """``band_mb`` in eval mode (a BatchNorm in training mode normalises over the whole map)."""
@@ -84,16 +76,11 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         why = why_not_data_flow_fpn(neck, FPN, extra_levels=True)
         if why or path == 'fpn':
             return why
-        side, device = 64, next(backbone.parameters()).device
-
-        def placeholder(channels: int, stride: int) -> TensorRows:
-            return TensorRows(torch.zeros(1, channels, side // stride, side // stride,
-                                          device=device))
-
-        try:  # the very construction the bands make, on a small image's placeholder maps
-            fpn_bottom_rows(backbone, neck, placeholder(backbone.out_channels[0],
-                                                        backbone.patch_size),
-                            placeholder(neck.out_channels, 8), (side, side))
+        zeros, trunk_side = next(backbone.parameters()).new_zeros, 64 // backbone.patch_size
+        try:  # the very construction the bands make, on a 64 px image's placeholder maps
+            fpn_bottom_rows(backbone, neck,
+                            TensorRows(zeros(1, backbone.out_channels[0], trunk_side, trunk_side)),
+                            TensorRows(zeros(1, neck.out_channels, 8, 8)), (64, 64))
         except NotRowLocal as error:
             return f'the FPN: {error}'
         if not (type(rpn) is RPNHead and conv_halo(rpn.rpn_conv) is not None
@@ -101,10 +88,9 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
             return "the RPN head must be mmdet's RPNHead with one stride-1 same-size conv"
         return None
 
-    def _check_parts(self, settings: DetectorSettings) -> None:
-        """The lean paths ``settings`` ask for, refused with the reason where the parts rule them
-        out (never a silent stock run)."""
-        name = type(self).__name__
+    def _check_parts(self) -> None:
+        """The lean paths ``settings`` ask for, refused where the parts rule them out."""
+        name, settings = type(self).__name__, self.test_settings
         why = self._why_not('bands') if settings.band_mb is not None else None
         if why:
             raise ValueError(f'{name}: test_cfg.band_mb: {why}; remove band_mb (every map whole) '
@@ -117,12 +103,11 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
     # ------------------------------------------------------------------ predict
     def predict(self, batch_inputs: Tensor, batch_data_samples: SampleList,
                 rescale: bool = True) -> SampleList:
-        """Detections of the whole image (stock's, with maps freed early), of tiles, or of
-        whichever fits ``test_cfg.max_memory``."""
+        """Detections of the whole image, of tiles, or of whichever fits ``test_cfg.max_memory``."""
         settings = self.test_settings
-        self._check_parts(settings)
+        self._check_parts()
         if settings.mode == 'whole':
-            if not settings.lean or torch.is_grad_enabled():
+            if not settings.lean or torch.is_grad_enabled():  # in-place sums would break autograd
                 return super().predict(batch_inputs, batch_data_samples, rescale=rescale)
             return self._predict_whole(batch_inputs, batch_data_samples, rescale)
         if batch_data_samples[0].get('proposals', None) is not None:
@@ -142,7 +127,6 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
 
     def _predict_whole(self, batch_inputs: Tensor, batch_data_samples: SampleList,
                        rescale: bool) -> SampleList:
-        """The whole batch input at once, lean."""
         assert self.with_bbox, 'Bbox head must be implemented.'
         x = self._lean_extract_feat(batch_inputs)  # a list this method alone holds
         batch_img_metas = [data_sample.metainfo for data_sample in batch_data_samples]
@@ -203,8 +187,7 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
     def _lean_roi_predict(self, x: List[Tensor], rpn_results_list,
                           batch_img_metas: List[dict]) -> List[InstanceData]:
         """``StandardRoIHead``'s bbox branch (``rescale=False``) and each detection's mask logits
-        of its class (``mask_logits``); then ``x``, the caller's last reference to the maps, is
-        emptied, before any mask is pasted."""
+        of its class (``mask_logits``); ``x``, the caller's last reference to the maps, emptied."""
         head = self.roi_head
         feats = tuple(x)
         results_list = head.predict_bbox(feats, batch_img_metas, rpn_results_list,
@@ -227,9 +210,8 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
 
     def _paste_masks(self, results_list: List[InstanceData], batch_img_metas: List[dict],
                      rescale: bool) -> List[InstanceData]:
-        """mmdet's ``FCNMaskHead.predict_by_feat`` on detections with ``mask_logits``, each put
-        back where the head's own output has it (other classes zero: the head reads the
-        detection's class only), so that the masks are stock's bit for bit."""
+        """mmdet's ``FCNMaskHead.predict_by_feat`` on ``mask_logits`` put back where the head's
+        output has them (other classes zero: it reads the detection's class only): stock's masks."""
         channels = self._mask_shape()[0]
         mask_preds = []
         for results in results_list:
@@ -253,14 +235,12 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
     # ------------------------------------------------------------------ tiles
     def _tile_grids(self, batch_inputs: Tensor, batch_img_metas: List[dict],
                     settings: DetectorSettings) -> List[List[tiling.Tile]]:
-        """The tiles of each image of the batch (network scale)."""
         return [tiling.tile_grid(meta['img_shape'], batch_inputs.shape[-2:], settings.tile_size,
                                  settings.tile_overlap) for meta in batch_img_metas]
 
     def _predict_tiles(self, batch_inputs: Tensor, batch_data_samples: SampleList,
                        rescale: bool, settings: DetectorSettings) -> SampleList:
-        """Each image tile by tile (one tile's maps alive at a time), the tiles' detections merged
-        per image, then the kept masks pasted for the whole batch."""
+        """Each image tile by tile, the tiles' detections merged per image, then masks pasted."""
         head, preprocessor = self.roi_head, self.data_preprocessor
         pad = (getattr(preprocessor, 'pad_size_divisor', 1), getattr(preprocessor, 'pad_value', 0))
         batch_img_metas = [data_sample.metainfo for data_sample in batch_data_samples]
@@ -274,13 +254,10 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
                 del tile_input
                 dets.cut = tiling.touches_cut_edge(dets.bboxes, tile)  # image coordinates next
                 dets.bboxes = dets.bboxes + dets.bboxes.new_tensor([tile.x0, tile.y0] * 2)
-                # own copies: the head's scores and labels are views of its NMS output over all
-                # the boxes it scored, which would otherwise stay alive until the merge
+                # copies: the head's are views keeping its NMS input (every scored box) alive
                 dets.scores, dets.labels = dets.scores.clone(), dets.labels.clone()
                 per_tile.append(dets)
-                # freed heap pages back to the OS: each tile starts as a calibrated run did, and
-                # the small allocations of many tiles do not pile up in the resident set
-                release_free_heap()
+                release_free_heap()  # each tile starts as a calibrated run did, no heap piled up
             dets = InstanceData.cat(per_tile)
             del per_tile
             results_list.append(tiling.merge_tile_detections(
@@ -289,23 +266,19 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         return self.add_pred_to_datasample(batch_data_samples, results_list)
 
     def _detect_in_tile(self, tile_input: Tensor, meta: dict) -> InstanceData:
-        """The lean network on one input (1, C, h, w) seen as an image of its own, up to the mask
-        logits; every feature map is freed on return."""
+        """The lean network up to the mask logits on one tile seen as an image, its maps freed."""
         x, rpn_results_list = self._features_and_proposals(tile_input, meta)
         return self._lean_roi_predict(x, rpn_results_list, [meta])[0]
 
     def _features_and_proposals(self, inputs: Tensor, meta: dict):
-        """(feature maps as a list, RPN proposals) of one input: the stage of
-        :meth:`_detect_in_tile` whose peak grows with the pixels."""
+        """(feature maps as a list, RPN proposals): the stage whose peak grows with the pixels."""
         x = self._lean_extract_feat(inputs)
         return x, self._lean_rpn_predict(x, [DetDataSample(metainfo=meta)])
 
     # ------------------------------------------------------------------ memory plans
     def memory_plans(self, batch_inputs: Tensor, batch_data_samples: SampleList,
                      rescale: bool = True) -> List[Plan]:
-        """The plans of ``mode='auto'``, whole then tiles, each estimated as the larger of its
-        network part (the line at the input or the largest tile) and the masks' pasting; tiles
-        add what every tile's detections hold until the merge."""
+        """The plans of ``mode='auto'``, whole then tiles (their estimates: docs/)."""
         settings, model = self.test_settings, self.network_memory_model(batch_inputs)
         batch_img_metas = [data_sample.metainfo for data_sample in batch_data_samples]
         max_per_img = self._max_boxes()[1]
@@ -316,9 +289,10 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         B, _, H, W = batch_inputs.shape
         grids = self._tile_grids(batch_inputs, batch_img_metas, settings)
         divisor = getattr(self.data_preprocessor, 'pad_size_divisor', 1)
-        tile_px = max(h * w for tiles in grids for t in tiles
-                      for h, w in [tiling.padded_hw(t, batch_inputs.shape, divisor)])
-        held_mb = sum(map(len, grids)) * max_per_img * tiling.held_bytes_per_detection(side) / MB
+        tile_px = max(math.prod(tiling.padded_hw(t, batch_inputs.shape, divisor))
+                      for tiles in grids for t in tiles)
+        # a tile's detection until the merge: box, score, label (int64), cut flag, mask logits
+        held_mb = sum(map(len, grids)) * max_per_img * (4 * 4 + 4 + 8 + 1 + 4 * side**2) / MB
         rows = len({t.y0 for t in grids[0]})
         th, tw = settings.tile_size
         return [Plan('whole', max(B * model.estimate_mb(H * W), paste_mb), f'{H}x{W}'),
@@ -327,17 +301,15 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
                      f'{settings.tile_overlap} px')]
 
     def _max_boxes(self) -> Tuple[int, int]:
-        """The most proposals (``rpn.max_per_img``) and detections (``rcnn.max_per_img``, else
-        the proposals) per image."""
+        """The most proposals and detections per image the test config allows."""
         proposals = int(self.test_cfg.rpn.get('max_per_img', 1000))
         detections = self.roi_head.test_cfg.max_per_img
         return proposals, detections if detections > 0 else proposals
 
     @torch.no_grad()
     def _calibrate_memory(self, batch_inputs: Tensor) -> MemoryModel:
-        """The line bounding :meth:`_detect_in_tile`'s peak growth over its input pixels, on
-        random inputs: features + proposals fitted at ``tiling.CALIBRATION_SIDES``, plus the RoI
-        branch at its most boxes (the same at any size, and the peak at small sizes)."""
+        """The line bounding :meth:`_detect_in_tile`'s peak growth: features + proposals fitted on
+        random inputs, plus the RoI branch at its most boxes (the same at any size)."""
         generator = torch.Generator().manual_seed(0)
 
         def square(side: int):

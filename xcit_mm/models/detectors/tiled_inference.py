@@ -1,8 +1,5 @@
-"""The parts of ``LeanMaskRCNN``'s ``mode='tiles'`` / ``'auto'`` that need no model, testable on
-hand-made inputs: the tile grid, the merge of the tiles' detections (a detection cut by a tile edge
-must not survive next to the object seen whole in a neighbouring tile) and the memory estimates
-besides the network's line.
-"""
+"""``LeanMaskRCNN``'s tiles without the model: the grid, the merge of the tiles' detections and the
+memory estimates besides the network's line (docs/lean_detection.md)."""
 import math
 from typing import List, NamedTuple, Sequence, Tuple
 
@@ -18,9 +15,8 @@ from ..utils.memory_budget import MB
 # A box within this many network pixels (one cell of the stride-4 level) of a tile edge inside the
 # image counts as cut by it: box regression does not always end exactly on the edge.
 EDGE_MARGIN = 4.0
-# A cut detection is a duplicate of a kept detection of its class when this fraction of its box
-# lies inside the kept box (the cut box is the kept box's part inside the tile, up to box noise),
-# or when their IoU exceeds the NMS threshold.
+# A cut detection duplicates a kept one of its class with this fraction of its box inside the kept
+# box (the cut box is the kept box's part inside the tile, up to box noise).
 CONTAINED_THR = 0.7
 # Square input sides at which features + proposals are measured for ``mode='auto'``'s line: small
 # (each is one run), yet far enough apart for the slope to stand out of the noise.
@@ -77,8 +73,7 @@ def padded_hw(tile: Tile, input_hw: Sequence[int], size_divisor: int) -> Tuple[i
 
 
 def cut_tile(inputs: Tensor, tile: Tile, size_divisor: int, pad_value: float) -> Tensor:
-    """A contiguous copy of ``tile`` of an input (1, C, H, W), padded as the data preprocessor pads
-    whole images."""
+    """A contiguous copy of ``tile`` of an input (1, C, H, W), padded as the preprocessor pads."""
     out = inputs[:, :, tile.y0:tile.y0 + tile.h, tile.x0:tile.x0 + tile.w]
     pad_h, pad_w = padded_hw(tile, inputs.shape, size_divisor)
     if (pad_h, pad_w) != (tile.h, tile.w):
@@ -105,10 +100,8 @@ def touches_cut_edge(bboxes: Tensor, tile: Tile, margin: float = EDGE_MARGIN) ->
 # ---------------------------------------------------------------------- merge
 def merge_tile_detections(dets: InstanceData, nms_cfg: dict, max_per_img: int,
                           contained_thr: float = CONTAINED_THR) -> InstanceData:
-    """One image's detections from its tiles' (image coordinates, ``cut`` flags): each cut one, by
-    score, dropped where it duplicates one kept (same class, ``contained_thr`` of its box inside,
-    as plain NMS would keep a cut view, or IoU above NMS's), then class-wise NMS as the RoI head's
-    (an object seen whole in two tiles) and the ``max_per_img`` best. One tile's come unchanged."""
+    """One image's detections from its tiles' (image coordinates, ``cut`` flags): cut ones seen
+    whole elsewhere dropped, then the RoI head's NMS and the ``max_per_img`` best (docs/)."""
     if len(dets) == 0:
         return dets
     keep = ~dets.cut
@@ -145,8 +138,3 @@ def paste_estimate_mb(metas: Sequence[dict], rescale: bool, max_per_img: int,
     masks = sum(max_per_img * h * w for h, w in mask_hws)
     transient = PASTE_BYTES_PER_PIXEL * max(h * w for h, w in mask_hws)
     return (masks + transient + logits * (len(mask_hws) + 1)) / MB
-
-
-def held_bytes_per_detection(mask_side: int) -> int:
-    """A tile's detection until the merge: box, score, label (int64), cut flag, mask logits."""
-    return 4 * 4 + 4 + 8 + 1 + 4 * mask_side**2

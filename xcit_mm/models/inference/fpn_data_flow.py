@@ -1,11 +1,7 @@
 """An FPN (mmdet's or mmseg's) in data-flow order: stock's outputs bit for bit, fewer maps alive.
 
-Stock makes all backbone levels, then all laterals, then all outputs, so several stride-4 maps
-live at once. Here the levels are made top-down, each map freed once used and the top-down sums
-added in place where that is stock's sum (:func:`adds_in_place`, the one rule, also UPerHead's);
-each convolution runs on stock's whole tensor (oneDNN may pick another algorithm for another
-size). With ``band_mb`` the stride-4 output is made band by band (:mod:`.row_stream`), equal up
-to float rounding. Torch only, no task package.
+The levels are made top-down, each map freed once used, each conv on stock's whole tensor; with
+``band_mb`` level 0 band by band (equal up to rounding). Torch only: docs/lean_detection.md.
 """
 from typing import Callable, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
@@ -30,9 +26,8 @@ class LevelByLevelBackbone(Protocol):
 
 
 def why_not_data_flow_fpn(neck, fpn_type: type, extra_levels: bool = False) -> Optional[str]:
-    """Why ``neck`` is not an FPN that :func:`fpn_in_data_flow_order` computes as stock does
-    (None if it is): ``fpn_type`` itself on every backbone level, any extra levels (where
-    ``extra_levels``) made by max pooling."""
+    """Why ``neck`` is not an FPN that :func:`fpn_in_data_flow_order` computes as stock does:
+    ``fpn_type`` itself on every backbone level, any extra levels made by max pooling."""
     if type(neck) is not fpn_type:
         return f'the neck must be {fpn_type.__module__}.FPN, not {type(neck).__name__}'
     if neck.start_level != 0 or neck.backbone_end_level != neck.num_ins:
@@ -107,7 +102,6 @@ def add_top_down_(lat: Tensor, top: Tensor, upsample_cfg: dict, band_mb: float =
 # ---------------------------------------------------------------------- data-flow order
 class BackboneLevels:
     """Backbone level ``i`` on demand, where the backbone makes its levels one at a time."""
-
     def __init__(self, backbone, inputs: Tensor):
         self.backbone = backbone
         self.image_hw = tuple(inputs.shape[-2:])
@@ -133,7 +127,6 @@ def top_down_sums(levels: BackboneLevels, lateral_convs, fpn_convs, add: Callabl
         if i + 1 <= last_conv:  # the level above has given its top-down term
             outs[i + 1] = fpn_convs[i + 1](upper)
         upper = lat
-        del lat
     return upper
 
 
@@ -161,8 +154,7 @@ def fpn_in_data_flow_order(backbone, neck, inputs: Tensor,
 
 # ---------------------------------------------------------------------- bands of rows
 def fpn_bottom_rows(backbone, neck, trunk: RowMap, top: RowMap, image_hw) -> RowMap:
-    """The FPN output of level 0 as rows from the backbone's trunk map and ``top``, level 1's
-    lateral sum."""
+    """Level 0's FPN output as rows, from the backbone's trunk map and level 1's lateral sum."""
     lateral = module_rows(neck.lateral_convs[0], backbone.level_rows(trunk, 0, image_hw))
     return module_rows(neck.fpn_convs[0], top_down_rows(lateral, top, neck.upsample_cfg))
 

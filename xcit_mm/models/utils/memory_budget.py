@@ -1,14 +1,12 @@
 """Whole image or pieces within a memory budget: the estimate and the choice behind ``mode='auto'``.
 
-A lean model's peak grows linearly with its pixels (XCA is linear in the tokens, the rest keeps a
-fixed number of maps per pixel), so a line through peaks measured at a few small sizes predicts
-any size; each model lists its plans and the first that fits runs. The budget is the memory of the
-inputs' device: on the CPU the resident set's peak growth (``VmHWM``), on CUDA what the caching
-allocator hands to tensors; elsewhere ``test_cfg.memory_model`` gives the line.
+A lean model's peak grows linearly with its pixels (XCA is linear in the tokens), so a line through
+peaks at a few small sizes predicts any size; each model lists its plans, the first that fits runs.
 """
 import gc
 import logging
 import math
+import statistics
 from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -37,10 +35,7 @@ class MemoryModel(NamedTuple):
             raise MemoryBudgetError('calibrating a memory model needs peaks at two or more sizes')
         xs = [p / 1e6 for p, _ in points]
         ys = [float(m) for _, m in points]
-        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-        slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys))
-                 / sum((x - mean_x)**2 for x in xs))
-        slope = max(slope, 0.0)
+        slope = max(statistics.linear_regression(xs, ys).slope, 0.0)
         base = max(0.0, max(y - slope * x for x, y in zip(xs, ys)))
         return cls(base_mb=base, mb_per_mpix=slope)
 
@@ -80,7 +75,7 @@ def peak_rss_mb() -> float:
 
 def measure_peak_growth_mb(call: Callable[[], object], device=None) -> float:
     """By how much ``call()`` raised the memory in use at its peak (MB) on ``device`` (default
-    CPU); a :class:`MemoryBudgetError` where that cannot be read."""
+    CPU): the resident set's (``VmHWM``) or the CUDA caching allocator's tensors."""
     device = torch.device('cpu' if device is None else device)
     cuda = device.type == 'cuda'
     fix = 'give the line instead: test_cfg.memory_model=dict(base_mb=..., mb_per_mpix=...)'
@@ -99,11 +94,10 @@ def measure_peak_growth_mb(call: Callable[[], object], device=None) -> float:
             base = rss_mb()
         except OSError as e:
             raise MemoryBudgetError(f'cannot measure peak memory here ({e}); {fix}') from e
-    result = call()
+    call()
     if cuda:
         torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) / MB if cuda else peak_rss_mb()
-    del result
     return peak - base
 
 
@@ -150,7 +144,7 @@ def read_memory_model(value, owner: str) -> Optional[MemoryModel]:
 
 def read_budget_mb(test_cfg, owner: str) -> float:
     """``test_cfg.max_memory`` in MB, checked: mode='auto' needs a positive number."""
-    budget = test_cfg.get('max_memory', None) if test_cfg is not None else None
+    budget = test_cfg.get('max_memory')
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
         raise MemoryBudgetError(
             f"{owner}: test_cfg mode='auto' needs max_memory, the memory (MB) inference may add, "
@@ -166,29 +160,10 @@ class Plan(NamedTuple):
     band_mb: Optional[float] = None
 
 
-def choose_plan(plans: List[Plan], budget_mb: float, what: str) -> Plan:
-    """The first of ``plans`` within ``budget_mb``, logged; else an error naming the fix."""
-    listing = '; '.join(f'{p.name}{" " + p.detail if p.detail else ""}: {p.estimate_mb:.0f} MB'
-                        for p in plans)
-    for plan in plans:
-        if plan.estimate_mb <= budget_mb:
-            print_log(f'{what}: {plan.name} within max_memory={budget_mb:.0f} MB '
-                      f'(estimates: {listing})', logger='current')
-            return plan
-    smallest = min(plans, key=lambda p: p.estimate_mb)
-    print_log(f'{what}: no plan within max_memory={budget_mb:.0f} MB ({listing})',
-              logger='current', level=logging.ERROR)
-    raise MemoryBudgetError(
-        f'{what}: no way to run within max_memory={budget_mb:.0f} MB (estimates: {listing}); '
-        f'raise test_cfg.max_memory to at least {smallest.estimate_mb:.0f} or use smaller '
-        'windows / tiles')
-
-
 class MemoryPlanMixin:
-    """Calibrate, plan and choose under one set of names, for both lean models: each gives
-    ``memory_plans`` (in the order tried) and ``_calibrate_memory``. ``calibrated_memory_model``,
-    ``last_memory_plans`` and ``last_memory_plan`` (None after a budget no plan fits) say what
-    was measured and chosen, for a benchmark to compare with the measured peak."""
+    """Calibrate, plan and choose for both lean models, which give ``memory_plans`` (in the order
+    tried) and ``_calibrate_memory``; ``calibrated_memory_model`` and ``last_memory_plan`` (None
+    after a budget no plan fits) say what was measured and chosen, for a benchmark."""
     calibrated_memory_model: Optional[MemoryModel] = None
     last_memory_plans: Sequence[Plan] = ()
     last_memory_plan: Optional[Plan] = None
@@ -205,11 +180,24 @@ class MemoryPlanMixin:
         return self.calibrated_memory_model
 
     def _choose_memory_plan(self, plans: List[Plan], budget_mb: float, what: str) -> Plan:
-        """:func:`choose_plan`, kept; not logged again for the previous batch's plans and budget
-        (a test set of one image size)."""
+        """The first of ``plans`` within ``budget_mb``, logged unless the previous batch had these
+        plans and budget (a test set of one image size); else an error naming the fix."""
         last = self.last_memory_plan
         if last is not None and (plans, budget_mb) == (self.last_memory_plans, self._last_budget):
             return last
         self.last_memory_plans, self._last_budget, self.last_memory_plan = plans, budget_mb, None
-        self.last_memory_plan = choose_plan(plans, budget_mb, what)
-        return self.last_memory_plan
+        listing = '; '.join(f'{p.name}{" " + p.detail if p.detail else ""}: {p.estimate_mb:.0f} MB'
+                            for p in plans)
+        for plan in plans:
+            if plan.estimate_mb <= budget_mb:
+                print_log(f'{what}: {plan.name} within max_memory={budget_mb:.0f} MB '
+                          f'(estimates: {listing})', logger='current')
+                self.last_memory_plan = plan
+                return plan
+        smallest = min(plans, key=lambda p: p.estimate_mb)
+        print_log(f'{what}: no plan within max_memory={budget_mb:.0f} MB ({listing})',
+                  logger='current', level=logging.ERROR)
+        raise MemoryBudgetError(
+            f'{what}: no way to run within max_memory={budget_mb:.0f} MB (estimates: {listing}); '
+            f'raise test_cfg.max_memory to at least {smallest.estimate_mb:.0f} or use smaller '
+            'windows / tiles')
