@@ -89,7 +89,7 @@ def test_slide_binary_head():
 # ---------------------------------------------------------------- mode='auto'
 @pytest.fixture
 def log_lines():
-    """Messages of mmengine's current logger (where ``choose_plan`` and ``calibrate`` log)."""
+    """Messages of mmengine's current logger (where the plan choice and ``calibrate`` log)."""
     from mmengine.logging import MMLogger
     lines = []
 
