@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import sys
-import warnings
 from typing import List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # xcit_mm
@@ -147,8 +146,6 @@ def whole_models(args, limit: float) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point; returns the process exit status."""
     args = parse_args(argv)
-    # mmcv's ConvModule warns about mmpretrain's LPI conv (bias before a norm): not our concern
-    warnings.filterwarnings('ignore', message='Unnecessary conv bias before batch/instance norm')
     if args.list_models:
         print(list_models())
         return 0

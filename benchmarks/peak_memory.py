@@ -246,30 +246,26 @@ def child(spec: dict, out=None) -> None:
 
 
 # ---------------------------------------------------------------------------- the parent
-def why_not(previous, point: dict, deadline: float, limit_mb=None) -> dict:
-    """``{}`` to run ``point``, else its skipped row's fields (a budget point stands alone)."""
+def why_not(previous, point: dict, deadline: float = float('inf'), limit_mb=None) -> dict:
+    """``{}`` to run ``point``, else its skipped row's fields, from the deadline and its series'
+    previous point (a budget point stands alone): after one that did not finish larger sizes
+    cannot fit either; memory grows at least linearly with the pixels, so the previous RSS plus
+    its growth times the pixel ratio bounds the peak."""
     if time.time() > deadline:
         return dict(status='skipped', note='not run: the budget was spent')
-    why = skip_reason(None if point['path'] == 'auto' else previous, point['size'], limit_mb)
-    return dict(status='skipped', **why) if why else {}
-
-
-def skip_reason(previous, size: int, limit_mb) -> dict:
-    """``{}`` to run the point of ``size``, else why not, from its series' previous point: after
-    one that did not finish larger sizes cannot fit either; memory grows at least linearly with
-    the pixels, so the previous RSS plus its growth times the pixel ratio bounds the peak."""
-    if previous is None:
+    if previous is None or point['path'] == 'auto':
         return {}
     if previous['status'] != 'ok':
-        return dict(note=f"not run: {previous['status']} at {previous['size']}")
+        return dict(status='skipped', note=f"not run: {previous['status']} at {previous['size']}")
     growth, base = previous['peak_growth_mb'], previous.get('base_mb', 0)
-    ratio = (size / previous['size']) ** 2
+    ratio = (point['size'] / previous['size']) ** 2
     estimate = base + growth * ratio
     if limit_mb is None or estimate <= limit_mb:
         return {}
-    return dict(note=f'not run: extrapolated peak RSS {estimate / 1024:.1f} GiB (RSS {base} MB '
+    return dict(status='skipped', extrapolated_mb=round(growth * ratio),
+                note=f'not run: extrapolated peak RSS {estimate / 1024:.1f} GiB (RSS {base} MB '
                 f"+ {ratio:g} x growth {growth} MB at {previous['size']}) > "
-                f'limit {limit_mb / 1024:.1f} GiB', extrapolated_mb=round(growth * ratio))
+                f'limit {limit_mb / 1024:.1f} GiB')
 
 
 def point_key(row: dict) -> tuple:

@@ -76,20 +76,28 @@ def script_run(tmp_path_factory):
     return background_once(tmp_path_factory, 'peak_memory_script', cmd, timeout=300)
 
 
-def test_skip_reason_extrapolates_by_the_pixels_and_stops_after_a_failure():
+def test_why_not_extrapolates_by_the_pixels_and_stops_after_a_failure():
     """Skipped when the previous size's RSS before the call plus its growth times the pixel
-    ratio passes the limit, and after any point that did not finish."""
-    assert pm.skip_reason(None, 1024, 20480) == {}
+    ratio passes the limit, after any point that did not finish, and once the deadline passed;
+    a budget point does not depend on the one before."""
+    def why(previous, size, limit_mb, path='lean', deadline=float('inf')):
+        return pm.why_not(previous, dict(path=path, size=size), deadline, limit_mb)
+
+    assert why(None, 1024, 20480) == {}
     prev = dict(status='ok', size=2048, peak_growth_mb=4000, base_mb=700)
-    assert pm.skip_reason(prev, 4096, 20480) == {}  # 700 + 4 x 4000 = 16700 MB
-    why = pm.skip_reason(prev, 4096, 16000)
-    assert why['note'].startswith('not run: extrapolated peak RSS 16.3 GiB')
-    assert '4 x growth 4000' in why['note'] and why['extrapolated_mb'] == 16000
-    assert '16 x growth' in pm.skip_reason(dict(prev, size=1024), 4096, 64000)['note']
-    assert pm.skip_reason(prev, 8192, None) == {}  # no limit: only failures stop
+    assert why(prev, 4096, 20480) == {}  # 700 + 4 x 4000 = 16700 MB
+    skipped = why(prev, 4096, 16000)
+    assert skipped['status'] == 'skipped'
+    assert skipped['note'].startswith('not run: extrapolated peak RSS 16.3 GiB')
+    assert '4 x growth 4000' in skipped['note'] and skipped['extrapolated_mb'] == 16000
+    assert '16 x growth' in why(dict(prev, size=1024), 4096, 64000)['note']
+    assert why(prev, 8192, None) == {}  # no limit: only failures stop
     for status in ('killed', 'error', 'skipped', 'oom'):
-        assert pm.skip_reason(dict(status=status, size=4096), 8192, None) == \
-            dict(note=f'not run: {status} at 4096')
+        assert why(dict(status=status, size=4096), 8192, None) == \
+            dict(status='skipped', note=f'not run: {status} at 4096')
+        assert why(dict(status=status, size=4096), 8192, None, path='auto') == {}
+    assert why(None, 1024, None, deadline=0) == dict(status='skipped',
+                                                     note='not run: the budget was spent')
 
 
 def _args(**kw):

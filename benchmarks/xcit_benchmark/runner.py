@@ -23,6 +23,8 @@ from .timing import (make_step, measure_matmul_gflops, set_threads, sync, time_f
                      time_with_matmul)
 
 PACKAGE_PARENT = osp.join(REPO, 'benchmarks')  # where `python -m xcit_benchmark...` runs
+# mmcv's ConvModule warns about mmpretrain's LPI conv (bias before a norm): not our concern
+warnings.filterwarnings('ignore', message='Unnecessary conv bias before batch/instance norm')
 
 
 def mem_available_bytes() -> int:
@@ -88,8 +90,6 @@ def run_memory_worker(cfg: dict, limit_bytes: int, timeout_s: float) -> dict:
 
 def child_main(argv=None, worker=None) -> int:
     """A memory process: ``worker`` (:func:`memory_worker`) on ``argv[0]``, printed as a row."""
-    # mmcv's ConvModule warns about mmpretrain's LPI conv (bias before a norm): not our concern
-    warnings.filterwarnings('ignore', message='Unnecessary conv bias before batch/instance norm')
     try:
         cfg = json.loads((sys.argv[1:] if argv is None else argv)[0])
         result = (worker or memory_worker)(cfg)
