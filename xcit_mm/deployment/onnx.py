@@ -16,8 +16,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules.utils import _pair
 
-DEFAULT_OPSET = 17
-DEFAULT_TOLERANCE = 1e-4
 INSTALL_HINT = ("pip install 'xcit_mm[onnx]' (onnx==1.17.0, onnxruntime==1.20.1) or "
                 'bash tools/install.sh')
 
@@ -172,7 +170,7 @@ def check_shape(shape: Sequence[int], what: str = '--shape') -> Tuple[int, int]:
 
 
 def export_onnx(model: nn.Module, out_file: str, shape: Sequence[int], dynamic: bool = False,
-                opset: int = DEFAULT_OPSET, batch: int = 1) -> str:
+                opset: int = 17, batch: int = 1) -> str:
     """Export ``model`` (:func:`build_export_model`) traced at ``batch`` x 3 x ``shape``;
     ``dynamic``: batch, height and width as dynamic axes. Returns ``out_file``."""
     onnx, _ = check_onnx_runtime(need_runtime=False)
@@ -220,7 +218,7 @@ def run_onnx(session, image: torch.Tensor) -> List[torch.Tensor]:
 
 
 def verify_onnx(model: nn.Module, onnx_file: str, shapes: Sequence[Sequence[int]],
-                tolerance: float = DEFAULT_TOLERANCE, threads: Optional[int] = None,
+                tolerance: float = 1e-4, threads: Optional[int] = None,
                 batch: int = 1) -> List[Dict]:
     """The file in ONNX Runtime against ``model`` in PyTorch on a seeded random image, a dict per
     size; ``max_rel`` = max |onnx - torch| / max |torch|, since per-element ratios are meaningless
