@@ -171,10 +171,8 @@ class _TiffSource(_Source):
                 segment = segment.reshape(segment.shape[-3:])  # (rows, columns, samples)
                 x0 = tx * tw
                 cols = min(tw, self.width - x0)
-                if planes > 1:
-                    out[:, x0:x0 + cols, plane] = segment[:rows, :cols, 0]
-                else:
-                    out[:, x0:x0 + cols] = segment[:rows, :cols]
+                # a planar page's segment holds the one sample of its plane, else all of them
+                out[:, x0:x0 + cols, plane:plane + segment.shape[2]] = segment[:rows, :cols]
         return out
 
     def _read(self, start: int, stop: int) -> np.ndarray:
