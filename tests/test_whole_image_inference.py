@@ -359,6 +359,27 @@ def test_report_prints_the_tables_and_draws_the_plot(tmp_path, capsys):
     assert exc.value.code == 2
 
 
+def test_both_reports_plot_on_log_log_axes_with_a_tick_at_each_size():
+    """report.log_log_axes, which peak_memory's and benchmark.py's plots share: both axes
+    logarithmic, a labelled tick at each measured size, plain numbers on the y axis."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    from xcit_benchmark.report import log_log_axes
+    fig, ax = plt.subplots()
+    ax.plot([512, 2048], [0.3, 40])
+    log_log_axes(ax, [512, 1024, 2048], 'time (s)', 'a title')
+    fig.canvas.draw()
+    assert (ax.get_xscale(), ax.get_yscale()) == ('log', 'log')
+    assert list(ax.get_xticks()) == [512, 1024, 2048]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ['512²', '1024²', '2048²']
+    assert ax.get_xlim() == pytest.approx((512 / 1.25, 2048 * 1.25))
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert {'0.5', '1', '2', '5', '10', '20'} <= set(labels)
+    assert (ax.get_ylabel(), ax.get_title()) == ('time (s)', 'a title')
+    plt.close(fig)
+
+
 def test_committed_artifacts_are_the_scripts_and_the_cpu_page_quotes_its_tables(tmp_path,
                                                                                 capsys):
     """Every peak-memory artifact under docs/results is one of this script (its rows, the
