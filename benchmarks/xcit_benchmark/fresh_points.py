@@ -174,8 +174,7 @@ def run_process(cmd, limit_bytes: float, seconds: float, env=None, cwd=None, on_
 
 
 def random_segmentor(config: str, device: str = 'cpu'):
-    """``mmseg.apis.init_model`` of ``config`` with random weights (seed 0, the backbone's
-    Pretrained init dropped)."""
+    """``mmseg.apis.init_model`` of ``config``, random weights (seed 0, no Pretrained init)."""
     import torch
     from mmengine.config import Config
     from mmseg.apis import init_model

@@ -56,8 +56,7 @@ def format_ratios(rows: Sequence[dict]) -> str:
 
 
 def md_table(header: Sequence[str], rows, align: str = '') -> str:
-    """A Markdown table; ``align`` has 'l' or 'r' per column (default: the first left, the rest
-    right)."""
+    """A Markdown table; ``align``: 'l' or 'r' per column (default: first left, the rest right)."""
     rule = ''.join('---|' if a == 'l' else '---:|' for a in align or 'l' + 'r' * (len(header) - 1))
     lines = ['| ' + ' | '.join(cells) + ' |' for cells in [header, *rows]]
     return '\n'.join([lines[0], '|' + rule] + lines[1:])

@@ -87,8 +87,7 @@ def round_order(items: Sequence, r: int) -> list:
 
 def time_interleaved(steps: Dict[str, Callable[[], None]], warmup: int, repeats: int,
                      device: str) -> Dict[str, List[float]]:
-    """``warmup`` calls of every step, then ``repeats`` rounds in :func:`round_order`; the garbage
-    collector is off while timing."""
+    """``warmup`` calls of every step, then ``repeats`` rounds in :func:`round_order`, gc off."""
     for _ in range(warmup):
         for step in steps.values():
             step()
