@@ -23,7 +23,7 @@ CONFIGS = dict(sem_fpn='configs/sem_fpn_xcit_s12_p16_80k_ade20k.py',
 
 def agreement(model, size: int, device: str) -> dict:
     """Whole and stream on one seeded image of ``size``²: labels and the head's logits."""
-    from xcit_mm.models.inference.row_stream import TokenMaps, TokenRows, materialize
+    from xcit_mm.models.inference.row_stream import TokenMaps, materialize
     from xcit_mm.models.inference.seg_stream import logits_rows
     gen = torch.Generator(device=device).manual_seed(size)
     x = torch.randn(1, 3, size, size, generator=gen, device=device)
@@ -42,8 +42,7 @@ def agreement(model, size: int, device: str) -> dict:
         with TokenMaps(x.device) as maps:
             trunk = model.backbone.stream_trunk(lambda a, b: x[:, :, a:b], (size, size), maps,
                                                 model._stream_band_mb(None, 0))
-            levels = [model.backbone.level_rows(TokenRows(m), i, (size, size))
-                      for i, m in enumerate(trunk)]
+            levels = [model.backbone.level_rows(m, i, (size, size)) for i, m in enumerate(trunk)]
             streamed = materialize(logits_rows(levels, getattr(model, 'neck', None),
                                                model.decode_head), model._stream_band_mb(None, 0))
         row['logits_max_abs_diff'] = float((streamed - logits).abs().max())

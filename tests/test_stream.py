@@ -24,7 +24,7 @@ from mmseg.registry import MODELS
 from test_lean_segmentation import (BACKBONE, SEM_FPN, UPERNET, _meta, _predict,
                                     spread_statistics_and_logits)
 from xcit_mm.models.inference.row_stream import (MB, Combine, Local, Resize, TensorRows, TokenMaps,
-                                                 TokenRows, materialize, module_rows, stream_rows)
+                                                 materialize, module_rows, stream_rows)
 from xcit_mm.models.inference.seg_stream import labels_rows, logits_rows
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
@@ -66,7 +66,7 @@ def test_streamed_trunk_equals_forward_trunk(patch_size, folder, tmp_path):
 
 
 def _levels(model, trunk, img_hw):
-    return [model.backbone.level_rows(TokenRows(m), i, img_hw) for i, m in enumerate(trunk)]
+    return [model.backbone.level_rows(m, i, img_hw) for i, m in enumerate(trunk)]
 
 
 SIZES = [(128, 192), (97, 131), (45, 200), (160, 48)]

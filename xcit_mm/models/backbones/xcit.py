@@ -4,6 +4,7 @@ stem, XCiT layers and four layers' features rescaled to strides 4-32 (paper B.2)
 import math
 import warnings
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -39,8 +40,7 @@ STRIDES = (4, 8, 16, 32)  # of the adapter's levels; the last is the smallest im
 
 
 class FourierPositionEncoding(nn.Module):
-    """DETR-style 2-D sine/cosine code of the patch grid through a 1x1 conv, computed for any
-    grid: no interpolation across image sizes."""
+    """DETR-style sine/cosine code of any patch grid through a 1x1 conv: no interpolation."""
 
     def __init__(self, embed_dims: int, hidden_dims: int = 32, temperature: float = 10000.):
         super().__init__()
@@ -71,8 +71,7 @@ class FourierPositionEncoding(nn.Module):
 
 
 class ConvPatchEmbed(nn.Module):
-    """LeViT-style stem: log2(patch_size) 3x3 stride-2 convs with BN, GELU between them, widths
-    in_channels -> ... -> D/4 -> D/2 -> D."""
+    """LeViT-style stem: log2(patch_size) 3x3 stride-2 convs with BN, GELU between them."""
 
     def __init__(self, in_channels: int, embed_dims: int, patch_size: int, norm_cfg: dict):
         super().__init__()
@@ -168,8 +167,7 @@ class FFN(nn.Module):
 
 
 class XCiTLayer(nn.Module):
-    """Pre-norm XCA, LPI and FFN residuals scaled by learned gammas, in the released code's order
-    XCA -> LPI (norm3, gamma3) -> FFN (norm2, gamma2)."""
+    """Pre-norm XCA, LPI (norm3, gamma3) and FFN (norm2, gamma2) residuals, the released order."""
 
     def __init__(self, embed_dims: int, num_heads: int, mlp_ratio: float, drop_path: float,
                  layer_scale_init_value: float, norm_cfg: dict):
@@ -252,8 +250,7 @@ def _build_adapter(embed_dims: int, patch_size: int, norm_cfg: dict) -> List[nn.
     """Modules taking the trunk maps to strides 4-32, in ``nn.Sequential`` exactly where the
     official code has one, so that the released files' names load."""
 
-    def up2():
-        return nn.ConvTranspose2d(embed_dims, embed_dims, kernel_size=2, stride=2)
+    up2 = partial(nn.ConvTranspose2d, embed_dims, embed_dims, kernel_size=2, stride=2)
 
     def pool(k):  # ceil_mode: a ceil(H/p) grid pools to ceil(H/s), so any image size works
         return nn.MaxPool2d(kernel_size=k, stride=k, ceil_mode=True)
@@ -563,8 +560,7 @@ class XCiTBackbone(BaseModule):
 
     @contextmanager
     def capture_xca(self, layers: Optional[Sequence[int]] = None):
-        """Yield ``{layer_index: dict(q, k, attn, grid)}`` of the last forward pass inside the
-        block, detached (docs/visualisation.md)."""
+        """Yield ``{layer: dict(q, k, attn, grid)}`` of the last pass in the block, detached."""
         layers = range(self.num_layers) if layers is None else layers
         records: Dict[int, dict] = {}
         handles = []

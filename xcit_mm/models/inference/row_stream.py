@@ -30,94 +30,6 @@ def band_rows_for(band_mb: float, row_bytes: int, at_least: int = 1) -> int:
     return max(at_least, int(band_mb * MB) // max(1, row_bytes))
 
 
-# ---------------------------------------------------------------------------- token maps
-class TokenMap:
-    """An (H, W, C) float32 token map read and written by bands of rows, in memory or in a file
-    unlinked at once (so that it goes with the process whatever ends it)."""
-
-    def __init__(self, shape: Sequence[int], device: torch.device, folder: Optional[str] = None):
-        self.shape = tuple(shape)
-        self.device = torch.device(device)
-        self.row_bytes = 4 * self.shape[1] * self.shape[2]
-        self.data = self.fd = None
-        if folder is None:
-            self.data = torch.empty(self.shape, device=self.device)
-            return
-        self.fd, path = tempfile.mkstemp(dir=folder, suffix='.tokens')
-        os.unlink(path)
-        self.folder = folder
-
-    def read(self, start: int, stop: int) -> Tensor:
-        """Rows ``start:stop``: a view in memory, a fresh tensor from disk."""
-        if self.data is not None:
-            return self.data[start:stop]
-        out = torch.empty((stop - start, ) + self.shape[1:])
-        view, offset = memoryview(out.numpy()).cast('B'), start * self.row_bytes
-        while len(view):
-            done = os.preadv(self.fd, [view], offset)
-            if done == 0:  # rows never written read as zeros (the file is sparse)
-                view[:] = bytes(len(view))
-                break
-            view, offset = view[done:], offset + done
-        return out.to(self.device)
-
-    def write(self, start: int, tokens: Tensor) -> None:
-        if self.data is not None:
-            target = self.data[start:start + tokens.shape[0]]
-            if target.data_ptr() != tokens.data_ptr():
-                target.copy_(tokens)
-            return
-        array = tokens.detach().to('cpu', torch.float32).contiguous().numpy()
-        view, offset = memoryview(array).cast('B'), start * self.row_bytes
-        try:
-            while len(view):
-                done = os.pwrite(self.fd, view, offset)
-                view, offset = view[done:], offset + done
-        except OSError as error:
-            if error.errno == errno.ENOSPC:
-                size = self.row_bytes * self.shape[0] / MB
-                raise OSError(errno.ENOSPC, f'no space left in {self.folder} for the token maps '
-                              f'({size:.0f} MB each): free space there or set token_dir '
-                              '(test_cfg.token_dir / --token-dir) to a folder on a larger disk'
-                              ) from None
-            raise
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-        self.data = None
-
-
-class TokenMaps:
-    """The token maps of one streamed image: in memory (``folder=None``) or in a temporary folder
-    under ``folder``, removed on exit, error and Ctrl-C included."""
-
-    def __init__(self, device: torch.device, folder: Optional[str] = None):
-        self.device, self.parent, self.folder = device, folder, None
-        self.maps: List[TokenMap] = []
-
-    def __enter__(self) -> 'TokenMaps':
-        if self.parent is not None:
-            if not os.path.isdir(self.parent):
-                raise ValueError(f'token_dir {self.parent!r} is not a folder: give an existing, '
-                                 'writable folder for the token maps')
-            self.folder = tempfile.mkdtemp(prefix='xcit_tokens_', dir=self.parent)
-        return self
-
-    def new(self, shape: Sequence[int]) -> TokenMap:
-        token_map = TokenMap(shape, self.device, self.folder)
-        self.maps.append(token_map)
-        return token_map
-
-    def __exit__(self, *exc) -> None:
-        for token_map in self.maps:
-            token_map.close()
-        self.maps = []
-        if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
-
-
 # ---------------------------------------------------------------------------- row maps
 class RowMap:
     """Rows of a (B, C, height, width) map on demand (:meth:`_make`). Bands move down the image: a
@@ -152,6 +64,96 @@ class RowMap:
         raise NotImplementedError
 
 
+# ---------------------------------------------------------------------------- token maps
+class TokenMap(RowMap):
+    """An (H, W, C) float32 token map read and written by bands of rows, its rows a (1, C, H, W)
+    channels-last map; in memory or in a file unlinked at once (gone with the process)."""
+
+    def __init__(self, shape: Sequence[int], device: torch.device, folder: Optional[str] = None):
+        super().__init__(*shape[:2])  # its RowMap row_bytes stays 0: it keeps no rows it makes
+        self.shape = tuple(shape)
+        self.device = torch.device(device)
+        self.file_row_bytes = 4 * self.shape[1] * self.shape[2]
+        self.data = self.fd = None
+        if folder is None:
+            self.data = torch.empty(self.shape, device=self.device)
+            return
+        self.fd, path = tempfile.mkstemp(dir=folder, suffix='.tokens')
+        os.unlink(path)
+        self.folder = folder
+
+    def read(self, start: int, stop: int) -> Tensor:
+        """Rows ``start:stop``: a view in memory, a fresh tensor from disk."""
+        if self.data is not None:
+            return self.data[start:stop]
+        out = torch.empty((stop - start, ) + self.shape[1:])
+        view, offset = memoryview(out.numpy()).cast('B'), start * self.file_row_bytes
+        while len(view):
+            done = os.preadv(self.fd, [view], offset)
+            if done == 0:  # rows never written read as zeros (the file is sparse)
+                view[:] = bytes(len(view))
+                break
+            view, offset = view[done:], offset + done
+        return out.to(self.device)
+
+    def rows(self, start: int, stop: int) -> Tensor:
+        return self.read(max(0, start), min(self.height, stop)).permute(2, 0, 1)[None]
+
+    def write(self, start: int, tokens: Tensor) -> None:
+        if self.data is not None:
+            self.data[start:start + tokens.shape[0]].copy_(tokens)
+            return
+        array = tokens.detach().to('cpu', torch.float32).contiguous().numpy()
+        view, offset = memoryview(array).cast('B'), start * self.file_row_bytes
+        try:
+            while len(view):
+                done = os.pwrite(self.fd, view, offset)
+                view, offset = view[done:], offset + done
+        except OSError as error:
+            if error.errno == errno.ENOSPC:
+                size = self.file_row_bytes * self.shape[0] / MB
+                raise OSError(errno.ENOSPC, f'no space left in {self.folder} for the token maps '
+                              f'({size:.0f} MB each): free space there or set token_dir '
+                              '(test_cfg.token_dir / --token-dir) to a folder on a larger disk'
+                              ) from None
+            raise
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        self.data = None
+
+
+class TokenMaps:
+    """The token maps of one image, in memory or in a temporary folder under ``folder`` removed on
+    any exit (error and Ctrl-C included)."""
+
+    def __init__(self, device: torch.device, folder: Optional[str] = None):
+        self.device, self.parent, self.folder = device, folder, None
+        self.maps: List[TokenMap] = []
+
+    def __enter__(self) -> 'TokenMaps':
+        if self.parent is not None:
+            if not os.path.isdir(self.parent):
+                raise ValueError(f'token_dir {self.parent!r} is not a folder: give an existing, '
+                                 'writable folder for the token maps')
+            self.folder = tempfile.mkdtemp(prefix='xcit_tokens_', dir=self.parent)
+        return self
+
+    def new(self, shape: Sequence[int]) -> TokenMap:
+        token_map = TokenMap(shape, self.device, self.folder)
+        self.maps.append(token_map)
+        return token_map
+
+    def __exit__(self, *exc) -> None:
+        for token_map in self.maps:
+            token_map.close()
+        self.maps = []
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
 class TensorRows(RowMap):
     """A map that exists whole (a small, coarse one)."""
 
@@ -163,22 +165,10 @@ class TensorRows(RowMap):
         return self.tensor[:, :, max(0, start):stop]
 
 
-class TokenRows(RowMap):
-    """A :class:`TokenMap` as a (1, C, H, W) channels-last map."""
-
-    def __init__(self, token_map: TokenMap):
-        super().__init__(*token_map.shape[:2])
-        self.token_map = token_map
-
-    def rows(self, start: int, stop: int) -> Tensor:
-        return self.token_map.read(max(0, start), min(self.height, stop)).permute(2, 0, 1)[None]
-
-
 class Local(RowMap):
-    """``fn`` of its source's rows, output row ``r`` reading input rows from ``r * num // den`` with
-    ``halo`` rows of context each side (beyond the map, ``fn``'s own zero padding): size-keeping,
-    a 2x2 stride-2 transposed conv (``num=1, den=2``) or a ceil-mode max pool of kernel = stride k
-    (``num=k``)."""
+    """``fn`` of its source's rows, output row ``r`` reading from input row ``r * num // den`` with
+    ``halo`` rows of context each side (beyond the map, ``fn``'s zero padding): size-keeping, a
+    2x2 stride-2 transposed conv (``den=2``) or a max pool of kernel = stride k (``num=k``)."""
 
     def __init__(self, fn: Callable[[Tensor], Tensor], source: RowMap, halo: int = 0,
                  num: int = 1, den: int = 1):
@@ -258,8 +248,7 @@ class Resize(RowMap):
 
 
 def nearest_index(n_in: int, n_out: int, axis: int, kwargs: dict) -> Tensor:
-    """The source index of each output row (``axis`` 0) or column (1) of the nearest resize
-    ``F.interpolate(x, **kwargs)``, by the call itself on indices."""
+    """Source index of each output row (``axis`` 0) or column (1) of nearest ``F.interpolate``."""
     shape = [1, 1, 1, 1]
     shape[2 + axis] = n_in
     line = torch.arange(n_in, dtype=torch.float64).view(shape)
@@ -314,8 +303,7 @@ class NotRowLocal(ValueError):
 
 
 def module_rows(module: nn.Module, source: RowMap) -> RowMap:
-    """``module`` of ``source`` as a :class:`RowMap` (``nn.Sequential`` link by link), or
-    :class:`NotRowLocal` naming what cannot run by rows."""
+    """``module`` of ``source`` as a :class:`RowMap`, or :class:`NotRowLocal` saying why not."""
     if isinstance(module, nn.Sequential):
         for link in module:
             source = module_rows(link, source)
@@ -402,8 +390,7 @@ def materialize(node: RowMap, band_mb: float) -> Tensor:
 
 @runtime_checkable
 class StreamedBackbone(Protocol):
-    """A backbone whose trunk runs streamed, into token maps, and whose levels come by rows from
-    its trunk maps' rows (``XCiTBackbone``)."""
+    """A backbone whose trunk streams into token maps and whose levels come by rows (XCiT's)."""
 
     def level_rows(self, trunk_map: RowMap, level: int, image_hw: Tuple[int, int]) -> RowMap:
         ...

@@ -200,8 +200,7 @@ def ffn_residual(x: torch.Tensor, norm: nn.LayerNorm, ffn: nn.Module, gamma: tor
 
 @contextmanager
 def batch_norm_stats_frozen(*modules: nn.Module):
-    """Inside the block, the batch norms in ``modules`` leave their running statistics alone: a
-    forward re-run in the backward does not update them twice."""
+    """Batch norms in ``modules`` keep their running statistics: a re-run forward updates once."""
     norms = [m for module in modules for m in module.modules()
              if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
     saved = [(m.momentum, m.num_batches_tracked.clone()) for m in norms]
@@ -230,8 +229,7 @@ def recomputed_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.
 
 
 def _row_block(B: int, W: int, channels: int, H: int, device: torch.device) -> int:
-    """Input rows per block: on the CPU, temporaries that stay in cache; elsewhere the whole map
-    (each block costs kernel launches)."""
+    """Input rows per block: cache-sized on the CPU, the whole map elsewhere (fewer launches)."""
     if device.type != 'cpu':
         return H
     return max(1, min(H, (1 << 19) // max(1, B * W * channels)))

@@ -23,7 +23,7 @@ from mmseg.structures import SegDataSample
 from mmseg.utils import OptSampleList, SampleList
 
 from ..inference.fpn_data_flow import fpn_in_data_flow_order, why_not_data_flow_fpn
-from ..inference.row_stream import StreamedBackbone, TokenMaps, TokenRows, stream_rows
+from ..inference.row_stream import StreamedBackbone, TokenMaps, stream_rows
 from ..inference.seg_stream import labels_rows, logits_rows, why_not_by_rows
 from ..inference.settings import LeanSettingsMixin, SegmentorSettings
 from ..inference.uper_data_flow import uper_head_in_data_flow_order
@@ -342,7 +342,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
             trunk = self.backbone.stream_trunk(read_pixels, image_hw, maps, band_mb,
                                                lambda: advance(out_hw[0] // layers))
             advance(out_hw[0] - done[0])
-            levels = [self.backbone.level_rows(TokenRows(trunk_map), i, image_hw)
+            levels = [self.backbone.level_rows(trunk_map, i, image_hw)
                       for i, trunk_map in enumerate(trunk)]
             logits = logits_rows(levels, getattr(self, 'neck', None), self.decode_head)
             labels = labels_rows(logits, head_hw, crop, out_hw, self.decode_head.align_corners,
