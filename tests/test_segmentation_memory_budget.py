@@ -140,6 +140,27 @@ def test_auto_impossible_budget_names_the_smallest():
     assert lean.last_memory_plan is None
 
 
+def test_post_processing_is_measured_at_the_batch_geometry_scaled_down(monkeypatch):
+    """mode='auto' measures the post-processing on zeros at the batch's geometry scaled down (here
+    by a half, then whole): each image's original shape and padding scaled alike, its flip kept."""
+    _, lean = _slide_pair(SEM_FPN, mode='auto', memory_model=STEEP, max_memory=10**6)
+    metas = [_meta((112, 144), (302, 398), pad=(0, 10, 0, 14), flip='horizontal'),
+             _meta((112, 144), (90, 150), pad=(0, 0, 0, 6), flip='vertical')]
+    seen, real = {}, lean._whole_post
+
+    def spy(low_res, head_hw, samples, width=None):
+        seen[tuple(head_hw)] = [(tuple(s.ori_shape), list(s.padding_size), s.flip_direction)
+                                for s in samples]
+        return real(low_res, head_hw, samples, width)
+
+    monkeypatch.setattr(lean, '_whole_post', spy)
+    lean.memory_plans(torch.zeros(2, 3, 112, 144), _samples(metas))
+    assert seen == {
+        (56, 72): [((151, 199), [0, 5, 0, 7], 'horizontal'), ((45, 75), [0, 0, 0, 3], 'vertical')],
+        (112, 144): [((302, 398), [0, 10, 0, 14], 'horizontal'),
+                     ((90, 150), [0, 0, 0, 6], 'vertical')]}
+
+
 MISSPELT = r"unknown test_cfg key\(s\) \['max_memroy'\]; the keys are \[.*'max_memory'"
 
 
