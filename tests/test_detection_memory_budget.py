@@ -184,6 +184,13 @@ def test_merge_object_across_a_tile_border_is_one_detection_with_the_whole_box()
     assert sorted(tiling.merge_tile_detections(dets, NMS, 100).tag.tolist()) == [0, 1, 2]
 
 
+def test_merge_drops_a_cut_box_when_70_percent_of_it_lies_inside_a_kept_one():
+    """The containment threshold of docs/lean_detection.md (IoU here below NMS's: 0.375, 0.325)."""
+    for whole_x1, kept in ((110, [1]), (114, [0, 1])):  # 75 %, then 65 % of the cut box inside
+        dets = _dets([[100, 20, 140, 60, 0.9, 3, 1, 0], [whole_x1, 20, 180, 60, 0.8, 3, 0, 1]])
+        assert sorted(tiling.merge_tile_detections(dets, NMS, 100).tag.tolist()) == kept
+
+
 def test_merge_cut_views_of_an_object_larger_than_the_overlap_are_not_merged():
     """Seen whole in no tile: each cut part is kept (the documented limit of the overlap)."""
     dets = _dets([[10, 20, 128, 60, 0.9, 3, 1, 0], [96, 20, 200, 60, 0.8, 3, 1, 1]])

@@ -167,7 +167,7 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         def scores_and_deltas(hidden: Tensor) -> Tensor:
             return torch.cat([head.rpn_cls(hidden), head.rpn_reg(hidden)], dim=1)
 
-        band_mb = self._band_mb()
+        band_mb, sizes = self._band_mb(), [head.rpn_cls.out_channels, head.rpn_reg.out_channels]
         cls_scores, bbox_preds = [], []
         for level, feat in enumerate(x):
             if level == 0 and band_mb is not None:  # the conv's map one band at a time
@@ -176,8 +176,7 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
                 both = materialize(Local(scores_and_deltas, hidden_rows), band_mb)
             else:
                 both = scores_and_deltas(hidden(feat))
-            cls_score, bbox_pred = both.split(
-                [head.rpn_cls.out_channels, head.rpn_reg.out_channels], dim=1)
+            cls_score, bbox_pred = both.split(sizes, dim=1)
             cls_scores.append(cls_score)
             bbox_preds.append(bbox_pred)
         return head.predict_by_feat(

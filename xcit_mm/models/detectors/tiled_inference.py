@@ -26,7 +26,6 @@ CALIBRATION_SIDES = (256, 384, 512)
 PASTE_BYTES_PER_PIXEL = 13
 
 
-# ---------------------------------------------------------------------- tile grid
 class Tile(NamedTuple):
     """One tile (network scale): corner, extent, the part inside the image (its ``img_shape``),
     and whether each side lies inside the image (``cut_*``: an object may continue there)."""
@@ -88,18 +87,16 @@ def image_meta(img_hw: Sequence[int], input_hw: Sequence[int]) -> dict:
                 batch_input_shape=tuple(input_hw), scale_factor=(1.0, 1.0))
 
 
-def touches_cut_edge(bboxes: Tensor, tile: Tile, margin: float = EDGE_MARGIN) -> Tensor:
+def touches_cut_edge(bboxes: Tensor, tile: Tile) -> Tensor:
     """Which boxes (tile coordinates) touch a side of ``tile`` inside the image: their object may
     be cut there, and seen whole by a neighbouring tile."""
     x1, y1, x2, y2 = bboxes.unbind(1)
-    return ((x1 <= margin) & tile.cut_left | (y1 <= margin) & tile.cut_top
-            | (x2 >= tile.valid_w - margin) & tile.cut_right
-            | (y2 >= tile.valid_h - margin) & tile.cut_bottom)
+    return ((x1 <= EDGE_MARGIN) & tile.cut_left | (y1 <= EDGE_MARGIN) & tile.cut_top
+            | (x2 >= tile.valid_w - EDGE_MARGIN) & tile.cut_right
+            | (y2 >= tile.valid_h - EDGE_MARGIN) & tile.cut_bottom)
 
 
-# ---------------------------------------------------------------------- merge
-def merge_tile_detections(dets: InstanceData, nms_cfg: dict, max_per_img: int,
-                          contained_thr: float = CONTAINED_THR) -> InstanceData:
+def merge_tile_detections(dets: InstanceData, nms_cfg: dict, max_per_img: int) -> InstanceData:
     """One image's detections from its tiles' (image coordinates, ``cut`` flags): cut ones seen
     whole elsewhere dropped, then the RoI head's NMS and the ``max_per_img`` best (docs/)."""
     if len(dets) == 0:
@@ -108,7 +105,7 @@ def merge_tile_detections(dets: InstanceData, nms_cfg: dict, max_per_img: int,
     order = dets.cut.nonzero(as_tuple=False)[:, 0]
     order = order[dets.scores[order].argsort(descending=True, stable=True)]
     cut_boxes = dets.bboxes[order]
-    duplicate = bbox_overlaps(cut_boxes, dets.bboxes, mode='iof') >= contained_thr
+    duplicate = bbox_overlaps(cut_boxes, dets.bboxes, mode='iof') >= CONTAINED_THR
     if nms_cfg.get('iou_threshold', None) is not None:
         duplicate |= bbox_overlaps(cut_boxes, dets.bboxes, mode='iou') > nms_cfg['iou_threshold']
     duplicate &= dets.labels[order][:, None] == dets.labels[None, :]
@@ -124,7 +121,6 @@ def merge_tile_detections(dets: InstanceData, nms_cfg: dict, max_per_img: int,
     return dets
 
 
-# ---------------------------------------------------------------------- memory estimates
 def paste_estimate_mb(metas: Sequence[dict], rescale: bool, max_per_img: int,
                       num_mask_channels: int, mask_side: int) -> float:
     """Memory (MB) of pasting a batch's masks at the size ``FCNMaskHead`` pastes them: every

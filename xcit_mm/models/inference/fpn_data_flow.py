@@ -38,7 +38,6 @@ def why_not_data_flow_fpn(neck, fpn_type: type, extra_levels: bool = False) -> O
     return None
 
 
-# ---------------------------------------------------------------------- in-place sums
 def suggests_channels_last(shape: Sequence[int], strides: Sequence[int]) -> bool:
     """c10's ``is_channels_last_strides_2d_s4``: the layout ``F.interpolate`` and ``torch.cat``
     give their outputs (ambiguous strides count as NCHW)."""
@@ -99,7 +98,6 @@ def add_top_down_(lat: Tensor, top: Tensor, upsample_cfg: dict, band_mb: float =
     return lat
 
 
-# ---------------------------------------------------------------------- data-flow order
 class BackboneLevels:
     """Backbone level ``i`` on demand, where the backbone makes its levels one at a time."""
     def __init__(self, backbone, inputs: Tensor):
@@ -152,7 +150,6 @@ def fpn_in_data_flow_order(backbone, neck, inputs: Tensor,
     return outs
 
 
-# ---------------------------------------------------------------------- bands of rows
 def fpn_bottom_rows(backbone, neck, trunk: RowMap, top: RowMap, image_hw) -> RowMap:
     """Level 0's FPN output as rows, from the backbone's trunk map and level 1's lateral sum."""
     lateral = module_rows(neck.lateral_convs[0], backbone.level_rows(trunk, 0, image_hw))

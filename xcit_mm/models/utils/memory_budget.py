@@ -3,6 +3,8 @@
 A lean model's peak grows linearly with its pixels (XCA is linear in the tokens), so a line through
 peaks at a few small sizes predicts any size; each model lists its plans, the first that fits runs.
 """
+import contextlib
+import ctypes
 import gc
 import logging
 import math
@@ -51,11 +53,8 @@ def _status_kb(key: str) -> int:
 def release_free_heap() -> None:
     """glibc's ``malloc_trim(0)`` (a no-op without glibc): a measured call cannot reuse pages an
     earlier call left resident."""
-    import ctypes
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL('libc.so.6').malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def reset_peak_rss() -> None:
