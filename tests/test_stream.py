@@ -45,7 +45,7 @@ def _trunk(backbone, x, band_mb, folder=None):
     with TokenMaps('cpu', folder) as maps, torch.no_grad():
         trunk = backbone.stream_trunk(lambda a, b: x[:, :, a:b], tuple(x.shape[2:]), maps,
                                       band_mb)
-        return [m.read(0, m.shape[0]).permute(2, 0, 1)[None].clone() for m in trunk]
+        return [m.rows(0, m.height).clone() for m in trunk]
 
 
 @pytest.mark.parametrize('patch_size', [16, 8])

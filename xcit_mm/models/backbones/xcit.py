@@ -3,6 +3,7 @@ stem, XCiT layers and four layers' features rescaled to strides 4-32 (paper B.2)
 ``fpn4``, built as the released detectors / segmentors have them so that their files load."""
 import math
 import warnings
+from collections import OrderedDict
 from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -153,17 +154,10 @@ class LPI(nn.Module):
         return x.permute(0, 2, 3, 1).reshape(B, N, C)
 
 
-class FFN(nn.Module):
-
-    def __init__(self, embed_dims: int, mlp_ratio: float = 4.):
-        super().__init__()
-        hidden = int(embed_dims * mlp_ratio)
-        self.fc1 = nn.Linear(embed_dims, hidden)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(hidden, embed_dims)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+def _ffn(embed_dims: int, mlp_ratio: float) -> nn.Sequential:
+    hidden = int(embed_dims * mlp_ratio)
+    return nn.Sequential(OrderedDict(fc1=nn.Linear(embed_dims, hidden), act=nn.GELU(),
+                                     fc2=nn.Linear(hidden, embed_dims)))
 
 
 class XCiTLayer(nn.Module):
@@ -177,7 +171,7 @@ class XCiTLayer(nn.Module):
         self.norm3 = nn.LayerNorm(embed_dims, eps=1e-6)
         self.lpi = LPI(embed_dims, norm_cfg)
         self.norm2 = nn.LayerNorm(embed_dims, eps=1e-6)
-        self.ffn = FFN(embed_dims, mlp_ratio)
+        self.ffn = _ffn(embed_dims, mlp_ratio)
         self.gamma1 = nn.Parameter(layer_scale_init_value * torch.ones(embed_dims))
         self.gamma3 = nn.Parameter(layer_scale_init_value * torch.ones(embed_dims))
         self.gamma2 = nn.Parameter(layer_scale_init_value * torch.ones(embed_dims))

@@ -290,9 +290,7 @@ def conv_halo(module) -> Optional[int]:
         return None
     (kh, _), (sh, _), (ph, _), (dh, _) = (conv.kernel_size, conv.stride, conv.padding,
                                           conv.dilation)
-    if sh != 1 or 2 * ph != dh * (kh - 1):
-        return None
-    return ph
+    return ph if sh == 1 and 2 * ph == dh * (kh - 1) else None
 
 
 PER_PIXEL = (nn.Identity, nn.GELU, nn.ReLU, nn.Dropout, nn.Dropout2d, _BatchNorm)
