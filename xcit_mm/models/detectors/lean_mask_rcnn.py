@@ -21,9 +21,9 @@ from mmdet.registry import MODELS
 from mmdet.structures import DetDataSample, SampleList
 from mmdet.structures.bbox import bbox2roi
 
-from ..inference.fpn_data_flow import (LevelByLevelBackbone, fpn_bottom_rows,
-                                       fpn_in_data_flow_order, why_not_data_flow_fpn)
-from ..inference.row_stream import (Local, NotRowLocal, StreamedBackbone, TensorRows, conv_halo,
+from ..inference.fpn_data_flow import (fpn_bottom_rows, fpn_in_data_flow_order,
+                                       why_not_data_flow_fpn)
+from ..inference.row_stream import (LevelByLevelBackbone, Local, NotRowLocal, TensorRows, conv_halo,
                                     materialize)
 from ..inference.settings import DetectorSettings, LeanSettingsMixin
 from ..utils.ckpt_load import refuse_headless_load
@@ -68,7 +68,7 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
                     f'{type(mask_head).__name__}')
         if path == 'rpn':
             return None if type(rpn) is RPNHead else f"{type(rpn).__name__} is not mmdet's RPNHead"
-        if path == 'bands' and not isinstance(backbone, StreamedBackbone):
+        if path == 'bands' and not isinstance(backbone, LevelByLevelBackbone):
             return (f'the backbone {type(backbone).__name__} cannot make its stride-4 level in '
                     'bands of rows (XCiTBackbone can)')
         if not isinstance(backbone, LevelByLevelBackbone):

@@ -3,26 +3,14 @@
 The levels are made top-down, each map freed once used, each conv on stock's whole tensor; with
 ``band_mb`` level 0 band by band (equal up to rounding). Torch only: docs/lean_detection.md.
 """
-from typing import Callable, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .row_stream import (Combine, Resize, RowMap, TensorRows, band_rows_for, materialize,
-                         module_rows, nearest_index)
-
-
-@runtime_checkable
-class LevelByLevelBackbone(Protocol):
-    """A backbone that makes its trunk maps once, then each level on demand (``XCiTBackbone``);
-    any other backbone runs whole, as stock runs it."""
-
-    def forward_trunk(self, x: Tensor) -> List[Tensor]:
-        ...
-
-    def forward_level(self, feat: Tensor, level: int, image_hw: Tuple[int, int]) -> Tensor:
-        ...
+from .row_stream import (Combine, LevelByLevelBackbone, Resize, RowMap, TensorRows, band_rows_for,
+                         materialize, module_rows, nearest_index)
 
 
 def why_not_data_flow_fpn(neck, fpn_type: type, extra_levels: bool = False) -> Optional[str]:

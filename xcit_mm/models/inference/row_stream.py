@@ -387,8 +387,15 @@ def materialize(node: RowMap, band_mb: float) -> Tensor:
 
 
 @runtime_checkable
-class StreamedBackbone(Protocol):
-    """A backbone whose trunk streams into token maps and whose levels come by rows (XCiT's)."""
+class LevelByLevelBackbone(Protocol):
+    """A backbone that makes its trunk maps once (whole or streamed into token maps), then each
+    level on demand, whole or by rows (``XCiTBackbone``); any other runs whole, as stock does."""
+
+    def forward_trunk(self, x: Tensor) -> List[Tensor]:
+        ...
+
+    def forward_level(self, feat: Tensor, level: int, image_hw: Tuple[int, int]) -> Tensor:
+        ...
 
     def level_rows(self, trunk_map: RowMap, level: int, image_hw: Tuple[int, int]) -> RowMap:
         ...

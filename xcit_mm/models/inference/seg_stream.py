@@ -11,7 +11,7 @@ from mmseg.models.utils import Upsample
 from torch import Tensor
 
 from .fpn_data_flow import top_down_rows
-from .row_stream import (Combine, Crop, Local, NotRowLocal, Resize, RowMap, StreamedBackbone,
+from .row_stream import (Combine, Crop, LevelByLevelBackbone, Local, NotRowLocal, Resize, RowMap,
                          TensorRows, module_rows)
 
 
@@ -88,7 +88,7 @@ def labels_rows(logits: RowMap, head_hw: Sequence[int], crop: Sequence[int],
     return Local(partial(torch.argmax, dim=1, keepdim=True), x)
 
 
-def why_not_by_rows(backbone: StreamedBackbone, neck, head) -> Optional[str]:
+def why_not_by_rows(backbone: LevelByLevelBackbone, neck, head) -> Optional[str]:
     """Why the neck or head cannot run by rows (None if they can): the graph a streamed predict
     builds, on a small image's placeholder maps."""
     side, device = 64, next(head.parameters()).device

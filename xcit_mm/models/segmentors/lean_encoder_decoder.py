@@ -23,7 +23,7 @@ from mmseg.structures import SegDataSample
 from mmseg.utils import OptSampleList, SampleList
 
 from ..inference.fpn_data_flow import fpn_in_data_flow_order, why_not_data_flow_fpn
-from ..inference.row_stream import StreamedBackbone, TokenMaps, stream_rows
+from ..inference.row_stream import LevelByLevelBackbone, TokenMaps, stream_rows
 from ..inference.seg_stream import labels_rows, logits_rows, why_not_by_rows
 from ..inference.settings import LeanSettingsMixin, SegmentorSettings
 from ..inference.uper_data_flow import uper_head_in_data_flow_order
@@ -173,7 +173,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                 (settings.keep_seg_logits,
                  'it keeps no full-size logits (remove test_cfg.keep_seg_logits)'),
                 (why_resize is not None, why_resize),
-                (not isinstance(self.backbone, StreamedBackbone),
+                (not isinstance(self.backbone, LevelByLevelBackbone),
                  f'{type(self.backbone).__name__} cannot stream its trunk (XCiTBackbone can)'),
                 (why_network is not None, why_network),
                 (head.out_channels == 1,
