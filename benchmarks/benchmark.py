@@ -60,10 +60,8 @@ def build_parser(spec: Optional[dict]) -> argparse.ArgumentParser:
     add('--cpu-mem-mode', choices=['live', 'process'], default='live',
         help="live: MALLOC_MMAP_THRESHOLD_=65536; process: glibc's defaults")
     add('--mem-limit-gb', type=float, help='RSS limit of a memory process (80%% of MemAvailable)')
-    add('--mem-timeout', type=float, default=1800., help='seconds per memory process')
     add('--no-time', action='store_true', help='no timing')
     add('--no-mem', action='store_true', help='no memory processes')
-    add('--no-flops', action='store_true', help='no FLOP counting')
     add('--compare', action='store_true', help="our XCiT trunk against mmpretrain's port")
     add('--goals', action='store_true', help='the goal checks of --spec, PASS/FAIL')
     add('--fail-on-goal-miss', action='store_true', help='--goals: exit 3 if a goal fails')
@@ -98,8 +96,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             p.error(f'--{name.replace("_", "-")} must be >= {least}')
     if any(r < 32 for r in args.resolutions):
         p.error('--resolutions must be >= 32 (the stride-32 level of the dense backbones)')
-    if args.no_time and args.no_mem and args.no_flops and not (args.flops_report or args.goals):
-        p.error('nothing to measure: --no-time, --no-mem and --no-flops all given')
     try:
         args.model_specs = specs = parse_models(args.models)
     except ValueError as e:
@@ -128,7 +124,7 @@ def whole_models(args, limit: float) -> int:
     records = run_whole_models(
         args.whole_model, args.mode, args.shape[0], args.shape[1], batch=args.batch_size,
         repeats=repeats, threads=args.threads, cpu_mem_mode=args.cpu_mem_mode,
-        limit_bytes=limit, timeout_s=args.mem_timeout, log=None if args.quiet else log_stderr,
+        limit_bytes=limit, log=None if args.quiet else log_stderr,
         rounds=rounds, work=work)
     meta = dict(run_metadata(), whole_model=dict(
         configs=args.whole_model, mode=args.mode, shape=args.shape, batch=args.batch_size,
@@ -160,9 +156,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     opts = RunOptions(batch=args.batch_size, mode=args.mode, precision=args.precision,
                       device=args.device, threads=args.threads, warmup=warmup, repeats=repeats,
                       mem_iters=args.mem_iters, cpu_mem_mode=args.cpu_mem_mode,
-                      mem_limit_bytes=int(limit), mem_timeout_s=args.mem_timeout,
-                      do_time=not args.no_time, do_mem=not args.no_mem,
-                      do_flops=not args.no_flops, quiet=args.quiet)
+                      mem_limit_bytes=int(limit), do_time=not args.no_time,
+                      do_mem=not args.no_mem, quiet=args.quiet)
     set_threads(args.threads)
     if args.flops_report:
         rows = flops_report(spec['flops_report']['paper_table1'], spec['flops_report']['tolerance'])

@@ -21,10 +21,9 @@ import time
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path[:0] = [ROOT, osp.join(ROOT, 'benchmarks')]  # xcit_mm of this checkout; xcit_benchmark
-from xcit_benchmark.fresh_points import (LIVE_MALLOC, MIB, PartMeter, cpu_model,  # noqa: E402
-                                         hooked, kept_rows, measure, package_version,
-                                         print_row, revision, run_process, test_image,
-                                         write_artifact)
+from xcit_benchmark.fresh_points import (MIB, PartMeter, cpu_model, hooked,  # noqa: E402
+                                         kept_rows, measure, package_version, revision,
+                                         run_fresh, test_image, write_artifact)
 from xcit_benchmark.report import log_log_axes, md_table  # noqa: E402
 
 TASKS = ('segmentor', 'detector')
@@ -216,8 +215,8 @@ def device_info(device: str) -> dict:
     return info
 
 
-def child(spec: dict, out=None) -> None:
-    """Build the series' model once, warm it up, measure its points: a row each on ``out``."""
+def child(spec: dict):
+    """Build the series' model once, warm it up, measure its points: a row each, as it comes."""
     import numpy as np
     import torch
     from mmengine.utils import import_modules_from_strings
@@ -241,7 +240,7 @@ def child(spec: dict, out=None) -> None:
                 model = init(cfg, device=spec['device'])
                 infer(model, np.zeros((spec['warmup'],) * 2 + (3,), np.uint8))  # pools, calibration
             row = dict(point, **(why or measure_point(model, infer, point, spec)))
-        print_row(row, out)
+        yield row
         previous = previous if point['path'] == 'auto' else row
 
 
@@ -311,13 +310,13 @@ def run_child(group: list, spec: dict, args, on_row) -> None:
     done = set()
 
     def reported(row):
-        done.add(point_key(row))
-        on_row(row)
+        if 'task' in row:  # not the exception's row: the point it stopped at gets one below
+            done.add(point_key(row))
+            on_row(row)
 
     seconds = min(args.timeout, spec['deadline'] + args.grace_s - time.time())
-    out = run_process([sys.executable, osp.abspath(__file__), '--child',
-                       json.dumps(dict(spec, points=group))], args.limit_gb * 2**30,
-                      max(seconds, 0), env=dict(os.environ, **LIVE_MALLOC), on_row=reported)
+    out = run_fresh('peak_memory:child', dict(spec, points=group), args.limit_gb * 2**30,
+                    max(seconds, 0), on_row=reported)
     if args.log:
         with open(args.log, 'a') as f:
             f.write(out['stderr'])
@@ -585,7 +584,6 @@ def plot(artifact: dict, png: str) -> None:
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     add = p.add_argument
-    add('--child', help=argparse.SUPPRESS)
     add('--report', metavar='JSON', help='print the tables of an artifact and draw its plot')
     add('--png', help='where --report draws (default: the JSON path, .png)')
     add('--also', metavar='JSON', help="--report: draw this artifact's stream rows (ok) too")
@@ -617,7 +615,7 @@ def make_parser() -> argparse.ArgumentParser:
 def parse_args(parser, argv):
     """The command line, checked: a bad argument stops before any point runs (exit 2)."""
     args = parser.parse_args(argv)
-    if args.child or args.report:
+    if args.report:
         return args
     bad = [s for s in args.sizes if s < 64 or s % 32]
     if bad:
@@ -665,8 +663,6 @@ def main(argv=None):
     """Measure (exit status 1 when a point failed), or report on an artifact."""
     parser = make_parser()
     args = parse_args(parser, argv)
-    if args.child:
-        return child(json.loads(args.child))
     if args.report:
         try:
             artifact = load_artifact(args.report)

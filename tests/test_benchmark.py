@@ -859,10 +859,9 @@ def test_whole_model_worker_parts(tmp_path, capsys):
     cfg.write_text(TINY_WHOLE_CFG.format(
         base=os.path.join(ROOT, 'configs', 'sem_fpn_xcit_t12_p16_80k_ade20k.py')))
     capsys.readouterr()
-    assert lib_runner.child_main([json.dumps(dict(
+    assert lib_fresh.child_main(['xcit_benchmark.whole_model:worker_main', json.dumps(dict(
         kind='whole_model', config=str(cfg), mode='train', height=64, width=64, batch=1,
-        repeats=1, threads=None, mem_pass='live', work=None))],
-        worker=lib_whole.worker_main) == 0  # what `python -m xcit_benchmark.whole_model` runs
+        repeats=1, threads=None, mem_pass='live', work=None))]) == 0  # what run_fresh runs
     (line,) = [x for x in capsys.readouterr().out.splitlines()
                if x.startswith(lib_fresh.ROW)]
     rec = json.loads(line[len(lib_fresh.ROW):])

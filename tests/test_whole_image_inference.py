@@ -9,7 +9,6 @@ pipelines, in this process; the run loop is driven by a stand-in runner. One run
 import argparse
 import csv
 import glob
-import io
 import json
 import os.path as osp
 import sys
@@ -21,7 +20,6 @@ from background import background_once
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path.insert(0, osp.join(ROOT, 'benchmarks'))
 import peak_memory as pm  # noqa: E402
-from xcit_benchmark.fresh_points import ROW  # noqa: E402
 
 SMALL = """_base_ = [{base!r}]
 model = dict(
@@ -201,10 +199,8 @@ def test_bad_arguments_are_usage_errors(argv, message, capsys, monkeypatch):
 
 def _child(points, **spec):
     """The rows a child reports for ``points`` (one series), run in this process."""
-    out = io.StringIO()
-    pm.child(dict(dict(device='cpu', warmup=64, deadline=float('inf')), points=points, **spec),
-             out=out)
-    return [json.loads(line[len(ROW):]) for line in out.getvalue().splitlines()]
+    spec = dict(dict(device='cpu', warmup=64, deadline=float('inf')), points=points, **spec)
+    return [json.loads(json.dumps(row)) for row in pm.child(spec)]  # as the parent reads them
 
 
 @pytest.mark.parametrize('task', pm.TASKS)

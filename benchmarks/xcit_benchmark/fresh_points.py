@@ -3,6 +3,7 @@ the peak of one call (xcit_mm's ``measure_peak_growth_mb``, what ``mode='auto'``
 a benchmark and a memory budget mean the same megabytes), the test image, the artifact files."""
 import csv
 import gc
+import importlib
 import json
 import os
 import platform
@@ -11,12 +12,14 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 
 from training_extras.cpu_info import read_cpuinfo
 from xcit_mm.models.utils.memory_budget import (measure_peak_growth_mb, peak_rss_mb,
                                                 reset_peak_rss, rss_mb)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACKAGE_PARENT = os.path.join(REPO, 'benchmarks')  # xcit_benchmark and the scripts
 
 MIB = 2**20
 # glibc: every block of 64 KiB or more (every tensor that matters) gets its own mapping,
@@ -171,6 +174,37 @@ def run_process(cmd, limit_bytes: float, seconds: float, env=None, cwd=None, on_
                            f' s (limit {limit_bytes / 2**30:.1f} GiB)')
         return dict(returncode=proc.returncode, rows=rows, stderr=err.read(), killed=killed,
                     rss=rss, note=note)
+
+
+def run_fresh(target: str, payload, limit_bytes: float, seconds: float, live: bool = True,
+              threads=None, on_row=None) -> dict:
+    """``target(payload)`` ('module:function', benchmarks/ importable) in a fresh Python process,
+    under :data:`LIVE_MALLOC` if ``live`` (else glibc's defaults): :func:`run_process`'s answer."""
+    env = {k: v for k, v in os.environ.items() if k != 'MALLOC_MMAP_THRESHOLD_'}
+    env['PYTHONPATH'] = os.pathsep.join(p for p in (PACKAGE_PARENT, env.get('PYTHONPATH')) if p)
+    if threads:
+        env['OMP_NUM_THREADS'] = env['MKL_NUM_THREADS'] = str(threads)
+    if live:
+        env.update(LIVE_MALLOC)
+    code = 'import sys; from xcit_benchmark.fresh_points import child_main; sys.exit(child_main())'
+    return run_process([sys.executable, '-c', code, target, json.dumps(payload)], limit_bytes,
+                       seconds, env=env, on_row=on_row)
+
+
+def child_main(argv=None) -> int:
+    """The fresh process of :func:`run_fresh`: the target's row (a dict) or rows (an iterable),
+    each printed as it comes; an exception is a last row, status 'error' (exit status 1)."""
+    target, payload = sys.argv[1:] if argv is None else argv
+    module, _, name = target.partition(':')
+    try:
+        rows = getattr(importlib.import_module(module), name)(json.loads(payload))
+        for row in [rows] if isinstance(rows, dict) else rows:
+            print_row(row)
+    except Exception as e:  # reported to the parent
+        traceback.print_exc()
+        print_row(dict(status='error', note=f'{type(e).__name__}: {e}'[:300]))
+        return 1
+    return 0
 
 
 def random_segmentor(config: str, device: str = 'cpu'):

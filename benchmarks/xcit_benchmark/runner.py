@@ -1,14 +1,12 @@
 """(model, resolution) points: FLOPs, fresh-process peak memory, interleaved timing; ``--onnx``,
-``--compare`` and ratios A/B. ``python -m xcit_benchmark.runner CFG_JSON`` is the memory process."""
+``--compare`` and ratios A/B."""
 import functools
-import json
 import os
 import os.path as osp
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -17,12 +15,11 @@ import torch
 import torch.nn as nn
 
 from .flops import point_flops
-from .fresh_points import LIVE_MALLOC, REPO, measure, print_row, run_metadata, run_process
+from .fresh_points import measure, run_fresh, run_metadata
 from .models import ModelSpec, build_model, compile_forward, parse_model
 from .timing import (make_step, measure_matmul_gflops, set_threads, sync, time_figures,
                      time_with_matmul)
 
-PACKAGE_PARENT = osp.join(REPO, 'benchmarks')  # where `python -m xcit_benchmark...` runs
 # mmcv's ConvModule warns about mmpretrain's LPI conv (bias before a norm): not our concern
 warnings.filterwarnings('ignore', message='Unnecessary conv bias before batch/instance norm')
 
@@ -66,15 +63,10 @@ def memory_worker(cfg: dict) -> dict:
 def run_memory_worker(cfg: dict, limit_bytes: int, timeout_s: float) -> dict:
     """:func:`memory_worker` (or whole_model's) in a fresh process, killed above ``limit_bytes`` of
     RSS ('oom') or after ``timeout_s`` ('timeout'); ``cpu_mem_mode`` 'process': glibc's malloc."""
-    env = {k: v for k, v in os.environ.items() if k != 'MALLOC_MMAP_THRESHOLD_'}
-    env['PYTHONPATH'] = os.pathsep.join(p for p in (PACKAGE_PARENT, env.get('PYTHONPATH')) if p)
-    if cfg.get('threads'):
-        env['OMP_NUM_THREADS'] = env['MKL_NUM_THREADS'] = str(cfg['threads'])
-    if cfg.get('cpu_mem_mode', 'live') == 'live':
-        env.update(LIVE_MALLOC)
-    module = 'xcit_benchmark.' + ('whole_model' if cfg.get('kind') == 'whole_model' else 'runner')
-    out = run_process([sys.executable, '-m', module, json.dumps(cfg)],
-                      limit_bytes, timeout_s, env=env, cwd=PACKAGE_PARENT)
+    target = ('xcit_benchmark.whole_model:worker_main' if cfg.get('kind') == 'whole_model'
+              else 'xcit_benchmark.runner:memory_worker')
+    out = run_fresh(target, cfg, limit_bytes, timeout_s, threads=cfg.get('threads'),
+                    live=cfg.get('cpu_mem_mode', 'live') == 'live')
     if out['killed'] == 'rss':
         return dict(status='oom', note=f"killed at RSS {out['rss'] / 2**30:.1f} GiB > "
                     f'--mem-limit-gb {limit_bytes / 2**30:.1f}')
@@ -86,18 +78,6 @@ def run_memory_worker(cfg: dict, limit_bytes: int, timeout_s: float) -> dict:
               else f"exit code {out['returncode']}")
     return dict(status='error', note=f'memory worker failed ({reason}): '
                 + ' | '.join(out['stderr'].strip().splitlines()[-3:]))
-
-
-def child_main(argv=None, worker=None) -> int:
-    """A memory process: ``worker`` (:func:`memory_worker`) on ``argv[0]``, printed as a row."""
-    try:
-        cfg = json.loads((sys.argv[1:] if argv is None else argv)[0])
-        result = (worker or memory_worker)(cfg)
-    except Exception as e:  # reported to the parent, which records status='error'
-        traceback.print_exc()
-        result = dict(status='error', note=f'{type(e).__name__}: {e}'[:300])
-    print_row(result)
-    return 0
 
 
 log_stderr = functools.partial(print, file=sys.stderr)
@@ -120,7 +100,6 @@ class RunOptions:
     mem_timeout_s: float = 1800.
     do_time: bool = True
     do_mem: bool = True
-    do_flops: bool = True
     quiet: bool = False
 
 
@@ -159,8 +138,7 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions,
                        with_cp=spec.with_cp, status='ok', warmup=opts.warmup,
                        repeats=opts.repeats, note='', compiled=spec.compiled)
             progress(f'{spec.name}@{res}: flops / memory')
-            if opts.do_flops:
-                rec.update(point_flops(spec, res, opts.mode, flops_models))
+            rec.update(point_flops(spec, res, opts.mode, flops_models))
             if opts.do_mem:
                 rec.update(run_memory_worker(dict(
                     model=spec.name, resolution=res, batch=opts.batch, mode=opts.mode,
@@ -374,7 +352,3 @@ def check_same_trunk(arch: str, patch: int, resolution: int = 64) -> str:
                 f'trunk maps = {diff:.2e} (max |value| {scale:.2e})')
     except Exception as e:  # report, do not abort the benchmark
         return f'{name} not possible: {type(e).__name__}: {e}'
-
-
-if __name__ == '__main__':
-    sys.exit(child_main())

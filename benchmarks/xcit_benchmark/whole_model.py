@@ -9,7 +9,6 @@ import gc
 import os
 import os.path as osp
 import statistics
-import sys
 import time
 from typing import Callable, List, Optional, Sequence
 
@@ -18,7 +17,7 @@ import torch
 from xcit_mm.models.utils.memory_budget import release_free_heap, reset_peak_rss, rss_mb
 
 from .fresh_points import PartMeter, hooked, mallopt_mmap_threshold, write_artifact
-from .runner import child_main, run_memory_worker
+from .runner import run_memory_worker
 from .timing import round_order, set_threads
 
 PARTS_TRAIN = ('trunk', 'adapter', 'neck', 'heads', 'backward', 'optimizer')
@@ -350,7 +349,3 @@ def write_whole_outputs(records: Sequence[dict], meta: dict, out_dir: str,
             row[f'{part}_ms'], row[f'{part}_peak_mb'] = p.get('time_ms', ''), p.get('peak_mb', '')
         rows.append(row)
     return write_artifact(osp.join(out_dir, name), meta, records, key='records', csv_rows=rows)
-
-
-if __name__ == '__main__':  # the whole-model memory process (run_memory_worker starts it)
-    sys.exit(child_main(worker=worker_main))
