@@ -170,8 +170,8 @@ def test_chunk_width_rule():
     assert width(256, (512, 1024), batch_map=2**19) == 64
 
 
-@pytest.mark.parametrize('top_hw,lat_hw', [((6, 7), (12, 14)), ((5, 7), (9, 13)),
-                                            ((4, 4), (11, 3))])
+@pytest.mark.parametrize('top_hw,lat_hw',
+                         [((6, 7), (12, 14)), ((5, 7), (9, 13)), ((4, 4), (11, 3))])
 @pytest.mark.parametrize('channels_last', [False, True])
 def test_top_down_sum_in_bands_is_fpns(top_hw, lat_hw, channels_last):
     """The FPN top-down sum, added in bands of one or a few rows: the bits of mmseg's ``FPN``
@@ -208,7 +208,7 @@ def test_inference_model_door_paper_pipeline_and_full_resolution():
     img = np.random.RandomState(0).randint(0, 255, (333, 517, 3), dtype=np.uint8)
     for pipeline in (cfg.test_pipeline, [t for t in cfg.test_pipeline if t.type != 'Resize']):
         lean.cfg.test_pipeline = stock.cfg.test_pipeline = pipeline
-        s, l = inference_model(stock, img), inference_model(lean, img)
-        assert l.pred_sem_seg.shape == (333, 517)
-        assert torch.equal(s.pred_sem_seg.data, l.pred_sem_seg.data)
-        assert len(torch.unique(l.pred_sem_seg.data)) > 1
+        stock_out, lean_out = inference_model(stock, img), inference_model(lean, img)
+        assert lean_out.pred_sem_seg.shape == (333, 517)
+        assert torch.equal(stock_out.pred_sem_seg.data, lean_out.pred_sem_seg.data)
+        assert len(torch.unique(lean_out.pred_sem_seg.data)) > 1
