@@ -849,6 +849,34 @@ model = dict(
 """
 
 
+def test_fresh_child_prints_the_targets_rows_and_an_exception_as_a_last_row(capsys):
+    """A fresh process's protocol: a target's dict is one row, an iterable a row each; an
+    exception is an 'error' row naming it, exit status 1."""
+    def rows():
+        return [json.loads(x[len(lib_fresh.ROW):]) for x in capsys.readouterr().out.splitlines()]
+
+    assert lib_fresh.child_main(['builtins:dict', '{"status": "ok"}']) == 0
+    assert rows() == [{'status': 'ok'}]
+    assert lib_fresh.child_main(['builtins:list', '[{"a": 1}, {"b": 2}]']) == 0
+    assert rows() == [{'a': 1}, {'b': 2}]
+    assert lib_fresh.child_main(['json:loads', '"{"']) == 1
+    ((row,),) = [rows()]
+    assert row['status'] == 'error' and row['note'].startswith('JSONDecodeError'), row
+
+
+def test_fresh_process_environment(monkeypatch):
+    """run_fresh's child: benchmarks/ importable; 'live' malloc (64 KiB mmap threshold) or
+    glibc's defaults even where the parent has the setting; the thread count in OpenMP's."""
+    seen = []
+    monkeypatch.setattr(lib_fresh, 'run_process', lambda cmd, *a, env, **k: seen.append(env))
+    monkeypatch.setenv('MALLOC_MMAP_THRESHOLD_', '1')
+    lib_fresh.run_fresh('builtins:dict', {}, 1, 1, live=True, threads=3)
+    lib_fresh.run_fresh('builtins:dict', {}, 1, 1, live=False)
+    assert seen[0]['MALLOC_MMAP_THRESHOLD_'] == '65536' and seen[0]['OMP_NUM_THREADS'] == '3'
+    assert 'MALLOC_MMAP_THRESHOLD_' not in seen[1]
+    assert os.path.join(ROOT, 'benchmarks') in seen[1]['PYTHONPATH'].split(os.pathsep)
+
+
 @pytest.mark.usefixtures('mmap_every_tensor')
 def test_whole_model_worker_parts(tmp_path, capsys):
     """issue 14.1: one --whole-model measurement of a tiny XCiT Sem-FPN train step at 64x64, by

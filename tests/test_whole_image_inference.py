@@ -172,6 +172,24 @@ def test_update_measures_some_points_again_and_keeps_the_others(tmp_path):
                                          'detector:xcit:2048': False}
 
 
+def test_a_child_that_raises_reports_the_point_it_stopped_at(monkeypatch):
+    """A child that raised (its exception row, exit 1, as fresh_points.child_main reports it):
+    the point it stopped at an 'error' with the stderr's last lines, the series' next skipped."""
+    def fresh(target, payload, limit_bytes, seconds, on_row):
+        assert target == 'peak_memory:child' and payload['points'] == points
+        on_row(dict(payload['points'][0], status='ok'))
+        on_row(dict(status='error', note='OSError: boom'))
+        return dict(returncode=1, killed=None, note=None, stderr='Traceback\nOSError: boom\n')
+
+    rows, points = [], [dict(task='segmentor', backbone='xcit', path='lean', size=s)
+                        for s in (64, 128, 256)]
+    monkeypatch.setattr(pm, 'run_fresh', fresh)
+    pm.run_child(points, dict(deadline=float('inf')), _args(), rows.append)
+    assert [r['status'] for r in rows] == ['ok', 'error', 'skipped'], rows
+    assert rows[1]['size'] == 128 and rows[1]['note'] == 'exit 1: Traceback | OSError: boom'
+    assert rows[2]['note'] == 'not run: error at 128'
+
+
 @pytest.mark.parametrize('argv, message', [
     (['--sizes', '1000'], 'multiple of 32'),
     (['--sizes', '32'], 'at least 64'),
