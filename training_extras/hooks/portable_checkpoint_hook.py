@@ -24,10 +24,11 @@ _ARRAY = '__ndarray__'
 def to_plain_data(obj):
     """``obj`` with HistoryBuffers, NumPy arrays and NumPy scalars turned into plain data."""
     if isinstance(obj, HistoryBuffer):
-        return {_BUFFER: dict(log_history=torch.from_numpy(np.asarray(obj._log_history,
-                                                                       np.float64)),
-                              count_history=torch.from_numpy(np.asarray(obj._count_history,
-                                                                         np.float64)),
+        def floats(values):
+            return torch.from_numpy(np.asarray(values, np.float64))
+
+        return {_BUFFER: dict(log_history=floats(obj._log_history),
+                              count_history=floats(obj._count_history),
                               max_length=int(obj.max_length))}
     if isinstance(obj, np.ndarray):
         return {_ARRAY: torch.from_numpy(np.ascontiguousarray(obj))}
