@@ -1,4 +1,4 @@
-"""LeanEncoderDecoder's UperNet network (``xcit_mm/models/inference/uper_data_flow.py``) against
+"""LeanEncoderDecoder's UperNet network (``xcit_mm/models/inference/fpn_data_flow.py``) against
 mmseg's stock ``UPerHead.forward`` / ``EncoderDecoder.predict`` on the same weights.
 
 Every expected value comes from upstream mmseg on a model built from the same config with the
@@ -74,9 +74,9 @@ class _Spy:
     channel count (stock concatenates the four FPN outputs, 4 x channels)."""
 
     def __init__(self, monkeypatch):
-        from xcit_mm.models.inference import uper_data_flow
+        from xcit_mm.models.inference import fpn_data_flow
         self.lean_calls, self.cat_channels = 0, []
-        real_flow, real_cat = uper_data_flow.uper_head_in_data_flow_order, torch.cat
+        real_flow, real_cat = fpn_data_flow.uper_head_in_data_flow_order, torch.cat
 
         def flow(*args, **kwargs):
             self.lean_calls += 1
@@ -177,9 +177,9 @@ def test_layout_rules_are_torchs():
     ``add_as_stock``'s sum (bits and strides of ``a + b``, also on a slice)."""
     from mmseg.models.utils import resize
 
-    from xcit_mm.models.inference.uper_data_flow import (add_as_stock, empty_for_cat,
-                                                         resized_channels_last,
-                                                         suggests_channels_last)
+    from xcit_mm.models.inference.fpn_data_flow import (add_as_stock, empty_for_cat,
+                                                        resized_channels_last,
+                                                        suggests_channels_last)
     gen = torch.Generator().manual_seed(0)
     for shape in SHAPES:
         xs = [torch.randn(shape, generator=gen).contiguous(memory_format=f) for f in LAYOUTS]

@@ -22,11 +22,11 @@ from mmseg.registry import MODELS
 from mmseg.structures import SegDataSample
 from mmseg.utils import OptSampleList, SampleList
 
-from ..inference.fpn_data_flow import fpn_in_data_flow_order, why_not_data_flow_fpn
+from ..inference.fpn_data_flow import (fpn_in_data_flow_order, uper_head_in_data_flow_order,
+                                       why_not_data_flow_fpn)
 from ..inference.row_stream import LevelByLevelBackbone, TokenMaps, stream_rows
 from ..inference.seg_stream import labels_rows, logits_rows, why_not_by_rows
 from ..inference.settings import LeanSettingsMixin, SegmentorSettings
-from ..inference.uper_data_flow import uper_head_in_data_flow_order
 from ..utils.ckpt_load import refuse_headless_load
 from ..utils.memory_budget import (MB, MemoryModel, MemoryPlanMixin, Plan, calibrate,
                                    measure_line, read_budget_mb, release_free_heap)
