@@ -429,20 +429,12 @@ def test_registered_for_mmdet_and_mmseg(scope):
     assert registry.get('XCiTBackbone') is XCiTBackbone
 
 
-def test_package_never_imports_torchvision():
-    """No CPU torchvision exists: importing xcit_mm (and building a model) must not need it."""
-    import subprocess
-    import sys
-    code = ('import sys, xcit_mm, torch; m = xcit_mm.XCiTBackbone(arch="n12"); '
-            'm(torch.randn(1, 3, 32, 32)); assert "torchvision" not in sys.modules, "imported"')
-    subprocess.run([sys.executable, '-c', code], check=True)
-
-
 def test_importing_the_package_changes_only_what_it_documents():
-    """``import xcit_mm`` registers its modules, adds exactly mmengine's pure-data training state
-    to torch's weights_only allow-list, and makes its reader mmengine's loader for local paths,
-    URLs and Hugging Face Hub names; the warning filters, the default dtype and the other
-    loaders are as before."""
+    """``import xcit_mm`` registers its modules (the lean models too, without importing mmdet or
+    mmseg), adds exactly mmengine's pure-data training state to torch's weights_only allow-list,
+    and makes its reader mmengine's loader for local paths, URLs and Hugging Face Hub names; the
+    warning filters, the default dtype and the other loaders are as before. Neither the import
+    nor a forward needs torchvision, which has no CPU build here."""
     import subprocess
     import sys
     code = (
@@ -466,10 +458,13 @@ def test_importing_the_package_changes_only_what_it_documents():
         'from mmengine.registry import HOOKS, MODELS, OPTIM_WRAPPER_CONSTRUCTORS\n'
         'assert MODELS.get("XCiTBackbone") and HOOKS.get("LayerDecayLrHook") and '
         'OPTIM_WRAPPER_CONSTRUCTORS.get("XCiTLayerDecayOptimizerConstructor")\n'
+        'assert {"LeanMaskRCNN", "LeanEncoderDecoder"} <= set(MODELS.module_dict)\n'
         '# the training extras, the data and the upstream task packages are other imports\n'
         'import sys\n'
         'loaded = [m for m in sys.modules if m.startswith(("training_extras", "shapes_world", '
         '"xcit_mm.apis", "mmdet", "mmseg"))]\n'
         'assert not loaded, loaded\n'
-        'assert HOOKS.get("RandomStateHook") is None\n')
+        'assert HOOKS.get("RandomStateHook") is None\n'
+        'xcit_mm.XCiTBackbone(arch="n12")(torch.randn(1, 3, 32, 32))\n'
+        'assert "torchvision" not in sys.modules\n')
     subprocess.run([sys.executable, '-c', code], check=True)
