@@ -68,10 +68,10 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
                     f'{type(mask_head).__name__}')
         if path == 'rpn':
             return None if type(rpn) is RPNHead else f"{type(rpn).__name__} is not mmdet's RPNHead"
-        if path == 'bands' and not isinstance(backbone, LevelByLevelBackbone):
-            return (f'the backbone {type(backbone).__name__} cannot make its stride-4 level in '
-                    'bands of rows (XCiTBackbone can)')
         if not isinstance(backbone, LevelByLevelBackbone):
+            if path == 'bands':
+                return (f'the backbone {type(backbone).__name__} cannot make its stride-4 level '
+                        'in bands of rows (XCiTBackbone can)')
             return f'the backbone {type(backbone).__name__} makes its levels all at once'
         why = why_not_data_flow_fpn(neck, FPN, extra_levels=True)
         if why or path == 'fpn':
