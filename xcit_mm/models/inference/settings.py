@@ -172,6 +172,13 @@ class SegmentorSettings(LeanSettings):
 class LeanSettingsMixin:
     """``test_settings``: ``test_cfg`` read by ``SETTINGS.from_cfg``, again only when it changed."""
     SETTINGS = LeanSettings
+    LEAN_PATHS: Tuple[str, ...] = ()  # the parts of predict that ``why_not`` answers for
+
+    def _check_lean_path(self, path: str) -> None:
+        """Refuse a lean path the model does not have (a typo would otherwise read as allowed)."""
+        if path not in self.LEAN_PATHS:
+            raise ValueError(f"{type(self).__name__}: unknown lean path {path!r}; known: "
+                             f"{', '.join(self.LEAN_PATHS)}")
 
     def _settings_context(self) -> dict:
         return {}
