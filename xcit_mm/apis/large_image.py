@@ -137,48 +137,38 @@ class _TiffSource(_Source):
                         'download it again')
         return pages
 
-    def _grid(self, page) -> Tuple[int, int, int, int, int]:
-        """(segment rows, segment columns, segments down, across, planes) of a page."""
-        if page.is_tiled:
-            th, tw = int(page.tilelength), int(page.tilewidth)
-        else:
-            th, tw = min(int(page.rowsperstrip or self.height), self.height), self.width
-        planes = int(page.samplesperpixel) if page.planarconfig == 2 else 1
-        return th, tw, math.ceil(self.height / th), math.ceil(self.width / tw), planes
-
     def _decode_tile_row(self, p: int, ty: int) -> np.ndarray:
         """Rows of segment row ``ty`` of page ``p``, all columns and samples."""
         page = self.pages[p]
-        th, tw, nty, ntx, planes = self._grid(page)
-        rows = min(th, self.height - ty * th)
-        samples = int(page.samplesperpixel)
-        out = np.zeros((rows, self.width, samples), self.dtype)
-        fh = self.tif.filehandle
-        for plane in range(planes):
-            for tx in range(ntx):
-                index = (plane * nty + ty) * ntx + tx
-                offset, count = page.dataoffsets[index], page.databytecounts[index]
-                if not count:  # a sparse file's empty tile: GDAL reads it as zeros
-                    continue
-                fh.seek(offset)  # inside the file: checked when it was opened
-                data = fh.read(count)  # before page.decode, whose first use may seek
-                try:
-                    segment = page.decode(data, index, jpegtables=page.jpegtables)[0]
-                except Exception as e:
-                    kind = 'tile' if page.is_tiled else 'strip'
-                    raise LargeImageError(f'corrupt TIFF: {self.path}: {kind} {index} does not '
-                                          f'decode ({type(e).__name__}: {e})') from None
-                segment = segment.reshape(segment.shape[-3:])  # (rows, columns, samples)
-                x0 = tx * tw
-                cols = min(tw, self.width - x0)
-                # a planar page's segment holds the one sample of its plane, else all of them
-                out[:, x0:x0 + cols, plane:plane + segment.shape[2]] = segment[:rows, :cols]
+        rows = page.chunks[0]  # of a tile or a strip
+        planes = int(page.samplesperpixel) if page.planarconfig == 2 else 1
+        # segments are stored plane by plane, each plane row by row
+        wanted = np.arange(len(page.dataoffsets)).reshape(planes, -(-self.height // rows), -1)
+        wanted = wanted[:, ty].ravel().tolist()
+        out = np.zeros((min(rows, self.height - ty * rows), self.width, page.samplesperpixel),
+                       self.dtype)
+        for data, index in self.tif.filehandle.read_segments(
+                [page.dataoffsets[i] for i in wanted], [page.databytecounts[i] for i in wanted],
+                wanted, sort=False):
+            if data is None:  # a sparse file's empty tile: GDAL reads it as zeros
+                continue
+            try:
+                segment, (plane, _, _, x, _), _ = page.decode(data, index,
+                                                              jpegtables=page.jpegtables)
+            except Exception as e:
+                kind = 'tile' if page.is_tiled else 'strip'
+                raise LargeImageError(f'corrupt TIFF: {self.path}: {kind} {index} does not '
+                                      f'decode ({type(e).__name__}: {e})') from None
+            # (rows, columns, samples) inside the image; a planar page's segment holds the one
+            # sample of its plane, else all of them
+            segment = segment[0, :len(out), :self.width - x]
+            out[:, x:x + segment.shape[1], plane:plane + segment.shape[2]] = segment
         return out
 
     def _read(self, start: int, stop: int) -> np.ndarray:
         parts = []
         for p, page in enumerate(self.pages):
-            th = self._grid(page)[0]
+            th = page.chunks[0]
             bands = [self._tile_row(p, ty)[max(start - ty * th, 0):stop - ty * th]
                      for ty in range(start // th, (stop - 1) // th + 1)]
             parts.append(np.concatenate(bands, axis=0) if len(bands) > 1 else bands[0])
@@ -271,10 +261,8 @@ def _tiles(bands: Iterable[Tuple[int, int, object]], hw: Tuple[int, int], dtype:
     """Tiles in file order from label bands in row order, one row of tiles buffered; the parts
     of edge tiles past the image are zeros."""
     height, width = hw
-    buffer = np.zeros((tile, -(-width // tile) * tile), dtype)  # whole tiles: zeros past width
-    filled = 0  # rows of the current tile row in the buffer
+    pending = np.zeros((0, width), dtype)  # rows received, not yet in a tile row
     y = 0  # first image row not yet received
-    top = 0  # first image row of the current tile row
     for start, stop, labels in bands:
         if start != y or not start < stop <= height:
             raise RuntimeError(f'label bands out of order: rows [{start}, {stop}) after row {y}')
@@ -288,15 +276,13 @@ def _tiles(bands: Iterable[Tuple[int, int, object]], hw: Tuple[int, int], dtype:
         y = stop
         if on_rows is not None:
             on_rows(y)
-        while len(labels):
-            take = min(tile - filled, len(labels))
-            buffer[filled:filled + take, :width] = labels[:take]
-            labels, filled = labels[take:], filled + take
-            if filled == tile or top + filled == height:
-                buffer[filled:] = 0  # the last tile row's rows past the image
-                for x in range(0, width, tile):
-                    yield buffer[:, x:x + tile].copy()
-                top, filled = top + filled, 0
+        pending = np.concatenate([pending, labels])
+        while len(pending) >= tile or (y == height and len(pending)):
+            row = np.zeros((tile, -(-width // tile) * tile), dtype)  # zeros past the edges
+            row[:min(tile, len(pending)), :width] = pending[:tile]
+            pending = pending[tile:]
+            for x in range(0, width, tile):
+                yield row[:, x:x + tile].copy()
     if y != height:
         raise RuntimeError(f'the label bands stopped at row {y} of {height}')
 
