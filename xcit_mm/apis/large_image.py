@@ -91,13 +91,12 @@ class _TiffSource(_Source):
         self.bands = sum(int(p.samplesperpixel) for p in self.pages)
         self.geotags = [(tag.code, tag.dtype, tag.count, tag.value, True)
                         for tag in map(page.tags.get, GEO_TAGS) if tag]
-        nodata = page.tags.get(GDAL_NODATA)
-        self.nodata = None
+        nodata = page.tags.valueof(GDAL_NODATA)
         if nodata is not None:
             try:
-                self.nodata = float(str(nodata.value).strip().strip('\x00'))
+                self.nodata = float(str(nodata).strip().strip('\x00'))
             except ValueError:
-                raise LargeImageError(f'{path}: GDAL_NODATA tag {nodata.value!r} is not a '
+                raise LargeImageError(f'{path}: GDAL_NODATA tag {nodata!r} is not a '
                                       'number') from None
         self._tile_row = functools.lru_cache(maxsize=4 * len(self.pages))(self._decode_tile_row)
 
@@ -318,7 +317,6 @@ def write_labels(out: str, bands: Iterable[Tuple[int, int, object]], hw: Tuple[i
     if nodata_mask is not None:
         extratags.append((GDAL_NODATA, 's', 0, str(np.iinfo(dtype).max), True))
     partial = out + '.partial'
-    done = False
     tiles = _tiles(bands, hw, dtype, tile, nodata_mask, on_rows)
     try:
         with tifffile.TiffWriter(partial, bigtiff=True) as tw:
@@ -329,7 +327,6 @@ def write_labels(out: str, bands: Iterable[Tuple[int, int, object]], hw: Tuple[i
                      photometric='palette' if cmap is not None else 'minisblack')
         next(tiles, None)  # the bands run to their end: _tiles refuses any past the last row
         os.replace(partial, out)
-        done = True
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise LargeImageError(f'no space left on the device while writing {partial}; free '
@@ -339,7 +336,7 @@ def write_labels(out: str, bands: Iterable[Tuple[int, int, object]], hw: Tuple[i
         tiles.close()
         if hasattr(bands, 'close'):  # an unfinished engine generator cleans up now, not at GC
             bands.close()
-        if not done and osp.exists(partial):
+        if osp.exists(partial):  # not renamed: the run failed
             os.remove(partial)
 
 
