@@ -53,13 +53,6 @@ def make_inputs(case: dict, seed: int = 0):
     return feat, rois, weight
 
 
-def build_ops(case: dict) -> dict:
-    """The two implementations with the case's arguments (``aligned=True``)."""
-    from mmcv.ops import RoIAlign
-    args = (case['output'], 1.0 / case['stride'], case['sampling_ratio'], 'avg', True)
-    return dict(mmcv=RoIAlign(*args), gather=GatherRoIAlign(*args))
-
-
 def _run(op, feat, rois, weight, backward: bool):
     if not backward:
         with torch.no_grad():
@@ -71,28 +64,27 @@ def _run(op, feat, rois, weight, backward: bool):
 
 
 def measure(case: dict, repeats: int = 10, warmup: int = 2) -> dict:
-    """Check agreement and time both implementations on one case."""
+    """Check agreement and time both implementations (``aligned=True``) on one case."""
+    from mmcv.ops import RoIAlign
     feat, rois, weight = make_inputs(case)
-    ops = build_ops(case)
-    ref_out, ref_grad = _run(ops['mmcv'], feat, rois, weight, True)
-    out, grad = _run(ops['gather'], feat, rois, weight, True)
-    diff_out = (out - ref_out).abs().max().item()
-    diff_grad = (grad - ref_grad).abs().max().item()
+    args = (case['output'], 1.0 / case['stride'], case['sampling_ratio'], 'avg', True)
+    ops = dict(mmcv=RoIAlign(*args), gather=GatherRoIAlign(*args))
+    (ref_out, ref_grad), (out, grad) = (_run(op, feat, rois, weight, True) for op in ops.values())
     steps = {f'{impl}_{kind}_ms': (lambda op=op, backward=kind == 'fwd_bwd':
                                    _run(op, feat, rois, weight, backward))
              for impl, op in ops.items() for kind in ('fwd', 'fwd_bwd')}
     times = {key: [t * 1e3 for t in values]
              for key, values in time_interleaved(steps, warmup, repeats, 'cpu').items()}
-    med = {key: statistics.median(values) for key, values in times.items()}
-    return dict(
-        case=case['name'], map=list(case['map']), stride=case['stride'], rois=case['rois'],
-        output=case['output'], sampling_ratio=case['sampling_ratio'],
-        mmcv_fwd_ms=med['mmcv_fwd_ms'], gather_fwd_ms=med['gather_fwd_ms'],
-        fwd_speedup=med['mmcv_fwd_ms'] / med['gather_fwd_ms'],
-        mmcv_fwd_bwd_ms=med['mmcv_fwd_bwd_ms'], gather_fwd_bwd_ms=med['gather_fwd_bwd_ms'],
-        fwd_bwd_speedup=med['mmcv_fwd_bwd_ms'] / med['gather_fwd_bwd_ms'],
-        max_diff_out=diff_out, max_diff_grad=diff_grad, max_diff=max(diff_out, diff_grad),
-        repeats=repeats, warmup=warmup, times=times)
+    rec = dict(case=case['name'], map=list(case['map']),
+               **{key: case[key] for key in ('stride', 'rois', 'output', 'sampling_ratio')})
+    for kind in ('fwd', 'fwd_bwd'):
+        mmcv, gather = (statistics.median(times[f'{impl}_{kind}_ms']) for impl in ops)
+        rec.update({f'mmcv_{kind}_ms': mmcv, f'gather_{kind}_ms': gather,
+                    f'{kind}_speedup': mmcv / gather})
+    rec.update(max_diff_out=(out - ref_out).abs().max().item(),
+               max_diff_grad=(grad - ref_grad).abs().max().item())
+    return dict(rec, max_diff=max(rec['max_diff_out'], rec['max_diff_grad']), repeats=repeats,
+                warmup=warmup, times=times)
 
 
 def markdown_table(records: Sequence[dict]) -> str:
@@ -103,7 +95,9 @@ def markdown_table(records: Sequence[dict]) -> str:
         f"{r['fwd_bwd_speedup']:.1f}x", f"{r['max_diff']:.1e}"] for r in records], 'l' * 12)
 
 
-def parse_args(argv: Optional[Sequence[str]], cases: Sequence[dict]) -> argparse.Namespace:
+def main(argv: Optional[Sequence[str]] = None, cases: Sequence[dict] = CASES) -> int:
+    """Entry point; ``cases`` is the table ``--cases`` chooses from. Returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     names = [c['name'] for c in cases]
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                 epilog=__doc__.split('\n\n', 1)[1],
@@ -119,22 +113,14 @@ def parse_args(argv: Optional[Sequence[str]], cases: Sequence[dict]) -> argparse
     args = p.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0 or (args.threads is not None and args.threads < 1):
         p.error('need --repeats >= 1, --warmup >= 0 and --threads >= 1')
-    return args
-
-
-def main(argv: Optional[Sequence[str]] = None, cases: Sequence[dict] = CASES) -> int:
-    """Entry point; ``cases`` is the table ``--cases`` chooses from. Returns the exit status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv, cases)
     if args.markdown:
         with open(args.markdown) as f:
             print(markdown_table(json.load(f)['records']))
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
-    chosen = [c for name in dict.fromkeys(args.cases) for c in cases if c['name'] == name]
     records = []
-    for case in chosen:
+    for case in (c for name in dict.fromkeys(args.cases) for c in cases if c['name'] == name):
         if not args.quiet:
             print(f"measuring {case['name']}", file=sys.stderr)
         records.append(measure(case, args.repeats, args.warmup))
