@@ -36,6 +36,7 @@ from . import tiled_inference as tiling
 class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
     """mmdet's ``MaskRCNN`` whose ``predict`` keeps fewer full-resolution maps alive."""
     SETTINGS = DetectorSettings
+    LEAN_PATHS = ('fpn', 'rpn', 'roi', 'bands')
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -48,10 +49,11 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         return None if self.training else self.test_settings.band_mb
 
     # ------------------------------------------------------------------ what the parts allow
-    def _why_not(self, path: str) -> Optional[str]:
-        """Why the parts rule out a lean path (None if they allow it): 'fpn' backbone + FPN in
+    def why_not(self, path: str) -> Optional[str]:
+        """None if the parts allow the lean ``path``, else why not: 'fpn' backbone + FPN in
         data-flow order, 'rpn' the RPN's in-place ReLU, 'roi' the RoI steps run here (tiles and
         auto need them), 'bands' the stride-4 work in bands of rows."""
+        self._check_lean_path(path)
         backbone, neck, rpn, roi = (self.backbone, getattr(self, 'neck', None), self.rpn_head,
                                     self.roi_head)
         if path == 'roi':
@@ -89,13 +91,13 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         return None
 
     def _check_parts(self) -> None:
-        """The lean paths ``settings`` ask for, refused where the parts rule them out."""
+        """The lean paths ``test_cfg`` asks for, refused where the parts rule them out."""
         name, settings = type(self).__name__, self.test_settings
-        why = self._why_not('bands') if settings.band_mb is not None else None
+        why = settings.band_mb is not None and self.why_not('bands')
         if why:
             raise ValueError(f'{name}: test_cfg.band_mb: {why}; remove band_mb (every map whole) '
                              "or use mode='tiles'")
-        why = self._why_not('roi') if settings.mode != 'whole' else None
+        why = settings.mode != 'whole' and self.why_not('roi')
         if why:
             raise ValueError(f"{name}: test_cfg.mode='tiles' / 'auto' need {why}; use "
                              "mode='whole'")
@@ -104,49 +106,42 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
     def predict(self, batch_inputs: Tensor, batch_data_samples: SampleList,
                 rescale: bool = True) -> SampleList:
         """Detections of the whole image, of tiles, or of whichever fits ``test_cfg.max_memory``."""
-        settings = self.test_settings
+        settings, name = self.test_settings, type(self).__name__
         self._check_parts()
-        if settings.mode == 'whole':
-            if not settings.lean or torch.is_grad_enabled():  # in-place sums would break autograd
-                return super().predict(batch_inputs, batch_data_samples, rescale=rescale)
-            return self._predict_whole(batch_inputs, batch_data_samples, rescale)
-        if batch_data_samples[0].get('proposals', None) is not None:
-            raise ValueError(
-                f"{type(self).__name__}: test_cfg.mode='tiles' / 'auto' make proposals per tile; "
-                "precomputed proposals (data_samples.proposals) need mode='whole'")
+        proposals = batch_data_samples[0].get('proposals', None) is not None
+        if settings.mode == 'whole' and (not settings.lean or torch.is_grad_enabled()):
+            # stock's: in-place sums would break autograd
+            return super().predict(batch_inputs, batch_data_samples, rescale=rescale)
+        if settings.mode != 'whole' and proposals:
+            raise ValueError(f"{name}: test_cfg.mode='tiles' / 'auto' make proposals per tile; "
+                             "precomputed proposals (data_samples.proposals) need mode='whole'")
+        batch_img_metas = [data_sample.metainfo for data_sample in batch_data_samples]
         with torch.no_grad():
-            if settings.mode == 'auto':
+            plan = settings.mode
+            if plan == 'auto':
                 B, _, H, W = batch_inputs.shape
                 plan = self._choose_memory_plan(
                     self.memory_plans(batch_inputs, batch_data_samples, rescale),
-                    settings.max_memory,
-                    f'{type(self).__name__} ({B} image{"s" if B > 1 else ""} of {H}x{W} px)')
-                if plan.name == 'whole':
-                    return self._predict_whole(batch_inputs, batch_data_samples, rescale)
-            return self._predict_tiles(batch_inputs, batch_data_samples, rescale, settings)
-
-    def _predict_whole(self, batch_inputs: Tensor, batch_data_samples: SampleList,
-                       rescale: bool) -> SampleList:
-        assert self.with_bbox, 'Bbox head must be implemented.'
-        x = self._lean_extract_feat(batch_inputs)  # a list this method alone holds
-        batch_img_metas = [data_sample.metainfo for data_sample in batch_data_samples]
-        if batch_data_samples[0].get('proposals', None) is None:
-            rpn_results_list = self._lean_rpn_predict(x, batch_data_samples)
-        else:
-            rpn_results_list = [data_sample.proposals for data_sample in batch_data_samples]
-        if self._why_not('roi') is None:
-            results_list = self._paste_masks(
-                self._lean_roi_predict(x, rpn_results_list, batch_img_metas), batch_img_metas,
-                rescale)
-        else:
-            results_list = self.roi_head.predict(tuple(x), rpn_results_list, batch_data_samples,
-                                                 rescale=rescale)
+                    settings.max_memory, f'{name} ({B} image{"s" if B > 1 else ""} of {H}x{W} px)'
+                ).name
+            if plan == 'tiles':
+                results_list = self._tile_detections(batch_inputs, batch_img_metas)
+            else:
+                assert self.with_bbox, 'Bbox head must be implemented.'
+                x = self._lean_extract_feat(batch_inputs)  # a list this method alone holds
+                rpn_results_list = ([data_sample.proposals for data_sample in batch_data_samples]
+                                    if proposals else self._lean_rpn_predict(x, batch_data_samples))
+                if self.why_not('roi'):
+                    return self.add_pred_to_datasample(batch_data_samples, self.roi_head.predict(
+                        tuple(x), rpn_results_list, batch_data_samples, rescale=rescale))
+                results_list = self._lean_roi_predict(x, rpn_results_list, batch_img_metas)
+            results_list = self._paste_masks(results_list, batch_img_metas, rescale)
         return self.add_pred_to_datasample(batch_data_samples, results_list)
 
     # ------------------------------------------------------------------ network
     def _lean_extract_feat(self, batch_inputs: Tensor) -> List[Tensor]:
         """``list(self.extract_feat(batch_inputs))``, in data-flow order where the parts allow."""
-        if self._why_not('fpn'):
+        if self.why_not('fpn'):
             return list(self.extract_feat(batch_inputs))  # e.g. RetinaNet-style extra convs
         neck = self.neck
         outs = fpn_in_data_flow_order(self.backbone, neck, batch_inputs, self._band_mb())
@@ -158,7 +153,7 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         """``rpn_head.predict(x, batch_data_samples, rescale=False)`` with an in-place ReLU, its
         stride-4 level in bands with ``band_mb``."""
         head = self.rpn_head
-        if self._why_not('rpn'):
+        if self.why_not('rpn'):
             return head.predict(x, batch_data_samples, rescale=False)
 
         def hidden(feat: Tensor) -> Tensor:
@@ -168,7 +163,7 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
             return torch.cat([head.rpn_cls(hidden), head.rpn_reg(hidden)], dim=1)
 
         band_mb, sizes = self._band_mb(), [head.rpn_cls.out_channels, head.rpn_reg.out_channels]
-        cls_scores, bbox_preds = [], []
+        outs = []
         for level, feat in enumerate(x):
             if level == 0 and band_mb is not None:  # the conv's map one band at a time
                 # two row maps, so that the bands are sized by the conv's wide map too
@@ -176,9 +171,8 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
                 both = materialize(Local(scores_and_deltas, hidden_rows), band_mb)
             else:
                 both = scores_and_deltas(hidden(feat))
-            cls_score, bbox_pred = both.split(sizes, dim=1)
-            cls_scores.append(cls_score)
-            bbox_preds.append(bbox_pred)
+            outs.append(both.split(sizes, dim=1))
+        cls_scores, bbox_preds = (list(maps) for maps in zip(*outs))
         return head.predict_by_feat(
             cls_scores, bbox_preds, rescale=False,
             batch_img_metas=[data_sample.metainfo for data_sample in batch_data_samples])
@@ -228,23 +222,22 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         """(channels, side) of the mask head's logits (classes or 1, 28 for Mask R-CNN)."""
         mask_head = self.roi_head.mask_head
         upsample = mask_head.scale_factor if mask_head.upsample is not None else 1
-        return (1 if mask_head.class_agnostic else mask_head.num_classes,
-                int(mask_head.roi_feat_size[0] * (upsample or 1)))
+        return mask_head.conv_logits.out_channels, int(mask_head.roi_feat_size[0] * upsample)
 
     # ------------------------------------------------------------------ tiles
-    def _tile_grids(self, batch_inputs: Tensor, batch_img_metas: List[dict],
-                    settings: DetectorSettings) -> List[List[tiling.Tile]]:
+    def _tile_grids(self, batch_inputs: Tensor,
+                    batch_img_metas: List[dict]) -> List[List[tiling.Tile]]:
+        settings = self.test_settings
         return [tiling.tile_grid(meta['img_shape'], batch_inputs.shape[-2:], settings.tile_size,
                                  settings.tile_overlap) for meta in batch_img_metas]
 
-    def _predict_tiles(self, batch_inputs: Tensor, batch_data_samples: SampleList,
-                       rescale: bool, settings: DetectorSettings) -> SampleList:
-        """Each image tile by tile, the tiles' detections merged per image, then masks pasted."""
+    def _tile_detections(self, batch_inputs: Tensor,
+                         batch_img_metas: List[dict]) -> List[InstanceData]:
+        """Each image tile by tile, the tiles' detections merged per image (masks not pasted)."""
         head, preprocessor = self.roi_head, self.data_preprocessor
         pad = (getattr(preprocessor, 'pad_size_divisor', 1), getattr(preprocessor, 'pad_value', 0))
-        batch_img_metas = [data_sample.metainfo for data_sample in batch_data_samples]
         results_list = []
-        for i, tiles in enumerate(self._tile_grids(batch_inputs, batch_img_metas, settings)):
+        for i, tiles in enumerate(self._tile_grids(batch_inputs, batch_img_metas)):
             per_tile = []
             for tile in tiles:
                 tile_input = tiling.cut_tile(batch_inputs[i:i + 1], tile, *pad)
@@ -261,8 +254,7 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
             del per_tile
             results_list.append(tiling.merge_tile_detections(
                 dets, head.test_cfg.nms, head.test_cfg.max_per_img))
-        results_list = self._paste_masks(results_list, batch_img_metas, rescale)
-        return self.add_pred_to_datasample(batch_data_samples, results_list)
+        return results_list
 
     def _detect_in_tile(self, tile_input: Tensor, meta: dict) -> InstanceData:
         """The lean network up to the mask logits on one tile seen as an image, its maps freed."""
@@ -286,7 +278,7 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         paste_mb = model.base_mb + tiling.paste_estimate_mb(batch_img_metas, rescale, max_per_img,
                                                             channels, side)
         B, _, H, W = batch_inputs.shape
-        grids = self._tile_grids(batch_inputs, batch_img_metas, settings)
+        grids = self._tile_grids(batch_inputs, batch_img_metas)
         divisor = getattr(self.data_preprocessor, 'pad_size_divisor', 1)
         tile_px = max(math.prod(tiling.padded_hw(t, batch_inputs.shape, divisor))
                       for tiles in grids for t in tiles)
