@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from xcit_benchmark import report, runner  # noqa: E402
 from xcit_benchmark.flops import flops_report  # noqa: E402
 from xcit_benchmark.fresh_points import run_metadata, write_artifact  # noqa: E402
-from xcit_benchmark.models import list_models, parse_models  # noqa: E402
+from xcit_benchmark.models import list_models, parse_model  # noqa: E402
 from xcit_benchmark.runner import RunOptions, log_stderr, mem_available_bytes  # noqa: E402
 from xcit_benchmark.spec import SpecError, load_spec, run_goals  # noqa: E402
 from xcit_benchmark.timing import set_threads  # noqa: E402
@@ -96,10 +96,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             p.error(f'--{name.replace("_", "-")} must be >= {least}')
     if any(r < 32 for r in args.resolutions):
         p.error('--resolutions must be >= 32 (the stride-32 level of the dense backbones)')
-    try:
-        args.model_specs = specs = parse_models(args.models)
-    except ValueError as e:
-        p.error(f'argument --models: {e}')
+    args.model_specs = specs = []
+    for name in args.models:
+        try:
+            specs.append(parse_model(name))
+        except ValueError as e:
+            p.error(f'argument --models: invalid choice: {name!r} ({e}). Valid names:\n'
+                    + list_models())
     if args.whole_model:
         from xcit_benchmark.whole_model import WholeModelError, check_config_path
         if not args.shape or min(args.shape) < 32:

@@ -8,7 +8,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch.nn as nn
 
@@ -80,24 +80,6 @@ def parse_model(name: str) -> ModelSpec:
     else:
         family = 'xcit_trunk' if m.group('trunk') else 'xcit'
     return ModelSpec(name=name, family=family, arch=arch, patch=patch, with_cp=with_cp)
-
-
-def compile_forward(forward: Callable) -> Callable:
-    """Inductor, one static graph per input size (what a fixed-size deployment gets)."""
-    import torch
-    return torch.compile(forward, dynamic=False)
-
-
-def parse_models(names: Sequence[str]) -> List[ModelSpec]:
-    """Parse every ``--models`` name."""
-    specs = []
-    for name in names:
-        try:
-            specs.append(parse_model(name))
-        except ValueError as e:
-            raise ValueError(f'invalid choice: {name!r} ({e}). Valid names:\n'
-                             + list_models()) from e
-    return specs
 
 
 def list_models() -> str:

@@ -16,9 +16,9 @@ import torch.nn as nn
 
 from .flops import point_flops
 from .fresh_points import measure, run_fresh, run_metadata
-from .models import ModelSpec, build_model, compile_forward, parse_model
-from .timing import (make_step, measure_matmul_gflops, set_threads, sync, time_figures,
-                     time_with_matmul)
+from .models import ModelSpec, build_model, parse_model
+from .timing import (make_step, measure_matmul_gflops, set_threads, time_figures,
+                     time_interleaved, time_with_matmul)
 
 # mmcv's ConvModule warns about mmpretrain's LPI conv (bias before a norm): not our concern
 warnings.filterwarnings('ignore', message='Unnecessary conv bias before batch/instance norm')
@@ -33,19 +33,23 @@ def mem_available_bytes() -> int:
         return 8 * 2 ** 30
 
 
+def build_timed_model(spec: ModelSpec, device: str) -> Tuple[nn.Module, Callable]:
+    """(model, forward) of ``spec``, seed 0; a ``+compile`` forward through Inductor with one
+    static graph per input size (what a fixed-size deployment gets)."""
+    torch.manual_seed(0)
+    model, forward = build_model(spec, device)
+    return model, torch.compile(forward, dynamic=False) if spec.compiled else forward
+
+
 def memory_worker(cfg: dict) -> dict:
     """The peak memory of one point (``cfg``: model, resolution, ...), in a fresh process."""
     set_threads(cfg.get('threads'))
     device, spec, res = cfg['device'], parse_model(cfg['model']), cfg['resolution']
-    torch.manual_seed(0)
-    model, forward = build_model(spec, device)
-    if spec.compiled:  # warm up (= compile) at the measured size: one static graph
-        forward = compile_forward(forward)
-        tiny = torch.randn(cfg['batch'], 3, res, res, device=device)
-    else:
-        tiny = torch.randn(1, 3, 64, 64, device=device)
-    make_step(model, forward, tiny, cfg['mode'], device, cfg['precision'])()
-    del tiny
+    model, forward = build_timed_model(spec, device)
+    # a warm-up at 64 px; a compiled model's at the measured size (= compile: one static graph)
+    batch, side = (cfg['batch'], res) if spec.compiled else (1, 64)
+    make_step(model, forward, torch.randn(batch, 3, side, side, device=device), cfg['mode'],
+              device, cfg['precision'])()
     img = torch.randn(cfg['batch'], 3, res, res, device=device)
     step = make_step(model, forward, img, cfg['mode'], device, cfg['precision'])
     try:
@@ -103,16 +107,6 @@ class RunOptions:
     quiet: bool = False
 
 
-def load_warning(opts: RunOptions) -> Optional[str]:
-    """A warning when other processes compete for the cores this run's threads need, or None."""
-    load, cores, threads = os.getloadavg()[0], os.cpu_count() or 1, torch.get_num_threads()
-    if opts.device == 'cpu' and opts.do_time and load + threads > cores + 0.5 and threads > 1:
-        return (f'WARNING: load average {load:.1f} on {cores} cores: with {threads} threads the '
-                'OpenMP barriers wait for descheduled threads and CPU times are inflated several '
-                'fold (and noisy). On a shared machine use --threads 1 for speed comparisons.')
-    return None
-
-
 def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions,
                log: Callable[[str], None] = log_stderr) -> Tuple[List[dict], dict]:
     """(records, meta) of (spec, resolution) points. Per resolution: FLOPs, a memory process per
@@ -120,9 +114,11 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions,
     if opts.device == 'cuda' and not torch.cuda.is_available():
         raise RuntimeError('--device cuda requested but torch.cuda.is_available() is False')
     set_threads(opts.threads)
-    warning = load_warning(opts)
-    if warning:
-        log(warning)
+    load, cores, threads = os.getloadavg()[0], os.cpu_count() or 1, torch.get_num_threads()
+    if opts.device == 'cpu' and opts.do_time and load + threads > cores + 0.5 and threads > 1:
+        log(f'WARNING: load average {load:.1f} on {cores} cores: with {threads} threads the '
+            'OpenMP barriers wait for descheduled threads and CPU times are inflated several '
+            'fold (and noisy). On a shared machine use --threads 1 for speed comparisons.')
     progress = (lambda message: None) if opts.quiet else log
     matmul_before = measure_matmul_gflops(opts.device)
     records: List[dict] = []
@@ -132,19 +128,13 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions,
         specs = [s for s, r in points if r == res]
         recs: Dict[str, dict] = {}
         for spec in specs:
-            rec = dict(model=spec.name, description=spec.description, resolution=res,
-                       batch=opts.batch, mode=opts.mode, precision=opts.precision,
-                       device=opts.device, threads=opts.threads or torch.get_num_threads(),
-                       with_cp=spec.with_cp, status='ok', warmup=opts.warmup,
-                       repeats=opts.repeats, note='', compiled=spec.compiled)
+            rec = new_record(opts, spec.name, spec.description, res, with_cp=spec.with_cp,
+                             compiled=spec.compiled)
             progress(f'{spec.name}@{res}: flops / memory')
             rec.update(point_flops(spec, res, opts.mode, flops_models))
             if opts.do_mem:
-                rec.update(run_memory_worker(dict(
-                    model=spec.name, resolution=res, batch=opts.batch, mode=opts.mode,
-                    precision=opts.precision, device=opts.device, threads=opts.threads,
-                    mem_iters=opts.mem_iters, cpu_mem_mode=opts.cpu_mem_mode),
-                    opts.mem_limit_bytes, opts.mem_timeout_s))
+                rec.update(run_memory_worker(dict(vars(opts), model=spec.name, resolution=res),
+                                             opts.mem_limit_bytes, opts.mem_timeout_s))
             recs[spec.name] = rec
         if opts.do_time:
             steps = {}
@@ -153,19 +143,13 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions,
                 if recs[spec.name]['status'] != 'ok':
                     continue
                 if spec.name not in built:
-                    torch.manual_seed(0)
-                    model, forward = build_model(spec, opts.device)
-                    built[spec.name] = model, (compile_forward(forward) if spec.compiled
-                                               else forward)
+                    built[spec.name] = build_timed_model(spec, opts.device)
                 model, forward = built[spec.name]
                 steps[spec.name] = make_step(model, forward, img, opts.mode, opts.device,
                                              opts.precision)
                 if spec.compiled:  # the first call at this size compiles: timed on its own
-                    sync(opts.device)
-                    t0 = time.perf_counter()
-                    steps[spec.name]()
-                    sync(opts.device)
-                    recs[spec.name]['compile_s'] = time.perf_counter() - t0
+                    recs[spec.name]['compile_s'] = time_interleaved(
+                        {'compile': steps[spec.name]}, 0, 1, opts.device)['compile'][0]
             progress(f'timing {len(steps)} models at {res}')
             try:  # the reference matmul rate, interleaved with the models: same load
                 times, mm = time_with_matmul(steps, opts.warmup, opts.repeats,
@@ -189,6 +173,14 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions,
             # was, else the mean of the calibrations before and after the run
             rec['matmul_frac'] = rec['achieved_gflop_s'] / rec['matmul_gflop_s']
     return records, run_meta(opts, matmul_before, matmul_after)
+
+
+def new_record(opts: RunOptions, name: str, description: str, resolution: int, **extra) -> dict:
+    """A point's record before its figures: what was measured, under which options."""
+    return dict(model=name, description=description, resolution=resolution, batch=opts.batch,
+                mode=opts.mode, precision=opts.precision, device=opts.device,
+                threads=opts.threads or torch.get_num_threads(), status='ok', warmup=opts.warmup,
+                repeats=opts.repeats, note='', **extra)
 
 
 def run_meta(opts: RunOptions, matmul_before: float, matmul_after: float, **extra) -> dict:
@@ -243,14 +235,12 @@ def run_onnx_points(config: str, resolutions: Sequence[int], opts: RunOptions,
                 runtime = (f'ONNX Runtime {onnxruntime.__version__} CPU, static '
                            f'{opts.batch}x3x{res}x{res}' if name == ort_name else
                            'PyTorch eager (no_grad)')
-                records.append(dict(
-                    model=name, description=f'{config}: {model.task} '
+                records.append(new_record(
+                    opts, name, f'{config}: {model.task} '
                     f'{"image -> logits" if model.task == "seg" else "backbone + neck"}, '
-                    f'random init; {runtime}', resolution=res, batch=opts.batch,
-                    mode='inference', precision='fp32', device='cpu', threads=threads,
-                    with_cp=False, status='ok' if check['ok'] else 'mismatch',
-                    warmup=opts.warmup, repeats=opts.repeats, note=note, compiled=False,
+                    f'random init; {runtime}', res, with_cp=False, compiled=False,
                     matmul_gflop_s=mm, **time_figures(ts, opts.batch)))
+                records[-1].update(status='ok' if check['ok'] else 'mismatch', note=note)
     return records, run_meta(opts, matmul_before, measure_matmul_gflops('cpu'),
                              onnx_config=config, onnxruntime=onnxruntime.__version__,
                              onnx_export_s=exports)
