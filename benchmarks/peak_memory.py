@@ -41,11 +41,11 @@ CONFIGS = {
     ('detector', 'swin'): 'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_ms-crop-3x_coco.py',
     ('detector', 'vit'): 'configs/benchmark/mask_rcnn_vit_s16_coco.py',
 }
-# the series of auto, of bands (the segmentor's band path became the stream: its rows in
-# docs/results stay as measured) and of the stream
-XCIT_ONLY = {('segmentor', 'xcit'), ('detector', 'xcit')}
-BANDED = {('detector', 'xcit')}
-STREAMED = {('segmentor', 'xcit'), ('segmentor', 'uper')}
+# the series that have a path beyond lean and stock (the segmentor's band path became the
+# stream: its bands rows in docs/results stay as measured)
+ONLY = {'auto': {('segmentor', 'xcit'), ('detector', 'xcit')}, 'bands': {('detector', 'xcit')},
+        'stream': {('segmentor', 'xcit'), ('segmentor', 'uper')}}
+ONLY['stream-disk'] = ONLY['stream']
 BAND_MB = 64
 NO_LIMIT_MB = 10**9  # an auto model's budget while the warm-up calibrates it
 DOORS = {'segmentor': 'mmseg.apis.inference_model', 'detector': 'mmdet.apis.inference_detector'}
@@ -189,11 +189,11 @@ def measure_point(model, infer, point: dict, spec: dict) -> dict:
         row['parts'] = meter.parts
     if path == 'auto':
         plan, predict_mb = model.last_memory_plan, base + growth - at_predict[0]
-        line = (getattr(model, 'calibrated_memory_model', None)
+        line = (model.calibrated_memory_model
                 or model.test_cfg.get('memory_model', {}).values())  # calibrated, or given
         row.update(plan=plan.name, detail=plan.detail, estimate_mb=round(plan.estimate_mb),
                    estimates={p.name: round(p.estimate_mb)
-                              for p in getattr(model, 'last_memory_plans', [])},
+                              for p in model.last_memory_plans},
                    predict_peak_growth_mb=round(predict_mb),
                    error_pct=round(100 * (predict_mb - plan.estimate_mb) / plan.estimate_mb, 1),
                    within_budget=bool(predict_mb <= point['max_memory']),
@@ -286,12 +286,11 @@ def plan(args, configs: dict) -> list:
     points = [dict(task=t, backbone=b, path=p, size=s, config=configs[(t, b)], **extra)
               for s in sorted(args.sizes) for t, b in series
               for p in sorted(set(args.paths) - {'auto'}, key=PATHS.index)
-              if (t, b) in (STREAMED if p in STREAMS else BANDED if p == 'bands' else configs)
-              and [p, s] not in getattr(args, 'skip', [])]
+              if (t, b) in ONLY.get(p, configs) and [p, s] not in getattr(args, 'skip', [])]
     if 'auto' in args.paths:
         points += [dict(task=t, backbone=b, path='auto', size=s, config=configs[(t, b)], **extra,
                         max_memory=mb, **({'band_mb': band[0]} if band else {}))
-                   for t, b in series if (t, b) in XCIT_ONLY for s, mb, *band in args.budgets]
+                   for t, b in series if (t, b) in ONLY['auto'] for s, mb, *band in args.budgets]
     return points
 
 
@@ -307,16 +306,14 @@ def groups(points: list, device: str) -> list:
 
 def run_child(group: list, spec: dict, args, on_row) -> None:
     """One child for ``group``; a point it did not report (killed, crashed) becomes a row."""
-    done = set()
-
     def reported(row):
         if 'task' in row:  # not the exception's row: the point it stopped at gets one below
-            done.add(point_key(row))
             on_row(row)
 
     seconds = min(args.timeout, spec['deadline'] + args.grace_s - time.time())
     out = run_fresh('peak_memory:child', dict(spec, points=group), args.limit_gb * 2**30,
                     max(seconds, 0), on_row=reported)
+    done = {point_key(row) for row in out['rows'] if 'task' in row}
     if args.log:
         with open(args.log, 'a') as f:
             f.write(out['stderr'])
@@ -654,8 +651,6 @@ def parse_args(parser, argv):
             load_artifact(f'{args.out}.json' if args.out else '')
         except ValueError as e:
             parser.error(f'--update needs --out naming an artifact of this script: {e}')
-    if args.out and osp.dirname(args.out):
-        os.makedirs(osp.dirname(args.out), exist_ok=True)
     return args
 
 

@@ -32,24 +32,13 @@ def variants(band_mb, tiles: list) -> list:
     return out
 
 
-def test_variant(config: str, checkpoint: str, update: dict, work_dir: str) -> dict:
-    """``Runner.test`` of the config with ``model.test_cfg`` updated: its metrics."""
-    from mmengine.config import Config
-    from mmengine.runner import Runner
-    cfg = Config.fromfile(config)
-    cfg.model.test_cfg.update(update)
-    cfg.update(load_from=checkpoint, work_dir=work_dir, resume=False)
-    return Runner.from_cfg(cfg).test()
-
-
-def parse_tiles(parser, values) -> list:
-    tiles = []
-    for value in values:
-        size, sep, overlap = value.partition(':')
-        if not (sep and size.isdigit() and overlap.isdigit() and int(overlap) < int(size)):
-            parser.error(f'--tiles {value!r}: expected SIZE:OVERLAP with 0 <= OVERLAP < SIZE')
-        tiles.append((int(size), int(overlap)))
-    return tiles
+def tile(value: str) -> tuple:
+    """A ``--tiles`` value: (size, overlap) of tiles that advance."""
+    size, sep, overlap = value.partition(':')
+    if not (sep and size.isdigit() and overlap.isdigit() and int(overlap) < int(size)):
+        raise argparse.ArgumentTypeError(
+            f'{value!r}: expected SIZE:OVERLAP with 0 <= OVERLAP < SIZE')
+    return int(size), int(overlap)
 
 
 def main(argv=None):
@@ -59,19 +48,23 @@ def main(argv=None):
     parser.add_argument('--band-mb', type=float,
                         help='also a bands variant with this band size (needs an FPN without '
                         'GroupNorm: not the shapes config)')
-    parser.add_argument('--tiles', nargs='+', default=['96:32', '112:64'],
+    parser.add_argument('--tiles', nargs='+', type=tile, default=['96:32', '112:64'],
                         help='SIZE:OVERLAP of each tiles variant (network pixels)')
     parser.add_argument('--out', help='artifact path without extension (.json, .csv)')
     args = parser.parse_args(argv)
-    tiles = parse_tiles(parser, args.tiles)
     for path in (args.config, args.checkpoint):
         if not osp.isfile(path):
             parser.error(f'no such file: {path}')
+    from mmengine.config import Config
+    from mmengine.runner import Runner
     rows = []
     with tempfile.TemporaryDirectory() as work_dir:
-        for name, update in variants(args.band_mb, tiles):
+        for name, update in variants(args.band_mb, args.tiles):
             start = time.perf_counter()
-            metrics = test_variant(args.config, args.checkpoint, update, work_dir)
+            cfg = Config.fromfile(args.config)  # the config's own test, test_cfg updated
+            cfg.model.test_cfg.update(update)
+            cfg.update(load_from=args.checkpoint, work_dir=work_dir, resume=False)
+            metrics = Runner.from_cfg(cfg).test()
             row = dict(variant=name, test_cfg=json.dumps(update),
                        time_s=round(time.perf_counter() - start, 1),
                        **{k: round(float(v), 4) for k, v in metrics.items()})

@@ -177,9 +177,12 @@ def test_a_child_that_raises_reports_the_point_it_stopped_at(monkeypatch):
     the point it stopped at an 'error' with the stderr's last lines, the series' next skipped."""
     def fresh(target, payload, limit_bytes, seconds, on_row):
         assert target == 'peak_memory:child' and payload['points'] == points
-        on_row(dict(payload['points'][0], status='ok'))
-        on_row(dict(status='error', note='OSError: boom'))
-        return dict(returncode=1, killed=None, note=None, stderr='Traceback\nOSError: boom\n')
+        reported = [dict(payload['points'][0], status='ok'),
+                    dict(status='error', note='OSError: boom')]
+        for row in reported:
+            on_row(row)
+        return dict(returncode=1, killed=None, note=None, rows=reported,
+                    stderr='Traceback\nOSError: boom\n')
 
     rows, points = [], [dict(task='segmentor', backbone='xcit', path='lean', size=s)
                         for s in (64, 128, 256)]
