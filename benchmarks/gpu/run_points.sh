@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a GPU machine without network or OpenMMLab packages: install .whl/ (make_wheels.sh) into
+# On a GPU machine without network or OpenMMLab packages: unzip .whl/ (make_wheels.sh) into
 # $SITE, print the device and versions, then run benchmarks/peak_memory.py on CUDA into $OUT: the
 # points of docs/benchmark_gpu.md, or with `stream` those of docs/benchmark_gigapixel.md. Further
 # arguments override them (--device cpu --sizes 256 tries it on a CPU). REVISION=<commit> names
@@ -16,13 +16,9 @@ mkdir -p "$OUT"
 export PYTHONDONTWRITEBYTECODE=1
 
 start=$(date +%s)
-if ! "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
-        --no-cache-dir --upgrade --target "$SITE" .whl/*.whl; then
-    # every wheel in .whl is a plain purelib zip (no .data, no build step): unzip them instead
-    echo "pip install failed: unzipping the wheels into $SITE instead"
-    mkdir -p "$SITE"
-    for w in .whl/*.whl; do "$PY" -m zipfile -e "$w" "$SITE"; done
-fi
+# every wheel in .whl is a plain purelib zip (no .data, no build step): unzipped, no pip needed
+mkdir -p "$SITE"
+for w in .whl/*.whl; do "$PY" -m zipfile -e "$w" "$SITE"; done
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 echo "wheels installed in $(( $(date +%s) - start )) s"
 
