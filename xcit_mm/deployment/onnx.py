@@ -176,12 +176,9 @@ def export_onnx(model: nn.Module, out_file: str, shape: Sequence[int], dynamic: 
     onnx, _ = check_onnx_runtime(need_runtime=False)
     h, w = check_shape(shape)
     names = list(getattr(model, 'output_names', None) or ['output'])
-    axes = None
-    if dynamic:
-        axes = {'image': {0: 'batch', 2: 'height', 3: 'width'}}
-        axes.update({n: {0: 'batch', 2: f'{n}_height', 3: f'{n}_width'} for n in names})
-    if osp.dirname(out_file):
-        os.makedirs(osp.dirname(out_file), exist_ok=True)
+    axes = dict(image={0: 'batch', 2: 'height', 3: 'width'},
+                **{n: {0: 'batch', 2: f'{n}_height', 3: f'{n}_width'} for n in names})
+    os.makedirs(osp.dirname(osp.abspath(out_file)), exist_ok=True)
     example = torch.randn(batch, 3, h, w, generator=torch.Generator().manual_seed(0))
     model.eval()
     with torch.no_grad(), warnings.catch_warnings(), traceable_upstream_modules(model):
@@ -190,8 +187,8 @@ def export_onnx(model: nn.Module, out_file: str, shape: Sequence[int], dynamic: 
         warnings.filterwarnings('ignore', category=DeprecationWarning)
         warnings.filterwarnings('ignore', message='.*dynamo=False.*')
         torch.onnx.export(model, (example,), out_file, dynamo=False, opset_version=opset,
-                          input_names=['image'], output_names=names, dynamic_axes=axes,
-                          do_constant_folding=True)
+                          input_names=['image'], output_names=names,
+                          dynamic_axes=axes if dynamic else None, do_constant_folding=True)
     proto = onnx.load(out_file)
     onnx.helper.set_model_props(proto, dict(getattr(model, 'metadata', {}),
                                             **{'xcit_mm.export_shape': f'{h}x{w}',
