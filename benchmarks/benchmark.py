@@ -29,16 +29,16 @@ from xcit_benchmark.spec import SpecError, load_spec, run_goals  # noqa: E402
 from xcit_benchmark.timing import set_threads  # noqa: E402
 
 
-def build_parser(spec: Optional[dict]) -> argparse.ArgumentParser:
-    """The command line; defaults of ``--models`` / ``--resolutions`` come from ``spec``."""
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse and check the command line (a bad one is a usage error, exit 2)."""
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                 epilog=__doc__.split('\n\n', 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
-    add('--models', nargs='+', default=spec and spec['default_models'], metavar='NAME',
-        help='models to measure (default: %(default)s); see --list-models')
-    add('--resolutions', nargs='+', type=int, default=spec and spec['default_resolutions'],
-        metavar='PX', help='square input sides (default: %(default)s)')
+    add('--models', nargs='+', metavar='NAME',
+        help="models to measure (default: the spec's default_models); see --list-models")
+    add('--resolutions', nargs='+', type=int, metavar='PX',
+        help="square input sides (default: the spec's default_resolutions)")
     add('--batch-size', type=int, default=1, help='images per call')
     add('--mode', choices=['inference', 'train'], default='inference')
     add('--precision', choices=['fp32', 'amp'], default='fp32', help='amp: bf16 CPU, fp16 CUDA')
@@ -73,23 +73,13 @@ def build_parser(spec: Optional[dict]) -> argparse.ArgumentParser:
     add('--quiet', action='store_true', help='no progress lines')
     add('--list-models', action='store_true', help='list model names and exit')
     add('--markdown', metavar='JSON', help='the Markdown tables of a result')
-    return p
-
-
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Parse and check the command line (a bad one is a usage error, exit 2)."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument('--spec')
-    spec = spec_error = None
-    try:
-        spec = load_spec(pre.parse_known_args(argv)[0].spec)
-    except SpecError as e:
-        spec_error = str(e)
-    p = build_parser(spec)
     args = p.parse_args(argv)
-    if spec_error:
-        p.error(spec_error)
-    args.spec_data = spec
+    try:
+        args.spec_data = spec = load_spec(args.spec)
+    except SpecError as e:
+        p.error(str(e))
+    args.models = args.models or spec['default_models']
+    args.resolutions = args.resolutions or spec['default_resolutions']
     for name, least in (('batch_size', 1), ('repeats', 1), ('mem_iters', 1), ('rounds', 1),
                         ('warmup', 0)):
         if getattr(args, name) is not None and getattr(args, name) < least:
@@ -122,17 +112,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def whole_models(args, limit: float) -> int:
     from xcit_benchmark.whole_model import (run_whole_models, whole_model_ratios,
                                             work_settings, write_whole_outputs)
-    repeats, rounds = args.repeats or 3, args.rounds or 3
     work = None if args.own_settings else work_settings(args.whole_model[0], args.detections)
-    records = run_whole_models(
-        args.whole_model, args.mode, args.shape[0], args.shape[1], batch=args.batch_size,
-        repeats=repeats, threads=args.threads, cpu_mem_mode=args.cpu_mem_mode,
-        limit_bytes=limit, log=None if args.quiet else log_stderr,
-        rounds=rounds, work=work)
-    meta = dict(run_metadata(), whole_model=dict(
-        configs=args.whole_model, mode=args.mode, shape=args.shape, batch=args.batch_size,
-        repeats=repeats, rounds=rounds, cpu_mem_mode=args.cpu_mem_mode, work=work),
-        ratios=whole_model_ratios(records))
+    settings = dict(mode=args.mode, batch=args.batch_size, repeats=args.repeats or 3,
+                    rounds=args.rounds or 3, cpu_mem_mode=args.cpu_mem_mode, work=work)
+    records = run_whole_models(args.whole_model, height=args.shape[0], width=args.shape[1],
+                               threads=args.threads, limit_bytes=limit,
+                               log=None if args.quiet else log_stderr, **settings)
+    meta = dict(run_metadata(), whole_model=dict(configs=args.whole_model, shape=args.shape,
+                                                 **settings), ratios=whole_model_ratios(records))
     print(report.markdown_whole_model(dict(meta=meta, records=records)))
     for r in records:
         if r['status'] != 'ok':

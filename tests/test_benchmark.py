@@ -903,6 +903,9 @@ def test_whole_model_worker_parts(tmp_path, capsys):
     assert rec['times_ms'] == pytest.approx([rec['time_ms']])
     assert rec['peak_mem_mb'] >= max(p['peak_mb'] for p in parts.values()) - 1e-6
     assert rec['peak_mem_mb'] > 0
+    # one step, started at the RSS of the memory pass's base: its peak is its highest part's
+    assert rec['peak_mem_mb'] == pytest.approx(max(p['peak_mb'] for p in parts.values()), abs=2)
+    assert rec['mem_base_mb'] > 100  # the process's RSS, torch and the model in it
 
 
 def test_whole_model_bad_config_is_a_usage_error(bench, tmp_path, capsys):

@@ -26,7 +26,7 @@ MIB = 2**20
 # unmapped when freed, so that the RSS follows the live tensors (default malloc keeps freed
 # blocks: the peaks vary run to run and overstate the need)
 LIVE_MALLOC = dict(MALLOC_MMAP_THRESHOLD_='65536')
-ROW = '@@ROW '  # a child's result lines on stdout (every other line is ignored)
+ROW = '@@ROW '  # a child's result lines on stdout, JSON (every other line is ignored)
 
 
 def mallopt_mmap_threshold(nbytes: int) -> bool:
@@ -37,13 +37,6 @@ def mallopt_mmap_threshold(nbytes: int) -> bool:
         return bool(ctypes.CDLL('libc.so.6').mallopt(-3, int(nbytes)))  # -3: M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         return False
-
-
-def print_row(row: dict, out=None) -> None:
-    """A result line of a child process, for :func:`run_process` in its parent."""
-    out = out or sys.stdout
-    out.write(ROW + json.dumps(row) + '\n')
-    out.flush()
 
 
 def test_image(size: int):
@@ -142,7 +135,7 @@ def child_rss(pid: int) -> int:
 
 def run_process(cmd, limit_bytes: float, seconds: float, env=None, cwd=None, on_row=None):
     """Run ``cmd``, killed above ``limit_bytes`` of RSS (before the kernel's OOM killer) or after
-    ``seconds``; ``on_row`` gets each :func:`print_row` row as it comes. Returns returncode, rows,
+    ``seconds``; ``on_row`` gets each :data:`ROW` row as it comes. Returns returncode, rows,
     stderr, killed ('rss', 'timeout' or None), rss (the highest seen), note (why killed)."""
     with tempfile.TemporaryFile('w+') as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
@@ -199,10 +192,11 @@ def child_main(argv=None) -> int:
     try:
         rows = getattr(importlib.import_module(module), name)(json.loads(payload))
         for row in [rows] if isinstance(rows, dict) else rows:
-            print_row(row)
+            print(ROW + json.dumps(row), flush=True)
     except Exception as e:  # reported to the parent
         traceback.print_exc()
-        print_row(dict(status='error', note=f'{type(e).__name__}: {e}'[:300]))
+        print(ROW + json.dumps(dict(status='error', note=f'{type(e).__name__}: {e}'[:300])),
+              flush=True)
         return 1
     return 0
 

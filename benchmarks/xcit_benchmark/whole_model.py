@@ -14,9 +14,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from xcit_mm.models.utils.memory_budget import release_free_heap, reset_peak_rss, rss_mb
-
-from .fresh_points import PartMeter, hooked, mallopt_mmap_threshold, write_artifact
+from .fresh_points import PartMeter, hooked, mallopt_mmap_threshold, measure, write_artifact
 from .runner import run_memory_worker
 from .timing import round_order, set_threads
 
@@ -212,11 +210,7 @@ def worker_main(cfg: dict) -> dict:
     if detections:
         work['detections_per_image'] = list(detections)
     live = cfg.get('mem_pass', 'live') == 'live' and mallopt_mmap_threshold(65536)
-    gc.collect()
-    release_free_heap()
-    reset_peak_rss()
-    base = rss_mb()
-    measured = run(cfg['repeats'])
+    measured, _, base, _ = measure(lambda: run(cfg['repeats']))  # base: RSS after malloc_trim
     med = statistics.median
     return dict(status='ok', task=task, backbone=type(model.backbone).__name__,
                 is_xcit=is_xcit, params_m=sum(p.numel() for p in model.parameters()) / 1e6,
