@@ -270,6 +270,7 @@ def test_bad_inputs(tmp_path, capsys, cli):
         vx.resolve_layers([12], 12)
     assert vx.resolve_layers(None, 12) == [0, 5, 11]
     assert vx.resolve_layers([-1, 0], 24) == [23, 0]
+    assert vx.resolve_layers([1, -11, 3, -1], 12) == [1, 3, 11]  # each layer once, in order
     with pytest.raises(SystemExit):
         cli.main(['coffee', 'random', '--cell', '16', '--out', str(tmp_path / 'x.png')])
     assert '--cell must be at least 32 px' in capsys.readouterr().err

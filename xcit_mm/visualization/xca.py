@@ -76,15 +76,11 @@ def resolve_layers(layers: Optional[Sequence[int]], num_layers: int) -> List[int
     if not layers:
         layers = [0, num_layers // 2 - 1, num_layers - 1] if num_layers > 2 else \
             list(range(num_layers))
-    out = []
     for i in layers:
-        j = i + num_layers if i < 0 else i
-        if not 0 <= j < num_layers:
+        if not -num_layers <= i < num_layers:
             raise ValueError(f'layer {i} out of range: the backbone has {num_layers} layers '
                              f'(0..{num_layers - 1})')
-        if j not in out:
-            out.append(j)
-    return out
+    return list(dict.fromkeys(i % num_layers for i in layers))  # each once, in the given order
 
 
 def xca_maps(backbone, x, layers: Sequence[int]) -> Dict[int, Dict[str, np.ndarray]]:
