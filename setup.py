@@ -24,7 +24,7 @@ setup(
     # numpy 1.x, as tools/install.sh pins it: mmcv 2.1 / mmdet 3.3 / mmseg 1.2 were built and
     # tested against it. Checkpoints written under numpy 2 still load (both pickled names are
     # allow-listed, see xcit_mm/utils/checkpoint_io.py).
-    # safetensors files and hf-hub: names (xcit_mm/models/utils/safetensors_io.py): the calls and
+    # safetensors files and hf-hub: names (xcit_mm/models/utils/checkpoint_io.py): the calls and
     # error classes used exist from these releases on; tools/install.sh pins the ones tested.
     # tools/segment_large_image.py (xcit_mm/apis/large_image.py): TIFF tiles read and written
     # (TiffPage.decode, TiffWriter.write of a tile iterator); imagecodecs for LZW / JPEG tiles.

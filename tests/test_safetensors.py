@@ -197,7 +197,7 @@ def test_save_safetensors_writes_numpy_and_tensor_meta_as_json_and_leaves_out_th
     """numpy and torch values become JSON lists / numbers; an object JSON cannot hold is named."""
     import numpy as np
 
-    from xcit_mm.models.utils.safetensors_io import save_safetensors
+    from xcit_mm.models.utils.checkpoint_io import save_safetensors
     out = str(tmp_path / 'meta.safetensors')
     weight = torch.arange(4.)
     meta = dict(epoch=3, loss=np.float64(0.25), hist=np.array([1, 2]), t=torch.tensor([1.5]),

@@ -22,7 +22,7 @@
 #                        ml_dtypes>=0.5.4, which needs numpy 2). Resolved in the same pip call as
 #                        numpy<2, so the pin holds; xcit_mm imports without them.
 #   safetensors==0.8.0  safetensors files and `hf-hub:OWNER/NAME` weights (timm's XCiT on the
-#   huggingface_hub==2.4.0  Hugging Face Hub; xcit_mm/models/utils/safetensors_io.py). Neither needs
+#   huggingface_hub==2.4.0  Hugging Face Hub; xcit_mm/models/utils/checkpoint_io.py). Neither needs
 #                        numpy (checked with numpy 1.26, Python 3.11; huggingface_hub 2.x needs
 #                        Python >= 3.10); imported only when such a file or name is read.
 #   tifffile==2026.3.3   tools/segment_large_image.py reads TIFF / BigTIFF / OME-TIFF / GeoTIFF tile

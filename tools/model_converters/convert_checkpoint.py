@@ -19,8 +19,8 @@ from xcit_mm.models.utils import (CheckpointError, LayoutError,  # noqa: E402
                                   convert_backbone_state_dict, convert_model_state_dict,
                                   extract_state_dict, load_checkpoint_file)
 from xcit_mm.models.utils.ckpt_convert import strip_prefix  # noqa: E402
-from xcit_mm.models.utils.safetensors_io import (SUFFIX, is_hub_name,  # noqa: E402
-                                                 save_safetensors)
+from xcit_mm.models.utils.checkpoint_io import (SUFFIX, is_hub_name,  # noqa: E402
+                                                save_safetensors)
 from training_extras.hooks.portable_checkpoint_hook import to_plain_data  # noqa: E402
 
 

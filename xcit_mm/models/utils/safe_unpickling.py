@@ -5,17 +5,16 @@ import argparse
 import pickle
 
 import numpy as np
-import torch
 from mmengine.logging.history_buffer import HistoryBuffer
 
 _PLAIN_KINDS = 'biufcUS'  # bool, int, uint, float, complex, str, bytes
 _STATISTICS = ('min', 'max', 'current', 'mean')
-_REFUSED = 'which is not part of an mmengine checkpoint: refused'
 
 
 def _refuse(what: str) -> pickle.UnpicklingError:
     """The error of every stand-in; :mod:`checkpoint_io` names ``what`` in its message."""
-    return pickle.UnpicklingError(f'checkpoint asks for {what}, {_REFUSED}')
+    return pickle.UnpicklingError(
+        f'checkpoint asks for {what}, which is not part of an mmengine checkpoint: refused')
 
 
 def _build_only(cls) -> tuple:
@@ -109,8 +108,3 @@ def training_state_entries() -> list:
         entries += [(_plain_reconstruct, f'{module}._reconstruct'),
                     (_plain_scalar, f'{module}.scalar')]
     return entries
-
-
-def allow_training_state() -> None:
-    """Add :func:`training_state_entries` to torch's allow-list (idempotent)."""
-    torch.serialization.add_safe_globals(training_state_entries())
