@@ -39,12 +39,13 @@ def agreement(model, size: int, device: str) -> dict:
         row['labels_differ'] = int((whole != stream).sum())
         row['labels_differ_share'] = row['labels_differ'] / whole.numel()
         del whole, stream
+        band_mb = model._stream_plans((size, size), held_mb=0)[0].band_mb  # no budget
         with TokenMaps(x.device) as maps:
             trunk = model.backbone.stream_trunk(lambda a, b: x[:, :, a:b], (size, size), maps,
-                                                model._stream_band_mb(None, 0))
+                                                band_mb)
             levels = [model.backbone.level_rows(m, i, (size, size)) for i, m in enumerate(trunk)]
             streamed = materialize(logits_rows(levels, getattr(model, 'neck', None),
-                                               model.decode_head), model._stream_band_mb(None, 0))
+                                               model.decode_head), band_mb)
         row['logits_max_abs_diff'] = float((streamed - logits).abs().max())
         row['logits_max_abs'] = float(logits.abs().max())
     return row

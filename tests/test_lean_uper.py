@@ -119,7 +119,7 @@ def test_config_head_of_512_channels_is_stocks(monkeypatch):
     Every ``configs/upernet_xcit_*.py`` inherits this head from mmseg's UperNet base (no neck),
     as the ADE20k one above."""
     stock, lean = _pair(CITYSCAPES)
-    assert lean.decode_head.channels == 512 and lean.lean_paths(stream=False).network == 'upernet'
+    assert lean.decode_head.channels == 512 and lean.why_not('network') is None
     torch.manual_seed(7)
     x = torch.randn(2, 3, 45, 77)
     expected = _stock_network(stock, x)
@@ -134,20 +134,22 @@ def test_other_heads_and_subclasses_run_stock(ade_models):
     """A UPerHead subclass, a head reading other levels, or a neck: not taken for stock's."""
     _, lean = ade_models['nchw']
     lean = copy.deepcopy(lean)
-    assert lean.lean_paths(stream=False).network == 'upernet'
+    assert lean.why_not('network') is None
 
     class MyUPerHead(UPerHead):
         pass
 
     head = lean.decode_head
     head.__class__ = MyUPerHead
-    assert lean.lean_paths(stream=False).network is None
+    assert lean.why_not('network').endswith('not NoneType + MyUPerHead')
     head.__class__ = UPerHead
     head.in_index = [1, 2, 3, 0]
-    assert lean.lean_paths(stream=False).network is None
+    assert lean.why_not('network') == 'UPerHead must read the levels 0..n-1 in order (in_index)'
     head.in_index = [0, 1, 2, 3]
     lean.neck = torch.nn.Identity()  # a neck between backbone and head: stock's path
-    assert lean.with_neck and lean.lean_paths(stream=False).network is None
+    assert lean.with_neck and lean.why_not('network').endswith('not Identity + UPerHead')
+    with pytest.raises(ValueError, match="unknown lean path 'networks'; known: network, resize"):
+        lean.why_not('networks')
 
 
 def test_predict_labels_and_logits_equal_stock(ade_models):
@@ -219,7 +221,7 @@ model = MODELS.build(dict(
                      pool_scales=(1, 2, 3, 6), channels=64, num_classes=150, norm_cfg=bn,
                      align_corners=False,
                      loss_decode=dict(type='CrossEntropyLoss', use_sigmoid=False)))).eval()
-assert model.lean_paths(stream=False).network == 'upernet'
+assert model.why_not('network') is None
 x = torch.randn(1, 3, 512, 512)
 report = dict(unit_mb=64 * 128 * 128 * 4 / 2**20)
 with torch.no_grad():

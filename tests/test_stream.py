@@ -271,7 +271,7 @@ PART_CHANGES = {
 
 @pytest.mark.parametrize('change', PART_CHANGES)
 def test_each_part_the_stream_cannot_run_is_named(change):
-    """The one check of the parts (``lean_paths``) names each reason, in predict and in
+    """The one check of the parts (``why_not``) names each reason, in predict and in
     ``stream_labels``; 'auto' names a head whose own predict it cannot estimate."""
     import numpy as np
     model = _model(SEM_FPN)
@@ -309,3 +309,14 @@ def test_the_band_follows_each_call_not_the_last_budget(monkeypatch):
     model.test_cfg.pop('max_memory')
     _predict(model, x, None)
     assert bands[0] < lean_module.STREAM_BAND_MB['cpu'] == bands[1], bands
+
+
+def test_upernet_plans_a_budgeted_stream():
+    """UperNet's stream under ``max_memory`` counts its pyramid pooling (one map per pool scale)
+    and runs the labels of the unbudgeted stream."""
+    model = _model(UPERNET)
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(5))
+    expected = _predict(model, x, None)[0].pred_sem_seg.data
+    model.test_cfg.max_memory = 10**6
+    got = _predict(model, x, None)[0].pred_sem_seg.data
+    assert model.last_memory_plan.name == 'stream' and torch.equal(got, expected)

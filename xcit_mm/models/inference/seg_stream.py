@@ -5,8 +5,7 @@ from functools import partial
 from typing import Optional, Sequence
 
 import torch
-from mmseg.models.decode_heads import FPNHead, UPerHead
-from mmseg.models.necks import FPN
+from mmseg.models.decode_heads import UPerHead
 from mmseg.models.utils import Upsample
 from torch import Tensor
 
@@ -38,8 +37,11 @@ def _branch_rows(branch, source: RowMap) -> RowMap:
     return source
 
 
-def semantic_fpn_rows(levels: Sequence[RowMap], neck: FPN, head: FPNHead) -> RowMap:
-    """``FPNHead.forward(FPN.forward(levels))``: the logits at the head's stride, by rows."""
+def logits_rows(levels: Sequence[RowMap], neck, head) -> RowMap:
+    """The head's logits of the backbone's level maps, by rows: Semantic FPN
+    (``FPNHead.forward(FPN.forward(levels))``) or UperNet."""
+    if type(head) is UPerHead:
+        return _upernet_rows(levels, head)
     lateral = [module_rows(conv, level) for conv, level in zip(neck.lateral_convs, levels)]
     for i in range(len(lateral) - 1, 0, -1):
         lateral[i - 1] = top_down_rows(lateral[i - 1], lateral[i], neck.upsample_cfg)
@@ -51,28 +53,17 @@ def semantic_fpn_rows(levels: Sequence[RowMap], neck: FPN, head: FPNHead) -> Row
     return Local(head.cls_seg, output)
 
 
-def upernet_rows(levels: Sequence[RowMap], head: UPerHead) -> RowMap:
-    """``UPerHead.forward(levels)`` by rows; the pyramid pooling reads the whole (small)
-    coarsest level."""
-    top = levels[-1].rows(0, levels[-1].height)
-    pooled = [TensorRows(top)] + [_resized(TensorRows(ppm(top)), levels[-1],
-                                           head.psp_modules.align_corners)
-                                  for ppm in head.psp_modules]
+def _upernet_rows(levels: Sequence[RowMap], head: UPerHead) -> RowMap:
+    """``UPerHead.forward(levels)`` by rows; its pyramid pooling (stock's ``psp_forward``) reads
+    the whole (small) coarsest level."""
     lateral = [module_rows(conv, level) for conv, level in zip(head.lateral_convs, levels)]
-    lateral.append(module_rows(head.bottleneck, Combine(_cat, *pooled)))
+    lateral.append(TensorRows(head.psp_forward([levels[-1].rows(0, levels[-1].height)])))
     for i in range(len(lateral) - 1, 0, -1):
         lateral[i - 1] = top_down_rows(lateral[i - 1], lateral[i],
                                        dict(mode='bilinear', align_corners=head.align_corners))
     outs = [module_rows(conv, lat) for conv, lat in zip(head.fpn_convs, lateral)] + lateral[-1:]
     outs = [outs[0]] + [_resized(out, outs[0], head.align_corners) for out in outs[1:]]
     return Local(head.cls_seg, module_rows(head.fpn_bottleneck, Combine(_cat, *outs)))
-
-
-def logits_rows(levels: Sequence[RowMap], neck, head) -> RowMap:
-    """The head's logits of the backbone's level maps, by rows (Semantic FPN or UperNet)."""
-    if type(head) is UPerHead:
-        return upernet_rows(levels, head)
-    return semantic_fpn_rows(levels, neck, head)
 
 
 def labels_rows(logits: RowMap, head_hw: Sequence[int], crop: Sequence[int],

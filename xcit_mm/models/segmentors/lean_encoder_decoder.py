@@ -5,7 +5,7 @@ import math
 import tempfile
 from contextlib import contextmanager
 from functools import partial
-from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -59,16 +59,12 @@ INPUT_BYTES = 4 + 1
 def slide_windows(img_hw: Sequence[int], crop_size: Sequence[int],
                   stride: Sequence[int]) -> List[Tuple[int, int, int, int]]:
     """Stock ``slide_inference``'s windows ``(y1, y2, x1, x2)``, in its order."""
-    (h_img, w_img), (h_crop, w_crop), (h_stride, w_stride) = img_hw, crop_size, stride
-    h_grids = max(h_img - h_crop + h_stride - 1, 0) // h_stride + 1
-    w_grids = max(w_img - w_crop + w_stride - 1, 0) // w_stride + 1
-    windows = []
-    for h_idx in range(h_grids):
-        for w_idx in range(w_grids):
-            y2 = min(h_idx * h_stride + h_crop, h_img)
-            x2 = min(w_idx * w_stride + w_crop, w_img)
-            windows.append((max(y2 - h_crop, 0), y2, max(x2 - w_crop, 0), x2))
-    return windows
+    spans = []  # per axis, each window's (start, end): its end clipped, then the crop before it
+    for size, crop, step in zip(img_hw, crop_size, stride):
+        grids = max(size - crop + step - 1, 0) // step + 1
+        ends = [min(i * step + crop, size) for i in range(grids)]
+        spans.append([(max(end - crop, 0), end) for end in ends])
+    return [(y1, y2, x1, x2) for y1, y2 in spans[0] for x1, x2 in spans[1]]
 
 
 def _is_channels_last(x: Tensor) -> bool:
@@ -117,18 +113,13 @@ class _RunningArgmax:
         self.step_done()
 
 
-class LeanPaths(NamedTuple):
-    """The network in data-flow order ('semantic_fpn', 'upernet'; None: stock's forward), and
-    why the head's resize cannot join the chunked post-processing or the stream cannot run."""
-    network: Optional[str]
-    why_not_lean_resize: Optional[str]
-    why_not_stream: Optional[str]
-
-
 @MODELS.register_module()
 class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
     """mmseg's ``EncoderDecoder`` with a lean ``predict``; training is stock's."""
     SETTINGS = SegmentorSettings
+    # 'network': backbone, neck and head in data-flow order (Semantic FPN or UperNet); 'resize':
+    # the head's resize joins the chunked post-processing; 'stream': mode='stream'
+    LEAN_PATHS = ('network', 'resize', 'stream')
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -142,32 +133,20 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
     def _settings_context(self) -> dict:
         return dict(default_crop=getattr(self.data_preprocessor, 'size', None))
 
-    def lean_paths(self, stream: bool = True) -> LeanPaths:
-        """The lean paths the parts and ``test_cfg`` allow, read on every predict (a part may be
-        replaced after the build); ``stream=False`` skips the stream's check."""
+    def why_not(self, path: str) -> Optional[str]:
+        """Why the parts (and ``test_cfg``, for 'stream') rule out a lean path of ``LEAN_PATHS``,
+        None if they allow it; asked on every predict, as a part may be replaced after the build."""
+        self._check_lean_path(path)
         neck, head = getattr(self, 'neck', None), self.decode_head
-        in_order = (head.input_transform == 'multiple_select'
-                    and list(head.in_index) == list(range(len(head.in_index))))
-        if type(neck) is FPN and type(head) is FPNHead:
-            network, why_network = 'semantic_fpn', why_not_data_flow_fpn(neck, FPN)
-            in_order = in_order and len(head.in_index) <= neck.num_outs
-        elif neck is None and type(head) is UPerHead:
-            network, why_network = 'upernet', None
-            in_order = in_order and (len(head.lateral_convs) == len(head.fpn_convs)
-                                     == len(head.in_index) - 1)
-        else:
-            network, why_network = None, (
-                'it runs Semantic FPN (mmseg FPN + FPNHead) or UperNet (UPerHead, no neck), not '
-                f'{type(neck).__name__} + {type(head).__name__}')
-        if network is not None and why_network is None and not in_order:
-            why_network = f'{type(head).__name__} must read the levels 0..n-1 in order (in_index)'
-        stock_resize = (type(head).predict is BaseDecodeHead.predict
-                        and type(head).predict_by_feat is BaseDecodeHead.predict_by_feat)
-        why_resize = None if stock_resize else (
-            f"{type(head).__name__} overrides the decode head's predict (forward + resize)")
-        why_stream = None
-        if stream:
+        head_name = type(head).__name__
+        if path == 'resize':
+            if (type(head).predict is BaseDecodeHead.predict
+                    and type(head).predict_by_feat is BaseDecodeHead.predict_by_feat):
+                return None
+            return f"{head_name} overrides the decode head's predict (forward + resize)"
+        if path == 'stream':
             settings = self.test_settings
+            why_resize, why_network = self.why_not('resize'), self.why_not('network')
             reasons = [
                 (not settings.lean, 'it needs the lean predict (test_cfg.lean=False is set)'),
                 (settings.keep_seg_logits,
@@ -178,29 +157,42 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                 (why_network is not None, why_network),
                 (head.out_channels == 1,
                  'a one-channel (sigmoid) head is thresholded, not an argmax: use mode whole')]
-            why_stream = next((why for fails, why in reasons if fails), None)
-            if why_stream is None:
-                why_stream = why_not_by_rows(self.backbone, neck, head)
-        return LeanPaths(network if why_network is None else None, why_resize, why_stream)
+            why = next((why for fails, why in reasons if fails), None)
+            return why_not_by_rows(self.backbone, neck, head) if why is None else why
+        in_order = (head.input_transform == 'multiple_select'
+                    and list(head.in_index) == list(range(len(head.in_index))))
+        if type(neck) is FPN and type(head) is FPNHead:
+            why = why_not_data_flow_fpn(neck, FPN)
+            in_order = in_order and len(head.in_index) <= neck.num_outs
+        elif neck is None and type(head) is UPerHead:
+            why = None
+            in_order = in_order and (len(head.lateral_convs) == len(head.fpn_convs)
+                                     == len(head.in_index) - 1)
+        else:
+            return ('it runs Semantic FPN (mmseg FPN + FPNHead) or UperNet (UPerHead, no neck), '
+                    f'not {type(neck).__name__} + {head_name}')
+        if why is None and not in_order:
+            return f'{head_name} must read the levels 0..n-1 in order (in_index)'
+        return why
 
     # ------------------------------------------------------------------ predict
     def predict(self, inputs: Tensor, data_samples: OptSampleList = None) -> SampleList:
         """Stock ``predict``'s labels (and logits with ``test_cfg.keep_seg_logits``)."""
-        settings = self.test_settings
-        mode, name = settings.mode, type(self).__name__
+        settings, name = self.test_settings, type(self).__name__
+        mode, why_resize = settings.mode, self.why_not('resize')
         stream_keys = settings.band_mb, settings.token_maps, settings.token_dir
-        paths = self.lean_paths(mode == 'stream' or any(k is not None for k in stream_keys))
-        if paths.why_not_stream is not None:
-            raise ValueError(f"{name}: test_cfg mode='stream' cannot run: {paths.why_not_stream}; "
-                             "choose mode 'whole', 'slide' or 'auto'")
-        if mode == 'auto' and paths.why_not_lean_resize is not None:
+        why = (self.why_not('stream') if mode == 'stream' or any(k is not None for k in stream_keys)
+               else None)
+        if why is not None:
+            raise ValueError(f"{name}: test_cfg mode='stream' cannot run: {why}; choose mode "
+                             "'whole', 'slide' or 'auto'")
+        if mode == 'auto' and why_resize is not None:
             raise ValueError(f"{name}: test_cfg.mode='auto' estimates memory only for mmseg's "
-                             f"decode head predict; {paths.why_not_lean_resize}: choose mode "
-                             "'whole' or 'slide'")
+                             f"decode head predict; {why_resize}: choose mode 'whole' or 'slide'")
         self._release_heap = mode == 'auto'
         if not settings.lean:
             return super().predict(inputs, data_samples)
-        if paths.why_not_lean_resize is not None:
+        if why_resize is not None:
             # full-size logits come from the inference itself: only the post-processing is lean
             return self._whole_post(self.inference(inputs, self._batch_img_metas(
                 inputs, data_samples)), None, data_samples)
@@ -243,12 +235,11 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
     # ------------------------------------------------------------------ network
     def _network_forward(self, inputs: Tensor) -> Tensor:
         """``decode_head.forward(extract_feat(inputs))``: the logits at the head's resolution."""
-        network = self.lean_paths(stream=False).network
-        if network == 'semantic_fpn':
-            return self._semantic_fpn_forward(inputs)
-        if network == 'upernet':
+        if self.why_not('network') is not None:
+            return self.decode_head.forward(self.extract_feat(inputs))
+        if type(self.decode_head) is UPerHead:
             return uper_head_in_data_flow_order(self.backbone, self.decode_head, inputs)
-        return self.decode_head.forward(self.extract_feat(inputs))
+        return self._semantic_fpn_forward(inputs)
 
     def _semantic_fpn_forward(self, inputs: Tensor) -> Tensor:
         """``FPNHead.forward(FPN.forward(backbone(inputs)))``, each map freed when done; the
@@ -275,9 +266,9 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         (stop - start, W) on the CPU. ``read_rows(a, b)``: rows a..b-1 as mmcv reads them ((b - a,
         W, C) uint8, BGR), normalised here. Under ``max_memory`` (MB) the token maps may go to
         ``token_dir``; ``progress(done, total)`` follows the work."""
-        why = self.lean_paths().why_not_stream
+        why, name = self.why_not('stream'), type(self).__name__
         if why is not None:
-            raise ValueError(f'{type(self).__name__}.stream_labels: cannot stream: {why}')
+            raise ValueError(f'{name}.stream_labels: cannot stream: {why}')
         pre = self.data_preprocessor
         device = next(self.parameters()).device
 
@@ -289,12 +280,10 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
             rows = rows.float()
             return (rows - pre.mean) / pre.std if getattr(pre, '_enable_normalize', False) else rows
 
-        plan = None
-        if max_memory is not None:
-            budget = read_budget_mb(dict(max_memory=max_memory), type(self).__name__)
-            plans = self._stream_plans(image_hw, held_mb=0, budget_mb=budget)
-            plan = self._choose_memory_plan(plans, budget, f'{type(self).__name__} on '
-                                            f'{image_hw[0]}x{image_hw[1]} px')
+        budget = None if max_memory is None else read_budget_mb(dict(max_memory=max_memory), name)
+        plans = self._stream_plans(image_hw, held_mb=0, budget_mb=budget)
+        plan = plans[0] if budget is None else self._choose_memory_plan(
+            plans, budget, f'{name} on {image_hw[0]}x{image_hw[1]} px')
         with self._eval_no_grad():
             for start, stop, labels in self._stream_bands(
                     read_pixels, image_hw, image_hw, (0, 0, 0, 0), image_hw, plan,
@@ -305,6 +294,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                         plan: Optional[Plan]) -> SampleList:
         """mode='stream' (or the stream 'auto' chose): each image's labels, band by band."""
         head_hw = self._head_resize_size(inputs, data_samples)
+        plan = plan or self._stream_plans(inputs.shape[2:], held_mb=0)[0]  # no budget
         results = []
         for i, meta in enumerate(self._metas(data_samples, inputs.shape[0])):
             if meta is not None and meta.get('flip', None):
@@ -320,15 +310,14 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
             results.append((labels, None))
         return self._set_results(data_samples, results)
 
-    def _stream_bands(self, read_pixels, image_hw, head_hw, crop, out_hw, plan: Optional[Plan],
+    def _stream_bands(self, read_pixels, image_hw, head_hw, crop, out_hw, plan: Plan,
                       token_dir: Optional[str],
                       progress: Optional[Callable[[int, int], None]] = None
                       ) -> Iterator[Tuple[int, int, Tensor]]:
         """One image: the trunk into token maps (on disk for 'stream-disk'), then the labels in
         bands of the plan's size; the trunk counts as half the ``progress``."""
-        band_mb = plan.band_mb if plan is not None else self._stream_band_mb(None, 0)
-        on_disk = (self.test_settings.token_maps == 'disk'
-                   or plan is not None and plan.name == 'stream-disk')
+        band_mb = plan.band_mb
+        on_disk = self.test_settings.token_maps == 'disk' or plan.name == 'stream-disk'
         layers = max(self.backbone.out_indices) + 1
         total, done = 2 * out_hw[0], [0]
 
@@ -354,7 +343,8 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
     def _stream_plans(self, image_hw: Sequence[int], held_mb: float,
                       budget_mb: Optional[float] = None) -> List[Plan]:
         """The stream's plans, token maps in memory then on disk: the maps, the bands' work, what
-        the caller holds and ``SLACK_MB``; the bands as large as ``budget_mb`` allows."""
+        the caller holds and ``SLACK_MB``; the bands ``test_cfg.band_mb``, else the device's
+        default, shrunk to fit ``budget_mb`` (down to the minimum)."""
         p, D = self.backbone.patch_size, self.backbone.embed_dims
         grid = [(side + p - 1) // p for side in image_hw]
         kept = len(set(self.backbone.out_indices) - {max(self.backbone.out_indices)}) + 1
@@ -363,24 +353,18 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         if type(self.decode_head) is UPerHead:  # the pyramid pooling reads the stride-32 map
             head = self.decode_head
             fixed_mb += (FLOAT_BYTES * math.prod(-(-side // 32) for side in image_hw)
-                         * (D + (len(head.pool_scales) + 1) * head.channels) / MB)
+                         * (D + (len(head.psp_modules) + 1) * head.channels) / MB)
+        default = STREAM_BAND_MB.get(next(self.parameters()).device.type, STREAM_BAND_MB['cpu'])
         plans = []
         for name, where, maps in (('stream', 'in memory', maps_mb), ('stream-disk', 'on disk', 0)):
-            band_mb = self._stream_band_mb(budget_mb, fixed_mb + maps)
+            band_mb = self.test_settings.band_mb
+            if band_mb is None:
+                room = math.inf if budget_mb is None else budget_mb - (fixed_mb + maps)
+                band_mb = max(MIN_STREAM_BAND_MB, min(default, room / STREAM_WORK_BANDS))
             plans.append(Plan(name, fixed_mb + maps + STREAM_WORK_BANDS * band_mb,
                               f'({kept} token maps of {maps_mb / kept:.0f} MB {where}, bands of '
                               f'{band_mb:.0f} MB)', band_mb))
         return plans
-
-    def _stream_band_mb(self, budget_mb: Optional[float], fixed_mb: float) -> float:
-        """``test_cfg.band_mb`` if given; else the device's default, or under ``budget_mb`` the
-        largest band up to that which fits beside ``fixed_mb`` (at least the minimum)."""
-        if self.test_settings.band_mb is not None:
-            return self.test_settings.band_mb
-        default = STREAM_BAND_MB.get(next(self.parameters()).device.type, STREAM_BAND_MB['cpu'])
-        if budget_mb is None:
-            return default
-        return max(MIN_STREAM_BAND_MB, min(default, (budget_mb - fixed_mb) / STREAM_WORK_BANDS))
 
     # ------------------------------------------------------------------ sliding windows
     def _slide_predict(self, inputs: Tensor, data_samples: OptSampleList) -> SampleList:
@@ -391,29 +375,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         for y1, y2, x1, x2 in windows:
             window_logits.append(self._network_forward(inputs[:, :, y1:y2, x1:x2]))
             self._step_done()
-        count = self._window_count(inputs, inputs.shape, windows)
-        return self._slide_post(window_logits, windows, count, data_samples)
-
-    @staticmethod
-    def _window_count(like: Tensor, shape: Sequence[int], windows: list) -> Tensor:
-        """Stock's count map: how many windows cover each pixel, (batch, 1, H, W)."""
-        count = like.new_zeros((shape[0], 1) + tuple(shape[2:]))
-        for y1, y2, x1, x2 in windows:
-            count[:, :, y1:y2, x1:x2] += 1
-        assert (count == 0).sum() == 0
-        return count
-
-    def _slide_chunk(self, window_logits: List[Tensor], windows: list, count: Tensor, c0: int,
-                     c1: int) -> Tensor:
-        """Classes [c0, c1) of stock ``slide_inference``'s map, built as stock builds it."""
-        acc = count.new_zeros((count.shape[0], c1 - c0) + tuple(count.shape[2:]))
-        for (y1, y2, x1, x2), logits in zip(windows, window_logits):
-            part = resize(_class_slice(logits, c0, c1), size=(y2 - y1, x2 - x1),
-                          mode='bilinear', align_corners=self.decode_head.align_corners)
-            acc[:, :, y1:y2, x1:x2].add_(part)
-            del part
-            self._step_done()
-        return acc.div_(count)
+        return self._slide_post(window_logits, windows, inputs, data_samples)
 
     # ------------------------------------------------------------------ post-processing
     def _whole_post(self, low_res: Tensor, head_hw, data_samples: OptSampleList,
@@ -425,15 +387,30 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         return self._postprocess(partial(_class_slice, low_res), head_hw, data_samples, metas,
                                  width)
 
-    def _slide_post(self, window_logits: List[Tensor], windows: list, count: Tensor,
+    def _slide_post(self, window_logits: List[Tensor], windows: list, like: Tensor,
                     data_samples: OptSampleList, width: Optional[int] = None) -> SampleList:
-        """Stock ``slide_inference``'s map, post-processed class chunk by class chunk."""
-        metas = self._metas(data_samples, count.shape[0])
-        width = width or self._chunk_width(count.shape[2:], metas,
-                                           any(map(_is_channels_last, window_logits)),
-                                           count[:, 0].numel())
-        return self._postprocess(partial(self._slide_chunk, window_logits, windows, count), None,
-                                 data_samples, metas, width)
+        """Stock ``slide_inference``'s map (each window's logits resized into place, over the
+        count of windows on each pixel, in ``like``'s dtype), post-processed by class chunks."""
+        B, H, W = like.shape[0], windows[-1][1], windows[-1][3]  # the last window ends bottom right
+        count = like.new_zeros((B, 1, H, W))
+        for y1, y2, x1, x2 in windows:
+            count[:, :, y1:y2, x1:x2] += 1
+        assert (count == 0).sum() == 0
+
+        def chunk_of(c0: int, c1: int) -> Tensor:
+            acc = like.new_zeros((B, c1 - c0, H, W))
+            for (y1, y2, x1, x2), logits in zip(windows, window_logits):
+                part = resize(_class_slice(logits, c0, c1), size=(y2 - y1, x2 - x1),
+                              mode='bilinear', align_corners=self.decode_head.align_corners)
+                acc[:, :, y1:y2, x1:x2].add_(part)
+                del part
+                self._step_done()
+            return acc.div_(count)
+
+        metas = self._metas(data_samples, B)
+        width = width or self._chunk_width((H, W), metas,
+                                           any(map(_is_channels_last, window_logits)), B * H * W)
+        return self._postprocess(chunk_of, None, data_samples, metas, width)
 
     def _postprocess(self, chunk_of: Callable[[int, int], Tensor], head_size,
                      data_samples: OptSampleList, metas: List[Optional[dict]],
@@ -528,7 +505,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         head_hw = self._head_resize_size(inputs, data_samples)
         input_mb = INPUT_BYTES * inputs.numel() / MB
         stream = []
-        if stream_only or self.lean_paths().why_not_stream is None:
+        if stream_only or self.why_not('stream') is None:
             labels = sum(math.prod(self._output_hw(meta, head_hw)) for meta in metas)
             stream = self._stream_plans((H, W), input_mb + LABEL_BYTES * labels / MB,
                                         self.test_settings.max_memory)
@@ -559,10 +536,10 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         C = self.out_channels
         s_h, s_w, channels_last = self._head_output_geometry(inputs)
         width = self._chunk_width(head_hw, metas, channels_last, B * H * W if windows else 0)
+        images = [(tuple(m['ori_shape']), self._padding(m), m.get('flip'),
+                   m.get('flip_direction')) for m in metas if m is not None]
         key = (tuple(inputs.shape), tuple(head_hw), tuple(windows or ()), width,
-               self.test_settings.keep_seg_logits,
-               tuple((self._output_hw(m, head_hw), self._padding(m), m and m.get('flip'),
-                      m and m.get('flip_direction')) for m in metas))
+               self.test_settings.keep_seg_logits, tuple(images))
         if key in self._post_lines:
             return self._post_lines[key].estimate_mb(H * W)
 
@@ -573,21 +550,19 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
             out = inputs.new_zeros((B, C) + scaled(f, math.ceil(h / s_h), math.ceil(w / s_w)))
             return out.contiguous(memory_format=torch.channels_last) if channels_last else out
 
-        def sample(meta: dict, f: float) -> SegDataSample:
+        def sample(f: float, ori_hw, padding, flip, direction) -> SegDataSample:
             return SegDataSample(metainfo=dict(
-                ori_shape=scaled(f, *meta['ori_shape']),
-                padding_size=[round(p * f) for p in self._padding(meta)],
-                flip=meta.get('flip'), flip_direction=meta.get('flip_direction')))
+                ori_shape=scaled(f, *ori_hw), padding_size=[round(p * f) for p in padding],
+                flip=flip, flip_direction=direction))
 
         def run(h: int, w: int):
             f = h / H
-            samples = None if metas[0] is None else [sample(meta, f) for meta in metas]
+            samples = [sample(f, *image) for image in images] if images else None
             if windows is None:
                 return self._whole_post(logits(f, H, W), scaled(f, *head_hw), samples, width)
             boxes = [tuple(round(v * f) for v in box) for box in windows]
-            count = self._window_count(inputs, (B, 1) + scaled(f, H, W), boxes)
             return self._slide_post([logits(f, y2 - y1, x2 - x1) for y1, y2, x1, x2 in windows],
-                                    boxes, count, samples, width)
+                                    boxes, inputs, samples, width)
 
         top = min(max(H, W), POST_CALIBRATION_SIDE)
         sides = [scaled(side / max(H, W), H, W) for side in (top / 2, top)]
