@@ -120,12 +120,10 @@ def draw_grid(image: np.ndarray, maps: Dict[int, Dict[str, np.ndarray]], out_fil
         fig.text(x / width, (height - y) / height, words, va='center', fontsize=size, **kwargs)
 
     def axes_at(row, col):
-        ax = fig.add_axes([(LEFT_PX + col * cell + pad) / width,
-                           (height - TOP_PX - (row + 1) * cell + pad + foot) / height,
-                           (cell - 2 * pad) / width, (cell - 2 * pad - foot) / height])
-        ax.set_xticks([])
-        ax.set_yticks([])
-        return ax
+        return fig.add_axes([(LEFT_PX + col * cell + pad) / width,
+                             (height - TOP_PX - (row + 1) * cell + pad + foot) / height,
+                             (cell - 2 * pad) / width, (cell - 2 * pad - foot) / height],
+                            xticks=[], yticks=[])
 
     text(width / 2, 18, title, fs * 1.3, ha='center', weight='bold')
     for col, words in enumerate(['image'] + [f'head {h}' for h in range(heads)]):
@@ -142,9 +140,8 @@ def draw_grid(image: np.ndarray, maps: Dict[int, Dict[str, np.ndarray]], out_fil
             fmt = '.3f' if key == 'attn' else '.2f'
             for h, m in enumerate(maps[layer][key]):  # each map with its own colour scale
                 lo, hi = float(m.min()), float(m.max())
-                ax = axes_at(row, 1 + h)
-                ax.imshow(m, cmap=cmap, vmin=lo, vmax=hi if hi > lo else lo + 1e-12,
-                          interpolation='nearest')
+                axes_at(row, 1 + h).imshow(m, cmap=cmap, vmin=lo, interpolation='nearest',
+                                           vmax=hi if hi > lo else lo + 1e-12)
                 text(LEFT_PX + (1.5 + h) * cell, TOP_PX + (row + 1) * cell - pad - foot / 2,
                      f'{lo:{fmt}} .. {hi:{fmt}}', fs * 0.75, ha='center', color='0.3')
     os.makedirs(osp.dirname(osp.abspath(out_file)), exist_ok=True)
