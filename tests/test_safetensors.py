@@ -266,6 +266,18 @@ def test_a_repository_that_is_not_xcit_is_named(offline_hub):
         load_checkpoint_file('hf-hub:xcit_small_12_p16_384')
 
 
+def test_a_cut_hub_file_names_the_cached_repository_to_delete(offline_hub, timm_files):
+    add_to_cache(offline_hub['cache'], 'someone/cut-xcit',
+                 {'model.safetensors': _bytes(timm_files['safetensors'])[:1000]})
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint_file('hf-hub:someone/cut-xcit')
+    message = _one_line(info)
+    assert 'checkpoint hf-hub:someone/cut-xcit, cached at ' in message, message
+    assert 'the safetensors file is truncated or corrupt' in message, message
+    folder = offline_hub['cache'] / 'models--someone--cut-xcit'
+    assert f'The Hub file is cached: delete {folder} and run again' in message, message
+
+
 @pytest.fixture
 def mocked_hub(hub, monkeypatch):
     """huggingface_hub online, every request answered here as the Hub answers it."""
