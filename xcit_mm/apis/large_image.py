@@ -78,8 +78,7 @@ class _TiffSource(_Source):
         self.tif = None
         try:
             self.tif = tifffile.TiffFile(path)
-            series = self.tif.series[0]
-            self.pages = self._image_pages(series, [page.aspage() for page in series.pages])
+            self.pages = self._image_pages(self.tif.series[0])
         except Exception as e:  # tifffile's many ways of meeting a broken header
             self.close()
             if isinstance(e, LargeImageError):
@@ -100,10 +99,11 @@ class _TiffSource(_Source):
                                       'number') from None
         self._tile_row = functools.lru_cache(maxsize=4 * len(self.pages))(self._decode_tile_row)
 
-    def _image_pages(self, series, pages) -> list:
+    def _image_pages(self, series) -> list:
         """The pages of level 0 of the first image: one page, or one per channel (OME-TIFF's C
         axis); layouts read wrongly or truncated files are refused."""
         from tifffile import PHOTOMETRIC
+        pages = [page.aspage() for page in series.pages]
         axes = ''.join(a for a, n in zip(series.axes, series.shape) if n > 1 or a in 'YX')
         if axes in ('YX', 'YXS', 'SYX') and pages:
             pages = pages[:1]
