@@ -40,6 +40,11 @@ arch_zoo = {
 STRIDES = (4, 8, 16, 32)  # of the adapter's levels; the last is the smallest image side
 
 
+def _tracing() -> bool:
+    """Whether dynamo or an ONNX trace records: then plain tensor code, one graph for every size."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
 class FourierPositionEncoding(nn.Module):
     """DETR-style sine/cosine code of any patch grid through a 1x1 conv: no interpolation."""
 
@@ -87,18 +92,16 @@ class ConvPatchEmbed(nn.Module):
         self.patch_size = 2**num_convs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens of ``x`` zero-padded at the bottom and right to a multiple of the patch."""
+        H, W = x.shape[-2:]
+        # round up with floor division, not ``-H % p``: a modulo of symbolic sizes makes
+        # torch 2.13's inductor fail at the second image size (docs/deployment.md)
+        p = self.patch_size
+        pad_h, pad_w = (H + p - 1) // p * p - H, (W + p - 1) // p * p - W
+        if _tracing() or pad_h or pad_w:  # traced: always (a zero pad is a no-op), no branch
+            x = F.pad(x, (0, pad_w, 0, pad_h))
         # faster channels-last on CPU, and the (B, N, D) token view of the output is free
         return self.proj(x.contiguous(memory_format=torch.channels_last))
-
-    def rows(self, read_pixels: Callable[[int, int], torch.Tensor], image_hw: Tuple[int, int],
-             start: int, stop: int) -> torch.Tensor:
-        """Token rows ``start:stop`` of the zero-padded image read by ``read_pixels(a, b)``: a token
-        row reads p - 1 pixel rows above its own, so one patch row of context suffices."""
-        p = self.patch_size
-        (H, W), lo, hi = image_hw, max(0, start - 1) * p, stop * p
-        x = read_pixels(lo, min(H, hi))
-        x = F.pad(x, (0, (W + p - 1) // p * p - W, 0, hi - lo - x.shape[2]))
-        return self(x)[:, :, start - lo // p:]
 
 
 class XCAProbe(nn.Module):
@@ -154,12 +157,6 @@ class LPI(nn.Module):
         return x.permute(0, 2, 3, 1).reshape(B, N, C)
 
 
-def _ffn(embed_dims: int, mlp_ratio: float) -> nn.Sequential:
-    hidden = int(embed_dims * mlp_ratio)
-    return nn.Sequential(OrderedDict(fc1=nn.Linear(embed_dims, hidden), act=nn.GELU(),
-                                     fc2=nn.Linear(hidden, embed_dims)))
-
-
 class XCiTLayer(nn.Module):
     """Pre-norm XCA, LPI (norm3, gamma3) and FFN (norm2, gamma2) residuals, the released order."""
 
@@ -171,7 +168,9 @@ class XCiTLayer(nn.Module):
         self.norm3 = nn.LayerNorm(embed_dims, eps=1e-6)
         self.lpi = LPI(embed_dims, norm_cfg)
         self.norm2 = nn.LayerNorm(embed_dims, eps=1e-6)
-        self.ffn = _ffn(embed_dims, mlp_ratio)
+        hidden = int(embed_dims * mlp_ratio)
+        self.ffn = nn.Sequential(OrderedDict(fc1=nn.Linear(embed_dims, hidden), act=nn.GELU(),
+                                             fc2=nn.Linear(hidden, embed_dims)))
         self.gamma1 = nn.Parameter(layer_scale_init_value * torch.ones(embed_dims))
         self.gamma3 = nn.Parameter(layer_scale_init_value * torch.ones(embed_dims))
         self.gamma2 = nn.Parameter(layer_scale_init_value * torch.ones(embed_dims))
@@ -255,11 +254,6 @@ def _build_adapter(embed_dims: int, patch_size: int, norm_cfg: dict) -> List[nn.
             nn.Sequential(up2()), nn.Identity(), pool(2)
         ]
     return [nn.Sequential(up2()), nn.Identity(), nn.Sequential(pool(2)), nn.Sequential(pool(4))]
-
-
-def _tracing() -> bool:
-    """Whether dynamo or an ONNX trace records: then plain tensor code, one graph for every size."""
-    return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
 def _up2_traceable(conv: nn.ConvTranspose2d, x: torch.Tensor,
@@ -408,7 +402,13 @@ class XCiTBackbone(BaseModule):
         return [self.fpn1, self.fpn2, self.fpn3, self.fpn4]
 
     def init_weights(self):
-        self.apply(_init_module)
+        for m in self.modules():  # every Linear here has a bias
+            if isinstance(m, nn.Linear):
+                trunc_normal_(m.weight, std=.02)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
         init_cfg = self.init_cfg
         if isinstance(init_cfg, dict) and init_cfg.get('type') == 'Pretrained':
             if 'checkpoint' not in init_cfg:
@@ -459,13 +459,6 @@ class XCiTBackbone(BaseModule):
     def forward_trunk(self, x: torch.Tensor) -> List[torch.Tensor]:
         """Trunk maps at ``out_indices``, (B, D, ceil(H/p), ceil(W/p)) channels-last views."""
         self._check_input(x)
-        H, W = x.shape[-2:]
-        # round up with floor division, not ``-H % p``: a modulo of symbolic sizes makes
-        # torch 2.13's inductor fail at the second image size (docs/deployment.md)
-        p = self.patch_size
-        pad_h, pad_w = (H + p - 1) // p * p - H, (W + p - 1) // p * p - W
-        if _tracing() or pad_h or pad_w:  # traced: always (a zero pad is a no-op), no branch
-            x = F.pad(x, (0, pad_w, 0, pad_h))
         x = self.patch_embed(x)
         B, D, Hp, Wp = x.shape
         grid_hw = (Hp, Wp)
@@ -486,9 +479,9 @@ class XCiTBackbone(BaseModule):
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """4 maps at strides 4/8/16/32, each ceil(H/s) x ceil(W/s)."""
-        H, W = x.shape[-2:] if isinstance(x, torch.Tensor) else (0, 0)
-        feats = self.forward_trunk(x)
-        return tuple(self.forward_level(feat, level, (H, W)) for level, feat in enumerate(feats))
+        feats = self.forward_trunk(x)  # checks x first
+        return tuple(self.forward_level(feat, level, x.shape[-2:])
+                     for level, feat in enumerate(feats))
 
     def forward_level(self, feat: torch.Tensor, level: int,
                       image_hw: Tuple[int, int]) -> torch.Tensor:
@@ -527,8 +520,9 @@ class XCiTBackbone(BaseModule):
         # the largest stem map: D / (p / 2) channels at stride 2, p / 2 of its rows per token row
         stem_row = 4 * (D * 2 // p) * (grid[1] * p // 2) * (p // 2)
         for start, stop, _, _ in row_bands(grid[0], band_rows_for(band_mb, stem_row)):
-            tokens = self.patch_embed.rows(read_pixels, image_hw, start, stop)[0].permute(1, 2, 0)
-            x.write(start, tokens + self.pos_embed(grid, start, stop))
+            lo = max(0, start - 1) * p  # a token row reads p - 1 pixel rows above its own
+            tokens = self.patch_embed(read_pixels(lo, min(H, stop * p)))[0, :, start - lo // p:]
+            x.write(start, tokens.permute(1, 2, 0) + self.pos_embed(grid, start, stop))
             del tokens
         # the FFN's hidden layer, 4 D floats a token, is a band's largest map
         band_rows = band_rows_for(band_mb, 4 * 4 * D * grid[1], at_least=2)
@@ -572,13 +566,3 @@ class XCiTBackbone(BaseModule):
         finally:
             for handle in handles:
                 handle.remove()
-
-
-def _init_module(m: nn.Module):
-    if isinstance(m, nn.Linear):
-        trunc_normal_(m.weight, std=.02)
-        if m.bias is not None:
-            nn.init.zeros_(m.bias)
-    elif isinstance(m, nn.LayerNorm):
-        nn.init.ones_(m.weight)
-        nn.init.zeros_(m.bias)
