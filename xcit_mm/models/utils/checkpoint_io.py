@@ -2,6 +2,7 @@
 ``weights_only=True`` (mmengine's training state allow-listed), safetensors files read into the
 ``{'state_dict', 'meta'}`` of a ``.pth`` checkpoint, URLs and ``hf-hub:OWNER/NAME[@REVISION]``
 names. Every failure is a :class:`CheckpointError` naming the file, the cause and the fix."""
+import contextlib
 import importlib
 import json
 import os
@@ -379,11 +380,9 @@ def check_checkpoint(path: str, what: str = 'checkpoint', kind: str = 'weights')
 def _check_hub_model_is_xcit(name: str, checkpoint: dict) -> None:
     """Raise unless a Hub checkpoint holds XCiT weights, naming what it holds instead."""
     state_dict = extract_state_dict(checkpoint, name)
-    try:
+    with contextlib.suppress(LayoutError):
         convert_backbone_state_dict(state_dict)
         return
-    except LayoutError:
-        pass
     architecture = hub_architecture(*parse_hub_name(name))
     kind = kind_of_backbone(state_dict)
     what = [f'its config.json names the architecture {architecture!r}'] if architecture else []

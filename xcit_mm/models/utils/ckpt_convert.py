@@ -111,17 +111,12 @@ def convert_model_state_dict(state_dict: Dict[str, torch.Tensor]
 
 def describe_backbone(state_dict: Dict[str, torch.Tensor]) -> str:
     """Guess the arch of a converted backbone state dict, to explain a mismatch."""
-    parts = []
     proj = state_dict.get('pos_embed.proj.weight')
-    if proj is not None:
-        parts.append(f'embed_dims={proj.shape[0]}')
     depth = len({k.split('.')[1] for k in state_dict if k.startswith('layers.')})
-    if depth:
-        parts.append(f'depth={depth}')
     convs = len({k.split('.')[2] for k in state_dict if k.startswith('patch_embed.proj.')})
-    if convs:
-        parts.append(f'patch_size={2**convs}')
-    return ', '.join(parts) or 'unknown'
+    parts = [f'embed_dims={proj.shape[0]}' if proj is not None else '',
+             f'depth={depth}' if depth else '', f'patch_size={2**convs}' if convs else '']
+    return ', '.join(part for part in parts if part) or 'unknown'
 
 
 # Key patterns of other backbones, to name them when their file meets an XCiT model.
