@@ -355,6 +355,25 @@ def known_run():
     return runs
 
 
+def test_compiled_point_times_its_first_call_apart(monkeypatch):
+    """A ``+compile`` point: the first call at its size (the compilation) is its ``compile_s``,
+    not one of its timed calls (virtual clock: 7, then 1 us per pixel)."""
+    clock = FakeClock()
+    model = KnownConv(clock, factors=(7., 1., 1.))
+    monkeypatch.setattr(lib_timing, 'time', clock)
+    monkeypatch.setattr(lib_timing, 'make_matmul_step', lambda device: lambda: clock.advance(0.1))
+    for module in (lib_flops, lib_runner):
+        monkeypatch.setattr(module, 'build_model', lambda spec, device='cpu': (model, model))
+    compiled = []
+    monkeypatch.setattr(torch, 'compile', lambda fn, dynamic: compiled.append(dynamic) or fn)
+    spec = lib.ModelSpec(name='known_conv+compile', family='resnet50', compiled=True)
+    opts = lib.RunOptions(warmup=0, repeats=2, do_mem=False)
+    (rec,), _ = lib.run_points([(spec, 32)], opts, log=lambda msg: None)
+    assert compiled == [False]  # one static graph
+    assert rec['compile_s'] == pytest.approx(7 * 32 * 32 * 1e-6, rel=1e-9)
+    assert rec['times_s'] == pytest.approx([32 * 32 * 1e-6] * 2, rel=1e-9)
+
+
 def test_run_points_figures_of_a_known_workload(known_run, tmp_path):
     """Every figure of a record from known step times and FLOPs (batch 2): the per-image median
     and quartiles of the timed calls (warm-up left out), images/s, the FLOPs of the formula,
