@@ -135,6 +135,18 @@ def test_bands_follow_the_bytes_of_a_row_of_every_map():
     torch.testing.assert_close(torch.cat([band for _, _, band in bands], 2), expected)
 
 
+@pytest.mark.parametrize('kwargs', [dict(size=(23, 10)), dict(scale_factor=(2.5, 1.7)),
+                                    dict(scale_factor=(1.5, 3), recompute_scale_factor=True)])
+def test_nearest_resize_by_rows_is_the_calls_copy(kwargs):
+    """A nearest ``Resize`` in bands copies the pixels ``F.interpolate`` copies: sizes and scale
+    factors other per axis (each axis taking its own)."""
+    x = torch.randn(1, 2, 9, 6, generator=torch.Generator().manual_seed(5))
+    expected = torch.nn.functional.interpolate(x, mode='nearest', **kwargs)
+    resized = Resize(TensorRows(x), expected.shape[2:], 'nearest', interpolate_kwargs=kwargs)
+    bands = [resized.rows(start, start + 4) for start in range(0, resized.height, 4)]
+    assert torch.equal(torch.cat(bands, 2), expected)
+
+
 def test_predict_through_the_test_resize_and_padding_equals_whole():
     """The head's resize to the padded input, the padding crop and the resize to the original
     shape (a test Resize), as stock's post-processing does them."""

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .row_stream import (Combine, LevelByLevelBackbone, Resize, RowMap, TensorRows, band_rows_for,
-                         materialize, module_rows, nearest_index)
+                         materialize, module_rows)
 
 
 def why_not_data_flow_fpn(neck, fpn_type: type, extra_levels: bool = False) -> Optional[str]:
@@ -77,13 +77,11 @@ def add_top_down_(lat: Tensor, top: Tensor, upsample_cfg: dict, band_mb: float =
             or not adds_in_place(lat, lat.shape, up_strides, lat, top)):
         kwargs = upsample_cfg if 'scale_factor' in upsample_cfg else dict(upsample_cfg, size=size)
         return add_as_stock(lat, F.interpolate(top, **kwargs))
-    kwargs = dict(upsample_cfg, mode='nearest')  # the FPN's own source rows and columns
-    row_of = nearest_index(top.shape[2], size[0], 0, kwargs).to(top.device)
-    col_of = nearest_index(top.shape[3], size[1], 1, kwargs).to(top.device)
+    resized = Resize(TensorRows(top), size, 'nearest', interpolate_kwargs=upsample_cfg)
+    resized.keeps = False  # each row is read once
     band = band_rows_for(band_mb, lat[:, :, :1].numel() * lat.element_size())
     for r0 in range(0, size[0], band):
-        rows = top.index_select(2, row_of[r0:r0 + band])
-        lat[:, :, r0:r0 + band].add_(rows.index_select(3, col_of))
+        lat[:, :, r0:r0 + band].add_(resized.rows(r0, r0 + band))
     return lat
 
 

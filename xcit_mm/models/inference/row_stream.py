@@ -248,18 +248,13 @@ class Resize(RowMap):
 
 
 def nearest_index(n_in: int, n_out: int, axis: int, kwargs: dict) -> Tensor:
-    """Source index of each output row (``axis`` 0) or column (1) of nearest ``F.interpolate``."""
-    shape = [1, 1, 1, 1]
-    shape[2 + axis] = n_in
-    line = torch.arange(n_in, dtype=torch.float64).view(shape)
+    """Source index of each output row (``axis`` 0) or column (1) of nearest ``F.interpolate``:
+    the call on a column of indices (each axis is resized alone, so a row of them resizes alike)."""
+    line = torch.arange(n_in, dtype=torch.float64).view(1, 1, n_in, 1)
     if 'scale_factor' in kwargs:
-        factor = list(_pair(kwargs['scale_factor']))
-        factor[1 - axis] = 1.0
-        kwargs = dict(kwargs, scale_factor=tuple(factor))
+        kwargs = dict(kwargs, scale_factor=(_pair(kwargs['scale_factor'])[axis], 1.))
     else:
-        size = [1, 1]
-        size[axis] = n_out
-        kwargs = dict(kwargs, size=tuple(size))
+        kwargs = dict(kwargs, size=(n_out, 1))
     index = F.interpolate(line, **kwargs).flatten().long()
     assert index.numel() == n_out, (index.shape, n_out)
     return index
