@@ -216,16 +216,17 @@ def test_inductor_serves_every_image_size():
 
 def test_benchmark_compile_names():
     """The benchmark's +compile models: names, and --compile both pairs compiled with eager."""
-    from xcit_benchmark import compile_variants, parse_model
+    from xcit_benchmark import parse_model, variants
     spec = parse_model('xcit_s12_p16+compile+cp')
     assert (spec.name, spec.compiled, spec.with_cp) == ('xcit_s12_p16+cp+compile', True, True)
     assert 'torch.compile' in spec.description
     pairs = []
-    specs = compile_variants([parse_model('xcit_s12_p8'), parse_model('swin_t')], 'both', pairs)
+    specs = variants([parse_model('xcit_s12_p8'), parse_model('swin_t')], 'both', pairs,
+                     '+compile')
     assert [s.name for s in specs] == ['xcit_s12_p8', 'xcit_s12_p8+compile', 'swin_t',
                                        'swin_t+compile']
     assert pairs == [('xcit_s12_p8+compile', 'xcit_s12_p8'), ('swin_t+compile', 'swin_t')]
-    assert [s.name for s in compile_variants(specs[:1], 'on', [])] == ['xcit_s12_p8+compile']
+    assert [s.name for s in variants(specs[:1], 'on', [], '+compile')] == ['xcit_s12_p8+compile']
 
 
 def test_compile_hook_compiles_the_feature_extractor_once():

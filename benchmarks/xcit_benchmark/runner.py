@@ -291,24 +291,17 @@ def variants(specs: Sequence[ModelSpec], mode: str, pairs: List[Tuple[str, str]]
              suffix: str = '+cp') -> List[ModelSpec]:
     """``on``: every model's ``suffix`` variant where it has one; ``both``: the variant beside the
     model, (variant, model) added to ``pairs``."""
-    if mode == 'off':
-        return list(dict.fromkeys(specs))
     out = []
     for s in specs:
-        done = s.with_cp if suffix == '+cp' else s.compiled
         try:
-            variant = s if done else parse_model(s.name + suffix)
-        except ValueError:  # mmpretrain's port has no with_cp
+            variant = s if mode == 'off' else parse_model(s.name + suffix)
+        except ValueError:  # none: mmpretrain's port has no with_cp, or ``s`` is the variant
             variant = s
         if mode == 'both' and s != variant:
             out.append(s)
             pairs.append((variant.name, s.name))
         out.append(variant)
     return list(dict.fromkeys(out))
-
-
-def compile_variants(specs, mode: str, pairs) -> List[ModelSpec]:
-    return variants(specs, mode, pairs, '+compile')
 
 
 def check_same_trunk(arch: str, patch: int, resolution: int = 64) -> str:
