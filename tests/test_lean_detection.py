@@ -121,6 +121,36 @@ def test_padded_batch_of_two_and_no_rescale(pair):
                  _predict(lean, inputs, metas, rescale=False))
 
 
+def test_precomputed_proposals_are_stocks_whole_and_refused_by_tiles(pair):
+    from mmengine.structures import InstanceData
+    stock, lean = pair
+    inputs = torch.randn(1, 3, 64, 96, generator=torch.Generator().manual_seed(4))
+    boxes = torch.tensor([[4., 4., 40., 30.], [10., 20., 90., 60.], [0., 0., 96., 64.]])
+
+    def samples():
+        out = _samples([_meta((64, 96), (64, 96), (64, 96))])
+        out[0].proposals = InstanceData(bboxes=boxes.clone())
+        return out
+
+    with torch.no_grad():
+        _assert_same(stock.predict(inputs, samples()), lean.predict(inputs, samples()))
+        lean.test_cfg['mode'] = 'tiles'
+        try:
+            with pytest.raises(ValueError, match=r"precomputed proposals \(data_samples"
+                               r"\.proposals\) need mode='whole'"):
+                lean.predict(inputs, samples())
+        finally:
+            lean.test_cfg.pop('mode')
+
+
+def test_why_not_allows_every_lean_path_on_stock_parts_and_names_the_known_ones(pair):
+    lean = pair[1]
+    assert [lean.why_not(path) for path in ('fpn', 'rpn', 'roi', 'bands')] == [None] * 4
+    with pytest.raises(ValueError, match=r"^LeanMaskRCNN: unknown lean path 'band'; known: "
+                       r"fpn, rpn, roi, bands$"):
+        lean.why_not('band')
+
+
 def test_features_equal_stock_and_top_down_in_blocks(pair, monkeypatch):
     """The data-flow-order backbone + FPN gives ``extract_feat``'s maps bit for bit, also with
     top-down bands of a few rows (band edges inside the odd-sized maps)."""

@@ -76,28 +76,26 @@ def measure_peak_growth_mb(call: Callable[[], object], device=None) -> float:
     """By how much ``call()`` raised the memory in use at its peak (MB) on ``device`` (default
     CPU): the resident set's (``VmHWM``) or the CUDA caching allocator's tensors."""
     device = torch.device('cpu' if device is None else device)
-    cuda = device.type == 'cuda'
     fix = 'give the line instead: test_cfg.memory_model=dict(base_mb=..., mb_per_mpix=...)'
-    if not cuda and device.type != 'cpu':
-        raise MemoryBudgetError(
-            f'cannot measure peak memory on {device} (only the CPU and CUDA devices); {fix}')
     gc.collect()
-    if cuda:
+    if device.type == 'cuda':
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device) / MB
-    else:
-        release_free_heap()
-        try:
-            reset_peak_rss()
-            base = rss_mb()
-        except OSError as e:
-            raise MemoryBudgetError(f'cannot measure peak memory here ({e}); {fix}') from e
-    call()
-    if cuda:
+        call()
         torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) / MB if cuda else peak_rss_mb()
-    return peak - base
+        return torch.cuda.max_memory_allocated(device) / MB - base
+    if device.type != 'cpu':
+        raise MemoryBudgetError(
+            f'cannot measure peak memory on {device} (only the CPU and CUDA devices); {fix}')
+    release_free_heap()
+    try:
+        reset_peak_rss()
+        base = rss_mb()
+    except OSError as e:
+        raise MemoryBudgetError(f'cannot measure peak memory here ({e}); {fix}') from e
+    call()
+    return peak_rss_mb() - base
 
 
 def measure_line(run_at: Callable[[int, int], object], sizes: Iterable[Tuple[int, int]],
