@@ -2,7 +2,7 @@
 expensive to recompute, hand-derive the rest (docs/benchmark_whole_model.md); drop-path enters as
 a per-sample ``scale`` of gamma."""
 from contextlib import contextmanager, nullcontext
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Iterator, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -228,11 +228,12 @@ def recomputed_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.
                       context_fn=lambda: (nullcontext(), batch_norm_stats_frozen(*modules)))
 
 
-def _row_block(B: int, W: int, channels: int, H: int, device: torch.device) -> int:
-    """Input rows per block: cache-sized on the CPU, the whole map elsewhere (fewer launches)."""
-    if device.type != 'cpu':
-        return H
-    return max(1, min(H, (1 << 19) // max(1, B * W * channels)))
+def _row_blocks(x: torch.Tensor, channels: int) -> Iterator[Tuple[int, int]]:
+    """``(top, bottom)`` of blocks of input rows: cache-sized on the CPU, the whole map elsewhere
+    (fewer launches)."""
+    B, _, H, W = x.shape
+    rows = H if x.device.type != 'cpu' else max(1, min(H, (1 << 19) // max(1, B * W * channels)))
+    return ((top, min(H, top + rows)) for top in range(0, H, rows))
 
 
 def _up2_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -244,13 +245,11 @@ def _up2_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                       memory_format=memory_format)
     grid = out.view(B, out_channels, H, 2, W, 2)  # splitting dims: a view in either layout
     bias = bias if bias is not None else x.new_zeros(out_channels)
-    rows = _row_block(B, W, out_channels, H, x.device)
-    for top in range(0, H, rows):
-        h = min(rows, H - top)
-        block = tokens[:, top:top + h].reshape(B * h * W, C)
+    for top, bottom in _row_blocks(x, out_channels):
+        block = tokens[:, top:bottom].reshape(-1, C)
         for di, dj in _OFFSETS:
             y = torch.addmm(bias, block, weight[:, :, di, dj])
-            grid[:, :, top:top + h, di, :, dj] = y.view(B, h, W, -1).permute(0, 3, 1, 2)
+            grid[:, :, top:bottom, di, :, dj] = y.view(B, -1, W, out_channels).permute(0, 3, 1, 2)
     return out
 
 
@@ -271,20 +270,18 @@ class _Up2Blockwise(torch.autograd.Function):
         tokens = x.permute(0, 2, 3, 1)
         grad_tokens = x.new_empty(B, H, W, C) if needs[0] else None
         grad_weight = x.new_zeros(2, 2, C, out_channels) if needs[1] else None
-        rows = _row_block(B, W, out_channels, H, x.device)
-        for top in range(0, H, rows):
-            h = min(rows, H - top)
-            block = tokens[:, top:top + h].reshape(B * h * W, C) if needs[1] else None
+        for top, bottom in _row_blocks(x, out_channels):
+            block = tokens[:, top:bottom].reshape(-1, C) if needs[1] else None
             grad_block = None
             for di, dj in _OFFSETS:
-                g = grid[:, :, top:top + h, di, :, dj].permute(0, 2, 3, 1).reshape(-1, out_channels)
+                g = grid[:, :, top:bottom, di, :, dj].permute(0, 2, 3, 1).reshape(-1, out_channels)
                 if needs[0]:
                     w = weight[:, :, di, dj].t()
                     grad_block = g @ w if grad_block is None else grad_block.addmm_(g, w)
                 if needs[1]:
                     grad_weight[di, dj].addmm_(block.t(), g)
             if needs[0]:
-                grad_tokens[:, top:top + h] = grad_block.view(B, h, W, C)
+                grad_tokens[:, top:bottom] = grad_block.view(B, -1, W, C)
         grad_x = grad_tokens.permute(0, 3, 1, 2) if needs[0] else None  # channels-last
         if needs[1]:
             grad_weight = grad_weight.permute(2, 3, 0, 1)
