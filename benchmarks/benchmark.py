@@ -165,9 +165,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         meta['goals'] = goals
         name, plot = args.name or 'goals', False
     elif args.onnx:
-        from xcit_benchmark.runner import onnx_model_names, run_onnx_points
+        from xcit_benchmark.runner import run_onnx_points
         records, meta = run_onnx_points(args.onnx, args.resolutions, opts)
-        pairs = [onnx_model_names(args.onnx)[::-1]]
+        pairs = [(records[1]['model'], records[0]['model'])]  # ONNX Runtime / eager
         name, plot = args.name or 'onnx', False
     else:
         specs = args.model_specs

@@ -189,16 +189,11 @@ def run_meta(opts: RunOptions, matmul_before: float, matmul_after: float, **extr
                 matmul_gflop_s_after=matmul_after, options=dict(vars(opts)), **extra)
 
 
-def onnx_model_names(config: str) -> Tuple[str, str]:
-    """(PyTorch, ONNX Runtime) record names for a config: ``<stem>`` and ``<stem>+onnxruntime``."""
-    stem = osp.splitext(osp.basename(config))[0]
-    return stem, stem + '+onnxruntime'
-
-
 def run_onnx_points(config: str, resolutions: Sequence[int], opts: RunOptions,
                     log: Callable[[str], None] = log_stderr) -> Tuple[List[dict], dict]:
     """``--onnx CONFIG``: the model (random init) exported at each resolution, checked against
-    PyTorch (the ``note``), timed in ONNX Runtime against eager in the same rounds."""
+    PyTorch (the ``note``), timed in ONNX Runtime against eager in the same rounds; per resolution
+    the records ``<config stem>`` (eager), then ``<config stem>+onnxruntime``."""
     import onnxruntime
 
     from xcit_mm.deployment import (build_export_model, export_onnx, onnx_session, run_onnx,
@@ -209,7 +204,8 @@ def run_onnx_points(config: str, resolutions: Sequence[int], opts: RunOptions,
     threads = opts.threads or torch.get_num_threads()
     torch.manual_seed(0)
     model = build_export_model(config)
-    eager_name, ort_name = onnx_model_names(config)
+    eager_name = osp.splitext(osp.basename(config))[0]
+    ort_name = eager_name + '+onnxruntime'
     matmul_before = measure_matmul_gflops('cpu')
     records, exports = [], {}
     with tempfile.TemporaryDirectory() as tmp:
