@@ -7,15 +7,10 @@ from typing import Optional, Sequence
 import torch
 from mmseg.models.decode_heads import UPerHead
 from mmseg.models.utils import Upsample
-from torch import Tensor
 
 from .fpn_data_flow import top_down_rows
 from .row_stream import (Combine, Crop, LevelByLevelBackbone, Local, NotRowLocal, Resize, RowMap,
                          TensorRows, module_rows)
-
-
-def _cat(*maps: Tensor) -> Tensor:
-    return torch.cat(maps, dim=1)
 
 
 def _resized(source: RowMap, target: RowMap, align_corners) -> RowMap:
@@ -63,7 +58,8 @@ def _upernet_rows(levels: Sequence[RowMap], head: UPerHead) -> RowMap:
                                        dict(mode='bilinear', align_corners=head.align_corners))
     outs = [module_rows(conv, lat) for conv, lat in zip(head.fpn_convs, lateral)] + lateral[-1:]
     outs = [outs[0]] + [_resized(out, outs[0], head.align_corners) for out in outs[1:]]
-    return Local(head.cls_seg, module_rows(head.fpn_bottleneck, Combine(_cat, *outs)))
+    cat = Combine(lambda *maps: torch.cat(maps, dim=1), *outs)
+    return Local(head.cls_seg, module_rows(head.fpn_bottleneck, cat))
 
 
 def labels_rows(logits: RowMap, head_hw: Sequence[int], crop: Sequence[int],

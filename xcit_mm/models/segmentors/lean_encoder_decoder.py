@@ -234,17 +234,14 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
 
     # ------------------------------------------------------------------ network
     def _network_forward(self, inputs: Tensor) -> Tensor:
-        """``decode_head.forward(extract_feat(inputs))``: the logits at the head's resolution."""
-        if self.why_not('network') is not None:
-            return self.decode_head.forward(self.extract_feat(inputs))
-        if type(self.decode_head) is UPerHead:
-            return uper_head_in_data_flow_order(self.backbone, self.decode_head, inputs)
-        return self._semantic_fpn_forward(inputs)
-
-    def _semantic_fpn_forward(self, inputs: Tensor) -> Tensor:
-        """``FPNHead.forward(FPN.forward(backbone(inputs)))``, each map freed when done; the
-        branches summed in stock's order, in place where nothing else holds the sum."""
+        """``decode_head.forward(extract_feat(inputs))``: the logits at the head's resolution.
+        Semantic FPN frees each map when done and sums the branches in stock's order, in place
+        where nothing else holds the sum."""
         head = self.decode_head
+        if self.why_not('network') is not None:
+            return head.forward(self.extract_feat(inputs))
+        if type(head) is UPerHead:
+            return uper_head_in_data_flow_order(self.backbone, head, inputs)
         fpn_out = fpn_in_data_flow_order(self.backbone, self.neck, inputs)
         output = head.scale_heads[0](fpn_out[0])
         fpn_out[0] = None
@@ -571,10 +568,9 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
 
     def _calibrate_memory(self, inputs: Tensor) -> MemoryModel:
         """The network's peak line: its forward on zeros at ``CALIBRATION_SIZES``, in eval mode."""
-        channels = inputs.shape[1]
         with self._eval_no_grad():
             return calibrate(
-                lambda h, w: self._network_forward(inputs.new_zeros((1, channels, h, w))),
+                lambda h, w: self._network_forward(inputs.new_zeros((1, inputs.shape[1], h, w))),
                 CALIBRATION_SIZES, f'{type(self).__name__} network', device=inputs.device)
 
     def _head_output_geometry(self, inputs: Tensor) -> Tuple[float, float, bool]:
