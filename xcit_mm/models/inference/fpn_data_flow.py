@@ -183,10 +183,8 @@ def uper_head_in_data_flow_order(backbone, head, inputs: Tensor) -> Tensor:
                         [suggests_channels_last(outs[0].shape, outs[0].stride())]
                         + [resized_channels_last(o, size) for o in outs[1:]], 1, outs[0])
     starts = [0, *accumulate(o.shape[1] for o in outs)]
-    cat[:, starts[0]:starts[1]].copy_(outs[0])
-    outs[0] = None
-    for i in range(n - 1, 0, -1):
-        part = up(outs[i], size)
+    for i in (0, *range(n - 1, 0, -1)):  # level 0, the largest, is freed before any resize
+        part = up(outs[i], size) if i else outs[0]
         outs[i] = None
         cat[:, starts[i]:starts[i + 1]].copy_(part)
         del part
