@@ -120,10 +120,9 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
             plan = settings.mode
             if plan == 'auto':
                 B, _, H, W = batch_inputs.shape
-                plan = self._choose_memory_plan(
-                    self.memory_plans(batch_inputs, batch_data_samples, rescale),
-                    settings.max_memory, f'{name} ({B} image{"s" if B > 1 else ""} of {H}x{W} px)'
-                ).name
+                what = f'{name} ({B} image{"s" if B > 1 else ""} of {H}x{W} px)'
+                plans = self.memory_plans(batch_inputs, batch_data_samples, rescale)
+                plan = self._choose_memory_plan(plans, settings.max_memory, what).name
             if plan == 'tiles':
                 results_list = self._tile_detections(batch_inputs, batch_img_metas)
             else:
@@ -172,7 +171,7 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
             else:
                 both = scores_and_deltas(hidden(feat))
             outs.append(both.split(sizes, dim=1))
-        cls_scores, bbox_preds = (list(maps) for maps in zip(*outs))
+        cls_scores, bbox_preds = map(list, zip(*outs))
         return head.predict_by_feat(
             cls_scores, bbox_preds, rescale=False,
             batch_img_metas=[data_sample.metainfo for data_sample in batch_data_samples])
