@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from .models import (XCIT_ARCHS, ModelSpec, build_model, count_params, load_mmpretrain_xcit,
                      parse_model)
+from .timing import make_step
 
 
 def _conv_backward_flop(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation,
@@ -48,19 +49,13 @@ def analytic_trunk_macs(arch: str, patch: int, height: int, width: int) -> int:
 
 def _count_model_flops(model: nn.Module, forward: Callable, resolution: int,
                        mode: str) -> Tuple[int, int]:
-    """(forward FLOPs, executed FLOPs of ``mode``) of one ``resolution`` x ``resolution`` image."""
+    """(forward FLOPs, executed FLOPs of ``mode``) of one ``resolution`` x ``resolution`` image:
+    the steps the timing runs."""
     img = torch.randn(1, 3, resolution, resolution)
-    model.eval()
-    with torch.no_grad():
-        fwd = count_flops(lambda: forward(img))
+    fwd = count_flops(make_step(model, forward, img, 'inference', 'cpu', 'fp32'))
     if mode == 'inference':
         return fwd, fwd
-    model.train()
-    try:
-        return fwd, count_flops(lambda: sum(o.float().mean() for o in forward(img)).backward())
-    finally:
-        for p in model.parameters():
-            p.grad = None
+    return fwd, count_flops(make_step(model, forward, img, mode, 'cpu', 'fp32'))
 
 
 def point_flops(spec: ModelSpec, resolution: int, mode: str,

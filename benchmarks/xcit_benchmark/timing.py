@@ -43,9 +43,11 @@ def make_step(model: nn.Module, forward: Callable, img: torch.Tensor, mode: str,
             return
         with autocast():
             loss = sum(o.float().mean() for o in forward(img))
-        loss.backward()
-        for p in params:
-            p.grad = None
+        try:
+            loss.backward()
+        finally:  # also where the backward fails (the FLOP counter's fake tensors)
+            for p in params:
+                p.grad = None
     return step
 
 
