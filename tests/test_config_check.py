@@ -4,7 +4,7 @@ import os.path as osp
 import pytest
 from mmengine.config import Config
 
-from xcit_mm.models.utils.config_check import ConfigError, check_backbone_config
+from training_extras.preflight import ConfigError, check_backbone_config
 
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 DET = osp.join(REPO, 'configs', 'mask_rcnn_xcit_s12_p16_3x_coco.py')

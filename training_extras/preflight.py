@@ -7,12 +7,18 @@ stops the tool with ``error: <message>`` instead of a traceback, before anything
 """
 from typing import Callable, Optional, Sequence
 
+import torch
+from mmengine.registry import MODELS, DefaultScope, init_default_scope
 from shapes_world import ensure_shapes_world
 from shapes_world.shapes import ShapesWorldError
 from xcit_mm.models.utils.checkpoint_io import CheckpointError
-from xcit_mm.models.utils.config_check import ConfigError, check_backbone_config
 
 from .data_check import AnnotationFormatError, DatasetNotFoundError, check_data
+
+
+class ConfigError(ValueError):
+    """A config that cannot build the model it describes; the message names the key to fix."""
+
 
 # What the checks raise for a problem of the user's files or config.
 PREFLIGHT_ERRORS = (ShapesWorldError, DatasetNotFoundError, AnnotationFormatError,
@@ -23,7 +29,7 @@ def preflight(cfg, splits: Sequence[str], config_name: str,
               check_checkpoints: Optional[Callable[[], None]] = None,
               check_before_data: Optional[Callable[[], None]] = None) -> None:
     """Check a run before its Runner is built: the backbone settings
-    (:func:`~xcit_mm.models.utils.config_check.check_backbone_config`), ``check_before_data``
+    (:func:`check_backbone_config`), ``check_before_data``
     (cheap checks a tool wants first, e.g. a local checkpoint file), the shapes world of
     ``splits`` (:func:`~shapes_world.ensure_shapes_world`), the dataset of ``splits``
     (:func:`~training_extras.data_check.check_data`), then ``check_checkpoints`` (last, so that
@@ -52,3 +58,20 @@ def preflight(cfg, splits: Sequence[str], config_name: str,
             check_checkpoints()
     except PREFLIGHT_ERRORS as e:
         raise SystemExit(f'error: {e}')
+
+
+def check_backbone_config(cfg) -> None:
+    """Build ``cfg.model.backbone`` alone (its arguments are checked at construction), so that a
+    wrong ``arch`` or ``patch_size`` ends in one line before the Runner dumps the config."""
+    backbone = (cfg.get('model') or {}).get('backbone')
+    if not isinstance(backbone, dict) or backbone.get('type') != 'XCiTBackbone':
+        return
+    scope = cfg.get('default_scope')
+    if scope and DefaultScope.get_current_instance() is None:
+        init_default_scope(scope)
+    backbone = dict(backbone, init_cfg=None)  # the weights are checked separately
+    try:
+        with torch.device('meta'):  # no memory, no initialisation: only the arguments matter
+            MODELS.build(backbone)
+    except (ValueError, TypeError, KeyError) as error:
+        raise ConfigError(f'model.backbone: {error}') from error
