@@ -220,12 +220,8 @@ def run_onnx_points(config: str, resolutions: Sequence[int], opts: RunOptions,
             log(note)
             session = onnx_session(path, threads)
             image = torch.randn(opts.batch, 3, res, res)
-
-            def eager_step():
-                with torch.no_grad():
-                    model(image)
-
-            steps = {eager_name: eager_step, ort_name: lambda: run_onnx(session, image)}
+            steps = {eager_name: make_step(model, model, image, 'inference', 'cpu', 'fp32'),
+                     ort_name: lambda: run_onnx(session, image)}
             times, mm = time_with_matmul(steps, opts.warmup, opts.repeats, 'cpu')
             for name, ts in times.items():
                 runtime = (f'ONNX Runtime {onnxruntime.__version__} CPU, static '
