@@ -12,10 +12,8 @@ from .runner import RunOptions, log_stderr, median_paired_ratio, run_points
 
 DEFAULT_SPEC_PATH = os.path.join(REPO, 'docs', 'benchmark', 'goals_spec.json')
 
-METRICS = ('peak_mem_mb', 'ms_per_img')
-MODES = ('inference', 'train')
-VALUE_KINDS = ('ratio', 'saving')
-OPS = ('<=', '>=')
+CHECK_VALUES = dict(metric=('peak_mem_mb', 'ms_per_img'), mode=('inference', 'train'),
+                    value=('ratio', 'saving'), op=('<=', '>='))  # of a goal check's keys
 
 
 class SpecError(ValueError):
@@ -49,15 +47,15 @@ def validate_spec(spec: dict, path: str = '<spec>') -> dict:
           'default_resolutions must be integers >= 32')
     measured = set()  # (model, resolution, mode, timed) of every run's points
     for i, run in enumerate(spec['goals']['runs']):
-        check(run.get('mode') in MODES, f'goals.runs[{i}].mode must be one of {MODES}')
+        modes = CHECK_VALUES['mode']
+        check(run.get('mode') in modes, f'goals.runs[{i}].mode must be one of {modes}')
         check(isinstance(run.get('time'), bool), f'goals.runs[{i}].time must be true or false')
         for point in run.get('points', []):
             check_point(point, f'goals.runs[{i}].points')
             measured.add((point[0], point[1], run['mode'], run['time']))
     for i, goal in enumerate(spec['goals']['checks']):
         where = f'goals.checks[{i}]'
-        for key, allowed in (('metric', METRICS), ('mode', MODES), ('value', VALUE_KINDS),
-                             ('op', OPS)):
+        for key, allowed in CHECK_VALUES.items():
             check(goal.get(key) in allowed, f'{where}.{key} must be one of {allowed}')
         check(isinstance(goal.get('goal'), str), f'{where}.goal must be a string')
         check(isinstance(goal.get('threshold'), (int, float)),

@@ -229,8 +229,7 @@ def config_name(config: str) -> str:
     return osp.splitext(osp.basename(config.split('::')[-1]))[0]
 
 
-ROUND_KEYS = ('round', 'position', 'loadavg_1m', 'status', 'note', 'time_ms', 'times_ms',
-              'mem_pass_time_ms', 'peak_mem_mb', 'mem_base_mb', 'parts', 'work')
+BUILD_KEYS = ('task', 'backbone', 'is_xcit', 'params_m', 'adamw_flags', 'memory_mode')
 
 
 def _median_record(rec: dict, per_round: Sequence[dict]) -> None:
@@ -243,9 +242,7 @@ def _median_record(rec: dict, per_round: Sequence[dict]) -> None:
     rec['rounds_ok'] = len(ok)
     if not ok:
         return
-    rec.update({key: ok[0][key] for key in ('task', 'backbone', 'is_xcit', 'params_m',
-                                            'adamw_flags', 'memory_mode', 'work')
-                if key in ok[0]})
+    rec.update({key: ok[0][key] for key in BUILD_KEYS + ('work',) if key in ok[0]})
     med = statistics.median
     for key in ('time_ms', 'peak_mem_mb', 'mem_base_mb'):
         rec[key] = med(p[key] for p in ok)
@@ -290,8 +287,8 @@ def run_whole_models(configs: Sequence[str], mode: str, height: int, width: int,
         rec = dict(model=config_name(config), config=config, mode=mode, height=height,
                    width=width, batch=batch, repeats=repeats, rounds=rounds, threads=threads)
         _median_record(rec, points)
-        # the build facts (task, backbone, params, ...) are the record's; a round keeps its figures
-        rec['per_round'] = [{k: v for k, v in p.items() if k in ROUND_KEYS} for p in points]
+        # the build facts are the record's; a round keeps its figures
+        rec['per_round'] = [{k: v for k, v in p.items() if k not in BUILD_KEYS} for p in points]
         records.append(rec)
     return records
 
