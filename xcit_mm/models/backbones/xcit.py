@@ -197,8 +197,7 @@ class XCiTLayer(nn.Module):
             return ffn_residual(x, self.norm2, self.ffn, self.gamma2, self._drop_scale(x))
         x = self._residual(x, self.gamma1, self.attn(self.norm1(x), grid_hw))
         x = self._residual(x, self.gamma3, self.lpi(self.norm3(x), grid_hw))
-        x = self._residual(x, self.gamma2, self.ffn(self.norm2(x)))
-        return x
+        return self._residual(x, self.gamma2, self.ffn(self.norm2(x)))
 
     @torch.no_grad()
     def forward_streamed(self, x: TokenMap, band_rows: int) -> None:
@@ -493,12 +492,8 @@ class XCiTBackbone(BaseModule):
         *body, last = adapter if isinstance(adapter, nn.Sequential) else [adapter]
         for module in body:  # p16's inner upsampling feeds a BN: the module's own forward
             feat = module(feat)
-        if not isinstance(last, nn.ConvTranspose2d):
-            out = last(feat)
-        elif tracing:
-            out = _up2_traceable(last, feat, layout)
-        else:
-            out = up2_blockwise(last, feat, layout)
+        up2 = _up2_traceable if tracing else up2_blockwise
+        out = up2(last, feat, layout) if isinstance(last, nn.ConvTranspose2d) else last(feat)
         h, w = self._level_hw(level, image_hw)
         out = out[..., :h, :w]  # the input was padded to the patch size
         if tracing:  # lay out unconditionally: no guard on the padding

@@ -93,9 +93,6 @@ class BackboneLevels:
         self.per_level = isinstance(backbone, LevelByLevelBackbone)
         self.maps = list(backbone.forward_trunk(inputs) if self.per_level else backbone(inputs))
 
-    def __len__(self) -> int:
-        return len(self.maps)
-
     def pop(self, i: int) -> Tensor:
         """Level ``i``, made now; its trunk map (or output) is dropped."""
         out, self.maps[i] = self.maps[i], None
@@ -120,7 +117,7 @@ def fpn_in_data_flow_order(backbone, neck, inputs: Tensor,
     """``neck(backbone(inputs))`` for the neck's own levels, each map freed when done (the
     caller checks ``why_not_data_flow_fpn``); ``band_mb``: level 0 in bands of about that size."""
     levels = BackboneLevels(backbone, inputs)
-    n = len(levels)
+    n = len(levels.maps)
     outs = [None] * n
     top = top_down_sums(levels, neck.lateral_convs, neck.fpn_convs,
                         lambda lat, up: add_top_down_(lat, up, neck.upsample_cfg),
@@ -165,8 +162,7 @@ def uper_head_in_data_flow_order(backbone, head, inputs: Tensor) -> Tensor:
     bit for bit."""
     levels = BackboneLevels(backbone, inputs)
     n = len(head.in_index)
-    for j in range(n, len(levels)):  # levels the head does not read
-        levels.maps[j] = None
+    del levels.maps[n:]  # levels the head does not read
 
     def up(x: Tensor, size) -> Tensor:  # mmseg's resize, without its warning
         return F.interpolate(x, size=size, mode='bilinear', align_corners=head.align_corners)

@@ -288,9 +288,6 @@ def conv_halo(module) -> Optional[int]:
     return ph if sh == 1 and 2 * ph == dh * (kh - 1) else None
 
 
-PER_PIXEL = (nn.Identity, nn.GELU, nn.ReLU, nn.Dropout, nn.Dropout2d, _BatchNorm)
-
-
 class NotRowLocal(ValueError):
     """A module that cannot run a band of rows at a time; the message says which and why."""
 
@@ -303,7 +300,7 @@ def module_rows(module: nn.Module, source: RowMap) -> RowMap:
         return source
     if isinstance(module, nn.Identity):
         return source
-    if isinstance(module, PER_PIXEL):
+    if isinstance(module, (nn.GELU, nn.ReLU, nn.Dropout, nn.Dropout2d, _BatchNorm)):  # per pixel
         return Local(module, source)
     halo = conv_halo(module)
     if halo is not None:
