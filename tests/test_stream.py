@@ -332,3 +332,17 @@ def test_upernet_plans_a_budgeted_stream():
     model.test_cfg.max_memory = 10**6
     got = _predict(model, x, None)[0].pred_sem_seg.data
     assert model.last_memory_plan.name == 'stream' and torch.equal(got, expected)
+
+
+def test_the_unbudgeted_stream_keeps_its_token_maps_in_memory(monkeypatch, tmp_path):
+    """Without ``max_memory`` the token maps stay in memory unless ``token_maps='disk'``."""
+    import xcit_mm.models.segmentors.lean_encoder_decoder as lean_module
+    folders, real = [], lean_module.TokenMaps
+    monkeypatch.setattr(lean_module, 'TokenMaps',
+                        lambda device, folder: folders.append(folder) or real(device, folder))
+    model = _model(SEM_FPN, token_dir=str(tmp_path))
+    x = torch.randn(1, 3, 64, 64)
+    _predict(model, x, None)
+    model.test_cfg.token_maps = 'disk'
+    _predict(model, x, None)
+    assert folders == [None, str(tmp_path)]
