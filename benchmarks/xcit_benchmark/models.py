@@ -23,6 +23,18 @@ BASELINES = {
     'resnet50': 'mmdet ResNet-50 (4 stages, strides 4-32)',
     'swin_t': 'mmdet SwinTransformer Swin-T (embed 96, depths 2,2,6,2, window 7)',
     'vit_s16': 'mmseg VisionTransformer ViT-S/16 = DeiT-S (embed 384, depth 12, 6 heads)'}
+BASELINE_CFGS = {  # the registry scope and backbone config of each (``with_cp`` set at build)
+    'resnet50': ('mmdet', dict(
+        type='ResNet', depth=50, num_stages=4, out_indices=(0, 1, 2, 3), frozen_stages=-1,
+        norm_cfg=dict(type='BN', requires_grad=True), norm_eval=False, style='pytorch')),
+    'swin_t': ('mmdet', dict(
+        type='SwinTransformer', embed_dims=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24),
+        window_size=7, mlp_ratio=4, qkv_bias=True, drop_path_rate=0.0, patch_norm=True,
+        out_indices=(0, 1, 2, 3), convert_weights=False)),
+    'vit_s16': ('mmseg', dict(
+        type='VisionTransformer', img_size=224, patch_size=16, embed_dims=384, num_layers=12,
+        num_heads=6, mlp_ratio=4, out_indices=(2, 5, 8, 11), qkv_bias=True, with_cls_token=True,
+        final_norm=False, interpolate_mode='bicubic', drop_path_rate=0.0))}
 COMPILE_SUFFIX = '+compile'
 _XCIT_RE = re.compile(r'(?P<port>mmpretrain_)?xcit_(?P<arch>[a-z]\d\d)_p(?P<patch>\d+)'
                       r'(?P<trunk>_trunk)?')
@@ -135,29 +147,10 @@ def build_model(spec: ModelSpec, device: str = 'cpu') -> Tuple[nn.Module, Callab
             out_indices=(3, 5, 7, 11) if depth == 12 else (7, 11, 15, 23),
             layer_scale_init_value=1.0 if depth == 12 else 1e-5, bn_norm_cfg=dict(type='BN'),
             init_cfg=None)
-    elif spec.family in ('resnet50', 'swin_t'):
-        import mmdet.models  # noqa: F401  (fills mmdet's MODELS registry)
-        from mmdet.registry import MODELS as DET_MODELS
-        if spec.family == 'resnet50':
-            cfg = dict(type='ResNet', depth=50, num_stages=4, out_indices=(0, 1, 2, 3),
-                       frozen_stages=-1, norm_cfg=dict(type='BN', requires_grad=True),
-                       norm_eval=False, style='pytorch', with_cp=cp)
-        else:
-            cfg = dict(type='SwinTransformer', embed_dims=96, depths=(2, 2, 6, 2),
-                       num_heads=(3, 6, 12, 24), window_size=7, mlp_ratio=4, qkv_bias=True,
-                       drop_path_rate=0.0, patch_norm=True, out_indices=(0, 1, 2, 3),
-                       with_cp=cp, convert_weights=False)
-        model = DET_MODELS.build(cfg)
-    elif spec.family == 'vit_s16':
-        import mmseg.models  # noqa: F401  (fills mmseg's MODELS registry)
-        from mmseg.registry import MODELS as SEG_MODELS
-        model = SEG_MODELS.build(dict(
-            type='VisionTransformer', img_size=224, patch_size=16, embed_dims=384, num_layers=12,
-            num_heads=6, mlp_ratio=4, out_indices=(2, 5, 8, 11), qkv_bias=True,
-            with_cls_token=True, final_norm=False, interpolate_mode='bicubic',
-            drop_path_rate=0.0, with_cp=cp))
-    else:  # pragma: no cover - parse_model guards this
-        raise ValueError(f'unknown model family {spec.family!r}')
+    else:  # a baseline
+        scope, cfg = BASELINE_CFGS[spec.family]
+        importlib.import_module(f'{scope}.models')  # fills the scope's MODELS registry
+        model = importlib.import_module(f'{scope}.registry').MODELS.build(dict(cfg, with_cp=cp))
     model = model.to(device)
     return model, forward or model
 
