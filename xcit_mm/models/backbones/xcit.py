@@ -425,9 +425,7 @@ class XCiTBackbone(BaseModule):
         if self.frozen_stages >= 0:
             frozen += [self.patch_embed, self.pos_embed] + list(self.layers[:self.frozen_stages])
         for module in frozen:
-            module.eval()
-            for param in module.parameters():
-                param.requires_grad = False
+            module.eval().requires_grad_(False)
 
     def train(self, mode: bool = True):
         super().train(mode)

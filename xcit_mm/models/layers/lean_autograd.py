@@ -257,7 +257,6 @@ class _Up2Blockwise(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, memory_format):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
         return _up2_forward(x, weight, bias, memory_format)
 
     @staticmethod
@@ -285,7 +284,7 @@ class _Up2Blockwise(torch.autograd.Function):
         grad_x = grad_tokens.permute(0, 3, 1, 2) if needs[0] else None  # channels-last
         if needs[1]:
             grad_weight = grad_weight.permute(2, 3, 0, 1)
-        grad_bias = grad_out.sum((0, 2, 3)) if ctx.has_bias and needs[2] else None
+        grad_bias = grad_out.sum((0, 2, 3)) if needs[2] else None  # False for a None bias
         return grad_x, grad_weight, grad_bias, None
 
 
