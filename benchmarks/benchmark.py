@@ -152,9 +152,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.flops_report:
         rows = flops_report(spec['flops_report']['paper_table1'], spec['flops_report']['tolerance'])
         print(report.markdown_flops_report(rows))
-        paths = write_artifact(os.path.join(args.out_dir, args.name or 'flops'), run_metadata(),
-                               rows)
-        print('wrote ' + ', '.join(paths))
+        print('wrote ' + ', '.join(write_artifact(os.path.join(args.out_dir, args.name or 'flops'),
+                                                  run_metadata(), rows)))
         return 0 if all(r['ok'] for r in rows) else 3
     if args.whole_model:
         return whole_models(args, limit)

@@ -41,7 +41,7 @@ def format_table(records: Sequence[dict]) -> str:
 
 
 def format_ratios(rows: Sequence[dict]) -> str:
-    """The rows of :func:`~.compare.ratio_rows` as a table."""
+    """The rows of :func:`~.runner.ratio_rows` as a table."""
     header = (f'{"A":<26}{"B":<26}{"res":>6}{"A ms":>9}{"B ms":>9}{"t A/B":>7}{"paired":>8}'
               f'{"A MB":>9}{"B MB":>9}{"mem A/B":>8}')
     lines = [header, '-' * len(header)]

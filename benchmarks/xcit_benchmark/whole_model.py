@@ -6,6 +6,7 @@ docs/benchmark_whole_model.md.
 """
 import copy
 import gc
+import importlib
 import os
 import os.path as osp
 import statistics
@@ -38,8 +39,6 @@ def check_config_path(config: str) -> None:
 
 def load_whole_config(config: str):
     """The mmengine ``Config`` of a path or of ``mmdet::rel/path.py`` / ``mmseg::...``."""
-    import importlib
-
     from mmengine.config import Config
     check_config_path(config)
     scope, _, rel = config.rpartition('::')
@@ -84,8 +83,6 @@ def work_settings(config: str, detections: int = 100) -> dict:
 
 def build_whole_model(config: str, work: Optional[dict] = None):
     """(model, task, AdamW flags) of a config: random init, SyncBN -> BN, the ``work`` settings."""
-    import importlib
-
     from mmengine.config import ConfigDict
     from mmengine.model import revert_sync_batchnorm
     from mmengine.registry import init_default_scope
@@ -125,18 +122,16 @@ def synthetic_batch(model, task: str, h: int, w: int, batch: int, training: bool
             masks = np.zeros((3, h, w), dtype=np.uint8)
             for i, (x0, y0, x1, y1) in enumerate(boxes.int().tolist()):
                 masks[i, y0:y1, x0:x1] = 1
-            sample = DetDataSample(metainfo=meta)
-            sample.gt_instances = InstanceData(bboxes=boxes, labels=torch.tensor([0, 1, 2]),
-                                               masks=BitmapMasks(masks, h, w))
-            sample.ignored_instances = InstanceData(bboxes=torch.zeros(0, 4),
-                                                    labels=torch.zeros(0, dtype=torch.long))
+            sample = DetDataSample(metainfo=meta, gt_instances=InstanceData(
+                bboxes=boxes, labels=torch.tensor([0, 1, 2]), masks=BitmapMasks(masks, h, w)),
+                ignored_instances=InstanceData(bboxes=torch.zeros(0, 4),
+                                               labels=torch.zeros(0, dtype=torch.long)))
         else:
             from mmengine.structures import PixelData
             from mmseg.structures import SegDataSample
             num_classes = getattr(model.decode_head, 'num_classes', 2)
-            sample = SegDataSample(metainfo=meta)
-            sample.gt_sem_seg = PixelData(data=torch.randint(0, num_classes, (1, h, w),
-                                                             generator=g))
+            sample = SegDataSample(metainfo=meta, gt_sem_seg=PixelData(
+                data=torch.randint(0, num_classes, (1, h, w), generator=g)))
         samples.append(sample)
     data = model.data_preprocessor(dict(inputs=images, data_samples=samples), training)
     return data['inputs'], data['data_samples']
