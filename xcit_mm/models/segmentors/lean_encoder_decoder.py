@@ -181,11 +181,11 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         settings, name = self.test_settings, type(self).__name__
         mode, why_resize = settings.mode, self.why_not('resize')
         stream_keys = settings.band_mb, settings.token_maps, settings.token_dir
-        why = (self.why_not('stream') if mode == 'stream' or any(k is not None for k in stream_keys)
-               else None)
-        if why is not None:
-            raise ValueError(f"{name}: test_cfg mode='stream' cannot run: {why}; choose mode "
-                             "'whole', 'slide' or 'auto'")
+        if mode == 'stream' or any(k is not None for k in stream_keys):
+            why = self.why_not('stream')
+            if why is not None:
+                raise ValueError(f"{name}: test_cfg mode='stream' cannot run: {why}; choose mode "
+                                 "'whole', 'slide' or 'auto'")
         if mode == 'auto' and why_resize is not None:
             raise ValueError(f"{name}: test_cfg.mode='auto' estimates memory only for mmseg's "
                              f"decode head predict; {why_resize}: choose mode 'whole' or 'slide'")
