@@ -27,6 +27,9 @@ from xcit_benchmark.models import list_models, parse_model  # noqa: E402
 from xcit_benchmark.runner import RunOptions, log_stderr, mem_available_bytes  # noqa: E402
 from xcit_benchmark.spec import SpecError, load_spec, run_goals  # noqa: E402
 from xcit_benchmark.timing import set_threads  # noqa: E402
+from xcit_benchmark.whole_model import (WholeModelError, check_config_path,  # noqa: E402
+                                        run_whole_models, whole_model_ratios, work_settings,
+                                        write_whole_outputs)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -94,7 +97,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             p.error(f'argument --models: invalid choice: {name!r} ({e}). Valid names:\n'
                     + list_models())
     if args.whole_model:
-        from xcit_benchmark.whole_model import WholeModelError, check_config_path
         if not args.shape or min(args.shape) < 32:
             p.error('--whole-model needs --shape H W (both >= 32)')
         for config in args.whole_model:
@@ -110,8 +112,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def whole_models(args, limit: float) -> int:
-    from xcit_benchmark.whole_model import (run_whole_models, whole_model_ratios,
-                                            work_settings, write_whole_outputs)
     work = None if args.own_settings else work_settings(args.whole_model[0], args.detections)
     settings = dict(mode=args.mode, batch=args.batch_size, repeats=args.repeats or 3,
                     rounds=args.rounds or 3, cpu_mem_mode=args.cpu_mem_mode, work=work)
@@ -164,8 +164,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         meta['goals'] = goals
         name, plot = args.name or 'goals', False
     elif args.onnx:
-        from xcit_benchmark.runner import run_onnx_points
-        records, meta = run_onnx_points(args.onnx, args.resolutions, opts)
+        records, meta = runner.run_onnx_points(args.onnx, args.resolutions, opts)
         pairs = [(records[1]['model'], records[0]['model'])]  # ONNX Runtime / eager
         name, plot = args.name or 'onnx', False
     else:

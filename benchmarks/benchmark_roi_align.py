@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from training_extras.roi_heads import GatherRoIAlign  # noqa: E402
 from xcit_benchmark.fresh_points import run_metadata, write_artifact  # noqa: E402
 from xcit_benchmark.report import md_table  # noqa: E402
-from xcit_benchmark.timing import time_interleaved  # noqa: E402
+from xcit_benchmark.timing import set_threads, time_interleaved  # noqa: E402
 
 CASES = tuple(dict(name=name, map=m, stride=4, rois=rois, output=out, sampling_ratio=ratio)
               for name, m, rois, out, ratio in (
@@ -117,8 +117,7 @@ def main(argv: Optional[Sequence[str]] = None, cases: Sequence[dict] = CASES) ->
         with open(args.markdown) as f:
             print(markdown_table(json.load(f)['records']))
         return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     records = []
     for case in (c for name in dict.fromkeys(args.cases) for c in cases if c['name'] == name):
         if not args.quiet:

@@ -104,11 +104,10 @@ def flops_report(paper_table: Dict[str, Dict[str, float]], tolerance: float = 0.
             with torch.no_grad():
                 cls_macs = count_flops(lambda: head(cls_blocks(tok)[:, 0])) / 2
                 port_macs = count_flops(lambda: head(port(img)[-1])) / 2
-            trunk = trunk_info['gmacs']
-            classifier = trunk + cls_macs / 1e9
+            classifier = trunk_info['gmacs'] + cls_macs / 1e9
             paper = paper_table[arch][key]
             rows.append(dict(
-                arch=arch, setting=f'{res}/p{patch}', trunk_gmacs=trunk,
+                arch=arch, setting=f'{res}/p{patch}', trunk_gmacs=trunk_info['gmacs'],
                 analytic_trunk_gmacs=analytic_trunk_macs(arch, patch, res, res) / 1e9,
                 cls_part_gmacs=cls_macs / 1e9, classifier_gmacs=classifier,
                 port_classifier_gmacs=port_macs / 1e9, paper_gmacs=paper,

@@ -124,22 +124,12 @@ class PartMeter:
         return wrapped
 
 
-def child_rss(pid: int) -> int:
-    """Resident bytes of process ``pid`` (0 once it is gone)."""
-    try:
-        with open(f'/proc/{pid}/statm') as f:
-            return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
-def run_process(cmd, limit_bytes: float, seconds: float, env=None, cwd=None, on_row=None):
+def run_process(cmd, limit_bytes: float, seconds: float, env=None, on_row=None):
     """Run ``cmd``, killed above ``limit_bytes`` of RSS (before the kernel's OOM killer) or after
     ``seconds``; ``on_row`` gets each :data:`ROW` row as it comes. Returns returncode, rows,
     stderr, killed ('rss', 'timeout' or None), rss (the highest seen), note (why killed)."""
     with tempfile.TemporaryFile('w+') as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
-                                cwd=cwd)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
         rows = []
 
         def read():
@@ -153,7 +143,11 @@ def run_process(cmd, limit_bytes: float, seconds: float, env=None, cwd=None, on_
         reader.start()
         start, rss, killed = time.time(), 0, None
         while proc.poll() is None:
-            rss = max(rss, child_rss(proc.pid))
+            try:  # its resident pages (none to read once it is gone)
+                with open(f'/proc/{proc.pid}/statm') as f:
+                    rss = max(rss, int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE'))
+            except (OSError, IndexError, ValueError):
+                pass
             killed = 'rss' if rss > limit_bytes else (
                 'timeout' if time.time() - start > seconds else None)
             if killed:
@@ -272,8 +266,7 @@ def write_artifact(out: str, meta: dict, rows: list, columns=None, key='rows',
                    csv_rows=None) -> list:
     """``out.json`` (``{"meta", key: rows}``) and ``out.csv`` (``columns``, default every key,
     of ``csv_rows``, default ``rows``); returns their paths."""
-    if os.path.dirname(out):
-        os.makedirs(os.path.dirname(out), exist_ok=True)
+    os.makedirs(os.path.dirname(out) or '.', exist_ok=True)
     with open(out + '.json', 'w') as f:
         json.dump({'meta': meta, key: list(rows)}, f, indent=1, default=str)
     csv_rows = rows if csv_rows is None else csv_rows

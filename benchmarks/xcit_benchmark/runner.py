@@ -50,8 +50,8 @@ def memory_worker(cfg: dict) -> dict:
     batch, side = (cfg['batch'], res) if spec.compiled else (1, 64)
     make_step(model, forward, torch.randn(batch, 3, side, side, device=device), cfg['mode'],
               device, cfg['precision'])()
-    img = torch.randn(cfg['batch'], 3, res, res, device=device)
-    step = make_step(model, forward, img, cfg['mode'], device, cfg['precision'])
+    step = make_step(model, forward, torch.randn(cfg['batch'], 3, res, res, device=device),
+                     cfg['mode'], device, cfg['precision'])
     try:
         _, peak, base, _ = measure(lambda: [step() for _ in range(cfg['mem_iters'])], device)
     except torch.cuda.OutOfMemoryError as e:
@@ -301,8 +301,7 @@ def check_same_trunk(arch: str, patch: int, resolution: int = 64) -> str:
     loaded through XCiTBackbone's ``Pretrained`` loader, give the same trunk maps."""
     name = f'same trunk check XCiT-{arch.upper()}/{patch}'
     try:
-        torch.manual_seed(0)
-        port, _ = build_model(parse_model(f'mmpretrain_xcit_{arch}_p{patch}'))
+        port, _ = build_timed_model(parse_model(f'mmpretrain_xcit_{arch}_p{patch}'), 'cpu')
         with torch.no_grad():  # non-trivial BatchNorm statistics
             for m in port.modules():
                 if isinstance(m, nn.BatchNorm2d):

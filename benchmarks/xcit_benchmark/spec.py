@@ -104,8 +104,7 @@ def evaluate_goals(records: Sequence[dict], checks: Sequence[dict], repeats: int
     for r in records:
         index.setdefault((r['model'], r['resolution'], r['mode']), r)
     for check in checks:
-        a_rec = index.get((*check['a'], check['mode']), {})
-        b_rec = index.get((*check['b'], check['mode']), {})
+        a_rec, b_rec = (index.get((*check[side], check['mode']), {}) for side in 'ab')
         a, b = a_rec.get(check['metric']), b_rec.get(check['metric'])
         value = (a / b if check['value'] == 'ratio' else 1 - a / b) if a and b else None
         threshold, op = check['threshold'], check['op']
