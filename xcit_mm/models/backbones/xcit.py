@@ -67,13 +67,12 @@ class FourierPositionEncoding(nn.Module):
                 stop: Optional[int] = None) -> torch.Tensor:
         """Rows ``start:stop`` of the whole grid's embedding, (rows, W, embed_dims)."""
         H, W = grid_hw
-        stop = H if stop is None else stop
         device = self.proj.weight.device
-        code_y = self._axis_code(H, device)[start:stop, None, :].expand(-1, W, self.hidden_dims)
-        code_x = self._axis_code(W, device)[None, :, :].expand(stop - start, W, self.hidden_dims)
+        codes = torch.broadcast_tensors(self._axis_code(H, device)[start:stop, None, :],
+                                        self._axis_code(W, device)[None, :, :])  # (rows, W, hidden)
         # A 1x1 conv is a linear map over channels: apply it to the tokens directly.
         weight = self.proj.weight.flatten(1)
-        return F.linear(torch.cat([code_y, code_x], dim=2).to(weight.dtype), weight, self.proj.bias)
+        return F.linear(torch.cat(codes, dim=2).to(weight.dtype), weight, self.proj.bias)
 
 
 class ConvPatchEmbed(nn.Module):
@@ -205,14 +204,13 @@ class XCiTLayer(nn.Module):
         sums, each band's attention, then LPI (its context above as attention left it) and FFN."""
         H, W, C = x.shape
         attn, h = self.attn, self.attn.num_heads
-        w_q, w_k, w_v = attn.qkv.weight.split(C)
-        b_q, b_k, b_v = attn.qkv.bias.split(C)
+        w_qk, w_v = attn.qkv.weight.split([2 * C, C])
+        b_qk, b_v = attn.qkv.bias.split([2 * C, C])
         qk = q_sq = k_sq = 0
         for start, stop, _, _ in row_bands(H, band_rows):
             y = self.norm1(x.read(start, stop).reshape(-1, C))
-            q = F.linear(y, w_q, b_q).float().view(-1, h, C // h).transpose(0, 1)  # (h, n, d)
-            k = F.linear(y, w_k, b_k).float().view(-1, h, C // h).transpose(0, 1)
-            qk = qk + q.transpose(1, 2) @ k
+            q, k = F.linear(y, w_qk, b_qk).float().view(-1, 2, h, C // h).permute(1, 2, 0, 3)
+            qk = qk + q.transpose(1, 2) @ k  # q, k: (h, n, d)
             q_sq, k_sq = q_sq + (q * q).sum(1), k_sq + (k * k).sum(1)
             del y, q, k
         mixing, _, _ = xca_mixing_of_sums(qk[None], q_sq.sqrt()[None], k_sq.sqrt()[None],
@@ -248,10 +246,8 @@ def _build_adapter(embed_dims: int, patch_size: int, norm_cfg: dict) -> List[nn.
         return nn.MaxPool2d(kernel_size=k, stride=k, ceil_mode=True)
 
     if patch_size == 16:
-        return [
-            nn.Sequential(up2(), build_norm_layer(norm_cfg, embed_dims)[1], nn.GELU(), up2()),
-            nn.Sequential(up2()), nn.Identity(), pool(2)
-        ]
+        return [nn.Sequential(up2(), build_norm_layer(norm_cfg, embed_dims)[1], nn.GELU(), up2()),
+                nn.Sequential(up2()), nn.Identity(), pool(2)]
     return [nn.Sequential(up2()), nn.Identity(), nn.Sequential(pool(2)), nn.Sequential(pool(4))]
 
 
@@ -457,9 +453,8 @@ class XCiTBackbone(BaseModule):
         """Trunk maps at ``out_indices``, (B, D, ceil(H/p), ceil(W/p)) channels-last views."""
         self._check_input(x)
         x = self.patch_embed(x)
-        B, D, Hp, Wp = x.shape
-        grid_hw = (Hp, Wp)
-        x = (x.permute(0, 2, 3, 1) + self.pos_embed(grid_hw)).reshape(B, Hp * Wp, D)  # (B, N, D)
+        B, D, *grid_hw = x.shape
+        x = (x.permute(0, 2, 3, 1) + self.pos_embed(grid_hw)).flatten(1, 2)  # (B, N, D)
         taps = {}
         for i, layer in enumerate(self.layers[:max(self.out_indices) + 1]):
             if self.with_cp and x.requires_grad:
@@ -471,14 +466,13 @@ class XCiTBackbone(BaseModule):
             else:
                 x = layer(x, grid_hw)
             if i in self.out_indices:
-                taps[i] = x.reshape(B, Hp, Wp, D).permute(0, 3, 1, 2)  # channels-last view
+                taps[i] = x.reshape(B, *grid_hw, D).permute(0, 3, 1, 2)  # channels-last view
         return [taps[i] for i in self.out_indices]
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """4 maps at strides 4/8/16/32, each ceil(H/s) x ceil(W/s)."""
-        feats = self.forward_trunk(x)  # checks x first
-        return tuple(self.forward_level(feat, level, x.shape[-2:])
-                     for level, feat in enumerate(feats))
+        return tuple(self.forward_level(feat, level, x.shape[-2:])  # after the trunk checks x
+                     for level, feat in enumerate(self.forward_trunk(x)))
 
     def forward_level(self, feat: torch.Tensor, level: int,
                       image_hw: Tuple[int, int]) -> torch.Tensor:

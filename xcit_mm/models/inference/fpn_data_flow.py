@@ -1,8 +1,7 @@
 """An FPN (mmdet's or mmseg's) or mmseg's UPerHead in data-flow order: stock's outputs bit for
 bit, fewer maps alive. The levels are made top-down, each map freed once used, each conv on
 stock's whole tensor; with ``band_mb`` level 0 band by band (equal up to rounding). Torch only:
-docs/lean_detection.md, docs/lean_segmentation.md.
-"""
+docs/lean_detection.md, docs/lean_segmentation.md."""
 from itertools import accumulate
 from typing import Callable, List, Optional, Sequence, Tuple
 

@@ -142,9 +142,8 @@ class TokenMaps:
         return self
 
     def new(self, shape: Sequence[int]) -> TokenMap:
-        token_map = TokenMap(shape, self.device, self.folder)
-        self.maps.append(token_map)
-        return token_map
+        self.maps.append(TokenMap(shape, self.device, self.folder))
+        return self.maps[-1]
 
     def __exit__(self, *exc) -> None:
         for token_map in self.maps:

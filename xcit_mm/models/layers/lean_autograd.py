@@ -220,11 +220,8 @@ def recomputed_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.
                         scale: Optional[torch.Tensor]) -> torch.Tensor:
     """``x + scale * gamma * branch(x)`` (cheap ops only) keeping only ``x``: the backward re-runs
     it, the batch norms in ``modules`` updated once."""
-
-    def residual(x, gamma, scale):
-        return torch.addcmul(x, _coef(gamma, scale), branch(x))
-
-    return checkpoint(residual, x, gamma, scale, use_reentrant=False, preserve_rng_state=False,
+    return checkpoint(lambda x, gamma, scale: torch.addcmul(x, _coef(gamma, scale), branch(x)),
+                      x, gamma, scale, use_reentrant=False, preserve_rng_state=False,
                       context_fn=lambda: (nullcontext(), batch_norm_stats_frozen(*modules)))
 
 
@@ -282,8 +279,7 @@ class _Up2Blockwise(torch.autograd.Function):
             if needs[0]:
                 grad_tokens[:, top:bottom] = grad_block.view(B, -1, W, C)
         grad_x = grad_tokens.permute(0, 3, 1, 2) if needs[0] else None  # channels-last
-        if needs[1]:
-            grad_weight = grad_weight.permute(2, 3, 0, 1)
+        grad_weight = grad_weight.permute(2, 3, 0, 1) if needs[1] else None
         grad_bias = grad_out.sum((0, 2, 3)) if needs[2] else None  # False for a None bias
         return grad_x, grad_weight, grad_bias, None
 
