@@ -23,7 +23,7 @@ setup(
     # build and mmcv needs a source build with ops. Only what pip can safely resolve is listed.
     # numpy 1.x, as tools/install.sh pins it: mmcv 2.1 / mmdet 3.3 / mmseg 1.2 were built and
     # tested against it. Checkpoints written under numpy 2 still load (both pickled names are
-    # allow-listed, see xcit_mm/utils/checkpoint_io.py).
+    # allow-listed, see xcit_mm/models/utils/safe_unpickling.py).
     # safetensors files and hf-hub: names (xcit_mm/models/utils/checkpoint_io.py): the calls and
     # error classes used exist from these releases on; tools/install.sh pins the ones tested.
     # tools/segment_large_image.py (xcit_mm/apis/large_image.py): TIFF tiles read and written
