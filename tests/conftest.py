@@ -25,66 +25,15 @@ if os.environ.get('PYTEST_XDIST_WORKER'):
     torch.set_num_threads(1)
 
 
-def _memoize_config_formatting():
-    """mmengine formats a config's text with yapf (``Config.pretty_text``) four to five times per
-    Runner (the logged and the dumped config, the message hub, every checkpoint's meta), the
-    slowest part of building a small Runner. yapf's ``FormatCode`` is a pure function of the text
-    and the style, so its results are kept per (text, style): the same strings, formatted once
-    per test process."""
-    import functools
+# mmengine's config formatting and metafile parsing memoized here and, through a sitecustomize
+# first on their PYTHONPATH, in every Python process the tests start (tools, ranks, benchmarks).
+sys.path.insert(0, osp.dirname(osp.abspath(__file__)))
+import config_memo  # noqa: E402
 
-    import mmengine.config.config as mmengine_config
-    format_code = mmengine_config.FormatCode
-
-    @functools.lru_cache(maxsize=256)
-    def formatted(text, style):
-        return format_code(text, style_config=dict(style))
-
-    def memoized(text, style_config=None, **kwargs):
-        if kwargs or not isinstance(style_config, dict):
-            return format_code(text, style_config=style_config, **kwargs)
-        return formatted(text, tuple(sorted(style_config.items())))
-
-    mmengine_config.FormatCode = memoized
-
-
-_memoize_config_formatting()
-
-
-def _memoize_package_metafiles():
-    """Each ``mmdet::`` / ``mmseg::`` base in a config makes mmengine check that the package is
-    installed (reloading ``pkg_resources``) and parse every metafile its ``model-index.yml``
-    lists, most of ``Config.fromfile``'s time. Both read installed files that do not change
-    during a test session: each metafile is parsed once per test process (keyed by its path and
-    modification time), and a package found installed stays installed."""
-    import functools
-
-    import mmengine.config.config as mmengine_config
-    import mmengine.config.utils as config_utils
-    load = config_utils.load
-
-    @functools.lru_cache(maxsize=512)
-    def parsed(path, mtime_ns):
-        return load(path)
-
-    def cached_load(file, *args, **kwargs):
-        if args or kwargs or not isinstance(file, str) or not file.endswith(('.yml', '.yaml')):
-            return load(file, *args, **kwargs)
-        return parsed(file, os.stat(file).st_mtime_ns)
-
-    config_utils.load = cached_load
-    is_installed = mmengine_config.is_installed
-    installed = set()
-
-    def cached_is_installed(package):
-        if package not in installed and is_installed(package):
-            installed.add(package)
-        return package in installed
-
-    mmengine_config.is_installed = cached_is_installed
-
-
-_memoize_package_metafiles()
+config_memo.memoize_when_imported()
+os.environ['PYTHONPATH'] = os.pathsep.join(
+    [osp.join(osp.dirname(osp.abspath(__file__)), 'child_site')]
+    + [p for p in [os.environ.get('PYTHONPATH')] if p])
 
 # The benchmark library lives beside the scripts that use it (benchmarks/xcit_benchmark).
 sys.path.insert(0, osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'benchmarks'))
