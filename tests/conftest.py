@@ -27,7 +27,7 @@ if os.environ.get('PYTEST_XDIST_WORKER'):
 
 # mmengine's config formatting and metafile parsing memoized here and, through a sitecustomize
 # first on their PYTHONPATH, in every Python process the tests start (tools, ranks, benchmarks).
-sys.path.insert(0, osp.dirname(osp.abspath(__file__)))
+# (config_memo imports by name: setup.cfg's pythonpath = tests.)
 import config_memo  # noqa: E402
 
 config_memo.memoize_when_imported()
