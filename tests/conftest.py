@@ -25,12 +25,12 @@ if os.environ.get('PYTEST_XDIST_WORKER'):
     torch.set_num_threads(1)
 
 
-# mmengine's config formatting and metafile parsing memoized here and, through a sitecustomize
-# first on their PYTHONPATH, in every Python process the tests start (tools, ranks, benchmarks).
-# (config_memo imports by name: setup.cfg's pythonpath = tests.)
-import config_memo  # noqa: E402
+# mmengine's config work memoized and seaborn imported on first use, here and, through a
+# sitecustomize first on their PYTHONPATH, in every Python process the tests start (tools, ranks,
+# benchmarks). (process_start imports by name: setup.cfg's pythonpath = tests.)
+import process_start  # noqa: E402
 
-config_memo.memoize_when_imported()
+process_start.install()
 os.environ['PYTHONPATH'] = os.pathsep.join(
     [osp.join(osp.dirname(osp.abspath(__file__)), 'child_site')]
     + [p for p in [os.environ.get('PYTHONPATH')] if p])

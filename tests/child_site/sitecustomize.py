@@ -1,17 +1,17 @@
 """Run at start-up by every Python process the tests start (conftest puts this folder first on
-PYTHONPATH): mmengine's config formatting memoized as in the test process, then the
-``sitecustomize`` this one shadows, if the environment has one."""
+PYTHONPATH): ``process_start`` as in the test process, then the ``sitecustomize`` this one
+shadows, if the environment has one."""
 import importlib.machinery
 import importlib.util
 import os.path as osp
 import sys
 
 _HERE = osp.dirname(osp.abspath(__file__))
-_memo = importlib.util.spec_from_file_location('_xcit_tests_config_memo',
-                                               osp.join(osp.dirname(_HERE), 'config_memo.py'))
-_module = importlib.util.module_from_spec(_memo)
-_memo.loader.exec_module(_module)
-_module.memoize_when_imported()
+_start = importlib.util.spec_from_file_location('_xcit_tests_process_start',
+                                                osp.join(osp.dirname(_HERE), 'process_start.py'))
+_module = importlib.util.module_from_spec(_start)
+_start.loader.exec_module(_module)
+_module.install()
 
 _shadowed = importlib.machinery.PathFinder.find_spec(
     'sitecustomize', [p for p in sys.path if osp.abspath(p or '.') != _HERE])

@@ -1,14 +1,18 @@
-"""mmengine's config formatting and metafile parsing, memoized: in the test process (conftest) and
-in every Python process the tests start (``child_site/sitecustomize.py``, on their PYTHONPATH).
+"""What every Python process of the suite does first: in the test process (conftest) and in every
+process the tests start (``child_site/sitecustomize.py``, on their PYTHONPATH).
 
-Both are pure functions of inputs that do not change during a test session, and both dominate
-building a small Runner or loading a config with ``mmdet::`` / ``mmseg::`` bases.
+mmengine's config formatting and metafile parsing are memoized: both are pure functions of inputs
+that do not change during a test session, and both dominate building a small Runner or loading a
+config with ``mmdet::`` / ``mmseg::`` bases. seaborn, which mmdet imports for plots no test
+draws, is imported when first used instead.
 """
 import functools
+import importlib
 import importlib.abc
 import importlib.util
 import os
 import sys
+import types
 
 CONFIG_MODULE = 'mmengine.config.config'
 
@@ -84,8 +88,30 @@ class _AfterConfigImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def memoize_when_imported() -> None:
-    """``memoize`` now if mmengine's config module is loaded, else as soon as it is."""
+class _ImportedOnFirstUse(types.ModuleType):
+    """Stands in for a module until one of its attributes is asked for. It has ``__file__``:
+    ``inspect.getmodule``, which torch calls while registering its operators, reads the
+    ``__file__`` of every module loaded."""
+
+    def __getattr__(self, attr):
+        del sys.modules[self.__name__]
+        module = importlib.import_module(self.__name__)
+        self.__dict__.update(module.__dict__)  # for those that bound the stand-in
+        return getattr(module, attr)
+
+
+def import_on_first_use(name: str) -> None:
+    spec = importlib.util.find_spec(name)
+    if name not in sys.modules and spec is not None:
+        stand_in = _ImportedOnFirstUse(name)
+        stand_in.__file__, stand_in.__spec__ = spec.origin, spec
+        sys.modules[name] = stand_in
+
+
+def install() -> None:
+    """seaborn imported on first use; ``memoize`` now if mmengine's config module is loaded,
+    else as soon as it is."""
+    import_on_first_use('seaborn')
     if CONFIG_MODULE in sys.modules:
         memoize(sys.modules[CONFIG_MODULE])
     else:
