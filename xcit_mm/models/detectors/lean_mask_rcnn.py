@@ -123,18 +123,29 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
                 what = f'{name} ({B} image{"s" if B > 1 else ""} of {H}x{W} px)'
                 plans = self.memory_plans(batch_inputs, batch_data_samples, rescale)
                 plan = self._choose_memory_plan(plans, settings.max_memory, what).name
-            if plan == 'tiles':
-                results_list = self._tile_detections(batch_inputs, batch_img_metas)
-            else:
-                assert self.with_bbox, 'Bbox head must be implemented.'
-                x = self._lean_extract_feat(batch_inputs)  # a list this method alone holds
-                rpn_results_list = ([data_sample.proposals for data_sample in batch_data_samples]
-                                    if proposals else self._lean_rpn_predict(x, batch_data_samples))
-                if self.why_not('roi'):
-                    return self.add_pred_to_datasample(batch_data_samples, self.roi_head.predict(
-                        tuple(x), rpn_results_list, batch_data_samples, rescale=rescale))
-                results_list = self._lean_roi_predict(x, rpn_results_list, batch_img_metas)
-            results_list = self._paste_masks(results_list, batch_img_metas, rescale)
+            if plan == 'whole':
+                return self._predict_whole(batch_inputs, batch_data_samples, rescale)
+            results_list = self._paste_masks(self._tile_detections(batch_inputs, batch_img_metas),
+                                             batch_img_metas, rescale)
+        return self.add_pred_to_datasample(batch_data_samples, results_list)
+
+    def _predict_whole(self, batch_inputs: Tensor, batch_data_samples: SampleList,
+                       rescale: bool) -> SampleList:
+        """The lean network on the whole batch, under ``predict``'s ``no_grad``."""
+        assert self.with_bbox, 'Bbox head must be implemented.'
+        batch_img_metas = [data_sample.metainfo for data_sample in batch_data_samples]
+        x = self._lean_extract_feat(batch_inputs)  # a list this method alone holds
+        if batch_data_samples[0].get('proposals', None) is not None:
+            rpn_results_list = [data_sample.proposals for data_sample in batch_data_samples]
+        else:
+            rpn_results_list = self._lean_rpn_predict(x, batch_data_samples)
+        if self.why_not('roi'):
+            results_list = self.roi_head.predict(tuple(x), rpn_results_list, batch_data_samples,
+                                                 rescale=rescale)
+        else:
+            results_list = self._paste_masks(
+                self._lean_roi_predict(x, rpn_results_list, batch_img_metas), batch_img_metas,
+                rescale)
         return self.add_pred_to_datasample(batch_data_samples, results_list)
 
     # ------------------------------------------------------------------ network
