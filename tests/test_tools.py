@@ -135,11 +135,12 @@ def test_train_options(train_tool, tmp_path):
     assert cfg.auto_scale_lr.enable is True
     assert cfg.work_dir == osp.join('./work_dirs', 'mask_rcnn_xcit_t12_p16_3x_coco')
     args = train_tool.parse_args([ADE_CFG, '--resume', 'ckpt.pth', '--work-dir', str(tmp_path),
-                                  '--cfg-options', 'train_cfg.max_iters=10'])
+                                  '--cfg-options', 'train_cfg.max_iters=10', '--launcher', 'slurm'])
     cfg = train_tool.build_cfg(args)
     assert (cfg.resume, cfg.load_from, cfg.work_dir) == (True, 'ckpt.pth', str(tmp_path))
-    assert cfg.train_cfg.max_iters == 10
-    assert train_tool.build_cfg(train_tool.parse_args([ADE_CFG])).resume is False
+    assert (cfg.train_cfg.max_iters, cfg.launcher) == (10, 'slurm')
+    cfg = train_tool.build_cfg(train_tool.parse_args([ADE_CFG]))
+    assert (cfg.resume, cfg.launcher) == (False, 'none')
 
 
 def test_test_options(test_tool, tmp_path):
@@ -173,6 +174,22 @@ def test_missing_config_is_one_line_not_a_traceback(tmp_path, train_tool, test_t
             run()
         assert info.value.code == 2
         assert capsys.readouterr().err.strip() == f'error: config not found: {missing}'
+
+
+def test_both_tools_end_with_the_same_options(train_tool, test_tool, monkeypatch, capsys):
+    """--local-rank (torch.distributed.launch) becomes LOCAL_RANK unless a launcher set it; each
+    tool's --cfg-options example names the dataloader that tool reads."""
+    for tool, args, dataloader in ((train_tool, [ADE_CFG], 'train_dataloader'),
+                                   (test_tool, [ADE_CFG, 'ckpt.pth'], 'test_dataloader')):
+        monkeypatch.delenv('LOCAL_RANK', raising=False)
+        parsed = tool.parse_args(args + ['--local-rank', '3', '--launcher', 'pytorch'])
+        assert (parsed.local_rank, parsed.launcher, os.environ['LOCAL_RANK']) == (3, 'pytorch', '3')
+        monkeypatch.setenv('LOCAL_RANK', '1')
+        tool.parse_args(args + ['--local_rank', '3'])
+        assert os.environ['LOCAL_RANK'] == '1'
+        with pytest.raises(SystemExit):
+            tool.parse_args(['--help'])
+        assert f'{dataloader}.dataset.data_root=/data/coco/' in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- --amp on a CPU

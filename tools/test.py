@@ -38,14 +38,14 @@ _REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from mmengine.config import Config, DictAction  # noqa: E402
+from mmengine.config import Config  # noqa: E402
 from mmengine.registry import RUNNERS  # noqa: E402
 from mmengine.runner import Runner  # noqa: E402
 
 from training_extras import distributed_session  # noqa: E402
 from training_extras.dist_utils import lost_peer_message  # noqa: E402
 from training_extras.hooks import shutdown_dataloader_workers  # noqa: E402
-from training_extras.preflight import preflight  # noqa: E402
+from training_extras.preflight import load_config, parse_tool_args, preflight  # noqa: E402
 from xcit_mm.models.utils import check_checkpoint  # noqa: E402
 from xcit_mm.models.utils.checkpoint_io import is_url  # noqa: E402
 
@@ -62,26 +62,7 @@ def parse_args(argv=None):
         'directory of PNG label maps (segmentation)')
     parser.add_argument(
         '--show-dir', help='directory where images with drawn predictions are saved')
-    parser.add_argument(
-        '--cfg-options',
-        nargs='+',
-        action=DictAction,
-        help='override settings in the config, key=value pairs (e.g. '
-        'test_dataloader.dataset.data_root=/data/coco/); lists as key="[a,b]" or key=a,b; '
-        'quotes are needed and no white space is allowed')
-    parser.add_argument(
-        '--launcher',
-        choices=['none', 'pytorch', 'slurm', 'mpi'],
-        default='none',
-        help='job launcher')
-    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
-    args = parser.parse_args(argv)
-    if not osp.isfile(args.config):  # as argparse: one line and status 2, not a traceback
-        print(f'error: config not found: {args.config}', file=sys.stderr)
-        raise SystemExit(2)
-    if 'LOCAL_RANK' not in os.environ:
-        os.environ['LOCAL_RANK'] = str(args.local_rank)
-    return args
+    return parse_tool_args(parser, argv, 'test')
 
 
 def _scope(cfg) -> str:
@@ -139,14 +120,7 @@ def add_output_dump(cfg, runner, out: str) -> None:
 
 
 def build_cfg(args) -> Config:
-    cfg = Config.fromfile(args.config)
-    cfg.launcher = args.launcher
-    if args.cfg_options is not None:
-        cfg.merge_from_dict(args.cfg_options)
-    if args.work_dir is not None:
-        cfg.work_dir = args.work_dir
-    elif cfg.get('work_dir', None) is None:
-        cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(args.config))[0])
+    cfg = load_config(args)
     cfg.load_from = args.checkpoint
     if args.show_dir:
         enable_visualization(cfg, args.show_dir)

@@ -35,7 +35,6 @@ Examples::
 """
 import argparse
 import logging
-import os
 import os.path as osp
 import sys
 
@@ -44,7 +43,7 @@ _REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from mmengine.config import Config, DictAction  # noqa: E402
+from mmengine.config import Config  # noqa: E402
 from mmengine.logging import print_log  # noqa: E402
 from mmengine.registry import RUNNERS  # noqa: E402
 from mmengine.runner import Runner  # noqa: E402
@@ -56,7 +55,7 @@ from training_extras.checkpoint_check import check_pretrained, resolve_auto_resu
 from training_extras.cpu_amp_optim_wrapper import warn_if_cpu_bf16_is_slow  # noqa: E402
 from training_extras.dist_utils import lost_peer_message  # noqa: E402
 from training_extras.hooks import shutdown_dataloader_workers  # noqa: E402
-from training_extras.preflight import preflight  # noqa: E402
+from training_extras.preflight import load_config, parse_tool_args, preflight  # noqa: E402
 from xcit_mm.models.utils import check_checkpoint  # noqa: E402
 
 
@@ -77,42 +76,12 @@ def parse_args(argv=None):
     parser.add_argument(
         '--auto-scale-lr', action='store_true',
         help='scale the lr by (GPUs x batch per GPU) / auto_scale_lr.base_batch_size (16)')
-    parser.add_argument(
-        '--cfg-options',
-        nargs='+',
-        action=DictAction,
-        help='override settings in the config, key=value pairs (e.g. '
-        'train_dataloader.dataset.data_root=/data/coco/); lists as key="[a,b]" or key=a,b; '
-        'quotes are needed and no white space is allowed')
-    parser.add_argument(
-        '--launcher',
-        choices=['none', 'pytorch', 'slurm', 'mpi'],
-        default='none',
-        help='job launcher')
-    # torch.distributed.launch passes --local-rank (torch >= 2.0) or --local_rank.
-    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
-    args = parser.parse_args(argv)
-    if not osp.isfile(args.config):  # as argparse: one line and status 2, not a traceback
-        print(f'error: config not found: {args.config}', file=sys.stderr)
-        raise SystemExit(2)
-    if 'LOCAL_RANK' not in os.environ:
-        os.environ['LOCAL_RANK'] = str(args.local_rank)
-    return args
+    return parse_tool_args(parser, argv, 'train')
 
 
 def build_cfg(args) -> Config:
     """Load the config and apply the command line, as mmdet's/mmseg's train.py do."""
-    cfg = Config.fromfile(args.config)
-    cfg.launcher = args.launcher
-    if args.cfg_options is not None:
-        cfg.merge_from_dict(args.cfg_options)
-
-    # work_dir: command line > config > ./work_dirs/<config name>
-    if args.work_dir is not None:
-        cfg.work_dir = args.work_dir
-    elif cfg.get('work_dir', None) is None:
-        cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(args.config))[0])
-
+    cfg = load_config(args)
     if args.amp:
         wrapper_type = cfg.optim_wrapper.get('type', 'OptimWrapper')
         if wrapper_type not in ('AmpOptimWrapper', CPU_AMP_TYPE):
