@@ -292,6 +292,8 @@ def mocked_hub(hub, monkeypatch):
         for word, (status, code) in codes.items():
             if word in str(request.url):
                 return httpx2.Response(status, headers={'X-Error-Code': code}, request=request)
+        if 'behind-a-proxy' in str(request.url):
+            raise httpx2.ProxyError('407 Proxy Authentication Required', request=request)
         raise httpx2.ConnectError('no network', request=request)
 
     monkeypatch.setattr(constants, 'HF_HUB_CACHE', str(hub['cache']))
@@ -314,6 +316,9 @@ def mocked_hub(hub, monkeypatch):
                                'safetensors weights from the Hub'),
     ('hf-hub:someone/unreachable', 'is not in the Hugging Face cache ({cache}) and the Hub could '
                                    'not be reached (ConnectError). Download it once'),
+    ('hf-hub:someone/behind-a-proxy', 'cannot download model.safetensors of someone/behind-a-proxy '
+                                      'from the Hugging Face Hub (ProxyError: 407 Proxy '
+                                      'Authentication Required). Check the network'),
 ])
 def test_hub_errors_name_the_fix(mocked_hub, hub, name, message):
     with pytest.raises(CheckpointError) as info:

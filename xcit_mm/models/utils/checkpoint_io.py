@@ -141,37 +141,36 @@ def download_from_hub(name: str, what: str = 'checkpoint') -> str:
     page = f'https://huggingface.co/{repo_id}'
     try:
         return hub.hf_hub_download(repo_id, HUB_FILENAME, revision=revision)
-    except Exception as e:  # the most specific class first: Gated is a RepositoryNotFound...
-        if isinstance(e, errors.LocalEntryNotFoundError):  # neither cached nor reachable
-            # is_offline_mode() from huggingface_hub 1.0 on, the constant before it
-            offline = getattr(constants, 'is_offline_mode', lambda: constants.HF_HUB_OFFLINE)()
-            why = ('HF_HUB_OFFLINE is set' if offline else
-                   f'the Hub could not be reached ({type(e.__cause__ or e).__name__})')
-            problem = (
-                f'{HUB_FILENAME} of {repo_id}{at} is not in the Hugging Face cache '
-                f'({constants.HF_HUB_CACHE}) and {why}. Download it once with network access '
-                f'(HF_HUB_OFFLINE unset), point HF_HUB_CACHE or HF_HOME at a cache that holds '
-                f'it, or download {HUB_FILENAME} yourself and pass its local path.')
-        elif isinstance(e, errors.RevisionNotFoundError):
-            problem = (f'the repository {repo_id} has no revision {revision!r} (a branch, tag or '
-                       f'commit). Check the part after "@" against {page}, or drop it for the '
-                       f'default branch.')
-        elif isinstance(e, errors.GatedRepoError):
-            problem = (f'{repo_id} is a gated repository. Accept its terms at {page}, then log in '
-                       f'(hf auth login) or set HF_TOKEN.')
-        elif isinstance(e, errors.RepositoryNotFoundError):
-            problem = (f'no repository {repo_id} on the Hugging Face Hub (or it is private). '
-                       f'Check the name (OWNER/NAME as in {page}, e.g. {HUB_EXAMPLE}); for a '
-                       f'private one, log in (hf auth login) or set HF_TOKEN.')
-        elif isinstance(e, errors.EntryNotFoundError):
-            problem = (f'{repo_id}{at} has no {HUB_FILENAME}. xcit_mm reads only safetensors '
-                       f'weights from the Hub (they carry no code); use a repository that has '
-                       f'{HUB_FILENAME}, or download its weights and pass the local file.')
-        else:  # network, proxy, server errors: huggingface_hub's own message
-            detail = (str(e).strip().splitlines() or [''])[0][:300]
-            problem = (f'cannot download {HUB_FILENAME} of {repo_id}{at} from the Hugging Face '
-                       f'Hub ({type(e).__name__}: {detail}). Check the network, or download the '
-                       f'file yourself and pass its local path.')
+    except Exception as e:
+        # is_offline_mode() from huggingface_hub 1.0 on, the constant before it
+        offline = getattr(constants, 'is_offline_mode', lambda: constants.HF_HUB_OFFLINE)()
+        why = ('HF_HUB_OFFLINE is set' if offline else
+               f'the Hub could not be reached ({type(e.__cause__ or e).__name__})')
+        detail = (str(e).strip().splitlines() or [''])[0][:300]
+        # the most specific class first: Gated is a RepositoryNotFound, LocalEntryNotFound an
+        # EntryNotFound; the last, for network, proxy and server errors, quotes huggingface_hub
+        problems = [
+            (errors.LocalEntryNotFoundError,  # neither cached nor reachable
+             f'{HUB_FILENAME} of {repo_id}{at} is not in the Hugging Face cache '
+             f'({constants.HF_HUB_CACHE}) and {why}. Download it once with network access '
+             f'(HF_HUB_OFFLINE unset), point HF_HUB_CACHE or HF_HOME at a cache that holds '
+             f'it, or download {HUB_FILENAME} yourself and pass its local path.'),
+            (errors.RevisionNotFoundError,
+             f'the repository {repo_id} has no revision {revision!r} (a branch, tag or commit). '
+             f'Check the part after "@" against {page}, or drop it for the default branch.'),
+            (errors.GatedRepoError, f'{repo_id} is a gated repository. Accept its terms at '
+             f'{page}, then log in (hf auth login) or set HF_TOKEN.'),
+            (errors.RepositoryNotFoundError,
+             f'no repository {repo_id} on the Hugging Face Hub (or it is private). Check the '
+             f'name (OWNER/NAME as in {page}, e.g. {HUB_EXAMPLE}); for a private one, log in '
+             f'(hf auth login) or set HF_TOKEN.'),
+            (errors.EntryNotFoundError, f'{repo_id}{at} has no {HUB_FILENAME}. xcit_mm reads '
+             f'only safetensors weights from the Hub (they carry no code); use a repository '
+             f'that has {HUB_FILENAME}, or download its weights and pass the local file.'),
+            (Exception, f'cannot download {HUB_FILENAME} of {repo_id}{at} from the Hugging '
+             f'Face Hub ({type(e).__name__}: {detail}). Check the network, or download the '
+             f'file yourself and pass its local path.')]
+        problem = next(text for kind, text in problems if isinstance(e, kind))
         raise CheckpointError(f'{what} {name}: {problem}') from None
 
 
