@@ -207,6 +207,9 @@ def test_save_safetensors_writes_numpy_and_tensor_meta_as_json_and_leaves_out_th
     loaded = load_checkpoint_file(out)
     assert loaded['meta'] == dict(epoch=3, loss=0.25, hist=[1, 2], t=[1.5])
     assert torch.equal(loaded['state_dict']['v'], weight)
+    # another writer's metadata that is not JSON is read as the text it is
+    save_file({'w': weight}, out, metadata={'format': 'pt', 'note': 'fine-tuned', 'n': '2'})
+    assert load_checkpoint_file(out)['meta'] == dict(note='fine-tuned', n=2)
 
 
 # ----------------------------------------------------------------------------- errors
@@ -261,6 +264,15 @@ def test_a_repository_that_is_not_xcit_is_named(offline_hub):
     assert (f"hf-hub:{RESNET_REPO} is not an XCiT model: its config.json names the architecture "
             f"'resnet18', its weights look like a ResNet. Use the Hub name of an XCiT model"
             in _one_line(info))
+    # without a config.json, or with one that is not a JSON object, the weights alone tell
+    resnet = _bytes(str(offline_hub['cache'] / 'resnet.safetensors'))
+    for repo, files in (('someone/resnet-no-config', {}),
+                        ('someone/resnet-list-config', {'config.json': b'["resnet18"]'})):
+        add_to_cache(offline_hub['cache'], repo, dict(files, **{'model.safetensors': resnet}))
+        with pytest.raises(CheckpointError) as info:
+            load_checkpoint_file(f'hf-hub:{repo}')
+        assert (f'hf-hub:{repo} is not an XCiT model: its weights look like a ResNet. Use the '
+                in _one_line(info))
     with pytest.raises(CheckpointError, match='is not a Hugging Face Hub name: write '
                                               'hf-hub:OWNER/NAME or hf-hub:OWNER/NAME@REVISION'):
         load_checkpoint_file('hf-hub:xcit_small_12_p16_384')

@@ -55,13 +55,6 @@ def looks_like_safetensors(head: bytes) -> bool:
     return 2 <= struct.unpack('<Q', head[:8])[0] <= _HEADER_LIMIT
 
 
-def _decode(value: str):
-    try:
-        return json.loads(value)
-    except ValueError:
-        return value
-
-
 def read_safetensors(path: str, name: str, map_location='cpu',
                      fresh: str = '') -> Dict[str, object]:
     """``{'state_dict', 'meta'}`` of the local file ``path``, which messages call ``name``."""
@@ -84,7 +77,10 @@ def read_safetensors(path: str, name: str, map_location='cpu',
     # a callable or dict map_location keeps the CPU; outside the try: not a corrupt file
     if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type != 'cpu':
         tensors = OrderedDict((key, value.to(map_location)) for key, value in tensors.items())
-    meta = {key: _decode(value) for key, value in metadata.items() if key != _FORMAT_KEY}
+    meta = {key: value for key, value in metadata.items() if key != _FORMAT_KEY}
+    for key, value in meta.items():
+        with contextlib.suppress(ValueError):  # JSON as save_safetensors writes it, else text
+            meta[key] = json.loads(value)
     return {'state_dict': tensors, 'meta': meta}
 
 
@@ -172,20 +168,6 @@ def download_from_hub(name: str, what: str = 'checkpoint') -> str:
              f'file yourself and pass its local path.')]
         problem = next(text for kind, text in problems if isinstance(e, kind))
         raise CheckpointError(f'{what} {name}: {problem}') from None
-
-
-def hub_architecture(repo_id: str, revision: Optional[str]) -> Optional[str]:
-    """The architecture the repository's config.json names, or None if none is at hand."""
-    try:  # the cached copy when offline
-        with open(_hub()[0].hf_hub_download(repo_id, 'config.json', revision=revision)) as f:
-            config = json.load(f)
-    except Exception:  # no config.json, no network, not JSON: the keys still tell
-        return None
-    if not isinstance(config, dict):
-        return None
-    # timm's ``architecture``, transformers' ``architectures`` (a list) / ``model_type``
-    found = config.get('architecture') or config.get('architectures') or config.get('model_type')
-    return str(found[0] if isinstance(found, list) else found) if found else None
 
 
 def download_checkpoint(url: str) -> str:
@@ -382,7 +364,16 @@ def _check_hub_model_is_xcit(name: str, checkpoint: dict) -> None:
     with contextlib.suppress(LayoutError):
         convert_backbone_state_dict(state_dict)
         return
-    architecture = hub_architecture(*parse_hub_name(name))
+    repo_id, revision = parse_hub_name(name)
+    try:  # the architecture config.json names (its cached copy when offline)
+        with open(_hub()[0].hf_hub_download(repo_id, 'config.json', revision=revision)) as f:
+            config = json.load(f)
+    except Exception:  # no config.json, no network, not JSON: the keys still tell
+        config = None
+    config = config if isinstance(config, dict) else {}
+    # timm's ``architecture``, transformers' ``architectures`` (a list) / ``model_type``
+    found = config.get('architecture') or config.get('architectures') or config.get('model_type')
+    architecture = str(found[0] if isinstance(found, list) else found) if found else None
     kind = kind_of_backbone(state_dict)
     what = [f'its config.json names the architecture {architecture!r}'] if architecture else []
     what.append(f'its weights look like {kind}' if kind else
