@@ -158,20 +158,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.whole_model:
         return whole_models(args, limit)
     pairs: List[Tuple[str, str]] = []
-    name, plot, checks = args.name or 'benchmark', not args.no_plot, []
+    checks: List[str] = []
     if args.goals:
         goals, records, meta = run_goals(opts, goals_spec)
         meta['goals'] = goals
-        name, plot = args.name or 'goals', False
     elif args.onnx:
         records, meta = runner.run_onnx_points(args.onnx, args.resolutions, opts)
         pairs = [(records[1]['model'], records[0]['model'])]  # ONNX Runtime / eager
-        name, plot = args.name or 'onnx', False
     else:
         specs = args.model_specs
         if args.compare:
             specs, pairs = runner.compare_pairs(specs)
-            name = args.name or 'compare'
         specs = runner.variants(specs, args.with_cp, pairs, '+cp')
         specs = runner.variants(specs, args.compile, pairs, '+compile')
         checks = [runner.check_same_trunk(s.arch, s.patch) for s in specs
@@ -186,6 +183,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print('\n' + report.markdown_goals(goals))
     for line in checks:
         print(line)
+    name = args.name or ('goals' if args.goals else 'onnx' if args.onnx else
+                         'compare' if args.compare else 'benchmark')
+    plot = not (args.no_plot or args.goals or args.onnx)
     print('wrote ' + ', '.join(report.write_outputs(records, meta, args.out_dir, name, plot)))
     if args.goals and args.fail_on_goal_miss and any(g['ok'] is not True for g in goals):
         return 3

@@ -216,7 +216,8 @@ def test_inductor_serves_every_image_size():
 
 def test_benchmark_compile_names():
     """The benchmark's +compile models: names, and --compile both pairs compiled with eager."""
-    from xcit_benchmark import parse_model, variants
+    from xcit_benchmark.models import parse_model
+    from xcit_benchmark.runner import variants
     spec = parse_model('xcit_s12_p16+compile+cp')
     assert (spec.name, spec.compiled, spec.with_cp) == ('xcit_s12_p16+cp+compile', True, True)
     assert 'torch.compile' in spec.description

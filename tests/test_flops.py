@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from mmengine.analysis import ActivationAnalyzer, FlopAnalyzer, get_model_complexity_info
 from mmengine.analysis import complexity_analysis, print_helper
-from xcit_benchmark import count_flops
+from xcit_benchmark.flops import count_flops
 
 from xcit_mm.models import XCiTBackbone
 from xcit_mm.models.utils import flop_count

@@ -47,36 +47,29 @@ def analytic_trunk_macs(arch: str, patch: int, height: int, width: int) -> int:
     return macs
 
 
-def _count_model_flops(model: nn.Module, forward: Callable, resolution: int,
-                       mode: str) -> Tuple[int, int]:
-    """(forward FLOPs, executed FLOPs of ``mode``) of one ``resolution`` x ``resolution`` image:
-    the steps the timing runs."""
-    img = torch.randn(1, 3, resolution, resolution)
-    fwd = count_flops(make_step(model, forward, img, 'inference', 'cpu', 'fp32'))
-    if mode == 'inference':
-        return fwd, fwd
-    return fwd, count_flops(make_step(model, forward, img, mode, 'cpu', 'fp32'))
-
-
 def point_flops(spec: ModelSpec, resolution: int, mode: str,
                 cache: Optional[Dict[str, Tuple[nn.Module, Callable]]] = None) -> dict:
-    """Forward MACs and executed FLOPs of one image, counted on a fake input (any size is cheap),
-    else (data-dependent control flow) on a real one."""
+    """Forward MACs and executed FLOPs of one image (the steps the timing runs), counted on a fake
+    input (any size is cheap), else (data-dependent control flow) on a real one."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     cache = {} if cache is None else cache
     if spec.name not in cache:
         torch.manual_seed(0)
         cache[spec.name] = build_model(spec, 'cpu')
     model, forward = cache[spec.name]
+
+    def count() -> list:  # the forward's FLOPs, then (train) the train step's
+        img = torch.randn(1, 3, resolution, resolution)
+        return [count_flops(make_step(model, forward, img, step_mode, 'cpu', 'fp32'))
+                for step_mode in dict.fromkeys(('inference', mode))]
+
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
-            fwd, executed = _count_model_flops(model, forward, resolution, mode)
-        counter = 'torch FlopCounterMode, fake tensors'
+            counts, counter = count(), 'torch FlopCounterMode, fake tensors'
     except Exception:  # data-dependent control flow: count a real image instead
-        fwd, executed = _count_model_flops(model, forward, resolution, mode)
-        counter = 'torch FlopCounterMode, real CPU pass'
-    return dict(gmacs=fwd / 2e9, gflop_exec=executed / 1e9, params_m=count_params(model) / 1e6,
-                flops_counter=counter)
+        counts, counter = count(), 'torch FlopCounterMode, real CPU pass'
+    return dict(gmacs=counts[0] / 2e9, gflop_exec=counts[-1] / 1e9,
+                params_m=count_params(model) / 1e6, flops_counter=counter)
 
 
 def flops_report(paper_table: Dict[str, Dict[str, float]], tolerance: float = 0.05,

@@ -19,22 +19,19 @@ XCIT_ARCHS: Dict[str, Tuple[int, int, int]] = {
     k: (v['embed_dims'], v['depth'], v['num_heads']) for k, v in arch_zoo.items()}
 XCIT_PATCHES = (8, 16)
 
-BASELINES = {
-    'resnet50': 'mmdet ResNet-50 (4 stages, strides 4-32)',
-    'swin_t': 'mmdet SwinTransformer Swin-T (embed 96, depths 2,2,6,2, window 7)',
-    'vit_s16': 'mmseg VisionTransformer ViT-S/16 = DeiT-S (embed 384, depth 12, 6 heads)'}
-BASELINE_CFGS = {  # the registry scope and backbone config of each (``with_cp`` set at build)
-    'resnet50': ('mmdet', dict(
+BASELINES = {  # name: (description, registry scope, backbone config; ``with_cp`` set at build)
+    'resnet50': ('mmdet ResNet-50 (4 stages, strides 4-32)', 'mmdet', dict(
         type='ResNet', depth=50, num_stages=4, out_indices=(0, 1, 2, 3), frozen_stages=-1,
         norm_cfg=dict(type='BN', requires_grad=True), norm_eval=False, style='pytorch')),
-    'swin_t': ('mmdet', dict(
+    'swin_t': ('mmdet SwinTransformer Swin-T (embed 96, depths 2,2,6,2, window 7)', 'mmdet', dict(
         type='SwinTransformer', embed_dims=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24),
         window_size=7, mlp_ratio=4, qkv_bias=True, drop_path_rate=0.0, patch_norm=True,
         out_indices=(0, 1, 2, 3), convert_weights=False)),
-    'vit_s16': ('mmseg', dict(
-        type='VisionTransformer', img_size=224, patch_size=16, embed_dims=384, num_layers=12,
-        num_heads=6, mlp_ratio=4, out_indices=(2, 5, 8, 11), qkv_bias=True, with_cls_token=True,
-        final_norm=False, interpolate_mode='bicubic', drop_path_rate=0.0))}
+    'vit_s16': ('mmseg VisionTransformer ViT-S/16 = DeiT-S (embed 384, depth 12, 6 heads)',
+                'mmseg', dict(type='VisionTransformer', img_size=224, patch_size=16,
+                              embed_dims=384, num_layers=12, num_heads=6, mlp_ratio=4,
+                              out_indices=(2, 5, 8, 11), qkv_bias=True, with_cls_token=True,
+                              final_norm=False, interpolate_mode='bicubic', drop_path_rate=0.0))}
 COMPILE_SUFFIX = '+compile'
 _XCIT_RE = re.compile(r'(?P<port>mmpretrain_)?xcit_(?P<arch>[a-z]\d\d)_p(?P<patch>\d+)'
                       r'(?P<trunk>_trunk)?')
@@ -55,7 +52,7 @@ class ModelSpec:
     def description(self) -> str:
         cp = (' +with_cp' if self.with_cp else '') + (' +torch.compile' if self.compiled else '')
         if self.family in BASELINES:
-            return BASELINES[self.family] + cp
+            return BASELINES[self.family][0] + cp
         label = f'XCiT-{self.arch.upper()}/{self.patch}'
         if self.family == 'xcit':
             return f'xcit_mm XCiTBackbone {label} (trunk + adapter){cp}'
@@ -99,7 +96,7 @@ def list_models() -> str:
     lines = [f'xcit_<{archs}>_p<8|16>           XCiTBackbone (trunk + adapter)',
              f'xcit_<{archs}>_p<8|16>_trunk     XCiTBackbone.forward_trunk',
              f'mmpretrain_xcit_<{archs}>_p<8|16> mmpretrain XCiT port, trunk only']
-    lines += [f'{k:<32}{v}' for k, v in BASELINES.items()]
+    lines += [f'{k:<32}{v[0]}' for k, v in BASELINES.items()]
     lines.append('any name + "+cp": built with with_cp=True (not for mmpretrain_xcit_*)')
     lines.append('any name + "+compile": timed through torch.compile(forward, dynamic=False)')
     return '\n'.join(lines)
@@ -148,7 +145,7 @@ def build_model(spec: ModelSpec, device: str = 'cpu') -> Tuple[nn.Module, Callab
             layer_scale_init_value=1.0 if depth == 12 else 1e-5, bn_norm_cfg=dict(type='BN'),
             init_cfg=None)
     else:  # a baseline
-        scope, cfg = BASELINE_CFGS[spec.family]
+        _, scope, cfg = BASELINES[spec.family]
         importlib.import_module(f'{scope}.models')  # fills the scope's MODELS registry
         model = importlib.import_module(f'{scope}.registry').MODELS.build(dict(cfg, with_cp=cp))
     model = model.to(device)

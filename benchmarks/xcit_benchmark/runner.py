@@ -177,10 +177,11 @@ def run_points(points: Sequence[Tuple[ModelSpec, int]], opts: RunOptions,
 
 def new_record(opts: RunOptions, name: str, description: str, resolution: int, **extra) -> dict:
     """A point's record before its figures: what was measured, under which options."""
-    return dict(model=name, description=description, resolution=resolution, batch=opts.batch,
-                mode=opts.mode, precision=opts.precision, device=opts.device,
-                threads=opts.threads or torch.get_num_threads(), status='ok', warmup=opts.warmup,
-                repeats=opts.repeats, note='', **extra)
+    record = dict(model=name, description=description, resolution=resolution, batch=opts.batch,
+                  mode=opts.mode, precision=opts.precision, device=opts.device,
+                  threads=opts.threads or torch.get_num_threads(), status='ok',
+                  warmup=opts.warmup, repeats=opts.repeats, note='')
+    return dict(record, **extra)
 
 
 def run_meta(opts: RunOptions, matmul_before: float, matmul_after: float, **extra) -> dict:
@@ -206,6 +207,8 @@ def run_onnx_points(config: str, resolutions: Sequence[int], opts: RunOptions,
     model = build_export_model(config)
     eager_name = osp.splitext(osp.basename(config))[0]
     ort_name = eager_name + '+onnxruntime'
+    what = (f'{config}: {model.task} '
+            f'{"image -> logits" if model.task == "seg" else "backbone + neck"}, random init; ')
     matmul_before = measure_matmul_gflops('cpu')
     records, exports = [], {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -222,17 +225,15 @@ def run_onnx_points(config: str, resolutions: Sequence[int], opts: RunOptions,
             image = torch.randn(opts.batch, 3, res, res)
             steps = {eager_name: make_step(model, model, image, 'inference', 'cpu', 'fp32'),
                      ort_name: lambda: run_onnx(session, image)}
+            runtimes = {eager_name: 'PyTorch eager (no_grad)',
+                        ort_name: f'ONNX Runtime {onnxruntime.__version__} CPU, static '
+                                  f'{opts.batch}x3x{res}x{res}'}
             times, mm = time_with_matmul(steps, opts.warmup, opts.repeats, 'cpu')
             for name, ts in times.items():
-                runtime = (f'ONNX Runtime {onnxruntime.__version__} CPU, static '
-                           f'{opts.batch}x3x{res}x{res}' if name == ort_name else
-                           'PyTorch eager (no_grad)')
                 records.append(new_record(
-                    opts, name, f'{config}: {model.task} '
-                    f'{"image -> logits" if model.task == "seg" else "backbone + neck"}, '
-                    f'random init; {runtime}', res, with_cp=False, compiled=False,
-                    matmul_gflop_s=mm, **time_figures(ts, opts.batch)))
-                records[-1].update(status='ok' if check['ok'] else 'mismatch', note=note)
+                    opts, name, what + runtimes[name], res, with_cp=False, compiled=False,
+                    matmul_gflop_s=mm, **time_figures(ts, opts.batch), note=note,
+                    status='ok' if check['ok'] else 'mismatch'))
     return records, run_meta(opts, matmul_before, measure_matmul_gflops('cpu'),
                              onnx_config=config, onnxruntime=onnxruntime.__version__,
                              onnx_export_s=exports)

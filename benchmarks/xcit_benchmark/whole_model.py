@@ -7,6 +7,7 @@ docs/benchmark_whole_model.md.
 import copy
 import gc
 import importlib
+import importlib.util
 import os
 import os.path as osp
 import statistics
@@ -28,25 +29,24 @@ class WholeModelError(ValueError):
     """A config that cannot be measured."""
 
 
-def check_config_path(config: str) -> None:
-    """A usage error before any process starts: a missing file or an unknown prefix."""
+def check_config_path(config: str) -> str:
+    """The file of a path or of ``mmdet::rel/path.py`` / ``mmseg::...`` (the installed package's
+    configs, found without importing it): a usage error before any process starts."""
     scope, sep, rel = config.partition('::')
     if sep and (scope not in SCOPES or not rel):
         raise WholeModelError(f'config {config!r}: the prefix must be mmdet:: or mmseg::')
-    if not sep and not osp.isfile(config):
-        raise WholeModelError(f'config not found: {config!r}')
+    spec = importlib.util.find_spec(scope) if sep else None
+    path = osp.join(osp.dirname(spec.origin), '.mim', 'configs', rel) if spec else config
+    if not osp.isfile(path):
+        raise WholeModelError(f'config {config!r} not found in the installed {scope} package'
+                              if sep else f'config not found: {config!r}')
+    return path
 
 
 def load_whole_config(config: str):
-    """The mmengine ``Config`` of a path or of ``mmdet::rel/path.py`` / ``mmseg::...``."""
+    """The mmengine ``Config`` of :func:`check_config_path`'s file."""
     from mmengine.config import Config
-    check_config_path(config)
-    scope, _, rel = config.rpartition('::')
-    path = osp.join(osp.dirname(importlib.import_module(scope).__file__), '.mim', 'configs',
-                    rel) if scope else config
-    if not osp.isfile(path):
-        raise WholeModelError(f'config {config!r} not found in the installed {scope} package')
-    return Config.fromfile(path)
+    return Config.fromfile(check_config_path(config))
 
 
 def drop_pretrained(obj):
