@@ -85,15 +85,13 @@ def flops_report(paper_table: Dict[str, Dict[str, float]], tolerance: float = 0.
             trunk_info = point_flops(parse_model(f'xcit_{arch}_p{patch}_trunk'), res, 'inference')
             tokens = math.ceil(res / patch) ** 2
             with torch.device('meta'):  # shapes only
-                cls_blocks = nn.Sequential(*[xcit_mod.ClassAttentionBlock(
-                    dim=dims, num_heads=heads, qkv_bias=True, layer_scale_init_value=eta)
-                    for _ in range(2)], nn.LayerNorm(dims))
                 port = xcit_mod.XCiT(img_size=res, patch_size=patch, embed_dims=dims, depth=depth,
                                      num_heads=heads, cls_attn_layers=2, out_type='cls_token',
                                      layer_scale_init_value=eta, init_cfg=None)
                 head = nn.Linear(dims, 1000)
                 tok, img = torch.randn(1, tokens + 1, dims), torch.randn(1, 3, res, res)
             port.eval()  # (mmpretrain's train() returns None)
+            cls_blocks = nn.Sequential(*port.ca_layers, port.norm)  # the port's class attention
             with torch.no_grad():
                 cls_macs = count_flops(lambda: head(cls_blocks(tok)[:, 0])) / 2
                 port_macs = count_flops(lambda: head(port(img)[-1])) / 2

@@ -37,6 +37,7 @@ def validate_spec(spec: dict, path: str = '<spec>') -> dict:
               f'{where} must be [model name, resolution], got {point!r}')
         check_model(point[0], where)
 
+    check(isinstance(spec, dict), 'the top level must be an object')
     for key in ('default_models', 'default_resolutions', 'goals', 'flops_report'):
         check(key in spec, f'missing key {key!r}')
     for key in ('batch', 'precision', 'warmup', 'repeats', 'runs', 'checks'):
@@ -88,8 +89,6 @@ def load_spec(path: Optional[str] = None) -> dict:
                         'checkout; pass its path with --spec)') from None
     except json.JSONDecodeError as e:
         raise SpecError(f'{path}: not valid JSON: {e}') from None
-    if not isinstance(spec, dict):
-        raise SpecError(f'{path}: the top level must be an object')
     return validate_spec(spec, path)
 
 

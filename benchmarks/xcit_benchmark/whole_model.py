@@ -227,25 +227,27 @@ def config_name(config: str) -> str:
 BUILD_KEYS = ('task', 'backbone', 'is_xcit', 'params_m', 'adamw_flags', 'memory_mode')
 
 
-def _median_record(rec: dict, per_round: Sequence[dict]) -> None:
-    """``rec``'s figures, in place: medians over its ok rounds; its status the first failure."""
+def _median_record(rec: dict, per_round: Sequence[dict]) -> dict:
+    """``rec`` with its rounds: medians over the ok ones, its status the first failure; the build
+    facts are the record's, each round keeps its figures (``per_round``)."""
     ok = [p for p in per_round if p.get('status') == 'ok']
     failed = [p for p in per_round if p.get('status') != 'ok']
     rec['status'] = failed[0].get('status') if failed else 'ok'
     rec['note'] = '; '.join(f'round {p["round"] + 1}: {p.get("status")} {p.get("note", "")}'
                             .strip() for p in failed)
     rec['rounds_ok'] = len(ok)
-    if not ok:
-        return
-    rec.update({key: ok[0][key] for key in BUILD_KEYS + ('work',) if key in ok[0]})
-    med = statistics.median
-    for key in ('time_ms', 'peak_mem_mb', 'mem_base_mb'):
-        rec[key] = med(p[key] for p in ok)
-    rec.update(round_times_ms=[p['time_ms'] for p in ok],
-               round_peaks_mb=[p['peak_mem_mb'] for p in ok],
-               times_ms=[t for p in ok for t in p.get('times_ms', [])])
-    rec['parts'] = {part: {key: med(p['parts'][part][key] for p in ok)
-                           for key in ('time_ms', 'peak_mb')} for part in ok[0]['parts']}
+    if ok:
+        rec.update({key: ok[0][key] for key in BUILD_KEYS + ('work',) if key in ok[0]})
+        med = statistics.median
+        for key in ('time_ms', 'peak_mem_mb', 'mem_base_mb'):
+            rec[key] = med(p[key] for p in ok)
+        rec.update(round_times_ms=[p['time_ms'] for p in ok],
+                   round_peaks_mb=[p['peak_mem_mb'] for p in ok],
+                   times_ms=[t for p in ok for t in p.get('times_ms', [])])
+        rec['parts'] = {part: {key: med(p['parts'][part][key] for p in ok)
+                               for key in ('time_ms', 'peak_mb')} for part in ok[0]['parts']}
+    rec['per_round'] = [{k: v for k, v in p.items() if k not in BUILD_KEYS} for p in per_round]
+    return rec
 
 
 def run_whole_models(configs: Sequence[str], mode: str, height: int, width: int, batch: int = 1,
@@ -271,21 +273,15 @@ def run_whole_models(configs: Sequence[str], mode: str, height: int, width: int,
             t0 = time.time()
             point = dict(round=r, position=pos, loadavg_1m=os.getloadavg()[0],
                          **run_memory_worker(cfg, int(limit_bytes), timeout_s))
-            point.setdefault('status', 'error')
             per_round[i].append(point)
             msg = (f'{point["time_ms"]:.0f} ms/step, peak +{point["peak_mem_mb"]:.0f} MB'
                    if point['status'] == 'ok' else
                    f'{point["status"]} {point.get("note", "")}'.strip())
             log(f'{where}: {config_name(config)}: {msg} ({time.time() - t0:.0f} s)')
-    records = []
-    for config, points in zip(configs, per_round):
-        rec = dict(model=config_name(config), config=config, mode=mode, height=height,
-                   width=width, batch=batch, repeats=repeats, rounds=rounds, threads=threads)
-        _median_record(rec, points)
-        # the build facts are the record's; a round keeps its figures
-        rec['per_round'] = [{k: v for k, v in p.items() if k not in BUILD_KEYS} for p in points]
-        records.append(rec)
-    return records
+    return [_median_record(dict(model=config_name(config), config=config, mode=mode,
+                                height=height, width=width, batch=batch, repeats=repeats,
+                                rounds=rounds, threads=threads), points)
+            for config, points in zip(configs, per_round)]
 
 
 def whole_model_ratios(records: Sequence[dict]) -> List[dict]:
