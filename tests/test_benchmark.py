@@ -668,6 +668,8 @@ def test_spec_errors_name_the_entry():
         validate_spec(bad, 'x.json')
     with pytest.raises(SpecError, match='not found'):
         lib.load_spec(os.path.join(ARTIFACTS, 'no_such_spec.json'))
+    with pytest.raises(SpecError, match='x.json: the top level must be an object'):
+        validate_spec(['default_models'], 'x.json')
 
 
 # ---------------------------------------------------------------------------------------------
