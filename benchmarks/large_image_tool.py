@@ -69,7 +69,8 @@ def run_tool(image: str, checkpoint: str, out: str, budget, token_dir: str) -> d
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--size', type=int, default=16384)
-    p.add_argument('--budgets', nargs='+', default=['none', '3000'],
+    p.add_argument('--budgets', nargs='+', default=[None, 3000.0],
+                   type=lambda v: None if v == 'none' else float(v),
                    help="--max-memory of each run ('none': no budget)")
     p.add_argument('--work-dir', default='/tmp/large_image_tool')
     p.add_argument('--out', required=True, help='the JSON artifact (rows added as they come)')
@@ -93,12 +94,11 @@ def main(argv=None):
     if args.update and osp.exists(args.out):  # the rows this run does not measure, as they were
         with open(args.out) as f:
             artifact = json.load(f)
-        again = {(args.size, None if b == 'none' else float(b)) for b in args.budgets}
+        again = {(args.size, budget) for budget in args.budgets}
         rows, earlier = kept_rows(artifact, lambda r: (r['size'], r['max_memory']) in again)
     baseline = run_tool(baseline_image, checkpoint, osp.join(args.work_dir, 'labels_256.tif'),
                         None, token_dir)
     for budget in args.budgets:
-        budget = None if budget == 'none' else float(budget)
         row = dict(size=args.size, image_bytes=osp.getsize(image), revision=revision(),
                    **run_tool(image, checkpoint, osp.join(args.work_dir, f'labels_{budget}.tif'),
                               budget, token_dir))

@@ -9,9 +9,9 @@ paths: docs/benchmark_high_resolution.md, benchmark_gpu.md, benchmark_gigapixel.
 """
 import argparse
 import contextlib
-import copy
 import functools
 import hashlib
+import importlib
 import json
 import os
 import os.path as osp
@@ -76,7 +76,6 @@ def resolve_config(config: str) -> str:
 def build_cfg(point: dict):
     """A series' config: its path's model, random weights, full resolution; a detector gets the
     XCiT config's test settings, ``score_thr=0``: the same RoI work for every backbone."""
-    from mmengine.config import ConfigDict
     from xcit_benchmark.whole_model import drop_pretrained, load_whole_config
     cfg = load_whole_config(resolve_config(point['config']))
     drop_pretrained(cfg.model)
@@ -86,14 +85,14 @@ def build_cfg(point: dict):
     if seg:  # inference_model reads cfg.test_pipeline
         cfg.test_pipeline = [t for t in cfg.test_pipeline if t['type'] != 'Resize' or not full]
     else:  # inference_detector reads the test dataloader's
-        shared = load_whole_config(resolve_config(CONFIGS[('detector', 'xcit')]))
-        cfg.model.test_cfg = ConfigDict(copy.deepcopy(shared.model.test_cfg.to_dict()))
+        xcit = load_whole_config(resolve_config(CONFIGS[('detector', 'xcit')]))
+        cfg.model.test_cfg = xcit.model.test_cfg
         cfg.model.test_cfg.rcnn.score_thr = 0.0
         pipeline = cfg.test_dataloader.dataset.pipeline
-        for i, t in enumerate(pipeline):
+        for t in pipeline:
             if t['type'] == 'Resize' and full:  # scale factor 1: the image's own size
-                pipeline[i] = {k: v for k, v in t.items() if k != 'scale'}
-                pipeline[i].update(scale_factor=1.0, keep_ratio=True)
+                t.pop('scale', None)
+                t.update(scale_factor=1.0, keep_ratio=True)
         pipeline[:] = [t for t in pipeline if t['type'] != 'LoadAnnotations']
     band = point.get('band_mb') or (BAND_MB if path == 'bands' else None)
     if band:
@@ -230,12 +229,9 @@ def child(spec: dict):
                 cfg = build_cfg(points[0])
                 if cfg.get('custom_imports', None):
                     import_modules_from_strings(**cfg.custom_imports)
-                if points[0]['task'] == 'segmentor':
-                    from mmseg.apis import inference_model as infer
-                    from mmseg.apis import init_model as init
-                else:
-                    from mmdet.apis import inference_detector as infer
-                    from mmdet.apis import init_detector as init
+                module, _, name = DOORS[points[0]['task']].rpartition('.')
+                apis = importlib.import_module(module)  # the door and its init_model/_detector
+                infer, init = getattr(apis, name), getattr(apis, name.replace('inference', 'init'))
                 torch.manual_seed(0)
                 model = init(cfg, device=spec['device'])
                 infer(model, np.zeros((spec['warmup'],) * 2 + (3,), np.uint8))  # pools, calibration

@@ -25,11 +25,9 @@ COLUMNS = ['variant', 'test_cfg', 'coco/bbox_mAP', 'coco/bbox_mAP_50', 'coco/seg
 
 def variants(band_mb, tiles: list) -> list:
     """(name, ``model.test_cfg`` update) of every variant, whole first."""
-    out = [('whole', {})] + ([('bands', dict(band_mb=band_mb))] if band_mb else [])
-    for size, overlap in tiles:
-        out.append((f'tiles {size}/{overlap}',
-                    dict(mode='tiles', tile_size=size, tile_overlap=overlap)))
-    return out
+    return ([('whole', {})] + ([('bands', dict(band_mb=band_mb))] if band_mb else [])
+            + [(f'tiles {size}/{overlap}', dict(mode='tiles', tile_size=size, tile_overlap=overlap))
+               for size, overlap in tiles])
 
 
 def tile(value: str) -> tuple:

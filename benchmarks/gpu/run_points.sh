@@ -33,17 +33,16 @@ print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torc
       'xcit_mm', xcit_mm.__file__, torch.cuda.is_available() and torch.cuda.get_device_name(0))
 PYEOF
 
-status=0
-if [[ ${1:-} != stream ]]; then
-"$PY" benchmarks/peak_memory.py --device cuda --tasks segmentor --paths lean stock auto \
-    --budgets 8192:40000 8192:16000 4096:4000 --warmup 256 --repeat-below-s 5 \
-    --log "$OUT/peak_memory.log" --out "$OUT/whole_image_cuda" "$@" || status=$?
-else  # whole's series (one process) first, then the stream's; whole may run out of memory: 'oom'
-shift
-"$PY" benchmarks/peak_memory.py --device cuda --tasks segmentor --backbones xcit \
-    --paths stream lean --sizes 8192 16384 32768 --skip lean:32768 --warmup 256 \
-    --repeat-below-s 5 --limit-gb 100 --timeout 420 --budget-s 360 --grace-s 60 \
-    --log "$OUT/peak_memory.log" --out "$OUT/whole_image_cuda_stream" "$@" || status=$?
+points=(--paths lean stock auto --budgets 8192:40000 8192:16000 4096:4000
+        --out "$OUT/whole_image_cuda")
+if [[ ${1:-} == stream ]]; then  # whole's series (one process), then the stream's; whole may oom
+    shift
+    points=(--backbones xcit --paths stream lean --sizes 8192 16384 32768 --skip lean:32768
+            --limit-gb 100 --timeout 420 --budget-s 360 --grace-s 60
+            --out "$OUT/whole_image_cuda_stream")
 fi
+status=0
+"$PY" benchmarks/peak_memory.py --device cuda --tasks segmentor --warmup 256 --repeat-below-s 5 \
+    --log "$OUT/peak_memory.log" "${points[@]}" "$@" || status=$?
 echo "run_points.sh done in $(( $(date +%s) - start )) s, exit status $status"
 exit $status
