@@ -77,7 +77,8 @@ def main(argv=None):
     p.add_argument('--update', action='store_true',
                    help="keep the artifact's rows of other sizes and budgets")
     args = p.parse_args(argv)
-    os.makedirs(args.work_dir, exist_ok=True)
+    token_dir = osp.join(args.work_dir, 'tokens')
+    os.makedirs(token_dir, exist_ok=True)  # and the work directory
     image = osp.join(args.work_dir, f'input_{args.size}.tif')
     checkpoint = osp.join(args.work_dir, 'sem_fpn_xcit_s12_p16_random.pth')
     baseline_image = osp.join(args.work_dir, 'input_256.tif')
@@ -88,8 +89,6 @@ def main(argv=None):
         import torch
         torch.save(dict(state_dict=random_segmentor(osp.join(ROOT, CONFIG)).state_dict()),
                    checkpoint)
-    token_dir = osp.join(args.work_dir, 'tokens')
-    os.makedirs(token_dir, exist_ok=True)
     rows, earlier = [], {}
     if args.update and osp.exists(args.out):  # the rows this run does not measure, as they were
         with open(args.out) as f:
