@@ -2,8 +2,10 @@
 report of its committed artifact, whose budget points held (the run itself needs a GPU; its
 series, one process per (backbone, path), are run on the CPU in test_whole_image_inference.py)."""
 import json
+import os
 import os.path as osp
 import shlex
+import subprocess
 import sys
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
@@ -30,17 +32,17 @@ def test_the_gpu_page_quotes_the_artifact_and_every_budget_held(tmp_path, capsys
             or f"estimate {row['estimate_mb']}, peak {row['peak_growth_mb']}" in page
 
 
-def test_run_points_sh_runs_this_script_on_cuda_with_the_page_s_points():
+def test_run_points_sh_runs_this_script_on_cuda_with_the_page_s_points(tmp_path):
     """benchmarks/gpu/run_points.sh passes the GPU page's points on to this script."""
-    with open(osp.join(ROOT, 'benchmarks', 'gpu', 'run_points.sh')) as f:
-        script = f.read()
-    command = script[script.index('"$PY" benchmarks/peak_memory.py') + 5:].split('"$@"')[0]
-    argv = []
-    for word in shlex.split(command.replace('\\\n', ' '))[1:]:
-        if '$' in word:  # an option whose value is the shell's: left out
-            argv.pop()
-        else:
-            argv.append(word)
+    python = tmp_path / 'python'  # prints each call's arguments: the script runs nothing
+    python.write_text('#!/bin/sh\necho "$@"\n')
+    python.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(python), OUT=str(tmp_path / 'out'),
+               SITE=str(tmp_path / 'site'))
+    calls = subprocess.run(['bash', osp.join(ROOT, 'benchmarks', 'gpu', 'run_points.sh')],
+                           env=env, capture_output=True, text=True, check=True).stdout
+    (command,) = [c for c in calls.splitlines() if c.startswith('benchmarks/peak_memory.py')]
+    argv = shlex.split(command)[1:]
     args = pm.parse_args(pm.make_parser(), argv)
     assert args.device == 'cuda' and args.paths == ['lean', 'stock', 'auto']
     with open(ARTIFACT) as f:
