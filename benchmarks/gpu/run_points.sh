@@ -17,7 +17,6 @@ export PYTHONDONTWRITEBYTECODE=1
 
 start=$(date +%s)
 # every wheel in .whl is a plain purelib zip (no .data, no build step): unzipped, no pip needed
-mkdir -p "$SITE"
 for w in .whl/*.whl; do "$PY" -m zipfile -e "$w" "$SITE"; done
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 echo "wheels installed in $(( $(date +%s) - start )) s"
