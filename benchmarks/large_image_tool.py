@@ -23,6 +23,11 @@ CONFIG = 'configs/sem_fpn_xcit_s12_p16_80k_ade20k.py'
 TILE = 512
 
 
+def budget_mb(value: str):
+    """``--budgets`` item: MB, or ``none`` for no budget (argparse names a bad one)."""
+    return None if value == 'none' else float(value)
+
+
 def make_image(path: str, size: int) -> None:
     """A tiled RGB BigTIFF of ``size``² px written tile by tile (never whole), georeferenced."""
     import numpy as np
@@ -70,7 +75,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--size', type=int, default=16384)
     p.add_argument('--budgets', nargs='+', default=[None, 3000.0],
-                   type=lambda v: None if v == 'none' else float(v),
+                   type=budget_mb,
                    help="--max-memory of each run ('none': no budget)")
     p.add_argument('--work-dir', default='/tmp/large_image_tool')
     p.add_argument('--out', required=True, help='the JSON artifact (rows added as they come)')
