@@ -74,8 +74,7 @@ def run_tool(image: str, checkpoint: str, out: str, budget, token_dir: str) -> d
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--size', type=int, default=16384)
-    p.add_argument('--budgets', nargs='+', default=[None, 3000.0],
-                   type=budget_mb,
+    p.add_argument('--budgets', nargs='+', type=budget_mb, default=[None, 3000.0],
                    help="--max-memory of each run ('none': no budget)")
     p.add_argument('--work-dir', default='/tmp/large_image_tool')
     p.add_argument('--out', required=True, help='the JSON artifact (rows added as they come)')
