@@ -351,11 +351,14 @@ def _artifact(tmp_path) -> str:
 def test_a_detector_takes_the_xcit_detectors_test_settings_at_the_image_size(tmp_path):
     """Every detector series runs XCiT Mask R-CNN's ``test_cfg`` with ``score_thr=0`` (the same
     RoI work for every backbone), its test Resize at scale factor 1 (the image's own size)."""
+    from mmengine.config import Config
     config = tmp_path / 'other_detector.py'
     config.write_text(f"_base_ = {osp.join(ROOT, pm.CONFIGS[('detector', 'vit')])!r}\n"
                       "model = dict(test_cfg=dict(rcnn=dict(max_per_img=7, score_thr=0.5)))\n")
     cfg = pm.build_cfg(dict(task='detector', backbone='vit', path='lean', config=str(config)))
-    assert cfg.model.test_cfg.rcnn.max_per_img == 100 and cfg.model.test_cfg.rcnn.score_thr == 0
+    xcit = Config.fromfile(osp.join(ROOT, pm.CONFIGS[('detector', 'xcit')])).model.test_cfg
+    xcit.rcnn.score_thr = 0.0  # (the small fixture's config while it is active)
+    assert cfg.model.test_cfg == xcit and xcit.rcnn.max_per_img != 7
     (resize,) = [t for t in cfg.test_dataloader.dataset.pipeline if t['type'] == 'Resize']
     assert resize['scale_factor'] == 1.0 and 'scale' not in resize
 
