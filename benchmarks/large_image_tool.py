@@ -17,7 +17,7 @@ ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path[:0] = [ROOT, osp.join(ROOT, 'benchmarks')]
 from training_extras.run_results import cpu_description  # noqa: E402
 from xcit_benchmark.fresh_points import (kept_rows, random_segmentor, revision,  # noqa: E402
-                                         write_json)
+                                         write_artifact)
 
 CONFIG = 'configs/sem_fpn_xcit_s12_p16_80k_ade20k.py'
 TILE = 512
@@ -77,7 +77,7 @@ def main(argv=None):
     p.add_argument('--budgets', nargs='+', type=budget_mb, default=[None, 3000.0],
                    help="--max-memory of each run ('none': no budget)")
     p.add_argument('--work-dir', default='/tmp/large_image_tool')
-    p.add_argument('--out', required=True, help='the JSON artifact (rows added as they come)')
+    p.add_argument('--out', required=True, help='FILE.json (and FILE.csv), rows added as they come')
     p.add_argument('--update', action='store_true',
                    help="keep the artifact's rows of other sizes and budgets")
     args = p.parse_args(argv)
@@ -94,8 +94,9 @@ def main(argv=None):
         torch.save(dict(state_dict=random_segmentor(osp.join(ROOT, CONFIG)).state_dict()),
                    checkpoint)
     rows, earlier = [], {}
-    if args.update and osp.exists(args.out):  # the rows this run does not measure, as they were
-        with open(args.out) as f:
+    out = osp.splitext(args.out)[0]  # .json (and .csv)
+    if args.update and osp.exists(out + '.json'):  # the rows this run does not measure stay
+        with open(out + '.json') as f:
             artifact = json.load(f)
         again = {(args.size, budget) for budget in args.budgets}
         rows, earlier = kept_rows(artifact, lambda r: (r['size'], r['max_memory']) in again)
@@ -107,11 +108,10 @@ def main(argv=None):
                               budget, token_dir))
         print(json.dumps(row), flush=True)
         rows.append(row)
-        write_json(args.out, dict(command=' '.join(sys.argv), **earlier, cpu=cpu_description(),
-                                  threads=os.cpu_count(),
-                                  baseline_peak_rss_mb=baseline['peak_rss_mb'],
-                                  baseline_note='the same tool on a 256² image: Python, torch, '
-                                  'mmseg and the model, the floor of every run'), rows)
+        write_artifact(out, dict(
+            command=' '.join(sys.argv), **earlier, cpu=cpu_description(), threads=os.cpu_count(),
+            baseline_peak_rss_mb=baseline['peak_rss_mb'], baseline_note='the same tool on a '
+            '256² image: Python, torch, mmseg and the model, the floor of every run'), rows)
 
 
 if __name__ == '__main__':

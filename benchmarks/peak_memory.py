@@ -30,6 +30,9 @@ TASKS = ('segmentor', 'detector')
 BACKBONES = ('xcit', 'swin', 'vit', 'uper')
 PATHS = ('bands', 'lean', 'stream', 'stream-disk', 'stock', 'auto')  # a series' order
 STREAMS = {'stream': 'memory', 'stream-disk': 'disk'}  # path: test_cfg.token_maps
+# a path's model.test_cfg (auto: no limit while the warm-up calibrates; a point sets its budget)
+TEST_CFGS = dict(bands=dict(band_mb=64), auto=dict(mode='auto', max_memory=10**9), **{
+    path: dict(mode='stream', token_maps=maps) for path, maps in STREAMS.items()})
 PIPELINES = ('full', 'paper', 'network')
 SIZES = (1024, 2048, 4096, 8192)
 CONFIGS = {
@@ -44,10 +47,7 @@ CONFIGS = {
 # the series that have a path beyond lean and stock (the segmentor's band path became the
 # stream: its bands rows in docs/results stay as measured)
 ONLY = {'auto': {('segmentor', 'xcit'), ('detector', 'xcit')}, 'bands': {('detector', 'xcit')},
-        'stream': {('segmentor', 'xcit'), ('segmentor', 'uper')}}
-ONLY['stream-disk'] = ONLY['stream']
-BAND_MB = 64
-NO_LIMIT_MB = 10**9  # an auto model's budget while the warm-up calibrates it
+        **dict.fromkeys(STREAMS, {('segmentor', 'xcit'), ('segmentor', 'uper')})}
 DOORS = {'segmentor': 'mmseg.apis.inference_model', 'detector': 'mmdet.apis.inference_detector'}
 LABELS = {'xcit': 'XCiT-S12/16', 'swin': 'Swin-T', 'vit': 'ViT-S/16', 'uper': 'UperNet XCiT-S12/16',
           'segmentor': 'Semantic FPN', 'detector': 'Mask R-CNN'}
@@ -66,18 +66,11 @@ PARTS = [p.partition('=')[::2] for p in (
 
 
 # ---------------------------------------------------------------------------- the child
-def resolve_config(config: str) -> str:
-    """A repository-relative config path that works from any directory."""
-    if '::' in config or osp.isfile(config) or not osp.isfile(osp.join(ROOT, config)):
-        return config
-    return osp.join(ROOT, config)
-
-
 def build_cfg(point: dict):
     """A series' config: its path's model, random weights, full resolution; a detector gets the
     XCiT config's test settings, ``score_thr=0``: the same RoI work for every backbone."""
     from xcit_benchmark.whole_model import drop_pretrained, load_whole_config
-    cfg = load_whole_config(resolve_config(point['config']))
+    cfg = load_whole_config(point['config'])
     drop_pretrained(cfg.model)
     seg, path = point['task'] == 'segmentor', point['path']
     cfg.model.type = ('' if path == 'stock' else 'Lean') + ('EncoderDecoder' if seg else 'MaskRCNN')
@@ -85,7 +78,7 @@ def build_cfg(point: dict):
     if seg:  # inference_model reads cfg.test_pipeline
         cfg.test_pipeline = [t for t in cfg.test_pipeline if t['type'] != 'Resize' or not full]
     else:  # inference_detector reads the test dataloader's
-        xcit = load_whole_config(resolve_config(CONFIGS[('detector', 'xcit')]))
+        xcit = load_whole_config(CONFIGS[('detector', 'xcit')])
         cfg.model.test_cfg = xcit.model.test_cfg
         cfg.model.test_cfg.rcnn.score_thr = 0.0
         pipeline = cfg.test_dataloader.dataset.pipeline
@@ -94,13 +87,9 @@ def build_cfg(point: dict):
                 t.pop('scale', None)
                 t.update(scale_factor=1.0, keep_ratio=True)
         pipeline[:] = [t for t in pipeline if t['type'] != 'LoadAnnotations']
-    band = point.get('band_mb') or (BAND_MB if path == 'bands' else None)
-    if band:
-        cfg.model.test_cfg.band_mb = band
-    if path == 'auto':
-        cfg.model.test_cfg.update(mode='auto', max_memory=NO_LIMIT_MB)
-    if path in STREAMS:
-        cfg.model.test_cfg.update(mode='stream', token_maps=STREAMS[path])
+    cfg.model.test_cfg.update(TEST_CFGS.get(path, {}))
+    if point.get('band_mb'):  # a budget point's
+        cfg.model.test_cfg.band_mb = point['band_mb']
     return cfg
 
 
@@ -218,7 +207,6 @@ def child(spec: dict):
     """Build the series' model once, warm it up, measure its points: a row each, as it comes."""
     import numpy as np
     import torch
-    from mmengine.utils import import_modules_from_strings
 
     import xcit_mm  # noqa: F401  (the lean models and XCiTBackbone, also for upstream configs)
     points, model, previous = spec['points'], None, None
@@ -226,9 +214,7 @@ def child(spec: dict):
         with contextlib.redirect_stdout(sys.stderr):
             why = why_not(previous, point, spec['deadline'])
             if not why and model is None:  # built for the first point that runs
-                cfg = build_cfg(points[0])
-                if cfg.get('custom_imports', None):
-                    import_modules_from_strings(**cfg.custom_imports)
+                cfg = build_cfg(points[0])  # (Config.fromfile made its custom_imports)
                 module, _, name = DOORS[points[0]['task']].rpartition('.')
                 apis = importlib.import_module(module)  # the door and its init_model/_detector
                 infer, init = getattr(apis, name), getattr(apis, name.replace('inference', 'init'))
@@ -316,8 +302,7 @@ def run_child(group: list, spec: dict, args, on_row) -> None:
     missing = [p for p in group if point_key(p) not in done]
     if missing:
         status = 'killed' if out['killed'] else 'error'
-        on_row(dict(missing[0], status=status, note=out['note'] or (
-            f"exit {out['returncode']}: " + ' | '.join(out['stderr'].strip().splitlines()[-3:]))))
+        on_row(dict(missing[0], status=status, note=out['note']))
         for point in missing[1:]:
             on_row(dict(point, status='skipped', note=f"not run: {status} at {missing[0]['size']}"))
 
@@ -334,7 +319,8 @@ def run(args, configs: dict, runner=run_child) -> list:
     meta = dict(command='python ' + shlex.join(sys.argv), cpu=cpu_model(),
                 threads=int(os.environ.get('OMP_NUM_THREADS') or os.cpu_count()),
                 torch=package_version('torch'), mmdet=package_version('mmdet'),
-                mmseg=package_version('mmsegmentation'), limit_gb=args.limit_gb,
+                mmseg=package_version('mmsegmentation'), mmcv=package_version('mmcv'),
+                mmengine=package_version('mmengine'), limit_gb=args.limit_gb,
                 sizes=sorted(set(args.sizes) | {r['size'] for r in kept}), budgets=args.budgets,
                 doors=DOORS, configs={f'{t}:{b}': c for (t, b), c in configs.items()},
                 weights='random (Pretrained init dropped)', device_info=device_info(args.device),
@@ -402,17 +388,16 @@ def cell(row, cuda: bool) -> str:
     if row is None:
         return ''
     if row['status'] == 'ok':
-        seconds = row['time_s']
-        if cuda:
-            return f"+{row['peak_growth_mb']} MB ({row['max_reserved_mb']}), {seconds:.2f} s"
-        return f"+{row['peak_growth_mb']} MB, {seconds:.{1 if seconds < 10 else 0}f} s"
+        reserved = f" ({row['max_reserved_mb']})" if cuda else ''
+        digits = 2 if cuda else 1 if row['time_s'] < 10 else 0
+        return f"+{row['peak_growth_mb']} MB{reserved}, {row['time_s']:.{digits}f} s"
     if row['status'] == 'skipped' and row.get('extrapolated_mb'):
         return f"skipped (>= +{row['extrapolated_mb']} MB)"
     return row['status']
 
 
-def agreement(rows: list, cuda: bool) -> str:
-    """Which stock and lean (and bands and lean) outputs are equal."""
+def agreement(rows: list) -> str:
+    """Which stock and lean (and bands, stream and lean) outputs are equal."""
     def name(key):
         return f"{LABELS[key.split(':')[1]]} {key.split(':')[2]}²"
 
@@ -421,16 +406,11 @@ def agreement(rows: list, cuda: bool) -> str:
         return BACKBONES.index(backbone), int(size)
 
     same = sorted(digest_agreement(rows).items(), key=order)
+    equal, differ = ([name(k) for k, v in same if v is flag] for flag in (True, False))
     texts = []
-    if cuda and same:
-        texts.append('Stock and lean labels equal (digest) at ' + (
-            f'all {len(same)} points where both ran' if all(v for _, v in same) else
-            'only ' + ', '.join(k for k, v in same if v)))
-    elif same or not cuda and any(r['path'] == 'stock' for r in rows):
-        texts.append('Stock and lean outputs equal (digest): ' + (
-            ', '.join(name(k) for k, v in same if v) or 'none') + (
-            '' if all(v for _, v in same) else
-            '; **different**: ' + ', '.join(name(k) for k, v in same if not v)))
+    if same or any(r['path'] == 'stock' for r in rows):
+        texts.append('Stock and lean outputs equal (digest): ' + (', '.join(equal) or 'none')
+                     + (f"; **different**: {', '.join(differ)}" if differ else ''))
     for path, label in (('bands', 'Bands (`band_mb`)'), ('stream', 'Stream'),
                         ('stream-disk', 'Stream (token maps on disk)')):
         pairs = sorted(digest_agreement(rows, path, 'lean').items(), key=order)
@@ -479,7 +459,7 @@ def markdown(artifact: dict) -> str:
             [f'{size}²' + ('' if pipeline == 'full' else f' ({pipeline})')]
             + [cell(at.get((*s, size, pipeline)), cuda) for s in series]
             for size, pipeline in keys]))
-        text = agreement(grid, cuda)
+        text = agreement(grid)
         lines += ['', text, ''] if text else ['']
         if not any(r['path'] == 'stock' for r in grid):  # the stream's artifacts
             lines += per_megapixel(grid, series)
@@ -638,7 +618,7 @@ def parse_args(parser, argv):
         if key not in CONFIGS or not path:
             parser.error(f'--config {value!r}: expected TASK:BACKBONE=PATH, one of {CONFIGS}')
         try:
-            check_config_path(resolve_config(path))
+            check_config_path(path)
         except WholeModelError as e:
             parser.error(f'--config {value!r}: {e}')
         args.configs[key] = path

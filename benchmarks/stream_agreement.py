@@ -15,7 +15,7 @@ import torch
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path[:0] = [ROOT, osp.join(ROOT, 'benchmarks')]
-from xcit_benchmark.fresh_points import random_segmentor, write_json  # noqa: E402
+from xcit_benchmark.fresh_points import random_segmentor, write_artifact  # noqa: E402
 
 CONFIGS = dict(sem_fpn='configs/sem_fpn_xcit_s12_p16_80k_ade20k.py',
                upernet='configs/upernet_xcit_s12_p16_160k_ade20k.py')
@@ -58,10 +58,9 @@ def main(argv=None):
     p.add_argument('--heads', nargs='+', default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument('--no-tf32', action='store_true',
                    help="cuDNN convolutions in float32 (torch's default lets them use TF32)")
-    p.add_argument('--out', required=True)
+    p.add_argument('--out', required=True, help='FILE.json (and FILE.csv)')
     args = p.parse_args(argv)
-    if args.no_tf32:
-        torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = not args.no_tf32  # (torch's default: True)
     rows = []
     device = torch.cuda.get_device_name(0) if args.device.startswith('cuda') else 'cpu'
     for head in args.heads:
@@ -74,9 +73,9 @@ def main(argv=None):
                 torch.cuda.empty_cache()
             print(json.dumps(row), flush=True)
             rows.append(row)
-            write_json(args.out, dict(command=' '.join(sys.argv), device=device,
-                                      torch=torch.__version__,
-                                      cudnn_tf32=torch.backends.cudnn.allow_tf32), rows)
+            write_artifact(osp.splitext(args.out)[0], dict(
+                command=' '.join(sys.argv), device=device, torch=torch.__version__,
+                cudnn_tf32=torch.backends.cudnn.allow_tf32), rows)
         del model
 
 

@@ -20,6 +20,7 @@ from background import background_once
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path.insert(0, osp.join(ROOT, 'benchmarks'))
 import peak_memory as pm  # noqa: E402
+from xcit_benchmark.fresh_points import ROW, run_process  # noqa: E402
 
 SMALL = """_base_ = [{base!r}]
 model = dict(
@@ -179,10 +180,9 @@ def test_a_child_that_raises_reports_the_point_it_stopped_at(monkeypatch):
         assert target == 'peak_memory:child' and payload['points'] == points
         reported = [dict(payload['points'][0], status='ok'),
                     dict(status='error', note='OSError: boom')]
-        for row in reported:
-            on_row(row)
-        return dict(returncode=1, killed=None, note=None, rows=reported,
-                    stderr='Traceback\nOSError: boom\n')
+        child = (f'import json, sys; [print({ROW!r} + json.dumps(r)) for r in {reported!r}]; '
+                 'sys.exit("Traceback\\nOSError: boom")')  # exit status 1, stderr's lines
+        return run_process([sys.executable, '-c', child], 2**34, 60, on_row=on_row)
 
     rows, points = [], [dict(task='segmentor', backbone='xcit', path='lean', size=s)
                         for s in (64, 128, 256)]
@@ -320,6 +320,25 @@ def test_network_and_paper_pipelines(small):
     assert lean['digest'] == stock['digest'] and lean['out_shape'] == [1, 150, 16, 16]
     cfg = pm.build_cfg(dict(point, pipeline='paper', path='lean'))
     assert any(t['type'] == 'Resize' for t in cfg.test_pipeline)
+
+
+def test_each_path_builds_the_model_the_cpu_page_names():
+    """The CPU page's table names each path's model and the bands' ``band_mb``; the stream paths
+    keep their token maps in memory or on disk (``test_cfg.token_maps``)."""
+    with open(osp.join(ROOT, 'docs', 'benchmark_high_resolution.md')) as f:
+        table = {line.split('|')[1].strip(): line.split('|')[2:4] for line in f
+                 if line.startswith('| stock / lean |') or line.startswith('| bands |')}
+    for column, task in enumerate(pm.TASKS):
+        point = dict(task=task, backbone='xcit', size=64, config=pm.CONFIGS[(task, 'xcit')])
+        types = [pm.build_cfg(dict(point, path=p)).model.type for p in ('stock', 'lean')]
+        assert ' / '.join(f'`{t}`' for t in types) == table['stock / lean'][column].strip()
+        bands = pm.build_cfg(dict(point, path='bands')).model
+        assert f"`{bands.type}`, `test_cfg.band_mb={bands.test_cfg.band_mb}`" in table['bands'][
+            column]
+    for path, maps in (('stream', 'memory'), ('stream-disk', 'disk')):
+        test_cfg = pm.build_cfg(dict(point, task='segmentor', path=path,
+                                     config=pm.CONFIGS[('segmentor', 'xcit')])).model.test_cfg
+        assert (test_cfg.mode, test_cfg.token_maps) == ('stream', maps)
 
 
 def _artifact(tmp_path) -> str:

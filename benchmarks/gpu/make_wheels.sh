@@ -14,7 +14,6 @@ PY=${PYTHON:-python}
 OUT=.whl
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 
 DL=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
     --platform manylinux_2_17_x86_64 -d "$OUT")

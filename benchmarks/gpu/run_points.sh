@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # On a GPU machine without network or OpenMMLab packages: unzip .whl/ (make_wheels.sh) into
-# $SITE, print the device and versions, then run benchmarks/peak_memory.py on CUDA into $OUT: the
-# points of docs/benchmark_gpu.md, or with `stream` those of docs/benchmark_gigapixel.md. Further
-# arguments override them (--device cpu --sizes 256 tries it on a CPU). REVISION=<commit> names
-# the code measured where the copy has no .git. Needs python3 with torch, numpy, opencv, scipy,
-# matplotlib, pyyaml, packaging, pillow, rich, regex.
+# $SITE, then run benchmarks/peak_memory.py on CUDA into $OUT (its artifact names the device and
+# the versions): the points of docs/benchmark_gpu.md, or with `stream` those of
+# docs/benchmark_gigapixel.md. Further arguments override them (--device cpu --sizes 256 tries it
+# on a CPU). REVISION=<commit> names the code measured where the copy has no .git. Needs python3
+# with torch, numpy, opencv, scipy, matplotlib, pyyaml, packaging, pillow, rich, regex.
 #
 #   OUT=/some/dir bash benchmarks/gpu/run_points.sh [stream] [--budget-s 300] [--sizes ...] ...
 set -euo pipefail
@@ -21,16 +21,6 @@ for w in .whl/*.whl; do "$PY" -m zipfile -e "$w" "$SITE"; done
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 echo "wheels installed in $(( $(date +%s) - start )) s"
 
-nvidia-smi --query-gpu=name,memory.total --format=csv || echo "nvidia-smi failed"
-"$PY" - <<'PYEOF' 2>&1 | tee "$OUT/env.txt"
-import sys, warnings; warnings.simplefilter('ignore')
-import cv2, mmcv, mmengine, mmseg, numpy, torch, xcit_mm
-import mmseg.apis  # noqa: F401 (imports mmcv.ops: the mmcv._ext stand-in)
-print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda,
-      'cudnn', torch.backends.cudnn.version(), 'numpy', numpy.__version__, 'cv2', cv2.__version__,
-      'mmengine', mmengine.__version__, 'mmcv', mmcv.__version__, 'mmseg', mmseg.__version__,
-      'xcit_mm', xcit_mm.__file__, torch.cuda.is_available() and torch.cuda.get_device_name(0))
-PYEOF
 
 points=(--paths lean stock auto --budgets 8192:40000 8192:16000 4096:4000
         --out "$OUT/whole_image_cuda")

@@ -127,7 +127,8 @@ class PartMeter:
 def run_process(cmd, limit_bytes: float, seconds: float, env=None, on_row=None):
     """Run ``cmd``, killed above ``limit_bytes`` of RSS (before the kernel's OOM killer) or after
     ``seconds``; ``on_row`` gets each :data:`ROW` row as it comes. Returns returncode, rows,
-    stderr, killed ('rss', 'timeout' or None), rss (the highest seen), note (why killed)."""
+    stderr, killed ('rss', 'timeout' or None), rss (the highest seen), note (why it was killed or
+    failed: the exit status and stderr's last lines; None where it exited 0)."""
     with tempfile.TemporaryFile('w+') as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
         rows = []
@@ -157,10 +158,13 @@ def run_process(cmd, limit_bytes: float, seconds: float, env=None, on_row=None):
             time.sleep(0.05)
         reader.join()
         err.seek(0)
-        note = killed and (f'{killed}: RSS {rss / 2**30:.1f} GiB after {time.time() - start:.0f}'
-                           f' s (limit {limit_bytes / 2**30:.1f} GiB)')
-        return dict(returncode=proc.returncode, rows=rows, stderr=err.read(), killed=killed,
-                    rss=rss, note=note)
+        stderr, code = err.read(), proc.returncode
+    oom_killer = ' (the kernel\'s OOM killer?)' if code == -9 else ''
+    note = (f'killed ({killed}) at RSS {rss / 2**30:.1f} GiB after {time.time() - start:.0f} s '
+            f'(limit {limit_bytes / 2**30:.1f} GiB, {seconds:.0f} s)' if killed else
+            f'exit {code}{oom_killer}: ' + ' | '.join(stderr.strip().splitlines()[-3:]) if code
+            else None)
+    return dict(returncode=code, rows=rows, stderr=stderr, killed=killed, rss=rss, note=note)
 
 
 def run_fresh(target: str, payload, limit_bytes: float, seconds: float, live: bool = True,
@@ -231,12 +235,6 @@ def kept_rows(artifact: dict, again) -> tuple:
                       earlier_notes=notes + [meta.get('note')])
 
 
-def write_json(path: str, meta: dict, rows: list) -> None:
-    """``{"meta", "rows"}`` at ``path``, written again after each row: a later one may not come."""
-    with open(path, 'w') as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-
-
 def cpu_model() -> str:
     return read_cpuinfo()[0] or platform.processor()
 
@@ -265,7 +263,8 @@ def package_version(name: str) -> str:
 def write_artifact(out: str, meta: dict, rows: list, columns=None, key='rows',
                    csv_rows=None) -> list:
     """``out.json`` (``{"meta", key: rows}``) and ``out.csv`` (``columns``, default every key,
-    of ``csv_rows``, default ``rows``); returns their paths."""
+    of ``csv_rows``, default ``rows``); returns their paths. A run writes them again after each
+    row: a later one may not come."""
     os.makedirs(os.path.dirname(out) or '.', exist_ok=True)
     with open(out + '.json', 'w') as f:
         json.dump({'meta': meta, key: list(rows)}, f, indent=1, default=str)

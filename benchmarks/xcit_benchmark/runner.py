@@ -71,17 +71,11 @@ def run_memory_worker(cfg: dict, limit_bytes: int, timeout_s: float) -> dict:
               else 'xcit_benchmark.runner:memory_worker')
     out = run_fresh(target, cfg, limit_bytes, timeout_s, threads=cfg.get('threads'),
                     live=cfg.get('cpu_mem_mode', 'live') == 'live')
-    if out['killed'] == 'rss':
-        return dict(status='oom', note=f"killed at RSS {out['rss'] / 2**30:.1f} GiB > "
-                    f'--mem-limit-gb {limit_bytes / 2**30:.1f}')
-    if out['killed']:
-        return dict(status='timeout', note=f'memory worker ran > {timeout_s:.0f} s')
-    if out['rows']:
+    if out['rows'] and not out['killed']:
         return out['rows'][-1]
-    reason = ('killed by signal 9 (kernel OOM killer?)' if out['returncode'] == -9
-              else f"exit code {out['returncode']}")
-    return dict(status='error', note=f'memory worker failed ({reason}): '
-                + ' | '.join(out['stderr'].strip().splitlines()[-3:]))
+    return dict(status={'rss': 'oom', 'timeout': 'timeout'}.get(out['killed'], 'error'),
+                note=f"memory worker {out['note']}" + (
+                    ' (--mem-limit-gb, --mem-timeout-s)' if out['killed'] else ''))
 
 
 log_stderr = functools.partial(print, file=sys.stderr)

@@ -16,7 +16,8 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from .fresh_points import PartMeter, hooked, mallopt_mmap_threshold, measure, write_artifact
+from .fresh_points import (REPO, PartMeter, hooked, mallopt_mmap_threshold, measure,
+                           write_artifact)
 from .runner import run_memory_worker
 from .timing import round_order, set_threads
 
@@ -30,17 +31,19 @@ class WholeModelError(ValueError):
 
 
 def check_config_path(config: str) -> str:
-    """The file of a path or of ``mmdet::rel/path.py`` / ``mmseg::...`` (the installed package's
-    configs, found without importing it): a usage error before any process starts."""
+    """The file of a path (else of the path in this repository: any working directory) or of
+    ``mmdet::rel/path.py`` / ``mmseg::...`` (the installed package's configs, found without
+    importing it): a usage error before any process starts."""
     scope, sep, rel = config.partition('::')
     if sep and (scope not in SCOPES or not rel):
         raise WholeModelError(f'config {config!r}: the prefix must be mmdet:: or mmseg::')
     spec = importlib.util.find_spec(scope) if sep else None
-    path = osp.join(osp.dirname(spec.origin), '.mim', 'configs', rel) if spec else config
-    if not osp.isfile(path):
-        raise WholeModelError(f'config {config!r} not found in the installed {scope} package'
-                              if sep else f'config not found: {config!r}')
-    return path
+    for path in [osp.join(osp.dirname(spec.origin), '.mim', 'configs', rel)] if spec else [
+            config, osp.join(REPO, config)]:
+        if osp.isfile(path):
+            return path
+    raise WholeModelError(f'config {config!r} not found in the installed {scope} package'
+                          if sep else f'config not found: {config!r}')
 
 
 def load_whole_config(config: str):
@@ -266,10 +269,9 @@ def run_whole_models(configs: Sequence[str], mode: str, height: int, width: int,
             config, where = configs[i], f'round {r + 1}/{rounds}, {pos + 1}/{n}'
             log(f'{where}: {config} ({mode}, {height}x{width}, batch {batch}) ...')
             # the worker starts under glibc's default malloc; its memory pass switches
-            cfg = dict(kind='whole_model', mode=mode, height=height, width=width,
-                       config=config if '::' in config else osp.abspath(config),
-                       batch=batch, repeats=repeats, threads=threads, cpu_mem_mode='process',
-                       mem_pass=cpu_mem_mode, work=work)
+            cfg = dict(kind='whole_model', mode=mode, height=height, width=width, batch=batch,
+                       config=config, repeats=repeats, threads=threads,
+                       cpu_mem_mode='process', mem_pass=cpu_mem_mode, work=work)
             t0 = time.time()
             point = dict(round=r, position=pos, loadavg_1m=os.getloadavg()[0],
                          **run_memory_worker(cfg, int(limit_bytes), timeout_s))
@@ -297,14 +299,13 @@ def whole_model_ratios(records: Sequence[dict]) -> List[dict]:
         row = dict(subject=subject['model'], baseline=base['model'],
                    subject_config=subject['config'], baseline_config=base['config'],
                    rounds=len(common))
-        for name, key in (('time', 'time_ms'), ('peak', 'peak_mem_mb')):
+        for name, key, unit in (('time', 'time_ms', 'ms'), ('peak', 'peak_mem_mb', 'mb')):
             ratios = [a[r][key] / b[r][key] for r in common if b[r][key] > 0]
             stats = (statistics.median(ratios), min(ratios), max(ratios)) if ratios else (None,) * 3
             for suffix, value in zip(('', '_min', '_max', 's'), stats + (ratios,)):
                 row[f'{name}_ratio{suffix}'] = value
-        row.update(subject_time_ms=subject.get('time_ms'), baseline_time_ms=base.get('time_ms'),
-                   subject_peak_mb=subject.get('peak_mem_mb'),
-                   baseline_peak_mb=base.get('peak_mem_mb'))
+            row[f'subject_{name}_{unit}'], row[f'baseline_{name}_{unit}'] = (
+                subject.get(key), base.get(key))
         if common:
             sp, bp = subject.get('parts') or {}, base.get('parts') or {}
             row['part_time_ratios'] = {part: (sp[part]['time_ms'] / bp[part]['time_ms']
