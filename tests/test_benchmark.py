@@ -929,8 +929,13 @@ def test_whole_model_worker_parts(tmp_path, capsys):
     assert rec['mem_base_mb'] > 100  # the process's RSS, torch and the model in it
 
 
-def test_whole_model_bad_config_is_a_usage_error(bench, tmp_path, capsys):
-    """issue 14.1: a missing config is a clear argparse error (exit 2), before any worker."""
+def test_whole_model_bad_config_is_a_usage_error(bench, tmp_path, capsys, monkeypatch):
+    """issue 14.1: a missing config is a clear argparse error (exit 2), before any worker; a
+    repository config is found from any working directory."""
+    monkeypatch.chdir(tmp_path)
+    relative = 'configs/sem_fpn_xcit_s12_p16_80k_ade20k.py'
+    assert bench.parse_args(['--whole-model', relative, '--shape', '64', '64']).whole_model
+    assert lib_whole.check_config_path(relative) == os.path.join(ROOT, relative)
     missing = str(tmp_path / 'nope.py')
     with pytest.raises(SystemExit) as exc:
         bench.parse_args(['--whole-model', missing, '--shape', '64', '64'])
