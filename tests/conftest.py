@@ -257,3 +257,12 @@ def pytest_collection_modifyitems(session, config, items):
         return (_LONG_RUNNING_MODULES.index(name) if name in _LONG_RUNNING_MODULES
                 else len(_LONG_RUNNING_MODULES))
     items.sort(key=rank)  # stable: file order within each group
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session):
+    """The heap the session built (torch, mmdet, mmseg, trained models) moved out of the garbage
+    collector's sight before pytest's closing collections and the interpreter's exit: they scan
+    only what is left after this instead of the whole heap of a worker."""
+    gc.collect()
+    gc.freeze()
