@@ -75,7 +75,7 @@ def run_memory_worker(cfg: dict, limit_bytes: int, timeout_s: float) -> dict:
         return out['rows'][-1]
     return dict(status={'rss': 'oom', 'timeout': 'timeout'}.get(out['killed'], 'error'),
                 note=f"memory worker {out['note']}" + (
-                    ' (--mem-limit-gb, --mem-timeout-s)' if out['killed'] else ''))
+                    ' (--mem-limit-gb)' if out['killed'] == 'rss' else ''))
 
 
 log_stderr = functools.partial(print, file=sys.stderr)
