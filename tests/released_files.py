@@ -43,8 +43,9 @@ PAPER_CONFIG = {
 
 
 def small_model_cfg(family: str, patch_size: int) -> Config:
-    """The paper config of ``family`` with a small trunk (D=64, 4 layers), UperNet's head as wide
-    as the trunk, and BN for SyncBN."""
+    """The paper config of ``family`` with a small trunk (D=64, 4 layers), neck and heads as wide
+    as the trunk (the released layouts' names do not depend on the widths; the files' size and
+    the tests' time do), and BN for SyncBN."""
     cfg = Config.fromfile(osp.join(REPO, PAPER_CONFIG[family].format(p=patch_size)))
     cfg.model.backbone.update(SMALL_BACKBONE, patch_size=patch_size)
     cfg.model.backbone.arch = dict(SMALL_BACKBONE['arch'])
@@ -53,6 +54,13 @@ def small_model_cfg(family: str, patch_size: int) -> Config:
         cfg.model.auxiliary_head.update(in_channels=D, channels=D // 2)
     else:
         cfg.model.neck.in_channels = [D] * 4
+    if family == 'mask_rcnn':  # 256 channels and 1024-wide fcs there
+        roi = cfg.model.roi_head
+        cfg.model.neck.out_channels = D
+        cfg.model.rpn_head.update(in_channels=D, feat_channels=D)
+        roi.bbox_roi_extractor.out_channels = roi.mask_roi_extractor.out_channels = D
+        roi.bbox_head.update(in_channels=D, fc_out_channels=2 * D)
+        roi.mask_head.update(in_channels=D, conv_out_channels=D)
     if family == 'sem_fpn':
         cfg.model.neck.out_channels = D
         cfg.model.decode_head.in_channels = [D] * 4

@@ -11,9 +11,9 @@ the way users write them, without ``configs/_base_/training_extras.py`` (so with
 - the segmentor: mmseg's Semantic FPN config with the same ``XCiTBackbone``, trained 2
   iterations by our ``tools/train.py``.
 
-The backbone is a small ``arch=dict(...)`` (README's other form of ``arch``): what a checkpoint
-pickles besides its tensors does not depend on the model's size; only the time to write, copy
-and read the files does.
+The backbone is a small ``arch=dict(...)`` (README's other form of ``arch``), the neck and heads
+as wide as it: what a checkpoint pickles besides its tensors does not depend on the model's
+size; only the time to write, copy and read the files does.
 
 Each file exists as written (numpy 1 pickles name ``numpy.core.multiarray``), renamed the way
 numpy 2 writes it (``numpy._core.multiarray``), and with one more entry whose unpickling would
@@ -32,6 +32,7 @@ import pytest
 import torch
 from conftest import run_as_main, unique_visualizer, upstream_tool
 
+from released_files import small_model_cfg
 from work_dir_files import evaluation_metrics, newest_run_log
 
 from shapes_world import generate_shapes
@@ -50,8 +51,12 @@ _base_ = ['mmdet::mask_rcnn/mask-rcnn_r50_fpn_1x_coco.py']
 custom_imports = dict(imports=['xcit_mm'], allow_failed_imports=False)
 model = dict(
     backbone=dict(_delete_=True, type='XCiTBackbone', arch={arch}, patch_size=16, init_cfg=None),
-    neck=dict(in_channels=[64] * 4),
-    roi_head=dict(bbox_head=dict(num_classes=3), mask_head=dict(num_classes=3)))
+    neck=dict(in_channels=[64] * 4, out_channels=64),
+    rpn_head=dict(in_channels=64, feat_channels=64),
+    roi_head=dict(
+        bbox_roi_extractor=dict(out_channels=64), mask_roi_extractor=dict(out_channels=64),
+        bbox_head=dict(in_channels=64, fc_out_channels=128, num_classes=3),
+        mask_head=dict(in_channels=64, conv_out_channels=64, num_classes=3)))
 data_root = '{root}/'
 metainfo = dict(classes={classes})
 train_dataloader = dict(
@@ -91,8 +96,8 @@ model = dict(
     data_preprocessor=dict(size=(64, 64)),
     pretrained=None,  # mmseg's base sets its ResNet's ImageNet weights here
     backbone=dict(_delete_=True, type='XCiTBackbone', arch={arch}, patch_size=16, init_cfg=None),
-    neck=dict(in_channels=[64] * 4),
-    decode_head=dict(num_classes=3, norm_cfg=norm_cfg))
+    neck=dict(in_channels=[64] * 4, out_channels=64),
+    decode_head=dict(in_channels=[64] * 4, channels=64, num_classes=3, norm_cfg=norm_cfg))
 data_root = '{root}/'
 _data = dict(type='BaseSegDataset', img_suffix='.jpg', seg_map_suffix='.png',
              reduce_zero_label=True, data_root=data_root, metainfo=dict(classes={classes}),
@@ -367,18 +372,14 @@ def test_a_checkpoint_of_the_other_task_is_one_line_from_the_test_tools(
 def test_a_file_without_head_weights_is_refused_not_a_random_head(task, tmp_path):
     """Backbone weights alone (as a classifier's file holds them, under ``backbone.``) given as a
     whole model's checkpoint: the door names the head the file lacks, instead of a model whose
-    head stays random. A whole model's own file loads. (The paper config with a small trunk:
-    the keys, not the sizes, decide.)"""
+    head stays random. A whole model's own file loads. (The paper config, narrower: the keys,
+    not the sizes, decide.)"""
     import xcit_mm  # noqa: F401  (the door's custom_imports)
     from mmdet.apis import init_detector
-    from mmengine.config import Config
     from mmseg.apis import init_model
-    config, init, head = {
-        'det': ('mask_rcnn_xcit_t12_p16_3x_coco.py', init_detector, 'rpn_head'),
-        'seg': ('sem_fpn_xcit_t12_p16_80k_ade20k.py', init_model, 'decode_head')}[task]
-    config = Config.fromfile(osp.join(REPO, 'configs', config))
-    config.model.backbone.arch = dict(embed_dims=64, depth=4, num_heads=4)
-    config.model.neck.in_channels = [64] * 4
+    family, init, head = {'det': ('mask_rcnn', init_detector, 'rpn_head'),
+                          'seg': ('sem_fpn', init_model, 'decode_head')}[task]
+    config = small_model_cfg(family, 16)
     model = init(config, None, device='cpu')
     whole, headless = str(tmp_path / 'whole.pth'), str(tmp_path / 'backbone_only.pth')
     torch.save({'state_dict': model.state_dict(), 'meta': {}}, whole)

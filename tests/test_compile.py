@@ -157,16 +157,18 @@ def test_new_image_sizes_do_not_recompile(patch_size):
 @CPU_FLAGS_TRUSTED
 def test_inductor_train_step_equals_eager():
     """inductor (CPU), train mode, compiled as ``CompileFeatureExtractorHook`` compiles
-    (``dynamic=False``), at a size padded to an odd grid (100x90 px: 7x6 patches, cropped back):
-    the outputs and every parameter gradient equal eager to float32 rounding.
+    (``dynamic=False``), at a size padded to an odd grid (100x90 px: 13x12 patches of 8 px,
+    cropped back): the outputs and every parameter gradient equal eager to float32 rounding.
 
     One size: with ``dynamic=False`` another size compiles the same graph with other constants,
     all of its kernels anew (on a cold inductor cache, the slowest step of the suite). The traced
     path's values and gradients at padded and unpadded sizes are tested in eager
     (test_traceable_path_equals_the_eager_path), inductor's dynamic graph at three sizes below."""
-    # one layer, all four levels from it: every kind of kernel a deeper model has (on a cold
-    # inductor cache the compile time grows with the kernels, not with the values tested)
-    model = tiny(16, arch=dict(embed_dims=32, depth=1, num_heads=2), out_indices=(0, 0, 0, 0))
+    # one layer, all four levels from it, p8: every kind of kernel a deeper or p16 model has (p16
+    # adds a fourth conv-BN-GELU stem layer and a BN-GELU between two transposed convs: more
+    # kernels of the same kinds; on a cold inductor cache the compile time grows with the
+    # kernels, not with the values tested)
+    model = tiny(8, arch=dict(embed_dims=32, depth=1, num_heads=2), out_indices=(0, 0, 0, 0))
     twin = copy.deepcopy(model)  # BN running statistics move in train mode: one copy each
     compiled = torch.compile(twin, backend='inductor', dynamic=False)
     x = torch.randn(2, 3, 100, 90)
@@ -190,7 +192,7 @@ def test_inductor_train_step_equals_eager():
 
 @CPU_FLAGS_TRUSTED
 def test_inductor_serves_every_image_size():
-    """inductor (CPU), eval, p8 (the train-step test above runs p16), ``dynamic=True``: the
+    """inductor (CPU), eval, p8 (as the train-step test above), ``dynamic=True``: the
     dynamic-shape graph serves three image sizes, padded or not (in detection every batch can
     have another size), equal to eager. torch 2.13's inductor failed on the dynamic graph while
     the backbone computed its padding as ``-H % patch_size`` (a modulo of symbolic sizes).
