@@ -45,7 +45,8 @@ NUMPY_NAMES = {'numpy1': b'numpy.core.multiarray\n', 'numpy2': b'numpy._core.mul
 
 SMALL_ARCH = dict(embed_dims=64, depth=4, num_heads=4)
 
-# What README's "Using the backbone" tells a user to write, on mmdet's own Mask R-CNN config.
+# What README's "Using the backbone" tells a user to write, on mmdet's own Mask R-CNN config
+# (neck and heads narrowed to the small trunk's width, as the module docstring says).
 DET_CONFIG = '''
 _base_ = ['mmdet::mask_rcnn/mask-rcnn_r50_fpn_1x_coco.py']
 custom_imports = dict(imports=['xcit_mm'], allow_failed_imports=False)
@@ -87,7 +88,7 @@ default_hooks = dict(checkpoint=dict(by_epoch=False, interval=2), logger=dict(in
 log_processor = dict(by_epoch=False)
 '''
 
-# mmseg's own Semantic FPN config with the backbone swapped the same way.
+# mmseg's own Semantic FPN config with the backbone swapped and narrowed the same way.
 SEG_CONFIG = '''
 _base_ = ['mmseg::sem_fpn/fpn_r50_4xb4-160k_ade20k-512x512.py']
 custom_imports = dict(imports=['xcit_mm'], allow_failed_imports=False)
