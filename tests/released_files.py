@@ -52,17 +52,15 @@ def small_model_cfg(family: str, patch_size: int) -> Config:
     if family == 'upernet':  # the configs' structure, narrower (512 / 256 channels there)
         cfg.model.decode_head.update(in_channels=[D] * 4, channels=D)
         cfg.model.auxiliary_head.update(in_channels=D, channels=D // 2)
-    else:
-        cfg.model.neck.in_channels = [D] * 4
-    if family == 'mask_rcnn':  # 256 channels and 1024-wide fcs there
+    else:  # an FPN neck of 256 channels there
+        cfg.model.neck.update(in_channels=[D] * 4, out_channels=D)
+    if family == 'mask_rcnn':  # 1024-wide fcs there
         roi = cfg.model.roi_head
-        cfg.model.neck.out_channels = D
         cfg.model.rpn_head.update(in_channels=D, feat_channels=D)
         roi.bbox_roi_extractor.out_channels = roi.mask_roi_extractor.out_channels = D
         roi.bbox_head.update(in_channels=D, fc_out_channels=2 * D)
         roi.mask_head.update(in_channels=D, conv_out_channels=D)
     if family == 'sem_fpn':
-        cfg.model.neck.out_channels = D
         cfg.model.decode_head.in_channels = [D] * 4
     for module in (cfg.model.get('decode_head'), cfg.model.get('auxiliary_head')):
         if module is not None:
