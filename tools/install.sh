@@ -31,6 +31,10 @@
 #                        need Python >= 3.11); imported only by that tool.
 #   rasterio==1.4.4      the test that GDAL places the label file over the input GeoTIFF
 #                        (tests/test_segment_large_image.py); wheels bundle GDAL, numpy>=1.24.
+#   pyogrio==0.13.0      the large-image tool's polygons (GeoPackage / FlatGeobuf / GeoJSON) through
+#                        GDAL's OGR; wheels bundle GDAL. Checked with numpy 1.26.
+#   rio-cogeo==7.0.4     its cog_validate checks the label COG in the tests (pulls morecantile,
+#                        pyproj, pydantic); not imported by xcit_mm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -53,7 +57,7 @@ pipi "numpy<2" "opencv-python-headless>=4.8,<4.11" mmengine==0.10.7 \
     einops importlib-metadata mat4py matplotlib model-index rich \
     scikit-image pytest pytest-xdist onnx==1.17.0 onnxruntime==1.20.1 psutil seaborn \
     safetensors==0.8.0 huggingface_hub==2.4.0 tifffile==2026.3.3 imagecodecs==2026.1.14 \
-    rasterio==1.4.4
+    rasterio==1.4.4 pyogrio==0.13.0 rio-cogeo==7.0.4
 
 step "4/6 mmcv 2.1.0 with ops (skipped when mmcv.ops already imports)"
 if "$PY" -c "import mmcv, mmcv.ops; assert mmcv.__version__ == '2.1.0'" 2>/dev/null; then
@@ -71,7 +75,7 @@ pipi --no-deps --no-build-isolation -e .
 
 "$PY" - <<'PY'
 import numpy, onnx, onnxruntime, psutil, seaborn, safetensors, huggingface_hub
-import tifffile, imagecodecs, rasterio
+import tifffile, imagecodecs, rasterio, pyogrio, rio_cogeo
 import torch, mmcv, mmcv.ops, mmengine, mmdet, mmseg, mmpretrain, xcit_mm
 print('installed: numpy', numpy.__version__, '| onnx', onnx.__version__, '| onnxruntime',
       onnxruntime.__version__, '| safetensors', safetensors.__version__, '| huggingface_hub',
