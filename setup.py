@@ -26,7 +26,7 @@ setup(
     # allow-listed, see xcit_mm/models/utils/safe_unpickling.py).
     # safetensors files and hf-hub: names (xcit_mm/models/utils/checkpoint_io.py): the calls and
     # error classes used exist from these releases on; tools/install.sh pins the ones tested.
-    # tools/segment_large_image.py (xcit_mm/apis/large_image.py): TIFF tiles read and written
+    # tools/segment_large_image.py (xcit_mm/apis/large_image/): TIFF tiles read and written
     # (TiffPage.decode, TiffWriter.write of a tile iterator); imagecodecs for LZW / JPEG tiles.
     install_requires=['mmengine>=0.10,<0.11', 'numpy>=1.23,<2', 'safetensors>=0.4.3',
                       'huggingface_hub>=0.23', 'tifffile>=2023.7.10', 'imagecodecs>=2023.3.16'],

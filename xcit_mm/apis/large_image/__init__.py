@@ -1,0 +1,10 @@
+# Copyright (c) xcit_mm contributors. All rights reserved.
+"""Images larger than memory in, tiled labels out, around ``LeanEncoderDecoder.stream_labels``
+(``tools/segment_large_image.py``, docs/gigapixel.md): :mod:`.reader` reads windows of rows,
+:mod:`.writer` writes the label file band by band. Not imported by ``import xcit_mm``."""
+from .errors import LargeImageError, check_output
+from .reader import model_rows, nodata_rows, open_image
+from .writer import write_labels
+
+__all__ = ['LargeImageError', 'check_output', 'model_rows', 'nodata_rows', 'open_image',
+           'write_labels']
