@@ -247,5 +247,3 @@ def nodata_rows(source: _Source) -> Optional[Callable[[int, int], np.ndarray]]:
         return (np.isnan(rows) if math.isnan(value) else rows == value).all(axis=2)
 
     return mask
-
-
