@@ -4,7 +4,7 @@
 :mod:`.writer` writes the label file band by band. Not imported by ``import xcit_mm``."""
 from .errors import LargeImageError, check_output
 from .reader import model_rows, nodata_rows, open_image
-from .writer import write_labels
+from .writer import write_label_rasters, write_labels
 
 __all__ = ['LargeImageError', 'check_output', 'model_rows', 'nodata_rows', 'open_image',
-           'write_labels']
+           'write_label_rasters', 'write_labels']

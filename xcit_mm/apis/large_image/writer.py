@@ -192,6 +192,7 @@ def _open_tiles(raster: _Raster, hw: Tuple[int, int], tile: int, crs, transform,
     else of the input's (no band metadata, scales, offsets or statistics)."""
     import rasterio
     from affine import Affine
+    from rasterio.crs import CRS
     height, width = hw
     profile = dict(driver='GTiff', height=height, width=width, count=1, dtype=raster.dtype.name,
                    nodata=raster.nodata, tiled=True, blockxsize=tile, blockysize=tile,
@@ -203,8 +204,8 @@ def _open_tiles(raster: _Raster, hw: Tuple[int, int], tile: int, crs, transform,
     with warnings.catch_warnings():  # a slide or a photo has no georeferencing: no warning
         warnings.simplefilter('ignore', rasterio.errors.NotGeoreferencedWarning)
         raster.dataset = rasterio.open(raster.tiles, 'w', **profile)
-    if gcps:
-        raster.dataset.gcps = (list(gcps), crs)
+    if gcps:  # GCPs may come without a CRS (pixels to an unnamed grid)
+        raster.dataset.gcps = (list(gcps), crs if crs is not None else CRS())
     raster.dataset.set_band_description(1, raster.description)
     if colormap:
         raster.dataset.write_colormap(1, colormap)
@@ -304,6 +305,8 @@ def write_label_rasters(out: str, bands: Iterable[tuple], hw: Tuple[int, int], n
     import rasterio
     if num_classes > 65535:
         raise LargeImageError(f'{num_classes} classes do not fit a 16-bit label file')
+    if tile < 128 or tile % 16:
+        raise ValueError(f'tile {tile}: GDAL\'s COG tiles are a multiple of 16, at least 128')
     if class_names is not None and len(class_names) != num_classes:
         raise ValueError(f'{len(class_names)} class names for {num_classes} classes')
     dtype = np.dtype(np.uint8 if num_classes <= 255 else np.uint16)  # 255 stays free for nodata
@@ -315,7 +318,6 @@ def write_label_rasters(out: str, bands: Iterable[tuple], hw: Tuple[int, int], n
     if palette is not None:
         colormap = {i: tuple(int(c) for c in rgb[:3]) + (255,)
                     for i, rgb in enumerate(palette[:num_classes])}
-        colormap[labels.nodata] = (0, 0, 0, 0)
     gdal = _GdalOutput()
     done, renamed = False, []
     try:
@@ -363,11 +365,11 @@ def write_label_rasters(out: str, bands: Iterable[tuple], hw: Tuple[int, int], n
         _fsync(osp.dirname(osp.abspath(out)))
         done = True
         gdal.pass_on()
-    except (OSError, RuntimeError) as e:  # rasterio's errors are OSErrors and RuntimeErrors
+    except Exception as e:  # GDAL's errors through rasterio are of many classes
         if gdal.disk_full(e):
-            raise LargeImageError('no space left on the device while writing '
-                                  f"{' and '.join(r.path for r in rasters)}; free space there "
-                                  'or choose another --out') from None
+            paths = ' and '.join(r.path for r in rasters[::-1])
+            raise LargeImageError(f'no space left on the device while writing {paths}; free '
+                                  'space there or choose another --out') from None
         gdal.pass_on()
         raise
     finally:
