@@ -14,6 +14,7 @@ object spanning many bands is one polygon, with its holes, as polygonising the w
 import errno
 import os
 import os.path as osp
+import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -280,11 +281,13 @@ class PolygonWriter:
         class_ids = np.array(self._pending['class_id'], np.int32)
         names = np.array([self.class_names[i] for i in class_ids], dtype=object)
         try:
-            pyogrio.raw.write(
-                self._store, np.array(self._pending['wkb'], dtype=object),
-                [class_ids, names, np.array(self._pending['area'], np.float64)], _FIELDS,
-                layer=self.layer, driver='GPKG', geometry_type='Polygon', crs=self.crs_wkt,
-                append=append)
+            with warnings.catch_warnings():  # no CRS is meant: the image is not georeferenced
+                warnings.filterwarnings('ignore', "'crs' was not provided")
+                pyogrio.raw.write(
+                    self._store, np.array(self._pending['wkb'], dtype=object),
+                    [class_ids, names, np.array(self._pending['area'], np.float64)], _FIELDS,
+                    layer=self.layer, driver='GPKG', geometry_type='Polygon', crs=self.crs_wkt,
+                    append=append)
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 raise LargeImageError(f'no space left on the device while writing '
@@ -307,7 +310,9 @@ class PolygonWriter:
             self._complete(open_groups)
             self._write(append=True)
             if self.driver != 'GPKG':
-                with pyogrio.raw.open_arrow(self._store, layer=self.layer) as (meta, stream):
+                with pyogrio.raw.open_arrow(self._store, layer=self.layer) as (meta, stream), \
+                        warnings.catch_warnings():
+                    warnings.filterwarnings('ignore', "'crs' was not provided")
                     pyogrio.raw.write_arrow(
                         stream, self._made, layer=self.layer, driver=self.driver,
                         geometry_name=meta['geometry_name'], geometry_type='Polygon',
