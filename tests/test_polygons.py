@@ -4,6 +4,7 @@ their seams equal GDAL's polygons of the whole raster (``rasterio.features.shape
 through pyogrio (GDAL's OGR) from GeoPackage, FlatGeobuf and GeoJSON with the scene's CRS and
 fields; ``min_area`` and ``simplify`` as documented; the band loop holds bands, never the raster
 (tracemalloc); bad input is refused before a file exists."""
+import collections
 import functools
 import os
 import tracemalloc
@@ -223,7 +224,7 @@ def test_refusals(tmp_path):
         PolygonWriter(str(tmp_path / 'labels.shp'), NAMES)
     with pytest.raises(LargeImageError, match='--min-area'):
         PolygonWriter(str(tmp_path / 'labels.gpkg'), NAMES, min_area=-1)
-    with pytest.raises(LargeImageError, match='output folder does not exist'):
+    with pytest.raises(LargeImageError, match='missing does not exist'):
         PolygonWriter(str(tmp_path / 'missing' / 'labels.gpkg'), NAMES)
     labels = np.zeros((4, 5), np.uint8)
     with pytest.raises(RuntimeError, match='starting at row 4'):
@@ -234,3 +235,30 @@ def test_refusals(tmp_path):
         with PolygonWriter(str(tmp_path / 'labels.gpkg'), NAMES) as writer:
             writer.add_band(0, labels + np.arange(5, dtype=np.uint8) * 4)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize('ext, failing', [('gpkg', 'write'), ('fgb', 'write_arrow')])
+def test_full_disk(tmp_path, monkeypatch, ext, failing):
+    """A write that fails on a full disk (GDAL's words vary by driver), as the polygons are
+    appended to the GeoPackage or copied to FlatGeobuf, is one error naming it and leaves no
+    file; the same failure with space left is GDAL's own error."""
+    import pyogrio.errors
+    import pyogrio.raw
+    from xcit_mm.apis.large_image import polygons
+    from xcit_mm.apis.large_image.errors import LargeImageError
+    labels, mask = _scene(60, 80)
+    write = getattr(pyogrio.raw, failing)
+
+    def fail(*args, append=False, **kwargs):
+        if append or failing == 'write_arrow':  # not the GeoPackage's creation
+            raise pyogrio.errors.FeatureError('failed to execute insert : database or disk is '
+                                              'full')
+        return write(*args, append=append, **kwargs)
+    monkeypatch.setattr(pyogrio.raw, failing, fail)
+    for free, error in [(0, LargeImageError), (10 << 30, pyogrio.errors.FeatureError)]:
+        monkeypatch.setattr(polygons.shutil, 'disk_usage',
+                            lambda folder: collections.namedtuple('usage', 'free')(free))
+        with pytest.raises(error, match='no space left on the device .* database or disk'
+                           if free == 0 else '^failed to execute insert'):
+            _write(tmp_path / f'labels.{ext}', labels, mask, 16)
+        assert os.listdir(tmp_path) == []

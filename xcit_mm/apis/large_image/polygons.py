@@ -11,30 +11,46 @@ of its pieces, exact in pixel coordinates) once no piece of it reaches the lates
 object spanning many bands is one polygon, with its holes, as polygonising the whole raster gives.
 ``rasterio``, ``shapely`` and ``pyogrio`` are imported inside the functions, not by
 ``import xcit_mm``."""
-import errno
 import os
 import os.path as osp
+import shutil
 import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .errors import LargeImageError, check_output
+from .errors import LargeImageError
 
 # Output formats by file extension: GDAL's OGR driver of each.
 VECTOR_DRIVERS = {'.gpkg': 'GPKG', '.fgb': 'FlatGeobuf', '.geojson': 'GeoJSON'}
 _FIELDS = ['class_id', 'class_name', 'area']
 _FLUSH_BYTES = 16 << 20  # complete polygons are written once their WKB passes this size
+_FULL_BYTES = 1 << 20  # a write failing with less free space than this failed on a full disk
 
 
 def check_vector_output(path: str) -> str:
     """Fail before any work on a polygon file that cannot be written; return its OGR driver."""
-    check_output(path)
     driver = VECTOR_DRIVERS.get(osp.splitext(path)[1].lower())
     if driver is None:
-        raise LargeImageError(f'--vector {path}: unknown polygon format; name the file '
+        raise LargeImageError(f'--vector {path}: unknown polygon format; end the name with '
                               f'{", ".join(VECTOR_DRIVERS)} (GeoPackage, FlatGeobuf, GeoJSON)')
+    folder = osp.dirname(osp.abspath(path))
+    if not osp.isdir(folder):
+        raise LargeImageError(f'--vector {path}: the folder {folder} does not exist; create it '
+                              'or choose another --vector')
+    if osp.isdir(path):
+        raise LargeImageError(f'--vector {path} is a folder; give a file name, e.g. '
+                              f'{osp.join(path, "labels.gpkg")}')
     return driver
+
+
+def _raise_if_full(path: str, error: Exception) -> None:
+    """A write that failed on a full disk as one error naming it. GDAL reports a full disk in
+    words that vary by driver (SQLite's 'database or disk is full', 'Cannot write feature'), so
+    the free space of the folder tells."""
+    if shutil.disk_usage(osp.dirname(osp.abspath(path))).free < _FULL_BYTES:
+        raise LargeImageError(f'no space left on the device while writing {path} ({error}); '
+                              'free space there or choose another --vector') from None
 
 
 def _runs(labels: np.ndarray, valid: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -126,10 +142,10 @@ class PolygonWriter:
         self.nodata = nodata
         self.min_area = float(min_area)
         self.simplify = float(simplify)
-        root, ext = osp.splitext(path)
-        self.layer = layer or osp.basename(root)
-        self._store = root + '.partial.gpkg'  # polygons as they complete
-        self._made = root + '.partial' + ext if self.driver != 'GPKG' else self._store
+        ext = osp.splitext(path)[1]
+        self.layer = layer or osp.basename(path)[:-len(ext)]
+        self._store = path + '.partial.gpkg'  # polygons as they complete
+        self._made = path + '.partial' + ext if self.driver != 'GPKG' else self._store
         self._rows = 0  # rows received
         self._width = None
         self._seam = None  # the last row received: labels, valid, open group of each pixel
@@ -147,11 +163,46 @@ class PolygonWriter:
         integer array or tensor, the rows after those already given); ``nodata_mask``, the
         same shape, is True where a pixel has no data."""
         import shapely
-        from rasterio.features import shapes
-        from rasterio.transform import Affine
+        labels, valid = self._checked(start, labels, nodata_mask)
+        pieces, piece_class = self._polygonise(labels, valid, start)
+        tree = shapely.STRtree(pieces)
+        top = self._row_pieces(tree, labels[0], valid[0], start)
+        bottom = top if len(labels) == 1 else self._row_pieces(tree, labels[-1], valid[-1],
+                                                               start + len(labels) - 1)
+
+        # group the open polygons (nodes 0..n_open-1) with the pieces that meet them across the
+        # seam (nodes n_open + piece index): the same class directly above and below
+        n_open = len(self._open)
+        pairs = np.zeros((0, 2), np.int64)
+        if self._seam is not None:
+            seam_labels, seam_valid, seam_group = self._seam
+            meet = np.flatnonzero(seam_valid & valid[0] & (seam_labels == labels[0]))
+            pairs = np.unique(np.stack([seam_group[meet], n_open + top[meet]], 1), axis=0)
+        component = _connected(n_open + len(pieces), pairs)
+        groups: Dict[int, Tuple[int, list]] = {}
+        for node, comp in enumerate(component):
+            class_id, members = (self._open[node] if node < n_open else
+                                 (piece_class[node - n_open], [pieces[node - n_open]]))
+            groups.setdefault(int(comp), (class_id, []))[1].extend(members)
+
+        # groups reaching the band's last row stay open; the others are complete
+        open_comps = np.unique(component[n_open + bottom[valid[-1]]])
+        self._open = [groups.pop(int(c)) for c in open_comps]
+        group_of_pixel = np.full(self._width, -1, np.int64)
+        group_of_pixel[valid[-1]] = np.searchsorted(open_comps,
+                                                    component[n_open + bottom[valid[-1]]])
+        self._seam = (labels[-1].copy(), valid[-1].copy(), group_of_pixel)
+        self._rows = start + len(labels)
+        self._complete(list(groups.values()))
+
+    def _checked(self, start: int, labels, nodata_mask) -> Tuple[np.ndarray, np.ndarray]:
+        """The band as an array of a type GDAL polygonises, and its pixels with data; one error
+        for a band out of order, of another width, or with a class that has no name."""
         if self._closed:
             raise RuntimeError('PolygonWriter.add_band after close')
-        labels = labels.numpy() if hasattr(labels, 'numpy') else np.asarray(labels)
+        if hasattr(labels, 'cpu'):  # a torch tensor
+            labels = labels.cpu().numpy()
+        labels = np.asarray(labels)
         if labels.ndim != 2 or not len(labels) or start != self._rows:
             raise RuntimeError(f'label band of shape {labels.shape} at row {start}: expected '
                                f'one or more rows of the raster, starting at row {self._rows}')
@@ -177,42 +228,21 @@ class PolygonWriter:
                 raise ValueError(f'class ids {low} to {high} in rows [{start}, '
                                  f'{start + len(labels)}), but {len(self.class_names)} class '
                                  'names')
-        stop = start + len(labels)
+        return labels, valid
 
+    @staticmethod
+    def _polygonise(labels: np.ndarray, valid: np.ndarray, start: int) -> Tuple[list, list]:
+        """GDAL's polygons of the band's regions of data, in pixel coordinates of the whole
+        raster (column, row), and the class of each."""
+        import shapely
+        from rasterio.features import shapes
+        from rasterio.transform import Affine
         pieces, piece_class = [], []
         for geom, value in shapes(labels, mask=valid, connectivity=4,
                                   transform=Affine.translation(0, start)):
             pieces.append(shapely.geometry.shape(geom))
             piece_class.append(int(value))
-        tree = shapely.STRtree(pieces)
-        top = self._row_pieces(tree, labels[0], valid[0], start)
-        bottom = top if len(labels) == 1 else self._row_pieces(tree, labels[-1], valid[-1],
-                                                               stop - 1)
-
-        # group the open polygons (nodes 0..n_open-1) with the pieces that meet them across the
-        # seam (nodes n_open + piece index): the same class directly above and below
-        n_open = len(self._open)
-        pairs = np.zeros((0, 2), np.int64)
-        if self._seam is not None:
-            seam_labels, seam_valid, seam_group = self._seam
-            meet = np.flatnonzero(seam_valid & valid[0] & (seam_labels == labels[0]))
-            pairs = np.unique(np.stack([seam_group[meet], n_open + top[meet]], 1), axis=0)
-        component = _connected(n_open + len(pieces), pairs)
-        groups: Dict[int, Tuple[int, list]] = {}
-        for node, comp in enumerate(component):
-            class_id, members = (self._open[node] if node < n_open else
-                                 (piece_class[node - n_open], [pieces[node - n_open]]))
-            groups.setdefault(int(comp), (class_id, []))[1].extend(members)
-
-        # groups reaching the band's last row stay open; the others are complete
-        open_comps = np.unique(component[n_open + bottom[valid[-1]]])
-        self._open = [groups.pop(int(c)) for c in open_comps]
-        group_of_pixel = np.full(self._width, -1, np.int64)
-        group_of_pixel[valid[-1]] = np.searchsorted(open_comps,
-                                                    component[n_open + bottom[valid[-1]]])
-        self._seam = (labels[-1].copy(), valid[-1].copy(), group_of_pixel)
-        self._rows = stop
-        self._complete(list(groups.values()))
+        return pieces, piece_class
 
     @staticmethod
     def _row_pieces(tree, labels: np.ndarray, valid: np.ndarray, y: int) -> np.ndarray:
@@ -288,11 +318,8 @@ class PolygonWriter:
                     [class_ids, names, np.array(self._pending['area'], np.float64)], _FIELDS,
                     layer=self.layer, driver='GPKG', geometry_type='Polygon', crs=self.crs_wkt,
                     append=append)
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise LargeImageError(f'no space left on the device while writing '
-                                      f'{self._store}; free space there or choose another '
-                                      '--vector') from None
+        except (OSError, RuntimeError) as e:  # pyogrio's errors are RuntimeErrors
+            _raise_if_full(self._store, e)
             raise
         self._pending = {'wkb': [], 'class_id': [], 'area': []}
         self._pending_bytes = 0
@@ -301,7 +328,6 @@ class PolygonWriter:
 
     def close(self) -> None:
         """Complete the open polygons, write the file and give it its name."""
-        import pyogrio.raw
         if self._closed:
             return
         self._closed = True
@@ -310,13 +336,7 @@ class PolygonWriter:
             self._complete(open_groups)
             self._write(append=True)
             if self.driver != 'GPKG':
-                with pyogrio.raw.open_arrow(self._store, layer=self.layer) as (meta, stream), \
-                        warnings.catch_warnings():
-                    warnings.filterwarnings('ignore', "'crs' was not provided")
-                    pyogrio.raw.write_arrow(
-                        stream, self._made, layer=self.layer, driver=self.driver,
-                        geometry_name=meta['geometry_name'], geometry_type='Polygon',
-                        crs=self.crs_wkt)
+                self._convert()
             fd = os.open(self._made, os.O_RDONLY)
             try:
                 os.fsync(fd)  # on disk before it gets its name
@@ -325,6 +345,21 @@ class PolygonWriter:
             os.replace(self._made, self.path)
         finally:
             self._remove_temporaries()
+
+    def _convert(self) -> None:
+        """The GeoPackage copied to the output's format by batches (GDAL's Arrow streams)."""
+        import pyogrio.raw
+        try:
+            with pyogrio.raw.open_arrow(self._store, layer=self.layer) as (meta, stream), \
+                    warnings.catch_warnings():
+                warnings.filterwarnings('ignore', "'crs' was not provided")
+                pyogrio.raw.write_arrow(
+                    stream, self._made, layer=self.layer, driver=self.driver,
+                    geometry_name=meta['geometry_name'], geometry_type='Polygon',
+                    crs=self.crs_wkt)
+        except (OSError, RuntimeError) as e:
+            _raise_if_full(self._made, e)
+            raise
 
     def abort(self) -> None:
         """Stop without a file."""
