@@ -240,7 +240,9 @@ class PolygonWriter:
         pieces, piece_class = [], []
         for geom, value in shapes(labels, mask=valid, connectivity=4,
                                   transform=Affine.translation(0, start)):
-            pieces.append(shapely.geometry.shape(geom))
+            # rings as arrays: shapely's shape() checks each vertex in Python
+            rings = [shapely.linearrings(np.array(ring)) for ring in geom['coordinates']]
+            pieces.append(shapely.polygons(rings[0], holes=rings[1:] or None))
             piece_class.append(int(value))
         return pieces, piece_class
 
