@@ -3,6 +3,7 @@ layer over :class:`TokenMap` s, every later map is a :class:`RowMap` made on dem
 of its inputs. Torch only, no task package."""
 import errno
 import os
+import re
 import shutil
 import tempfile
 from typing import (Callable, Iterator, List, Optional, Protocol, Sequence, Tuple,
@@ -16,6 +17,11 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.utils import _pair
 
 MB = 2**20
+FIRST_BAND_ROWS = 8  # the first band of a stream, before any row's bytes are measured
+# The largest integer factor a Resize makes by the call on the band's source rows (see Resize).
+MAX_CALL_FACTOR = 16
+# File systems whose files live in memory, which a budget of the process's memory does not see.
+MEMORY_FILE_SYSTEMS = ('tmpfs', 'ramfs')
 
 
 def row_bands(height: int, band_rows: int, halo: int = 0) -> Iterator[Tuple[int, int, int, int]]:
@@ -59,6 +65,10 @@ class RowMap:
             keep_from = max(first, start - self.LOOKBACK)
             self._rows, self._first = kept[:, :, keep_from - first:], keep_from
         return kept[:, :, start - first:stop - first]
+
+    def forget(self) -> None:
+        """Drop the rows kept: the next request makes its rows again (its inputs changed)."""
+        self._rows = None
 
     def _make(self, start: int, stop: int) -> Tensor:
         raise NotImplementedError
@@ -135,9 +145,7 @@ class TokenMaps:
 
     def __enter__(self) -> 'TokenMaps':
         if self.parent is not None:
-            if not os.path.isdir(self.parent):
-                raise ValueError(f'token_dir {self.parent!r} is not a folder: give an existing, '
-                                 'writable folder for the token maps')
+            _check_is_folder(self.parent)
             self.folder = tempfile.mkdtemp(prefix='xcit_tokens_', dir=self.parent)
         return self
 
@@ -151,6 +159,64 @@ class TokenMaps:
         self.maps = []
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
+
+
+TOKEN_DIR_FIX = 'set test_cfg.token_dir / --token-dir to'
+
+
+def _check_is_folder(folder: str) -> None:
+    if not os.path.isdir(folder):
+        raise ValueError(f'token_dir {folder!r} is not a folder: {TOKEN_DIR_FIX} an existing, '
+                         'writable folder for the token maps')
+
+
+def _read_mounts() -> Optional[str]:
+    """The kernel's table of mounted file systems (Linux), None where there is none."""
+    try:
+        with open('/proc/mounts') as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def file_system_type(path: str) -> Optional[str]:
+    """The type (``ext4``, ``tmpfs``, ...) of the file system holding ``path``: that of the
+    deepest mount point above it in ``/proc/mounts``; None where the table cannot be read."""
+    mounts = _read_mounts()
+    if mounts is None:
+        return None
+    path = os.path.realpath(path)
+    best, best_type = '', None
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        # the table writes a space, tab, newline or backslash in a path as an octal escape
+        point = re.sub(r'\\([0-7]{3})', lambda m: chr(int(m.group(1), 8)), fields[1])
+        inside = path == point or path.startswith(point.rstrip('/') + '/')
+        if inside and len(point) >= len(best):  # a later mount over the same point wins
+            best, best_type = point, fields[2]
+    return best_type
+
+
+def check_token_folder(folder: str, need_bytes: int, memory_counted: bool = False) -> None:
+    """Refuse, before any work, a folder the token maps cannot go to: not a folder; a file system
+    in memory (tmpfs, the usual temporary folder on many systems: memory a budget of the
+    process does not see) unless the caller's budget counts the maps as memory; too little free
+    space for ``need_bytes`` (a full disk would otherwise show up hours into a run)."""
+    _check_is_folder(folder)
+    need_mb = need_bytes / MB
+    fs_type = file_system_type(folder)
+    if fs_type in MEMORY_FILE_SYSTEMS and not memory_counted:
+        raise ValueError(f'token_dir {folder!r} is on a {fs_type} (memory, which the memory '
+                         f'budget does not see): {TOKEN_DIR_FIX} a folder on a disk with '
+                         f'{need_mb:.0f} MB free for the token maps')
+    stat = os.statvfs(folder)
+    free_mb = stat.f_bavail * stat.f_frsize / MB
+    if free_mb < need_mb:
+        raise ValueError(f'token_dir {folder!r} has {free_mb:.0f} MB free but the token maps '
+                         f'need {need_mb:.0f} MB: {TOKEN_DIR_FIX} a folder with room for them '
+                         'or free space there')
 
 
 class TensorRows(RowMap):
@@ -205,8 +271,11 @@ class Resize(RowMap):
         self.source, self.mode = source, mode
         self.align_corners = bool(align_corners) if mode == 'bilinear' else None
         h_in, h_out = source.height, self.height
-        # an integer factor, the call's own scale (1 / factor), no corner alignment
+        # an integer factor, the call's own scale (1 / factor), no corner alignment; a large one
+        # (a pooled map of a few rows made as tall as a level) blends instead, as the call
+        # would make 2 x factor rows of context with each band
         self.factor = h_out // h_in if (h_out % h_in == 0 and not self.align_corners and (
+            h_out // h_in <= MAX_CALL_FACTOR) and (
             mode == 'bilinear' or 'scale_factor' not in (interpolate_kwargs or {}))) else 0
         if mode == 'nearest':  # the call's own source rows and columns
             kwargs = dict(interpolate_kwargs or {}, mode='nearest')
@@ -349,13 +418,21 @@ def _read_once(node: RowMap, consumers: dict) -> bool:
         user.num == user.den == 1)
 
 
-def stream_rows(node: RowMap, band_mb: float, first_rows: int = 8) -> Iterator[Tuple[int, int,
-                                                                                     Tensor]]:
+def stream_rows(node: RowMap, band_mb: float, first_rows: int = FIRST_BAND_ROWS
+                ) -> Iterator[Tuple[int, int, Tensor]]:
     """``(start, stop, rows)`` of ``node`` band by band: after ``first_rows`` rows, bands whose
     rows in every map, as measured on the band before, come near ``band_mb``."""
     maps, consumers = _graph(node)
     for current in maps:
         current.keeps = not _read_once(current, consumers)
+    return measured_bands(node, band_mb, first_rows)
+
+
+def measured_bands(node: RowMap, band_mb: float, first_rows: int = FIRST_BAND_ROWS
+                   ) -> Iterator[Tuple[int, int, Tensor]]:
+    """:func:`stream_rows`' bands of a map whose readers are already set up (a second pass over a
+    map of the stream, e.g. to pool it whole)."""
+    maps, _ = _graph(node)
     start, rows = 0, first_rows
     while start < node.height:
         stop = min(node.height, start + rows)

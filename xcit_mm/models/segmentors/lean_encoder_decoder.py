@@ -1,6 +1,7 @@
 """mmseg's ``EncoderDecoder`` whose ``predict`` gives stock's labels (and logits, when kept)
 without full-size logits of all classes; ``mode='stream'`` is equal up to float rounding. Why
 each step is exact, and the ``test_cfg`` keys: ``docs/lean_segmentation.md``."""
+import inspect
 import math
 import tempfile
 from contextlib import contextmanager
@@ -24,8 +25,10 @@ from mmseg.utils import OptSampleList, SampleList
 
 from ..inference.fpn_data_flow import (fpn_in_data_flow_order, uper_head_in_data_flow_order,
                                        why_not_data_flow_fpn)
-from ..inference.row_stream import LevelByLevelBackbone, TokenMaps, stream_rows
-from ..inference.seg_stream import labels_rows, logits_rows, why_not_by_rows
+from ..inference.row_stream import (FIRST_BAND_ROWS, LevelByLevelBackbone, TokenMaps,
+                                    check_token_folder, stream_rows)
+from ..inference.seg_stream import (PyramidPooling, labels_rows, logits_rows, why_not_by_rows,
+                                    why_not_norms)
 from ..inference.settings import LeanSettingsMixin, SegmentorSettings
 from ..utils.ckpt_load import refuse_headless_load
 from ..utils.memory_budget import (MB, MemoryModel, MemoryPlanMixin, Plan, calibrate,
@@ -54,6 +57,11 @@ STREAM_WORK_MB = 64
 STREAM_WORK_BANDS = 2.5
 # Bytes per input element that mmseg's doors hold while predict runs (float batch, uint8 image).
 INPUT_BYTES = 4 + 1
+# Full-resolution copies of a class chunk alive at once in the stream's last steps (a bilinear
+# resize's source rows, two gathered rows and their blend; the softmax's exponentials).
+STREAM_CHUNK_COPIES = 6
+# stream_labels leaves tokens without a valid pixel out of XCA's sums when given valid_rows.
+MASK_XCA = True
 
 
 def slide_windows(img_hw: Sequence[int], crop_size: Sequence[int],
@@ -79,6 +87,34 @@ def _class_slice(x: Tensor, c0: int, c1: int, batch: slice = slice(None)) -> Ten
     if _is_channels_last(x):
         part = part.contiguous(memory_format=torch.channels_last)
     return part
+
+
+def stage_reporter(progress: Optional[Callable]) -> Callable[[int, int, str], None]:
+    """How the stream calls ``progress``: ``progress(done, total, stage=stage)`` if it has a
+    ``stage`` parameter (or ``**kwargs``), else ``progress(done, total)``. Two stages, each
+    counting its work from 0 to its total: ``'trunk'``, token rows x layers (every layer passes
+    over every token row, so the trunk's time goes by them and their rate gives its time left),
+    then ``'labels'``, the label rows made. A callable without ``stage`` sees the total change
+    once, when the labels start."""
+    if progress is None:
+        return lambda done, total, stage: None
+    try:
+        params = inspect.signature(progress).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: the two-argument form
+        params = ()
+    if any(p.name == 'stage' or p.kind == p.VAR_KEYWORD for p in params):
+        return lambda done, total, stage: progress(done, total, stage=stage)
+    return lambda done, total, stage: progress(done, total)
+
+
+def _valid_pixels(valid_rows: Callable[[int, int], 'np.ndarray'], width: int,
+                  device: torch.device, start: int, stop: int) -> Tensor:
+    """``valid_rows(start, stop)`` checked, as a bool tensor on ``device``."""
+    mask = np.asarray(valid_rows(start, stop))
+    if mask.shape != (stop - start, width) or mask.dtype != np.bool_:
+        raise ValueError(f'valid_rows({start}, {stop}) must give a bool array of shape '
+                         f'({stop - start}, {width}), got {mask.dtype} {mask.shape}')
+    return torch.from_numpy(np.ascontiguousarray(mask)).to(device)
 
 
 class _RunningArgmax:
@@ -158,7 +194,8 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                 (head.out_channels == 1,
                  'a one-channel (sigmoid) head is thresholded, not an argmax: use mode whole')]
             why = next((why for fails, why in reasons if fails), None)
-            return why_not_by_rows(self.backbone, neck, head) if why is None else why
+            return why or why_not_norms(self.backbone) or why_not_by_rows(self.backbone, neck,
+                                                                          head)
         in_order = (head.input_transform == 'multiple_select'
                     and list(head.in_index) == list(range(len(head.in_index))))
         if type(neck) is FPN and type(head) is FPNHead:
@@ -256,18 +293,43 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
     # ------------------------------------------------------------------ streamed
     def stream_labels(self, read_rows: Callable[[int, int], 'np.ndarray'],
                       image_hw: Tuple[int, int], max_memory: Optional[float] = None,
-                      token_dir: Optional[str] = None,
-                      progress: Optional[Callable[[int, int], None]] = None
-                      ) -> Iterator[Tuple[int, int, Tensor]]:
+                      token_dir: Optional[str] = None, progress: Optional[Callable] = None,
+                      confidence: bool = False,
+                      valid_rows: Optional[Callable[[int, int], 'np.ndarray']] = None,
+                      mask_xca: bool = MASK_XCA) -> Iterator[tuple]:
         """An image larger than memory's labels, top to bottom: ``(start, stop, labels)``, int64
-        (stop - start, W) on the CPU. ``read_rows(a, b)``: rows a..b-1 as mmcv reads them ((b - a,
-        W, C) uint8, BGR), normalised here. Under ``max_memory`` (MB) the token maps may go to
-        ``token_dir``; ``progress(done, total)`` follows the work."""
+        (stop - start, W) on the CPU; with ``confidence``, ``(start, stop, labels, confidence)``,
+        the confidence uint8 (stop - start, W): round(255 x the top-1 softmax probability of the
+        logits at the image's resolution).
+
+        ``read_rows(a, b)``: rows a..b-1 as mmcv reads them ((b - a, W, C) uint8, BGR),
+        normalised here. ``valid_rows(a, b)``: which of those pixels hold data, a bool (b - a, W)
+        array (False: nodata, alpha or mask); with ``mask_xca`` the tokens whose patch holds no
+        valid pixel are left out of XCA's sums over the image, so that the labels of the data do
+        not depend on the size of a nodata collar. The labels of invalid pixels are the model's
+        all the same: the caller masks them. Under ``max_memory`` (MB) the token maps may go to
+        ``token_dir``. ``progress``: see :func:`stage_reporter`.
+
+        The model's parts, the budget and the token folder are checked here, before the image
+        is read; the work runs as the labels are iterated."""
         why, name = self.why_not('stream'), type(self).__name__
         if why is not None:
             raise ValueError(f'{name}.stream_labels: cannot stream: {why}')
-        pre = self.data_preprocessor
+        H, W = image_hw
         device = next(self.parameters()).device
+        trunk_kwargs = {}
+        if valid_rows is not None and mask_xca:
+            if 'valid_pixels' not in inspect.signature(self.backbone.stream_trunk).parameters:
+                raise ValueError(f'{name}.stream_labels: {type(self.backbone).__name__} cannot '
+                                 'leave masked tokens out of its attention: pass '
+                                 'mask_xca=False')
+            trunk_kwargs['valid_pixels'] = partial(_valid_pixels, valid_rows, W, device)
+        budget = None if max_memory is None else read_budget_mb(dict(max_memory=max_memory), name)
+        plans = self._stream_plans(image_hw, held_mb=0, budget_mb=budget)
+        plan = plans[0] if budget is None else self._choose_memory_plan(
+            plans, budget, f'{name} on {H}x{W} px')
+        folder = self._token_folder(image_hw, plan, token_dir, budgeted=budget is not None)
+        pre = self.data_preprocessor
 
         def read_pixels(start: int, stop: int) -> Tensor:
             rows = torch.from_numpy(np.ascontiguousarray(read_rows(start, stop))).to(device)
@@ -277,80 +339,111 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
             rows = rows.float()
             return (rows - pre.mean) / pre.std if getattr(pre, '_enable_normalize', False) else rows
 
-        budget = None if max_memory is None else read_budget_mb(dict(max_memory=max_memory), name)
-        plans = self._stream_plans(image_hw, held_mb=0, budget_mb=budget)
-        plan = plans[0] if budget is None else self._choose_memory_plan(
-            plans, budget, f'{name} on {image_hw[0]}x{image_hw[1]} px')
-        with self._eval_no_grad():
-            for start, stop, labels in self._stream_bands(
-                    read_pixels, image_hw, image_hw, (0, 0, 0, 0), image_hw, plan,
-                    token_dir, progress):
-                yield start, stop, labels.cpu()
+        def bands() -> Iterator[tuple]:
+            with self._eval_no_grad():
+                for start, stop, band in self._stream_bands(
+                        read_pixels, image_hw, image_hw, (0, 0, 0, 0), image_hw, plan, folder,
+                        progress, confidence, trunk_kwargs):
+                    if confidence:
+                        yield start, stop, band[0].cpu(), band[1].to(torch.uint8).cpu()
+                    else:
+                        yield start, stop, band[0].cpu()
+
+        return bands()
 
     def _stream_predict(self, inputs: Tensor, data_samples: OptSampleList,
                         plan: Optional[Plan]) -> SampleList:
         """mode='stream' (or the stream 'auto' chose): each image's labels, band by band."""
         head_hw = self._head_resize_size(inputs, data_samples)
+        settings = self.test_settings
+        budgeted = plan is not None
         plan = plan or self._stream_plans(inputs.shape[2:], held_mb=0)[0]  # no budget
+        folder = self._token_folder(inputs.shape[2:], plan, settings.token_dir, budgeted)
+        metas = self._metas(data_samples, inputs.shape[0])
+        if any(meta is not None and meta.get('flip', None) for meta in metas):
+            raise ValueError(f"{type(self).__name__}: test_cfg mode='stream' does not flip "
+                             "(test-time augmentation): use mode 'whole' for flipped images")
         results = []
-        for i, meta in enumerate(self._metas(data_samples, inputs.shape[0])):
-            if meta is not None and meta.get('flip', None):
-                raise ValueError(f"{type(self).__name__}: test_cfg mode='stream' does not flip "
-                                 "(test-time augmentation): use mode 'whole' for flipped images")
+        for i, meta in enumerate(metas):
             out_hw = self._output_hw(meta, head_hw)
             labels = torch.empty((1, ) + tuple(out_hw), dtype=torch.long, device=inputs.device)
             image = inputs[i:i + 1]
             for start, stop, band in self._stream_bands(
                     lambda a, b: image[:, :, a:b], tuple(inputs.shape[2:]), head_hw,
-                    self._padding(meta), out_hw, plan, self.test_settings.token_dir):
-                labels[0, start:stop] = band
+                    self._padding(meta), out_hw, plan, folder):
+                labels[0, start:stop] = band[0]
             results.append((labels, None))
         return self._set_results(data_samples, results)
 
+    def _token_folder(self, image_hw: Sequence[int], plan: Plan, token_dir: Optional[str],
+                      budgeted: bool) -> Optional[str]:
+        """Where the token maps go (None: in memory), checked before any work: a folder with room
+        for them, not in memory (tmpfs) unless a budget counted them (the in-memory plan)."""
+        if not (self.test_settings.token_maps == 'disk' or plan.name == 'stream-disk'):
+            return None
+        folder = token_dir or tempfile.gettempdir()
+        check_token_folder(folder, self._token_maps_mb(image_hw)[1] * MB,
+                           memory_counted=budgeted and plan.name == 'stream')
+        return folder
+
     def _stream_bands(self, read_pixels, image_hw, head_hw, crop, out_hw, plan: Plan,
-                      token_dir: Optional[str],
-                      progress: Optional[Callable[[int, int], None]] = None
+                      folder: Optional[str], progress: Optional[Callable] = None,
+                      confidence: bool = False, trunk_kwargs: Optional[dict] = None
                       ) -> Iterator[Tuple[int, int, Tensor]]:
-        """One image: the trunk into token maps (on disk for 'stream-disk'), then the labels in
-        bands of the plan's size; the trunk counts as half the ``progress``."""
-        band_mb = plan.band_mb
-        on_disk = self.test_settings.token_maps == 'disk' or plan.name == 'stream-disk'
+        """One image: the trunk into token maps (in ``folder``, else in memory), then the labels
+        (and confidence: channel 1) in bands of the plan's size, ``progress`` told by stage."""
+        band_mb, report = plan.band_mb, stage_reporter(progress)
         layers = max(self.backbone.out_indices) + 1
-        total, done = 2 * out_hw[0], [0]
+        token_rows = -(-image_hw[0] // self.backbone.patch_size)
+        trunk_total, done = layers * token_rows, [0]
 
-        def advance(units: int) -> None:
-            done[0] += units
-            if progress is not None:
-                progress(min(done[0], total), total)
+        def layer_done() -> None:
+            done[0] += token_rows
+            report(min(done[0], trunk_total), trunk_total, 'trunk')
 
-        folder = (token_dir or tempfile.gettempdir()) if on_disk else None
         with TokenMaps(next(self.parameters()).device, folder) as maps, torch.no_grad():
-            trunk = self.backbone.stream_trunk(read_pixels, image_hw, maps, band_mb,
-                                               lambda: advance(out_hw[0] // layers))
-            advance(out_hw[0] - done[0])
+            report(0, trunk_total, 'trunk')
+            trunk = self.backbone.stream_trunk(read_pixels, image_hw, maps, band_mb, layer_done,
+                                               **(trunk_kwargs or {}))
             levels = [self.backbone.level_rows(trunk_map, i, image_hw)
                       for i, trunk_map in enumerate(trunk)]
-            logits = logits_rows(levels, getattr(self, 'neck', None), self.decode_head)
+            logits = logits_rows(levels, getattr(self, 'neck', None), self.decode_head, band_mb)
             labels = labels_rows(logits, head_hw, crop, out_hw, self.decode_head.align_corners,
-                                 self.align_corners)
+                                 self.align_corners, self._stream_class_chunk(out_hw[1], band_mb),
+                                 confidence)
+            report(0, out_hw[0], 'labels')
             for start, stop, band in stream_rows(labels, band_mb):
-                yield start, stop, band[0, 0]
-                advance(stop - start)
+                yield start, stop, band[0]
+                report(stop, out_hw[0], 'labels')
+
+    def _stream_class_chunk(self, width: int, band_mb: float) -> int:
+        """Classes the stream's full-resolution steps take at once: as many as keep a first band
+        of them (``FIRST_BAND_ROWS`` rows of ``width`` px, ``STREAM_CHUNK_COPIES`` copies) within
+        ``band_mb``, a multiple of 8 (at least 8), at most all."""
+        planes = int(band_mb * MB) // (FLOAT_BYTES * width * FIRST_BAND_ROWS * STREAM_CHUNK_COPIES)
+        return min(self.out_channels,
+                   max(CHUNK_MULTIPLE, planes // CHUNK_MULTIPLE * CHUNK_MULTIPLE))
+
+    def _token_maps_mb(self, image_hw: Sequence[int]) -> Tuple[int, float]:
+        """How many token maps the trunk keeps (the adapter's taps), and their MB together."""
+        p, D = self.backbone.patch_size, self.backbone.embed_dims
+        grid = [(side + p - 1) // p for side in image_hw]
+        kept = len(set(self.backbone.out_indices) - {max(self.backbone.out_indices)}) + 1
+        return kept, kept * FLOAT_BYTES * D * grid[0] * grid[1] / MB
 
     def _stream_plans(self, image_hw: Sequence[int], held_mb: float,
                       budget_mb: Optional[float] = None) -> List[Plan]:
         """The stream's plans, token maps in memory then on disk: the maps, the bands' work, what
-        the caller holds and ``SLACK_MB``; the bands ``test_cfg.band_mb``, else the device's
-        default, shrunk to fit ``budget_mb`` (down to the minimum)."""
-        p, D = self.backbone.patch_size, self.backbone.embed_dims
-        grid = [(side + p - 1) // p for side in image_hw]
-        kept = len(set(self.backbone.out_indices) - {max(self.backbone.out_indices)}) + 1
-        maps_mb = kept * FLOAT_BYTES * D * grid[0] * grid[1] / MB
+        the caller holds, UperNet's pooled maps and ``SLACK_MB``; the bands ``test_cfg.band_mb``,
+        else the device's default, shrunk to fit ``budget_mb`` (down to the minimum)."""
+        kept, maps_mb = self._token_maps_mb(image_hw)
         fixed_mb = SLACK_MB + held_mb + STREAM_WORK_MB
-        if type(self.decode_head) is UPerHead:  # the pyramid pooling reads the stride-32 map
-            head = self.decode_head
-            fixed_mb += (FLOAT_BYTES * math.prod(-(-side // 32) for side in image_hw)
-                         * (D + (len(head.psp_modules) + 1) * head.channels) / MB)
+        head = self.decode_head
+        if type(head) is UPerHead:  # the pooled maps of its pyramid pooling
+            scales = [scale if isinstance(scale, int) else max(scale)
+                      for scale in head.psp_modules.pool_scales]
+            fixed_mb += PyramidPooling.held_bytes(scales, head.in_channels[-1], head.channels,
+                                                  -(-image_hw[1] // 32)) / MB
         default = STREAM_BAND_MB.get(next(self.parameters()).device.type, STREAM_BAND_MB['cpu'])
         plans = []
         for name, where, maps in (('stream', 'in memory', maps_mb), ('stream-disk', 'on disk', 0)):
