@@ -234,6 +234,9 @@ def test_refusals(tmp_path):
     with pytest.raises(ValueError, match='class ids 0 to 16 .* 16 class names'):
         with PolygonWriter(str(tmp_path / 'labels.gpkg'), NAMES) as writer:
             writer.add_band(0, labels + np.arange(5, dtype=np.uint8) * 4)
+    with pytest.raises(RuntimeError, match='stopped at row 4 of 9'):
+        with PolygonWriter(str(tmp_path / 'labels.gpkg'), NAMES, height=9) as writer:
+            writer.add_band(0, labels)
     assert os.listdir(tmp_path) == []
 
 

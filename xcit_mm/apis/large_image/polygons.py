@@ -25,6 +25,7 @@ from .errors import LargeImageError
 VECTOR_DRIVERS = {'.gpkg': 'GPKG', '.fgb': 'FlatGeobuf', '.geojson': 'GeoJSON'}
 _FIELDS = ['class_id', 'class_name', 'area']
 _FLUSH_BYTES = 16 << 20  # complete polygons are written once their WKB passes this size
+_COPY_BATCH = 4096  # polygons per batch in the copy to FlatGeobuf or GeoJSON
 _FULL_BYTES = 1 << 20  # a write failing with less free space than this failed on a full disk
 
 
@@ -105,8 +106,9 @@ class PolygonWriter:
 
     ``crs`` is anything rasterio's ``CRS.from_user_input`` takes (None for an image that is not
     georeferenced: the polygons are then in pixel coordinates, column and row, y down);
-    ``transform`` maps (column, row) to the CRS (an ``Affine`` or its six numbers; None for the
-    identity). Pixels equal to ``nodata`` or set in a band's ``nodata_mask`` get no polygon.
+    ``transform`` maps (column, row) to the CRS (rasterio's ``Affine`` or its six numbers a, b, c,
+    d, e, f; None for the identity). Pixels equal to ``nodata`` or set in a band's
+    ``nodata_mask`` get no polygon. With ``height``, closing before that many rows is an error.
     ``area`` is the written polygon's area in the CRS's units (square metres in a projected CRS,
     square degrees in a geographic one, pixels without a CRS). ``min_area`` drops the polygons
     whose region is smaller (the area before simplifying, in the same units; a dropped polygon
@@ -121,11 +123,15 @@ class PolygonWriter:
     made from it at the end, streamed by batches through GDAL's Arrow interface, because GDAL's
     FlatGeobuf driver cannot append and its GeoJSON driver rewrites the whole file from memory
     on every update. The file appears under its name only when complete.
+
+    A .geojson in a projected CRS names it in GeoJSON 2008's ``crs`` member, which GDAL and QGIS
+    read (RFC 7946 allows only WGS84 longitude / latitude). Without a CRS, GDAL takes a .geojson
+    to be in WGS84, while pathology tools such as QuPath read its coordinates as pixels.
     """
 
     def __init__(self, path: str, class_names: Sequence[str], crs=None, transform=None,
                  nodata: Optional[int] = None, min_area: float = 0.0, simplify: float = 0.0,
-                 layer: Optional[str] = None):
+                 height: Optional[int] = None, layer: Optional[str] = None):
         from rasterio.crs import CRS
         from rasterio.transform import Affine
         self.driver = check_vector_output(path)
@@ -140,6 +146,7 @@ class PolygonWriter:
         self.crs_wkt = CRS.from_user_input(crs).to_wkt() if crs is not None else None
         self.transform = Affine.identity() if transform is None else Affine(*tuple(transform)[:6])
         self.nodata = nodata
+        self.height = height
         self.min_area = float(min_area)
         self.simplify = float(simplify)
         ext = osp.splitext(path)[1]
@@ -334,6 +341,9 @@ class PolygonWriter:
             return
         self._closed = True
         try:
+            if self.height is not None and self._rows != self.height:
+                raise RuntimeError(f'the label bands stopped at row {self._rows} of '
+                                   f'{self.height}')
             open_groups, self._open, self._seam = self._open, [], None
             self._complete(open_groups)
             self._write(append=True)
@@ -352,7 +362,8 @@ class PolygonWriter:
         """The GeoPackage copied to the output's format by batches (GDAL's Arrow streams)."""
         import pyogrio.raw
         try:
-            with pyogrio.raw.open_arrow(self._store, layer=self.layer) as (meta, stream), \
+            with pyogrio.raw.open_arrow(self._store, layer=self.layer,
+                                        batch_size=_COPY_BATCH) as (meta, stream), \
                     warnings.catch_warnings():
                 warnings.filterwarnings('ignore', "'crs' was not provided")
                 pyogrio.raw.write_arrow(
