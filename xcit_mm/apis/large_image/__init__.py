@@ -3,8 +3,9 @@
 (``tools/segment_large_image.py``, docs/gigapixel.md): :mod:`.reader` reads windows of rows,
 :mod:`.writer` writes the label file band by band. Not imported by ``import xcit_mm``."""
 from .errors import LargeImageError, check_output
-from .reader import model_rows, nodata_rows, open_image
+from .polygons import PolygonWriter, check_vector_output
+from .reader import ModelRows, model_rows, open_image
 from .writer import write_label_rasters, write_labels
 
-__all__ = ['LargeImageError', 'check_output', 'model_rows', 'nodata_rows', 'open_image',
-           'write_label_rasters', 'write_labels']
+__all__ = ['LargeImageError', 'ModelRows', 'PolygonWriter', 'check_output', 'check_vector_output',
+           'model_rows', 'open_image', 'write_label_rasters', 'write_labels']
