@@ -79,21 +79,21 @@ def _connected(n: int, pairs: np.ndarray) -> np.ndarray:
     return np.array([root(i) for i in range(n)], dtype=np.int64)
 
 
-def _polygon_parts(geoms: List, class_ids: List[int]) -> Tuple[List, List[int]]:
-    """The polygons in ``geoms`` (a multipolygon or collection split into its polygons, anything
-    without area dropped), with the class of each."""
+def _polygon_parts(geoms: np.ndarray, class_ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """The polygons in ``geoms`` (multipolygons and collections split into their polygons, any
+    part without area dropped), with the class of each."""
     import shapely
-    out, out_ids = [], []
-    for geom, class_id in zip(geoms, class_ids):
-        for part in shapely.get_parts(geom):
-            if part.geom_type == 'Polygon' and not part.is_empty:
-                out.append(part)
-                out_ids.append(class_id)
-            elif part.geom_type in ('MultiPolygon', 'GeometryCollection'):
-                more, _ = _polygon_parts([part], [class_id])
-                out += more
-                out_ids += [class_id] * len(more)
-    return out, out_ids
+    while True:
+        kind = shapely.get_type_id(geoms)
+        multi = (kind == shapely.GeometryType.MULTIPOLYGON) | (
+            kind == shapely.GeometryType.GEOMETRYCOLLECTION)
+        if not multi.any():
+            break
+        parts, index = shapely.get_parts(geoms[multi], return_index=True)
+        geoms = np.concatenate([geoms[~multi], parts])
+        class_ids = np.concatenate([class_ids[~multi], class_ids[multi][index]])
+    keep = (kind == shapely.GeometryType.POLYGON) & ~shapely.is_empty(geoms)
+    return geoms[keep], class_ids[keep]
 
 
 class PolygonWriter:
@@ -244,14 +244,23 @@ class PolygonWriter:
         import shapely
         from rasterio.features import shapes
         from rasterio.transform import Affine
-        pieces, piece_class = [], []
+        # all rings' vertices in one array, made into shapely's rings and polygons at once
+        # (shapely's shape() checks each vertex in Python)
+        vertices, ring_sizes, rings_per_piece, piece_class = [], [], [], []
         for geom, value in shapes(labels, mask=valid, connectivity=4,
                                   transform=Affine.translation(0, start)):
-            # rings as arrays: shapely's shape() checks each vertex in Python
-            rings = [shapely.linearrings(np.array(ring)) for ring in geom['coordinates']]
-            pieces.append(shapely.polygons(rings[0], holes=rings[1:] or None))
+            rings_per_piece.append(len(geom['coordinates']))
+            for ring in geom['coordinates']:
+                ring_sizes.append(len(ring))
+                vertices.extend(ring)
             piece_class.append(int(value))
-        return pieces, piece_class
+        if not piece_class:
+            return [], []
+        rings = shapely.linearrings(np.array(vertices, dtype=np.float64),
+                                    indices=np.repeat(np.arange(len(ring_sizes)), ring_sizes))
+        pieces = shapely.polygons(rings, indices=np.repeat(np.arange(len(rings_per_piece)),
+                                                           rings_per_piece))
+        return list(pieces), piece_class
 
     @staticmethod
     def _row_pieces(tree, labels: np.ndarray, valid: np.ndarray, y: int) -> np.ndarray:
@@ -277,54 +286,55 @@ class PolygonWriter:
         import shapely
         if not groups:
             return
-        class_ids = [class_id for class_id, _ in groups]
-        geoms = [members[0] if len(members) == 1 else shapely.union_all(members)
-                 for _, members in groups]
+        class_ids = np.array([class_id for class_id, _ in groups], np.int32)
+        geoms = np.empty(len(groups), dtype=object)
+        # pieces joined; simplifying by 0 drops the vertices the seams left on straight edges
+        geoms[:] = [members[0] if len(members) == 1 else
+                    shapely.simplify(shapely.union_all(members), 0)
+                    for _, members in groups]
         a, b, c, d, e, f = tuple(self.transform)[:6]
         if (a, b, c, d, e, f) != (1, 0, 0, 0, 1, 0):
             matrix, offset = np.array([[a, b], [d, e]]).T, np.array([c, f])
-            geoms = list(shapely.transform(np.array(geoms, dtype=object),
-                                           lambda xy: xy @ matrix + offset))
+            geoms = shapely.transform(geoms, lambda xy: xy @ matrix + offset)
         geoms, class_ids = self._valid(geoms, class_ids)
         if self.min_area > 0:
             keep = shapely.area(geoms) >= self.min_area
-            geoms = [g for g, k in zip(geoms, keep) if k]
-            class_ids = [i for i, k in zip(class_ids, keep) if k]
-        if self.simplify > 0 and geoms:
-            geoms = list(shapely.simplify(np.array(geoms, dtype=object), self.simplify,
-                                          preserve_topology=True))
+            geoms, class_ids = geoms[keep], class_ids[keep]
+        if self.simplify > 0:
+            geoms = shapely.simplify(geoms, self.simplify, preserve_topology=True)
             geoms, class_ids = self._valid(geoms, class_ids)
-        if not geoms:
+        if not len(geoms):
             return
-        wkb = list(shapely.to_wkb(np.array(geoms, dtype=object)))
-        self._pending['wkb'] += wkb
-        self._pending['class_id'] += class_ids
-        self._pending['area'] += list(shapely.area(geoms))
+        wkb = shapely.to_wkb(geoms)
+        self._pending['wkb'].append(wkb)
+        self._pending['class_id'].append(class_ids)
+        self._pending['area'].append(shapely.area(geoms))
         self._pending_bytes += sum(len(w) for w in wkb)
         if self._pending_bytes >= _FLUSH_BYTES:
             self._write(append=True)
 
     @staticmethod
-    def _valid(geoms: list, class_ids: List[int]) -> Tuple[list, List[int]]:
+    def _valid(geoms: np.ndarray, class_ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """The geometries made valid (GEOS's make_valid on any that are not), as polygons."""
         import shapely
-        arr = np.array(geoms, dtype=object)
-        invalid = ~shapely.is_valid(arr)
+        invalid = ~shapely.is_valid(geoms)
         if invalid.any():
-            arr[invalid] = shapely.make_valid(arr[invalid])
-        return _polygon_parts(list(arr), class_ids)
+            geoms = geoms.copy()
+            geoms[invalid] = shapely.make_valid(geoms[invalid])
+        return _polygon_parts(geoms, class_ids)
 
     def _write(self, append: bool) -> None:
         """Append the queued polygons to the GeoPackage (``append=False``: create its layer)."""
         import pyogrio.raw
-        class_ids = np.array(self._pending['class_id'], np.int32)
-        names = np.array([self.class_names[i] for i in class_ids], dtype=object)
+        pending = {k: np.concatenate(v) if v else np.zeros(0, object if k == 'wkb' else float)
+                   for k, v in self._pending.items()}
+        class_ids = pending['class_id'].astype(np.int32)
+        names = np.array(self.class_names, dtype=object)[class_ids]
         try:
             with warnings.catch_warnings():  # no CRS is meant: the image is not georeferenced
                 warnings.filterwarnings('ignore', "'crs' was not provided")
                 pyogrio.raw.write(
-                    self._store, np.array(self._pending['wkb'], dtype=object),
-                    [class_ids, names, np.array(self._pending['area'], np.float64)], _FIELDS,
+                    self._store, pending['wkb'], [class_ids, names, pending['area']], _FIELDS,
                     layer=self.layer, driver='GPKG', geometry_type='Polygon', crs=self.crs_wkt,
                     append=append)
         except (OSError, RuntimeError) as e:  # pyogrio's errors are RuntimeErrors
