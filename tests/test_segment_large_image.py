@@ -490,22 +490,30 @@ def test_label_bands_out_of_order_are_an_error_and_no_file(tmp_path, bands, mess
 # -- the tool --------------------------------------------------------------------------------
 
 def test_labels_equal_inference_model(tool, tiny, tmp_path):
-    """An RGB PNG placed by a world file: the labels are those of the whole image through
-    mmseg's inference_model on >= 99.99% of pixels, placed by GDAL (rasterio) over the input, a
-    tiled deflate uint8 COG with the ADE20k palette and class names."""
+    """A GeoTIFF with a reflectance product's band metadata (scale 1e-4, offset -0.1, band
+    names, statistics): the labels are those of the whole image through mmseg's inference_model
+    on >= 99.99% of pixels, in a tiled deflate uint8 COG with the ADE20k palette, placed by GDAL
+    (rasterio) over the input, and carrying none of the input's band metadata (bug 1: QGIS
+    showed class 3 as -0.0997)."""
     import rasterio
     from mmseg.apis import inference_model
     from mmseg.datasets import ADE20KDataset
     config, checkpoint, model = tiny
     img = np.maximum(_image(), 1)  # no pixel without data
-    png = _write(tmp_path / 'scene.png', img, driver='PNG', transform=_affine(),
-                 WORLDFILE='YES')
+    scene = _write(tmp_path / 'scene.tif', img, crs='EPSG:32633', transform=_affine())
+    with rasterio.open(scene, 'r+') as src:
+        src.scales, src.offsets = (1e-4, ) * 3, (-0.1, ) * 3
+        src.descriptions = ('Red', 'Green', 'Blue')
+        for band in (1, 2, 3):
+            src.update_tags(band, STATISTICS_MEAN=0.05, STATISTICS_MAXIMUM=0.2)
     out = str(tmp_path / 'labels.tif')
-    assert tool.main([config, checkpoint, png, '--out', out]) == 0
-    assert sorted(os.listdir(tmp_path)) == ['labels.tif', 'labels.tif.aux.xml', 'scene.png',
-                                            'scene.wld']
-    with rasterio.open(out) as dst:
-        assert (dst.transform, dst.shape) == (_affine(), (H, W))
+    assert tool.main([config, checkpoint, scene, '--out', out]) == 0
+    assert sorted(os.listdir(tmp_path)) == ['labels.tif', 'labels.tif.aux.xml', 'scene.tif']
+    with rasterio.open(out) as dst, rasterio.open(scene) as src:
+        assert src.scales[0] == 1e-4 and src.descriptions[0] == 'Red'  # as GDAL reads them
+        assert (dst.transform, dst.crs, dst.shape) == (src.transform, src.crs, src.shape)
+        assert dst.scales == (1.0, ) and dst.offsets == (0.0, )
+        assert dst.descriptions[0] != 'Red' and 'STATISTICS_MEAN' not in dst.tags(1)
         assert dst.dtypes == ('uint8',) and dst.compression.name == 'deflate'
         assert dst.block_shapes == [(512, 512)] and dst.profile['tiled']
         assert dst.colorinterp[0].name == 'palette' and dst.nodata == 255
