@@ -645,8 +645,13 @@ def _bad_input(kind, tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         monkeypatch.setattr(writer, '_add_rows', full)
         return path, [], ['no space left', 'labels.tif']
-    if kind == 'budget_below_minimum':
-        return path, ['--max-memory', '1'], ['max_memory']
+    if kind == 'budget_below_the_reader':
+        return path, ['--max-memory', '1'], ['--max-memory 1 MB does not cover the reader and '
+                                             'the writer', 'raise it']
+    if kind == 'budget_below_minimum':  # what the reader and writer leave: the stream's error
+        return path, ['--max-memory', '100'], [
+            'no way to run within max_memory=', "model's share of --max-memory 100 MB: the "
+            'reader and the writer hold']
     if kind == 'interrupted':
         from xcit_mm.apis.large_image import reader
 
@@ -661,7 +666,8 @@ def _bad_input(kind, tmp_path, monkeypatch):
 BEFORE_THE_MODEL = ['not_an_image', 'missing', 'broken_header', 'truncated', '1_band', '2_band',
                     '4_band', 'gray_flag_on_4_band', 'band_out_of_range', '16_bit',
                     'float_without_scale', 'one_strip_over_the_budget', 'output_folder_missing',
-                    'out_is_the_input', 'out_is_the_input_by_a_link', 'out_is_a_vrt_source']
+                    'out_is_the_input', 'out_is_the_input_by_a_link', 'out_is_a_vrt_source',
+                    'budget_below_the_reader']
 DURING_THE_STREAM = ['cfg_options_applied', 'corrupt_tile', 'disk_full', 'budget_below_minimum',
                      'interrupted']
 

@@ -19,7 +19,6 @@ docs/gigapixel.md.
 """
 import argparse
 import errno
-import inspect
 import math
 import os.path as osp
 import signal
@@ -104,11 +103,16 @@ def run(args) -> None:
         gdal_cache_mb = math.ceil(source.memory_mb) + WRITER_CACHE_MB
         writer_mb = gdal_cache_mb + WRITER_TILE * width * 2 / 2 ** 20
         budget = None if args.max_memory is None else args.max_memory - writer_mb
+        if budget is not None and budget <= 0:
+            raise LargeImageError(f'--max-memory {args.max_memory:g} MB does not cover the '
+                                  f'reader and the writer ({writer_mb:.0f} MB), let alone the '
+                                  'model: raise it')
         from mmengine.runner import load_checkpoint
         from mmseg.apis import init_model
 
         import xcit_mm  # noqa: F401  (LeanEncoderDecoder, safe checkpoint loading)
         from xcit_mm.models.utils import check_checkpoint
+        from xcit_mm.models.utils.memory_budget import MemoryBudgetError
         # mmseg's init_model needs a checkpoint 'meta' (KeyError without one): weights loaded
         # here, the palette read by _palette
         model = init_model(cfg, None, device='cpu')
@@ -131,16 +135,13 @@ def run(args) -> None:
         def label_rows(rows):
             bar.set_postfix_str(f'label rows {rows}/{hw[0]}')
 
-        extra = {}  # the model leaves pixels without data out where it can
-        if read_rows.valid_rows is not None and 'valid_rows' in inspect.signature(
-                model.stream_labels).parameters:
-            extra['valid_rows'] = read_rows.valid_rows
         nodata = None if read_rows.valid_rows is None else (
             lambda start, stop: ~read_rows.valid_rows(start, stop))
         try:
             with torch.no_grad():
                 stream = model.stream_labels(read_rows, hw, max_memory=budget,
-                                             token_dir=args.token_dir, progress=progress, **extra)
+                                             token_dir=args.token_dir, progress=progress,
+                                             valid_rows=read_rows.valid_rows)
                 write_label_rasters(
                     args.out, stream, hw, num_classes,
                     palette=_dataset_meta(model, cfg, 'palette', num_classes),
@@ -148,6 +149,10 @@ def run(args) -> None:
                     crs=source.crs, transform=source.transform, gcps=source.gcps,
                     nodata_mask=nodata, tile=WRITER_TILE, cache_mb=gdal_cache_mb,
                     on_rows=label_rows)
+        except MemoryBudgetError as e:  # the model's share of the budget, told as the user's
+            raise LargeImageError(f'{e} (the model\'s share of --max-memory {args.max_memory:g} '
+                                  f'MB: the reader and the writer hold {writer_mb:.0f} MB)'
+                                  ) from None
         finally:
             bar.close()
 
