@@ -167,6 +167,9 @@ def _gdal_class_names(path, tmp_path):
     if table is None:
         return names, None
     columns = [f.findtext('Name') for f in table.iter('FieldDefn')]
+    # GDAL's field usages (GFU_*), by which QGIS finds the value, name and colour columns
+    usages = {f.findtext('Name'): int(f.findtext('Usage')) for f in table.iter('FieldDefn')}
+    assert usages == dict(Value=5, Class_Name=2, Red=6, Green=7, Blue=8, Alpha=9)
     rows = [dict(zip(columns, (f.text for f in row.iter('F')))) for row in table.iter('Row')]
     return names, rows
 

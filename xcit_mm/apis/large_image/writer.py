@@ -282,7 +282,7 @@ def write_label_rasters(out: str, bands: Iterable[tuple], hw: Tuple[int, int], n
                         crs=None, transform=None, gcps: Sequence = (),
                         nodata_mask: Optional[Callable[[int, int], np.ndarray]] = None,
                         confidence_out: Optional[str] = None, tile: int = 512,
-                        cache_mb: int = 64, on_rows: Optional[Callable[[int], None]] = None
+                        cache_mb: int = 16, on_rows: Optional[Callable[[int], None]] = None
                         ) -> None:
     """Label bands ``(start, stop, labels)``, top to bottom, into ``out`` as a Cloud-Optimized
     GeoTIFF that GDAL and QGIS open as a class map; with ``confidence_out``, the bands are
@@ -321,7 +321,7 @@ def write_label_rasters(out: str, bands: Iterable[tuple], hw: Tuple[int, int], n
     gdal = _GdalOutput()
     done, renamed = False, []
     try:
-        with rasterio.Env(GDAL_CACHEMAX=cache_mb):
+        with rasterio.Env(GDAL_CACHEMAX=cache_mb * 2**20):  # bytes, as rasterio passes it on
             with gdal():
                 for raster in rasters:
                     _open_tiles(raster, hw, tile, crs, transform, gcps,
@@ -344,6 +344,7 @@ def write_label_rasters(out: str, bands: Iterable[tuple], hw: Tuple[int, int], n
             with gdal():
                 for raster in rasters:
                     raster.dataset.close()
+                    raster.rows = None  # the tile row's memory back before the COG copy
                 for raster in rasters:
                     _to_cog(raster, tile)
         for raster in rasters:
