@@ -40,8 +40,10 @@ _TIFFFILE_KINDS = ('ome', 'svs', 'ndpi', 'scn', 'bif', 'philips', 'qpi', 'imagej
                    'fluoview', 'mmstack', 'ndtiff', 'micromanager', 'metaseries', 'nih', 'sis',
                    'scanimage', 'eer', 'mdgel')
 MB = 2 ** 20
-# the reader's share of a budget, its cache without one, and its least cache (MB)
-BUDGET_SHARE, CACHE_WITHOUT_BUDGET_MB, LEAST_CACHE_MB = 0.25, 512.0, 8.0
+# The reader's share of a budget and its cache without one (MB); its cache is at least
+# LEAST_CACHE_MB where the share allows, since the blocks GDAL decodes may be larger than the
+# file says: a VRT reports its own blocks, not those of the files it reads.
+BUDGET_SHARE, CACHE_WITHOUT_BUDGET_MB, LEAST_CACHE_MB = 0.25, 512.0, 64.0
 
 
 def cache_mb_for(block_row_bytes: int, max_memory: Optional[float], path: str) -> float:
