@@ -25,6 +25,7 @@ from .errors import LargeImageError
 VECTOR_DRIVERS = {'.gpkg': 'GPKG', '.fgb': 'FlatGeobuf', '.geojson': 'GeoJSON'}
 _FIELDS = ['class_id', 'class_name', 'area']
 _FLUSH_BYTES = 16 << 20  # complete polygons are written once their WKB passes this size
+_SLICE_PIXELS = 1 << 18  # pixels polygonised at once (a band is cut into slices of rows)
 _COPY_BATCH = 4096  # polygons per batch in the copy to FlatGeobuf or GeoJSON
 _FULL_BYTES = 1 << 20  # a write failing with less free space than this failed on a full disk
 
@@ -168,9 +169,18 @@ class PolygonWriter:
     def add_band(self, start: int, labels, nodata_mask: Optional[np.ndarray] = None) -> None:
         """Polygonise rows ``start`` to ``start + len(labels)`` of the label raster (a (rows, W)
         integer array or tensor, the rows after those already given); ``nodata_mask``, the
-        same shape, is True where a pixel has no data."""
-        import shapely
+        same shape, is True where a pixel has no data. The band is polygonised by slices of
+        rows of a quarter megapixel at most: GDAL's polygons reach Python as lists of vertex
+        tuples, many times the size of the pixels for fragmented labels, so slices bound them
+        whatever the band's height or the image's width."""
         labels, valid = self._checked(start, labels, nodata_mask)
+        rows = max(1, _SLICE_PIXELS // labels.shape[1])
+        for top in range(0, len(labels), rows):
+            self._add_slice(start + top, labels[top:top + rows], valid[top:top + rows])
+
+    def _add_slice(self, start: int, labels: np.ndarray, valid: np.ndarray) -> None:
+        """Polygonise a checked slice of rows and join its polygons to the open ones above."""
+        import shapely
         pieces, piece_class = self._polygonise(labels, valid, start)
         tree = shapely.STRtree(pieces)
         top = self._row_pieces(tree, labels[0], valid[0], start)
