@@ -193,8 +193,23 @@ def test_class_names_that_gdal_reads(tmp_path):
     write_label_rasters(out, _bands(labels, 8), (30, 20), 4, palette=palette, tile=128)
     assert os.listdir(tmp_path) == ['labels.tif']
     assert _gdal_class_names(out, tmp_path) == ([], None)
-    with pytest.raises(ValueError, match='3 class names for 4 classes'):
-        write_label_rasters(out, _bands(labels, 8), (30, 20), 4, class_names=names[:3])
+
+
+@pytest.mark.parametrize('options,words', [
+    (dict(class_names=['a', 'b']), '2 class names for 4 classes'),
+    (dict(palette=[[0, 0, 0]] * 3), 'a palette of 3 colours for 4 classes'),
+    (dict(tile=100), "tile 100: GDAL's COG tiles are a multiple of 16, at least 128"),
+    (dict(confidence_out='{out}'), 'the confidence and the labels would both be {out}'),
+])
+def test_arguments_that_cannot_make_the_files_are_refused(tmp_path, options, words):
+    """Class names or colours that do not match the classes, tiles GDAL's COG driver does not
+    take, or one path for both files: an error before any file is made."""
+    from xcit_mm.apis.large_image import write_label_rasters
+    out = str(tmp_path / 'labels.tif')
+    options = {k: v.format(out=out) if isinstance(v, str) else v for k, v in options.items()}
+    with pytest.raises(ValueError, match=re.escape(words.format(out=out))):
+        write_label_rasters(out, _bands(_labels(30, 20, 4), 8), (30, 20), 4, **options)
+    assert os.listdir(tmp_path) == []
 
 
 def test_only_the_georeferencing_of_the_input(tmp_path):

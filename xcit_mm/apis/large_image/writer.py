@@ -1,5 +1,7 @@
 # Copyright (c) xcit_mm contributors. All rights reserved.
-"""The label file, written band by band as the stream gives the labels."""
+"""The label files, written band by band as the stream gives the labels: ``write_label_rasters``
+(Cloud-Optimized GeoTIFFs of the labels and the confidence, for GDAL and QGIS) and the older
+``write_labels`` (a tiled BigTIFF, which the tool writes until it moves to the former)."""
 import contextlib
 import errno
 import os
@@ -309,6 +311,11 @@ def write_label_rasters(out: str, bands: Iterable[tuple], hw: Tuple[int, int], n
         raise ValueError(f'tile {tile}: GDAL\'s COG tiles are a multiple of 16, at least 128')
     if class_names is not None and len(class_names) != num_classes:
         raise ValueError(f'{len(class_names)} class names for {num_classes} classes')
+    if palette is not None and len(palette) < num_classes:
+        raise ValueError(f'a palette of {len(palette)} colours for {num_classes} classes')
+    if confidence_out is not None and osp.abspath(confidence_out) == osp.abspath(out):
+        raise LargeImageError(f'the confidence and the labels would both be {out}; give the '
+                              'confidence another path')
     dtype = np.dtype(np.uint8 if num_classes <= 255 else np.uint16)  # 255 stays free for nodata
     labels = _Raster(out, dtype, int(np.iinfo(dtype).max), 'MODE', 'NO', 'class')
     confidence = None if confidence_out is None else _Raster(
