@@ -199,6 +199,13 @@ def _reader_file(kind, folder):
                       QUALITY=100, BLOCKXSIZE=128, BLOCKYSIZE=128)
     elif kind == 'vrt_of_four':
         path = _vrt(folder, img)
+    elif kind == 'geotiff_in_a_zip':  # through GDAL's /vsizip/, as archives are delivered
+        import zipfile
+        _write(path, img, crs='EPSG:32633', transform=_affine(), **tiled)
+        with zipfile.ZipFile(folder / 'delivery.zip', 'w') as archive:
+            archive.write(path, 'scene/scene.tif')
+        os.remove(path)
+        path = f'/vsizip/{folder}/delivery.zip/scene/scene.tif'
     else:
         raise AssertionError(kind)
     with rasterio.open(path) as src:
@@ -207,7 +214,7 @@ def _reader_file(kind, folder):
 
 GDAL_FILES = ['striped', 'bigtiff_lzw_tiles', 'planar_tiles', 'gray_16bit_strips', 'jpeg_tiles',
               'geotiff_16bit_4band_nodata', 'geotiff_gcps', 'internal_mask', 'msk_file',
-              'rgba_png_world', 'jpeg_aux_xml', 'jpeg2000', 'vrt_of_four']
+              'rgba_png_world', 'jpeg_aux_xml', 'jpeg2000', 'vrt_of_four', 'geotiff_in_a_zip']
 
 
 @pytest.mark.parametrize('kind', GDAL_FILES + ['ome_channels'])

@@ -119,7 +119,8 @@ class _GdalSource(_Source):
     """Any raster GDAL reads, by windows of rows through rasterio; GDAL's block cache is bounded
     to ``memory_mb`` while the file is open."""
 
-    def __init__(self, path: str, max_memory: Optional[float], tiff_note: str = ''):
+    def __init__(self, path: str, max_memory: Optional[float], tiff: bool = False,
+                 note: str = ''):
         import rasterio
         from rasterio.errors import NotGeoreferencedWarning, RasterioIOError
         self.path = path
@@ -129,8 +130,8 @@ class _GdalSource(_Source):
                 warnings.simplefilter('ignore', NotGeoreferencedWarning)
                 self.dataset = rasterio.open(path)
         except RasterioIOError as e:
-            kind = 'corrupt or truncated TIFF' if tiff_note else 'not an image GDAL reads'
-            raise LargeImageError(f'{kind}: {path} ({e}{tiff_note})') from None
+            kind = 'corrupt or truncated TIFF' if tiff else 'not an image GDAL reads'
+            raise LargeImageError(f'{kind}: {path} ({e}{note})') from None
         ds = self.dataset
         try:
             self.height, self.width, self.bands = ds.height, ds.width, ds.count
@@ -331,6 +332,8 @@ def _tifffile_reads(tif) -> bool:
 def open_image(path: str, max_memory: Optional[float] = None) -> _Source:
     """Windows of rows of the image at ``path`` (see the module's docstring for which library
     reads which file), its cache within a quarter of ``max_memory`` (MB)."""
+    if path.startswith('/vsi'):  # GDAL's virtual file systems: /vsizip/, /vsicurl/, ...
+        return _GdalSource(path, max_memory)
     if not osp.isfile(path):
         raise LargeImageError(f'image not found: {path}')
     with open(path, 'rb') as f:
@@ -341,7 +344,7 @@ def open_image(path: str, max_memory: Optional[float] = None) -> _Source:
     try:
         tif = tifffile.TiffFile(path)
     except Exception as e:  # tifffile's many ways of meeting a broken header: GDAL says
-        return _GdalSource(path, max_memory, tiff_note=f'; tifffile: {e}')
+        return _GdalSource(path, max_memory, tiff=True, note=f'; tifffile: {e}')
     try:
         if _tifffile_reads(tif):
             return _TiffSource(tif, path, max_memory)
@@ -354,10 +357,11 @@ def open_image(path: str, max_memory: Optional[float] = None) -> _Source:
         raise
     except Exception as e:  # a header tifffile does not follow: GDAL says
         tif.close()
-        return _GdalSource(path, max_memory, tiff_note=f'; tifffile: {type(e).__name__}: {e}')
+        return _GdalSource(path, max_memory, tiff=True,
+                           note=f'; tifffile: {type(e).__name__}: {e}')
     tif.close()
-    source = _GdalSource(path, max_memory, tiff_note=' ')
-    source.geotags = geotags
+    source = _GdalSource(path, max_memory, tiff=True)
+    source.geotags = geotags  # for write_labels, until it goes
     return source
 
 
