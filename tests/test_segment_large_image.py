@@ -359,12 +359,14 @@ def test_rows_the_model_would_misread_are_refused(bands, dtype, options, words):
     from types import SimpleNamespace
 
     from xcit_mm.apis.large_image import LargeImageError, model_rows
-    source = SimpleNamespace(bands=bands, dtype=np.dtype(dtype), path='in.tif')
+    source = SimpleNamespace(bands=bands, dtype=np.dtype(dtype), path='in.tif', alpha_bands=(),
+                             has_mask=lambda bands: False)
     with pytest.raises(LargeImageError) as error:
         model_rows(source, **options)
     assert words in str(error.value)
     gray = np.arange(12, dtype=np.uint8).reshape(2, 6, 1)  # a one-channel config takes it as is
-    source = SimpleNamespace(bands=1, dtype=gray.dtype, read_rows=lambda start, stop, b: gray)
+    source = SimpleNamespace(bands=1, dtype=gray.dtype, read_rows=lambda start, stop, b: gray,
+                             alpha_bands=(), has_mask=lambda bands: False)
     np.testing.assert_array_equal(model_rows(source, channels=1)(0, 2), gray)
 
 

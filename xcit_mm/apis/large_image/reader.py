@@ -410,8 +410,7 @@ def _band_choice(source: _Source, channels: int, bands: Optional[Sequence[int]],
                                   f'preprocessing expects {channels}'
                                   + (' (R, G, B)' if channels == 3 else ''))
         return bands
-    alpha = getattr(source, 'alpha_bands', ())
-    colour = [b for b in range(1, count + 1) if b not in alpha]
+    colour = [b for b in range(1, count + 1) if b not in source.alpha_bands]
     if channels != 3:
         if count != channels or rgb_from:
             raise LargeImageError(f'{name} has {count} band(s); the config\'s preprocessing '
@@ -484,5 +483,5 @@ def model_rows(source: _Source, channels: int = 3, bands: Optional[Sequence[int]
     name = getattr(source, 'path', 'the image')
     chosen = _band_choice(source, channels, bands, rgb_from, name)
     pairs = _scaling(np.dtype(source.dtype), chosen, scale, scale_16bit, name)
-    valid = getattr(source, 'has_mask', lambda bands: False)(sorted(set(chosen)))
+    valid = source.has_mask(sorted(set(chosen)))
     return ModelRows(source, chosen, pairs, valid, bgr=channels == 3)
