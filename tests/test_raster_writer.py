@@ -298,7 +298,7 @@ def test_a_failure_leaves_no_file(tmp_path, capfd, kind, error, words):
                                           if kind == 'float_confidence' else confidence[start:stop])
 
     if kind == 'disk_full_tiles':
-        _full_disk(out + '.partial.tiles.tif')
+        _full_disk(out + '.tiles.partial')
     if kind == 'disk_full_cog':
         _full_disk(out + '.partial')
     with pytest.raises(error, match=re.escape(words.format(out=out, conf=conf))

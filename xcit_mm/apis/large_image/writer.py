@@ -145,7 +145,7 @@ class _Raster:
 
     @property
     def tiles(self) -> str:
-        return self.path + '.partial.tiles.tif'
+        return self.path + '.tiles.partial'
 
     def temporaries(self) -> List[str]:
         """Every file this raster may leave behind before its rename."""
