@@ -62,7 +62,7 @@ def parse_args(argv=None):
                         '(MAX default 65535)')
     parser.add_argument('--cfg-options', nargs='+', action=DictAction, default=None,
                         metavar='KEY=VALUE', help='override config settings, e.g. '
-                        'model.test_cfg.band_mb=64')
+                        'model.test_cfg.mode=stream model.test_cfg.band_mb=64 (bands of 64 MB)')
     return parser.parse_args(argv)
 
 
