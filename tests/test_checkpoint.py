@@ -136,6 +136,30 @@ def test_converter_cli_round_trip(mmpretrain_xcit, tmp_path, capsys):
         for g, e in zip(model.forward_trunk(x), ref(x)):
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
+    # --full-model: the official backbone under backbone. beside a neck and a head; what it
+    # prints is counted here on the file it read and the file it wrote
+    official = torch.load(src, weights_only=True)['model']
+    others = OrderedDict([('neck.lateral_convs.0.conv.weight', torch.randn(8, 64, 1, 1)),
+                          ('decode_head.conv_seg.bias', torch.randn(5))])
+    whole = OrderedDict(('backbone.' + k, v) for k, v in official.items())
+    whole.update(others)
+    src_whole, dst_whole = str(tmp_path / 'whole.pth'), str(tmp_path / 'whole_conv.pth')
+    torch.save({'state_dict': whole}, src_whole)
+    converter.main([src_whole, dst_whole, '--full-model'])
+    out = capsys.readouterr().out
+    written = torch.load(dst_whole, weights_only=True)['state_dict']
+    backbone = {k: v for k, v in written.items() if k.startswith('backbone.')}
+    assert [k for k in written if k not in backbone] == list(others)
+    assert all(torch.equal(written[k], v) for k, v in others.items())
+    classifier_roots = ('cls_token', 'cls_attn_blocks.', 'norm.', 'head.')
+    classifier = [k for k in official if k.startswith(classifier_roots)]
+    values = sum(v.numel() for k, v in backbone.items() if 'num_batches' not in k)
+    assert f'official layout, {len(whole)} tensors' in out
+    assert f'kept      {len(backbone)} backbone tensors ({values / 1e6:.2f}M values)' in out
+    assert f'kept      {len(others)} neck/head tensors unchanged' in out
+    assert f'dropped   {len(classifier)} classification-only keys' in out
+    assert len(backbone) == len(first) and classifier
+
 
 def detect_layout(state_dict):
     return convert_state_dict(state_dict, prefix='')[1]['layout']

@@ -1,7 +1,10 @@
 """The estimate and the choice behind ``mode='auto'`` (``xcit_mm/models/utils/memory_budget.py``).
 
 The models' own plans are tested in ``test_segmentation_memory_budget.py`` and
-``test_detection_memory_budget.py``; here the line, the measurement and the choice."""
+``test_detection_memory_budget.py``; here the line, the measurement and the choice, and two
+parts of LeanEncoderDecoder's plans: the post-processing's line kept per batch geometry, and
+the slide plan's estimate against the measured peak of slide."""
+import copy
 from types import SimpleNamespace
 
 import numpy as np
@@ -169,3 +172,81 @@ def test_the_given_line_wins_else_the_line_is_calibrated_once():
     planner.test_settings.memory_model = MemoryModel(5.0, 6.0)
     assert planner.network_memory_model(None) == (5, 6) and planner.calibrations == 1
     assert _Planner(MemoryModel(5.0, 6.0)).network_memory_model(None) == (5, 6)
+
+
+# ---------------------------------------------------------------- LeanEncoderDecoder's lines
+def _auto_segmentor(width=24, **test_cfg):
+    """A small Semantic FPN LeanEncoderDecoder of 8 classes (tests/test_lean_segmentation.py),
+    its neck and head ``width`` channels wide, in mode='auto'."""
+    from test_lean_segmentation import SEM_FPN, _pair
+    heads = copy.deepcopy(SEM_FPN)
+    heads['neck']['out_channels'] = width
+    heads['decode_head'].update(in_channels=[width] * 4, channels=width)
+    lean = _pair(heads, num_classes=8)[1]
+    lean.test_cfg = dict(mode='auto', max_memory=1e9, **test_cfg)
+    return lean
+
+
+def test_the_post_processing_is_measured_once_per_batch_geometry(monkeypatch):
+    """Each batch geometry (input size, each image's original shape, padding and flip; whole or
+    windows) gets the line measured on its own geometry; a geometry seen before is not measured
+    again (the network's line is given: only the post-processing's moves the estimates)."""
+    from test_lean_segmentation import _meta, _samples
+
+    from xcit_mm.models.segmentors import lean_encoder_decoder as module
+    lean = _auto_segmentor(memory_model=dict(base_mb=0, mb_per_mpix=0), crop_size=(64, 64),
+                           stride=(48, 48))
+    lines = []  # each measurement's line has a base of its own: 1000, 2000, ... MB
+
+    def measure(run_at, sizes, device=None):
+        lines.append(MemoryModel(1000.0 * (len(lines) + 1), 0.0))
+        return lines[-1], []
+
+    monkeypatch.setattr(module, 'measure_line', measure)
+    geometries = {  # (input H, W), each image's (original shape, padding, flip)
+        'a': ((96, 112), [((96, 112), (0, 0, 0, 0), None)]),
+        'ori_shape': ((96, 112), [((190, 222), (0, 0, 0, 0), None)]),
+        'padding': ((96, 112), [((96, 112), (0, 8, 0, 0), None)]),
+        'flip': ((96, 112), [((96, 112), (0, 0, 0, 0), 'vertical')]),
+        'input': ((112, 96), [((112, 96), (0, 0, 0, 0), None)]),
+        'batch': ((96, 112), [((96, 112), (0, 0, 0, 0), None)] * 2)}
+
+    def post_lines(geometry):
+        """The lines the plans whole and slide were given: the larger part of their estimates."""
+        img_hw, images = geometries[geometry]
+        inputs = torch.zeros(len(images), 3, *img_hw)
+        metas = _samples([_meta(img_hw, ori, pad, flip) for ori, pad, flip in images])
+        input_mb = module.INPUT_BYTES * inputs.numel() / mb.MB
+        plans = {p.name: p.estimate_mb for p in lean.memory_plans(inputs, metas)}
+        return [round((plans[plan] - input_mb) / module.MARGIN / 1000)
+                for plan in ('whole', 'slide')]
+
+    assert [post_lines(geometry) for geometry in geometries] == [
+        [1, 2], [3, 4], [5, 6], [7, 8], [9, 10], [11, 12]]
+    assert [post_lines(geometry) for geometry in geometries] == [
+        [1, 2], [3, 4], [5, 6], [7, 8], [9, 10], [11, 12]]  # each kept, none measured again
+    assert len(lines) == 12
+
+
+def test_the_slide_plans_estimate_bounds_the_measured_peak_of_slide(monkeypatch, frozen_heap):
+    """mode='auto' at the slide plan's own estimate (the tightest budget that picks it; the
+    stream, tried before slide, ruled out as for a model that cannot stream) runs slide, and the
+    peak growth of that predict, measured, is within the estimate and not far below it. Slide's
+    post-processing (the windows' map) outweighs one window's network here."""
+    from test_lean_segmentation import _meta, _samples
+    S = 512
+    lean = _auto_segmentor(width=64, crop_size=(256, 256), stride=(128, 128), lean_chunk_mb=4)
+    allowed = lean.why_not
+    monkeypatch.setattr(lean, 'why_not',
+                        lambda path: 'ruled out by the test' if path == 'stream' else allowed(path))
+    inputs = torch.randn(1, 3, S, S, generator=torch.Generator().manual_seed(0))
+    samples = _samples([_meta((S, S), (S, S))])
+    with torch.no_grad():
+        plans = {plan.name: plan.estimate_mb for plan in lean.memory_plans(inputs, samples)}
+        lean.test_cfg['max_memory'] = plans['slide']
+        peak_mb = measure_peak_growth_mb(lambda: lean.predict(inputs, samples))
+    report = f'estimates {plans}, slide peak {peak_mb:.1f} MB'
+    print(report)
+    assert sorted(plans) == ['slide', 'whole'] and plans['slide'] < plans['whole'], report
+    assert lean.last_memory_plan.name == 'slide', report
+    assert peak_mb <= plans['slide'] < 1.5 * peak_mb, report
