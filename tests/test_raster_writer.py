@@ -58,12 +58,12 @@ def _georeferencing(path):
 
 @pytest.mark.parametrize('num_classes,band,hw', [(150, 37, (530, 300)), (300, 256, (257, 513)),
                                                  (7, 1, (40, 20))])
-def test_labels_are_a_cog_exact_to_every_edge(tmp_path, num_classes, band, hw):
+def test_labels_are_a_cog_exact_to_every_edge(tmp_path, capfd, num_classes, band, hw):
     """Bands of any height, out of step with the tiles, at sizes that are not whole tiles: a
     valid COG (tiled, deflate without predictor, overviews) whose every pixel, those of the
     edge tiles included, is the label given (nodata where the mask says), uint8 up to 255
     classes and uint16 above, with the palette as its colour table and the input's place; the
-    confidence, when asked for, the same way on the same grid (nodata 0)."""
+    confidence, when asked for, the same way on the same grid (nodata 0). Nothing on stderr."""
     import rasterio
     from rio_cogeo.cogeo import cog_validate
 
@@ -84,6 +84,7 @@ def test_labels_are_a_cog_exact_to_every_edge(tmp_path, num_classes, band, hw):
                         confidence_out=confidence_out if with_confidence else None, tile=TILE,
                         on_rows=seen.append, **_georeferencing(scene))
     assert seen == list(range(band, h, band)) + [h]
+    assert capfd.readouterr().err == ''  # GDAL had nothing to say
     assert sorted(os.listdir(tmp_path)) == sorted(
         ['scene.tif', 'labels.tif'] + ['confidence.tif'] * with_confidence)
     dtype = np.uint8 if num_classes <= 255 else np.uint16
