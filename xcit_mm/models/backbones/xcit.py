@@ -21,8 +21,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..inference.row_stream import (Crop, RowMap, TokenMap, TokenMaps, band_rows_for,
                                     module_rows, row_bands)
-from ..layers import (batch_norm_stats_frozen, ffn_residual, recomputed_residual, split_qkv,
-                      up2_blockwise, xca_mixing, xca_mixing_of_sums, xca_residual)
+from ..layers import (batch_norm_stats_frozen, ffn_residual, recomputed_residual, split_qk,
+                      split_qkv, up2_blockwise, xca_mixing, xca_mixing_of_sums, xca_residual,
+                      xca_sums)
 from ..utils.ckpt_load import (backbone_load_post_hook, backbone_load_pre_hook,
                                load_backbone_checkpoint)
 
@@ -110,9 +111,27 @@ class XCAProbe(nn.Module):
         return attn
 
 
+def _autocast_off(x: torch.Tensor):
+    """A context where autocast does not touch ``x``'s device (a no-op when it is off)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.autocast(x.device.type, enabled=False)
+    return nullcontext()
+
+
+def _sums_dtype(x: torch.Tensor) -> torch.dtype:
+    """XCA's sums and mixing: float32 from fp16 / bf16, float64 kept."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 class XCA(nn.Module):
-    """Cross-covariance attention between channels, folded into the output projection. Float32
-    even under autocast: bf16 would lose the small normalised entries."""
+    """Cross-covariance attention between channels, folded into the output projection.
+
+    XCA reads the tokens as a whole only through its sums over them (``xca_sums``: q^T k and the
+    column norms of q and k); from those, the mixing (``xca_mixing_of_sums``) is the (C, C) matrix
+    that takes each token's v to its output. The whole forward and the streamed trunk (which adds
+    the sums band by band, :meth:`sums`, :meth:`mixing`) share these pieces and
+    :meth:`project`. Sums and mixing are float32 even under autocast: bf16 would lose the small
+    normalised entries, and fp16 sums overflow past 65504."""
 
     def __init__(self, embed_dims: int, num_heads: int):
         super().__init__()
@@ -126,21 +145,50 @@ class XCA(nn.Module):
 
     def forward(self, x: torch.Tensor, grid_hw: Tuple[int, int]) -> torch.Tensor:
         q, k, v = split_qkv(self.qkv(x), self.num_heads)  # views, no copy
-        autocast = torch.is_autocast_enabled(x.device.type)
-        with torch.autocast(x.device.type, enabled=False) if autocast else nullcontext():
-            dtype = torch.promote_types(q.dtype, torch.float32)  # fp16/bf16 -> fp32, fp64 stays
+        with _autocast_off(x):
+            dtype = _sums_dtype(q)
             q, k = q.to(dtype), k.to(dtype)
-            # mixing: the (B, C, C) matrix that maps v to the projected output
             mixing, attn, _, q_norm, k_norm = xca_mixing(q, k, self.temperature.to(dtype),
                                                          self.proj.weight.to(dtype))
             if self.probe._forward_hooks:  # only materialise normalised q/k for a listener
                 self.probe((q / q_norm[..., None, :]).transpose(-2, -1),
                            (k / k_norm[..., None, :]).transpose(-2, -1), attn, grid_hw)
+        return self.project(v, mixing)
+
+    def sums(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """XCA's sums over the tokens ``x`` (B, N, C), as the layer's norm gives them:
+        ``(q^T k, |q|^2, |k|^2)`` with the column norms squared, so that the sums of the bands of
+        a map add up to the map's. Only q and k are projected (v is not needed yet)."""
+        C = x.shape[-1]
+        q, k = split_qk(F.linear(x, self.qkv.weight[:2 * C], self.qkv.bias[:2 * C]),
+                        self.num_heads)
+        with _autocast_off(x):
+            dtype = _sums_dtype(q)
+            qk, q_norm, k_norm = xca_sums(q.to(dtype), k.to(dtype))
+        return qk, q_norm.square(), k_norm.square()
+
+    def mixing(self, qk: torch.Tensor, q_sq: torch.Tensor, k_sq: torch.Tensor) -> torch.Tensor:
+        """The (B, C, C) mixing from :meth:`sums` over all the tokens, in float32 (or float64)."""
+        dtype = _sums_dtype(qk)
+        with _autocast_off(qk):
+            return xca_mixing_of_sums(qk.to(dtype), q_sq.to(dtype).sqrt(), k_sq.to(dtype).sqrt(),
+                                      self.temperature.to(dtype), self.proj.weight.to(dtype))[0]
+
+    def values(self, x: torch.Tensor) -> torch.Tensor:
+        """v of the tokens ``x`` (B, N, C) alone: a band's attention needs no q or k."""
+        C = x.shape[-1]
+        return F.linear(x, self.qkv.weight[2 * C:], self.qkv.bias[2 * C:])
+
+    def project(self, v: torch.Tensor, mixing: torch.Tensor) -> torch.Tensor:
+        """The attention's output ``v @ mixing + bias``, in v's dtype."""
         return torch.baddbmm(self.proj.bias.to(v.dtype), v, mixing.to(v.dtype))
 
 
 class LPI(nn.Module):
-    """Local patch interaction: depthwise 3x3 conv, GELU, BN, depthwise 3x3 conv."""
+    """Local patch interaction: depthwise 3x3 conv, GELU, BN, depthwise 3x3 conv. Each token reads
+    the tokens up to 2 rows and columns away (``LPI.reach``)."""
+
+    reach = 2
 
     def __init__(self, embed_dims: int, norm_cfg: dict):
         super().__init__()
@@ -157,7 +205,12 @@ class LPI(nn.Module):
 
 
 class XCiTLayer(nn.Module):
-    """Pre-norm XCA, LPI (norm3, gamma3) and FFN (norm2, gamma2) residuals, the released order."""
+    """Pre-norm XCA, LPI (norm3, gamma3) and FFN (norm2, gamma2) residuals, the released order.
+
+    One definition serves the whole forward and the streamed trunk: :meth:`forward` (outside
+    eager training) and :meth:`forward_streamed` both call :meth:`_attention_residual` and
+    :meth:`_local_residuals`, and XCA's sums and mixing come from the same pieces (:class:`XCA`).
+    Eager training takes the memory-lean autograd functions of ``xcit_mm.models.layers``."""
 
     def __init__(self, embed_dims: int, num_heads: int, mlp_ratio: float, drop_path: float,
                  layer_scale_init_value: float, norm_cfg: dict):
@@ -194,46 +247,79 @@ class XCiTLayer(nn.Module):
             x = recomputed_residual(x, lambda t: self.lpi(self.norm3(t), grid_hw),
                                     (self.norm3, self.lpi), self.gamma3, self._drop_scale(x))
             return ffn_residual(x, self.norm2, self.ffn, self.gamma2, self._drop_scale(x))
-        x = self._residual(x, self.gamma1, self.attn(self.norm1(x), grid_hw))
-        x = self._residual(x, self.gamma3, self.lpi(self.norm3(x), grid_hw))
+        return self._local_residuals(self._attention_residual(x, grid_hw), grid_hw)
+
+    def _attention_residual(self, x: torch.Tensor, grid_hw: Optional[Tuple[int, int]] = None,
+                            mixing: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x + gamma1 * XCA(norm1(x))`` of the whole map x (B, N, C), or of a band of its rows
+        given the ``mixing`` of the whole map's sums."""
+        y = self.norm1(x)
+        if mixing is None:
+            return self._residual(x, self.gamma1, self.attn(y, grid_hw))
+        return self._residual(x, self.gamma1, self.attn.project(self.attn.values(y), mixing))
+
+    def _local_residuals(self, x: torch.Tensor, grid_hw: Tuple[int, int],
+                         rows: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+        """The LPI (norm3, gamma3) then FFN (norm2, gamma2) residuals of the token rows ``rows``
+        (first, stop) of x (B, N, C), a map of ``grid_hw`` tokens: all of them by default; the
+        other rows are context that LPI's convs read."""
+        lpi = self.lpi(self.norm3(x), grid_hw)
+        if rows is not None:
+            W = grid_hw[1]
+            x, lpi = x[:, rows[0] * W:rows[1] * W], lpi[:, rows[0] * W:rows[1] * W]
+        x = self._residual(x, self.gamma3, lpi)
         return self._residual(x, self.gamma2, self.ffn(self.norm2(x)))
 
+    def xca_sums(self, tokens: torch.Tensor, valid: Optional[torch.Tensor] = None
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """XCA's sums (:meth:`XCA.sums`) over ``tokens`` (n, C), rows of this layer's input,
+        leaving out those where the bool ``valid`` (n, ) is False."""
+        if valid is not None:
+            tokens = tokens[valid]
+        return self.attn.sums(self.norm1(tokens)[None])
+
     @torch.no_grad()
-    def forward_streamed(self, x: TokenMap, band_rows: int) -> None:
-        """:meth:`forward` on the token map ``x`` in place, by bands of rows, in three passes: XCA's
-        sums, each band's attention, then LPI (its context above as attention left it) and FFN."""
+    def forward_streamed(self, x: TokenMap, band_rows: int, sums: Sequence[torch.Tensor],
+                         then: Sequence[Callable[[int, torch.Tensor], None]] = ()) -> None:
+        """:meth:`forward` on the token map ``x`` (H, W, C) in place, given XCA's ``sums`` over the
+        whole map (:meth:`xca_sums` of its bands, added), in one pass over bands of rows: each
+        band's attention residual, then its LPI and FFN residuals. LPI reads the rows up to
+        ``LPI.reach`` away as attention leaves them: those above are kept from the band before,
+        those below (not yet written) get their attention residual with this band and again with
+        the next. Each band of finished rows goes to every ``then(start, rows)`` before it leaves
+        memory (the next layer's sums, a copy of the map), so that no pass reads the map again."""
         H, W, C = x.shape
-        attn, h = self.attn, self.attn.num_heads
-        w_qk, w_v = attn.qkv.weight.split([2 * C, C])
-        b_qk, b_v = attn.qkv.bias.split([2 * C, C])
-        qk = q_sq = k_sq = 0
-        for start, stop, _, _ in row_bands(H, band_rows):
-            y = self.norm1(x.read(start, stop).reshape(-1, C))
-            q, k = F.linear(y, w_qk, b_qk).float().view(-1, 2, h, C // h).permute(1, 2, 0, 3)
-            qk = qk + q.transpose(1, 2) @ k  # q, k: (h, n, d)
-            q_sq, k_sq = q_sq + (q * q).sum(1), k_sq + (k * k).sum(1)
-            del y, q, k
-        mixing, _, _ = xca_mixing_of_sums(qk[None], q_sq.sqrt()[None], k_sq.sqrt()[None],
-                                          attn.temperature.float(), attn.proj.weight.float())
-        mixing = mixing[0].to(w_v.dtype)
-        for start, stop, _, _ in row_bands(H, band_rows):
-            tokens = x.read(start, stop).reshape(-1, C)
-            v = F.linear(self.norm1(tokens), w_v, b_v)
-            out = torch.addcmul(tokens, self.gamma1, torch.addmm(attn.proj.bias, v, mixing))
-            x.write(start, out.view(stop - start, W, C))
-            del tokens, v, out
+        mixing = self.attn.mixing(*sums)
+        reach = self.lpi.reach
         above = None  # the rows above the band as the attention left them
-        for start, stop, lo, hi in row_bands(H, max(2, band_rows), 2):
-            tokens = x.read(start, hi)
-            block = tokens if above is None else torch.cat([above, tokens])
-            above = tokens[stop - start - 2:stop - start].clone()
-            lpi = self.lpi(self.norm3(block.reshape(1, -1, C)), (hi - lo, W))
-            out = torch.addcmul(tokens[:stop - start].reshape(-1, C), self.gamma3,
-                                lpi[0, (start - lo) * W:(stop - lo) * W])
-            del lpi, block, tokens
-            out = torch.addcmul(out, self.gamma2, self.ffn(self.norm2(out)))
-            x.write(start, out.view(stop - start, W, C))
+        for start, stop, lo, hi in row_bands(H, max(reach, band_rows), reach):
+            rows = self._attention_residual(x.read(start, hi).reshape(1, -1, C), mixing=mixing)
+            rows = rows.view(-1, W, C)
+            block = rows if above is None else torch.cat([above, rows])
+            above = rows[stop - start - reach:stop - start].clone()
+            del rows
+            out = self._local_residuals(block.view(1, -1, C), (hi - lo, W),
+                                        (start - lo, stop - lo)).view(-1, W, C)
+            del block
+            x.write(start, out)
+            for consumer in then:
+                consumer(start, out)
             del out
+
+
+class _StreamedSums:
+    """One layer's XCA sums over a token map, added band by band as its rows are made, leaving
+    out the tokens that ``valid`` (grid rows, grid columns; or None) marks False."""
+
+    def __init__(self, layer: XCiTLayer, valid: Optional[torch.Tensor]):
+        self.layer, self.valid, self.total = layer, valid, None
+
+    def add(self, start: int, rows: torch.Tensor) -> None:
+        """Add the rows ``start:start + len(rows)`` of the layer's input, (rows, W, C)."""
+        valid = None if self.valid is None else self.valid[start:start + len(rows)].flatten()
+        band = self.layer.xca_sums(rows.reshape(-1, rows.shape[-1]), valid)
+        self.total = band if self.total is None else tuple(
+            total.add_(part) for total, part in zip(self.total, band))
 
 
 def _build_adapter(embed_dims: int, patch_size: int, norm_cfg: dict) -> List[nn.Module]:
@@ -268,6 +354,19 @@ def _up2_traceable(conv: nn.ConvTranspose2d, x: torch.Tensor,
     if conv.bias is not None:
         y = y + conv.bias.view(out_channels, 1, 1, 1, 1)
     return y.reshape(B, out_channels, 2 * H, 2 * W)
+
+
+def _position_frame(valid: Optional[torch.Tensor],
+                    grid: Tuple[int, int]) -> Tuple[int, int, int, int]:
+    """(top, left, height, width) of the token grid a streamed trunk's position code is made for:
+    the bounding box of the ``valid`` tokens, so that a scene's code does not depend on its
+    collar; the whole grid without a mask or without any valid token."""
+    if valid is None or not bool(valid.any()):
+        return (0, 0) + tuple(grid)
+    rows = valid.any(1).nonzero()[:, 0]
+    cols = valid.any(0).nonzero()[:, 0]
+    top, left = int(rows[0]), int(cols[0])
+    return top, left, int(rows[-1]) + 1 - top, int(cols[-1]) + 1 - left
 
 
 @MODELS.register_module()
@@ -495,34 +594,102 @@ class XCiTBackbone(BaseModule):
     @torch.no_grad()
     def stream_trunk(self, read_pixels: Callable[[int, int], torch.Tensor],
                      image_hw: Tuple[int, int], maps: TokenMaps, band_mb: float,
-                     progress: Callable[[], None] = lambda: None) -> List[TokenMap]:
+                     progress: Callable[[], None] = lambda: None,
+                     valid_pixels: Optional[Callable[[int, int], torch.Tensor]] = None
+                     ) -> List[TokenMap]:
         """:meth:`forward_trunk` of one image read by ``read_pixels(a, b)`` (pixel rows) as token
-        maps in ``maps``: the layers update one map in place, copied at the ``out_indices``."""
+        maps in ``maps``: the layers update one map in place, copied at the ``out_indices``.
+
+        Each layer reads its map once: XCA's sums are added up from the rows the stem or the
+        layer before has just made, while they are still in memory.
+
+        ``valid_pixels(a, b)``, if given, is a bool tensor (b - a, W) of the image's valid pixels
+        (True) in pixel rows a..b-1, read band by band before the stem. A token whose p x p patch
+        holds no valid pixel (a nodata collar, outside a mask) is left out of every layer's XCA
+        sums and still gets its output. The position code is then that of the valid tokens'
+        bounding box (collar tokens take its nearest edge's code), so that the valid part of a
+        scene gets the code it would have alone. Tokens far from the collar then get what the
+        valid part cropped alone gives, up to the small change of the sums made by the tokens
+        near the collar: those still differ, because the stem reads pixels up to one token above
+        and left of its own, and each layer's LPI reads the tokens 2 rows and columns away, so
+        collar pixels reach valid tokens within 1 + 2 x (layers) tokens of the collar (the crop
+        reads zeros there instead). Exact alignment needs the valid part's bounding box on the
+        patch grid."""
         if self.training:
             raise RuntimeError('XCiTBackbone.stream_trunk is for inference: call .eval() first')
         H, W = image_hw
         p, D = self.patch_size, self.embed_dims
         grid = ((H + p - 1) // p, (W + p - 1) // p)
-        x = maps.new(grid + (D, ))
         # the largest stem map: D / (p / 2) channels at stride 2, p / 2 of its rows per token row
-        stem_row = 4 * (D * 2 // p) * (grid[1] * p // 2) * (p // 2)
-        for start, stop, _, _ in row_bands(grid[0], band_rows_for(band_mb, stem_row)):
+        stem_rows = band_rows_for(band_mb, 4 * (D * 2 // p) * (grid[1] * p // 2) * (p // 2))
+        device = self.pos_embed.proj.weight.device
+        valid = (None if valid_pixels is None else
+                 self._valid_tokens(valid_pixels, image_hw, stem_rows).to(device))
+        frame = _position_frame(valid, grid)
+        last = max(self.out_indices)
+        layers = self.layers[:last + 1]
+        x = maps.new(grid + (D, ))
+        sums = _StreamedSums(layers[0], valid)
+        for start, stop, _, _ in row_bands(grid[0], stem_rows):
             lo = max(0, start - 1) * p  # a token row reads p - 1 pixel rows above its own
             tokens = self.patch_embed(read_pixels(lo, min(H, stop * p)))[0, :, start - lo // p:]
-            x.write(start, tokens.permute(1, 2, 0) + self.pos_embed(grid, start, stop))
+            tokens = tokens.permute(1, 2, 0) + self._position_rows(frame, grid, start, stop)
+            x.write(start, tokens)
+            sums.add(start, tokens)
             del tokens
         # the FFN's hidden layer, 4 D floats a token, is a band's largest map
         band_rows = band_rows_for(band_mb, 4 * 4 * D * grid[1], at_least=2)
-        last, kept = max(self.out_indices), {}
-        for i, layer in enumerate(self.layers[:last + 1]):
-            layer.forward_streamed(x, band_rows)
+        kept = {}
+        for i, layer in enumerate(layers):
+            then = []
             if i in self.out_indices and i != last:
                 kept[i] = maps.new(x.shape)
-                for start, stop, _, _ in row_bands(grid[0], band_rows):
-                    kept[i].write(start, x.read(start, stop))
+                then.append(kept[i].write)
+            following = _StreamedSums(layers[i + 1], valid) if i < last else None
+            if following is not None:
+                then.append(following.add)
+            layer.forward_streamed(x, band_rows, sums.total, then)
+            sums = following
             progress()
         kept[last] = x
         return [kept[i] for i in self.out_indices]
+
+    def _valid_tokens(self, valid_pixels: Callable[[int, int], torch.Tensor],
+                      image_hw: Tuple[int, int], band_rows: int) -> torch.Tensor:
+        """(grid rows, grid columns) bool: the tokens whose patch holds a valid pixel, from
+        ``valid_pixels`` read by bands of ``band_rows`` token rows (the padding to the patch
+        grid is not valid)."""
+        H, W = image_hw
+        p = self.patch_size
+        grid = ((H + p - 1) // p, (W + p - 1) // p)
+        valid = torch.empty(grid, dtype=torch.bool)
+        for start, stop, _, _ in row_bands(grid[0], band_rows):
+            a, b = start * p, min(H, stop * p)
+            band = valid_pixels(a, b)
+            if (not isinstance(band, torch.Tensor) or band.dtype != torch.bool
+                    or tuple(band.shape) != (b - a, W)):
+                got = (f'{band.dtype} tensor of shape {tuple(band.shape)}'
+                       if isinstance(band, torch.Tensor) else type(band).__name__)
+                raise ValueError(f'valid_pixels({a}, {b}) must give a bool tensor of shape '
+                                 f'({b - a}, {W}) (pixel rows {a}..{b - 1}, True where the '
+                                 f'pixel is valid); got a {got}')
+            padded = torch.zeros((stop - start) * p, grid[1] * p, dtype=torch.bool)
+            padded[:b - a, :W] = band.cpu()
+            valid[start:stop] = padded.view(stop - start, p, grid[1], p).any(3).any(1)
+        return valid
+
+    def _position_rows(self, frame: Tuple[int, int, int, int], grid: Tuple[int, int],
+                       start: int, stop: int) -> torch.Tensor:
+        """The position code of token rows ``start:stop`` (rows, W, D) on the grid ``frame`` =
+        (top, left, height, width): tokens outside it take the code of its nearest edge."""
+        top, left, height, width = frame
+        if frame == (0, 0) + tuple(grid):
+            return self.pos_embed(grid, start, stop)
+        rows = (torch.arange(start, stop) - top).clamp(0, height - 1)
+        cols = (torch.arange(grid[1]) - left).clamp(0, width - 1)
+        first = int(rows[0])
+        code = self.pos_embed((height, width), first, int(rows[-1]) + 1)
+        return code[(rows - first).to(code.device)][:, cols.to(code.device)]
 
     def level_rows(self, trunk_map: RowMap, level: int, image_hw: Tuple[int, int]) -> RowMap:
         """:meth:`forward_level` by rows (the adapter is row-local)."""

@@ -14,14 +14,21 @@ _NORM_EPS = 1e-12  # as F.normalize: the q / k column norms are clamped from bel
 _OFFSETS = ((0, 0), (0, 1), (1, 0), (1, 1))  # (di, dj) of a 2x2 stride-2 transposed conv
 
 
+def xca_sums(q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """XCA's only reads of all the tokens, ``(q^T k, q_norm, k_norm)`` of q, k (B, h, N, d): the
+    (B, h, d, d) product and the (B, h, d) column norms. A streamed trunk adds the products of its
+    bands, and their norms as squares."""
+    return (q.transpose(-2, -1) @ k, torch.linalg.vector_norm(q, dim=-2),
+            torch.linalg.vector_norm(k, dim=-2))
+
+
 def xca_mixing(q: torch.Tensor, k: torch.Tensor, temperature: torch.Tensor,
                proj_weight: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     """``(mixing, attn, cosine, q_norm, k_norm)`` of q, k (B, h, N, d): XCA's attention folded
     into the output projection, ``v @ mixing + bias``."""
-    q_norm = torch.linalg.vector_norm(q, dim=-2).clamp_min(_NORM_EPS)  # (B, h, d)
-    k_norm = torch.linalg.vector_norm(k, dim=-2).clamp_min(_NORM_EPS)
-    mixing, attn, cosine = xca_mixing_of_sums(q.transpose(-2, -1) @ k, q_norm, k_norm,
-                                              temperature, proj_weight)
+    qk, q_norm, k_norm = xca_sums(q, k)
+    q_norm, k_norm = q_norm.clamp_min(_NORM_EPS), k_norm.clamp_min(_NORM_EPS)
+    mixing, attn, cosine = xca_mixing_of_sums(qk, q_norm, k_norm, temperature, proj_weight)
     return mixing, attn, cosine, q_norm, k_norm
 
 
@@ -38,11 +45,17 @@ def xca_mixing_of_sums(qk: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Ten
     return mixing, attn, cosine
 
 
+def split_qk(qk: torch.Tensor, num_heads: int):
+    """(B, N, 2C) (q then k, head by head, as XCA's qkv lays them out) -> q, k (B, h, N, d):
+    views, no copy."""
+    B, N, C2 = qk.shape
+    return qk.view(B, N, 2, num_heads, C2 // 2 // num_heads).permute(2, 0, 3, 1, 4).unbind(0)
+
+
 def split_qkv(qkv: torch.Tensor, num_heads: int):
     """(B, N, 3C) -> q, k (B, h, N, d) and v (B, N, C): views, no copy."""
-    B, N, C3 = qkv.shape
-    C = C3 // 3
-    q, k, _ = qkv.view(B, N, 3, num_heads, C // num_heads).permute(2, 0, 3, 1, 4).unbind(0)
+    C = qkv.shape[-1] // 3
+    q, k = split_qk(qkv[..., :2 * C], num_heads)
     return q, k, qkv[..., 2 * C:]
 
 
