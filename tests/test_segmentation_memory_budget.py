@@ -18,10 +18,11 @@ import sys
 import numpy as np
 import pytest
 import torch
+from mmengine.config import ConfigDict
 from test_lean_segmentation import (SEM_FPN, UPERNET, _assert_same, _meta, _pair, _predict,
                                     _samples)
 
-from xcit_mm.models.segmentors.lean_encoder_decoder import STREAM_BAND_MB
+from xcit_mm.models.segmentors.lean_encoder_decoder import MIN_STREAM_BAND_MB, STREAM_BAND_MB
 from xcit_mm.models.utils.memory_budget import MemoryBudgetError
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
@@ -252,12 +253,7 @@ def test_measured_peak_within_budget_at_three_budgets():
     """Whole at a budget equal to its estimate, the stream at smaller ones, in a fresh process
     with glibc's default malloc, as a user runs it (the benchmarks measure with malloc returning
     freed memory at once, ``MALLOC_MMAP_THRESHOLD_``, which lowers peaks)."""
-    env = {k: v for k, v in os.environ.items() if k != 'MALLOC_MMAP_THRESHOLD_'}
-    env.update(PYTHONPATH=os.pathsep.join([ROOT, osp.join(ROOT, 'tests')]))
-    proc = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = _child_report('bound')
     runs = result['runs']
     report = '; '.join(f"{r['chosen']}: peak {r['peak_mb']:.0f} MB <= budget {r['budget_mb']:.0f}"
                        f" MB (estimate error {r['budget_mb'] - r['peak_mb']:+.0f} MB)"
@@ -271,6 +267,48 @@ def test_measured_peak_within_budget_at_three_budgets():
         assert r['peak_mb'] <= r['budget_mb'], report
         assert result['calibration_mb'] <= r['budget_mb'], report
         assert r['estimate_mb'] <= r['budget_mb'], report
+
+
+def _child_report(name: str) -> dict:
+    """Run this file as a fresh process (``name``: the child to run) with glibc's default malloc,
+    as a user runs it (the benchmarks measure with malloc returning freed memory at once,
+    ``MALLOC_MMAP_THRESHOLD_``, which lowers peaks); its JSON report."""
+    env = {k: v for k, v in os.environ.items() if k != 'MALLOC_MMAP_THRESHOLD_'}
+    env.update(PYTHONPATH=os.pathsep.join([ROOT, osp.join(ROOT, 'tests')]))
+    proc = subprocess.run([sys.executable, __file__, name], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# a wide strip: one row of the 150 classes at full resolution is more than the smallest band
+UPER_BOUND_HW = (32, 16384)
+
+
+def _uper_bound_child() -> dict:
+    """In a fresh process: UperNet streamed at the tightest budget that picks the stream with its
+    token maps in memory and its smallest bands; the peak growth of predict."""
+    from xcit_mm.models.utils.memory_budget import measure_peak_growth_mb
+    lean = _pair(UPERNET)[1]
+    lean.test_cfg = ConfigDict(mode='stream', max_memory=1)
+    inputs = torch.randn(1, 3, *UPER_BOUND_HW)
+    plan = lean.memory_plans(inputs, stream_only=True)[0]
+    lean.test_cfg.max_memory = plan.estimate_mb
+    with torch.no_grad():
+        peak_mb = measure_peak_growth_mb(lambda: lean.predict(inputs))
+    chosen = lean.last_memory_plan
+    return dict(chosen=chosen.name, band_mb=chosen.band_mb, budget_mb=plan.estimate_mb,
+                peak_mb=peak_mb)
+
+
+def test_upernet_stream_peak_within_budget():
+    """UperNet's stream (its pyramid pooling by rows, the last resize and argmax by class chunks)
+    within the budget its plan gives, on a strip where a row of all 150 classes at full
+    resolution is more than a band: taken at once, they pass the budget."""
+    run = _child_report('upernet')
+    print(run)
+    assert run['chosen'] == 'stream' and run['band_mb'] == MIN_STREAM_BAND_MB, run
+    assert run['peak_mb'] <= run['budget_mb'], run
 
 
 # ---------------------------------------------------------------- through mmseg's doors
@@ -307,5 +345,5 @@ def test_inference_model_door_auto():
         assert len(torch.unique(got.pred_sem_seg.data)) > 1
 
 
-if __name__ == '__main__':  # the child of test_measured_peak_within_budget_at_three_budgets
-    print(json.dumps(_bound_child()))
+if __name__ == '__main__':  # the children of the memory-bound tests (_child_report)
+    print(json.dumps(dict(bound=_bound_child, upernet=_uper_bound_child)[sys.argv[1]]()))

@@ -23,8 +23,8 @@ import xcit_mm  # noqa: F401  (registers XCiTBackbone and LeanEncoderDecoder)
 from mmseg.registry import MODELS
 from test_lean_segmentation import (BACKBONE, SEM_FPN, UPERNET, _meta, _predict,
                                     spread_statistics_and_logits)
-from xcit_mm.models.inference.row_stream import (MB, Combine, Local, Resize, TensorRows, TokenMaps,
-                                                 materialize, module_rows, stream_rows)
+from xcit_mm.models.inference.row_stream import (MB, Combine, Local, Resize, RowMap, TensorRows,
+                                                 TokenMaps, materialize, module_rows, stream_rows)
 from xcit_mm.models.inference.seg_stream import labels_rows, logits_rows
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
@@ -122,17 +122,19 @@ def test_each_row_is_made_once_and_only_maps_read_again_keep_rows(monkeypatch):
 
 
 def test_bands_follow_the_bytes_of_a_row_of_every_map():
-    """After the first 8 rows, a band has ``band_mb`` over the bytes of one output row: the band's
-    own row and the rows every map makes for it, a map twice as tall making two (by hand: 8
-    channels x 8 columns x 4 bytes for the pool, twice; 8 x 16 x 4 for the doubled map, twice)."""
+    """After a first row, a band has ``band_mb`` over the bytes of one output row: the band's own
+    row and the rows every map makes for it, a map twice as tall making two (by hand: 8
+    channels x 8 columns x 4 bytes for the pool, twice; 8 x 16 x 4 for the doubled map, twice);
+    one row where a row costs more than ``band_mb`` (a very wide image)."""
     x = torch.randn(1, 4, 200, 16, generator=torch.Generator().manual_seed(4))
     doubled = Local(lambda t: torch.cat([t, t], 1), TensorRows(x))
     pooled = module_rows(torch.nn.MaxPool2d(2, 2, ceil_mode=True), doubled)
     per_row = 2 * 8 * 8 * 4 + 2 * 8 * 16 * 4
     bands = list(stream_rows(pooled, 30 * per_row / MB))
-    assert [stop - start for start, stop, _ in bands] == [8, 30, 30, 30, 2]
+    assert [stop - start for start, stop, _ in bands] == [1, 30, 30, 30, 9]
     expected = torch.nn.functional.max_pool2d(torch.cat([x, x], 1), 2)
     torch.testing.assert_close(torch.cat([band for _, _, band in bands], 2), expected)
+    assert {stop - start for start, stop, _ in stream_rows(pooled, per_row / 2 / MB)} == {1}
 
 
 @pytest.mark.parametrize('kwargs', [dict(size=(23, 10)), dict(scale_factor=(2.5, 1.7)),
@@ -346,3 +348,32 @@ def test_the_unbudgeted_stream_keeps_its_token_maps_in_memory(monkeypatch, tmp_p
     model.test_cfg.token_maps = 'disk'
     _predict(model, x, None)
     assert folders == [None, str(tmp_path)]
+
+
+class _Requests(RowMap):
+    """A map's rows passed on, each request's row count recorded."""
+
+    def __init__(self, source):
+        super().__init__(source.height, source.width)
+        self.source, self.sizes = source, []
+
+    def rows(self, start, stop):
+        self.sizes.append(min(stop, self.height) - max(0, start))
+        return self.source.rows(start, stop)
+
+
+def test_upernet_pools_its_coarsest_level_by_bands(monkeypatch):
+    """UperNet's pyramid pooling reads the stride-32 level a band at a time, never whole, and
+    still gives the whole forward's logits: a tall level (40 rows, 2 columns) whose adaptive
+    pool bins overlap (40 rows in 3 and 6 bins, 2 columns in 3 and 6)."""
+    model, img_hw = _model(UPERNET), (1280, 64)
+    x = torch.randn(1, 3, *img_hw, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        whole = model._network_forward(x)
+    with TokenMaps('cpu') as maps, torch.no_grad():
+        trunk = model.backbone.stream_trunk(lambda a, b: x[:, :, a:b], img_hw, maps, 1e-3)
+        levels = _levels(model, trunk, img_hw)
+        levels[-1] = top = _Requests(levels[-1])
+        logits = materialize(logits_rows(levels, None, model.decode_head, 1e-3), 1e-3)
+    torch.testing.assert_close(logits, whole, **TOLERANCE)
+    assert top.height == 40 and top.sizes and max(top.sizes) <= 12, top.sizes

@@ -17,7 +17,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.utils import _pair
 
 MB = 2**20
-FIRST_BAND_ROWS = 8  # the first band of a stream, before any row's bytes are measured
+# The first band of a stream, before any row's bytes are measured: one row, as a row of a very
+# wide image may cost more than a band.
+FIRST_BAND_ROWS = 1
 # The largest integer factor a Resize makes by the call on the band's source rows (see Resize).
 MAX_CALL_FACTOR = 16
 # File systems whose files live in memory, which a budget of the process's memory does not see.
@@ -421,7 +423,8 @@ def _read_once(node: RowMap, consumers: dict) -> bool:
 def stream_rows(node: RowMap, band_mb: float, first_rows: int = FIRST_BAND_ROWS
                 ) -> Iterator[Tuple[int, int, Tensor]]:
     """``(start, stop, rows)`` of ``node`` band by band: after ``first_rows`` rows, bands whose
-    rows in every map, as measured on the band before, come near ``band_mb``."""
+    rows in every map, as measured on the band before, come near ``band_mb`` (one row at
+    least)."""
     maps, consumers = _graph(node)
     for current in maps:
         current.keeps = not _read_once(current, consumers)
@@ -441,7 +444,7 @@ def measured_bands(node: RowMap, band_mb: float, first_rows: int = FIRST_BAND_RO
             m.row_bytes * m.height / node.height for m in maps)
         yield start, stop, band
         del band
-        start, rows = stop, band_rows_for(band_mb, int(per_row), at_least=first_rows)
+        start, rows = stop, band_rows_for(band_mb, int(per_row))
 
 
 def materialize(node: RowMap, band_mb: float) -> Tensor:

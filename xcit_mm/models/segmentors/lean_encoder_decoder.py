@@ -25,8 +25,8 @@ from mmseg.utils import OptSampleList, SampleList
 
 from ..inference.fpn_data_flow import (fpn_in_data_flow_order, uper_head_in_data_flow_order,
                                        why_not_data_flow_fpn)
-from ..inference.row_stream import (FIRST_BAND_ROWS, LevelByLevelBackbone, TokenMaps,
-                                    check_token_folder, stream_rows)
+from ..inference.row_stream import (LevelByLevelBackbone, TokenMaps, check_token_folder,
+                                    stream_rows)
 from ..inference.seg_stream import (PyramidPooling, labels_rows, logits_rows, why_not_by_rows,
                                     why_not_norms)
 from ..inference.settings import LeanSettingsMixin, SegmentorSettings
@@ -58,8 +58,10 @@ STREAM_WORK_BANDS = 2.5
 # Bytes per input element that mmseg's doors hold while predict runs (float batch, uint8 image).
 INPUT_BYTES = 4 + 1
 # Full-resolution copies of a class chunk alive at once in the stream's last steps (a bilinear
-# resize's source rows, two gathered rows and their blend; the softmax's exponentials).
+# resize's source rows, two gathered rows and their blend; the softmax's exponentials), and the
+# rows of a band a chunk is sized for: few classes at once where the image is wide.
 STREAM_CHUNK_COPIES = 6
+STREAM_CHUNK_ROWS = 8
 # stream_labels leaves tokens without a valid pixel out of XCA's sums when given valid_rows.
 MASK_XCA = True
 
@@ -417,10 +419,11 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                 report(stop, out_hw[0], 'labels')
 
     def _stream_class_chunk(self, width: int, band_mb: float) -> int:
-        """Classes the stream's full-resolution steps take at once: as many as keep a first band
-        of them (``FIRST_BAND_ROWS`` rows of ``width`` px, ``STREAM_CHUNK_COPIES`` copies) within
+        """Classes the stream's full-resolution steps take at once: as many as keep a band of them
+        (``STREAM_CHUNK_ROWS`` rows of ``width`` px, ``STREAM_CHUNK_COPIES`` copies) within
         ``band_mb``, a multiple of 8 (at least 8), at most all."""
-        planes = int(band_mb * MB) // (FLOAT_BYTES * width * FIRST_BAND_ROWS * STREAM_CHUNK_COPIES)
+        planes = int(band_mb * MB) // (FLOAT_BYTES * width * STREAM_CHUNK_ROWS
+                                       * STREAM_CHUNK_COPIES)
         return min(self.out_channels,
                    max(CHUNK_MULTIPLE, planes // CHUNK_MULTIPLE * CHUNK_MULTIPLE))
 
