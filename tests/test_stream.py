@@ -41,30 +41,6 @@ def _model(heads, patch_size=16, **test_cfg):
     return model.eval()
 
 
-def _trunk(backbone, x, band_mb, folder=None):
-    with TokenMaps('cpu', folder) as maps, torch.no_grad():
-        trunk = backbone.stream_trunk(lambda a, b: x[:, :, a:b], tuple(x.shape[2:]), maps,
-                                      band_mb)
-        return [m.rows(0, m.height).clone() for m in trunk]
-
-
-@pytest.mark.parametrize('patch_size', [16, 8])
-@pytest.mark.parametrize('folder', [None, 'disk'])
-def test_streamed_trunk_equals_forward_trunk(patch_size, folder, tmp_path):
-    """Bands of 2 token rows (the LPI's context rows come from the band before), a few rows and
-    one band for the whole grid; an image whose sides are not multiples of the patch."""
-    backbone = _model(SEM_FPN, patch_size).backbone
-    x = torch.randn(1, 3, 99, 145, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = backbone.forward_trunk(x)
-    grid_row_mb = 16 * 32 * 10 / 2**20  # one token row's FFN hidden layer (4 x 32 x 4 bytes)
-    for band_mb in (1e-6, 3 * grid_row_mb, 100):
-        got = _trunk(backbone, x, band_mb, tmp_path if folder else None)
-        for g, e in zip(got, expected):
-            torch.testing.assert_close(g, e, **TOLERANCE)
-    assert os.listdir(tmp_path) == []  # the disk maps' folder is gone
-
-
 def _levels(model, trunk, img_hw):
     return [model.backbone.level_rows(m, i, img_hw) for i, m in enumerate(trunk)]
 
