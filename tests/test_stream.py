@@ -11,6 +11,7 @@ maps of order 1 (the tolerance 1e-4 leaves room for other CPUs' kernels), labels
 import copy
 import errno
 import os
+import re
 
 import pytest
 import torch
@@ -30,10 +31,11 @@ from xcit_mm.models.inference.seg_stream import labels_rows, logits_rows
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 
 
-def _model(heads, patch_size=16, **test_cfg):
+def _model(heads, patch_size=16, backbone_cfg=(), **test_cfg):
     init_default_scope('mmseg')
     torch.manual_seed(patch_size)
-    cfg = dict(type='LeanEncoderDecoder', backbone=dict(BACKBONE, patch_size=patch_size),
+    cfg = dict(type='LeanEncoderDecoder',
+               backbone=dict(BACKBONE, patch_size=patch_size, **dict(backbone_cfg)),
                **copy.deepcopy(heads), test_cfg=ConfigDict(mode='stream', **test_cfg))
     model = MODELS.build(cfg)
     model.init_weights()
@@ -142,8 +144,9 @@ def test_predict_through_the_test_resize_and_padding_equals_whole():
 
 def test_stream_labels_reads_rows_and_cleans_its_folder_on_error(tmp_path):
     """``stream_labels`` (the large-image tool's door) reads only the rows it asks for, equals
-    the model's own predict on the normalised image, and removes its token folder when the
-    consumer stops on an error or Ctrl-C."""
+    the model's own predict on the normalised image, tells ``progress`` the trunk's token rows x
+    layers then the label rows, and removes its token folder when the consumer stops on an error
+    or Ctrl-C (a ``progress`` without ``stage`` told the same counts)."""
     import numpy as np
     from mmseg.models.data_preprocessor import SegDataPreProcessor
     model = _model(SEM_FPN, band_mb=0.05)
@@ -153,9 +156,19 @@ def test_stream_labels_reads_rows_and_cleans_its_folder_on_error(tmp_path):
     asked = []
     reader = lambda a, b: asked.append((a, b)) or img[a:b]  # noqa: E731
     model.train()  # stream_labels runs in eval mode, then restores the mode it found
+    calls = []
     out = torch.cat([labels for _, _, labels in model.stream_labels(
-        reader, (150, 230), max_memory=10**6, token_dir=str(tmp_path))])
+        reader, (150, 230), max_memory=10**6, token_dir=str(tmp_path),
+        progress=lambda done, total, stage: calls.append((stage, done, total)))])
     assert model.training
+    # 2 layers over 10 token rows, then the 150 label rows, each stage from 0 to its total
+    trunk = [call for call in calls if call[0] == 'trunk']
+    labelled = [call for call in calls if call[0] == 'labels']
+    assert calls == trunk + labelled and trunk == [('trunk', 0, 20), ('trunk', 10, 20),
+                                                   ('trunk', 20, 20)]
+    dones = [done for _, done, total in labelled if total == 150]
+    assert len(dones) == len(labelled) > 2 and dones == sorted(dones), labelled
+    assert dones[0] == 0 and dones[-1] == 150
     model.eval()
     assert max(b - a for a, b in asked) < 150 and asked[0][0] == 0 and asked[-1][1] == 150
     inputs = model.data_preprocessor(dict(inputs=[torch.from_numpy(img).permute(2, 0, 1)]),
@@ -353,3 +366,124 @@ def test_upernet_pools_its_coarsest_level_by_bands(monkeypatch):
         logits = materialize(logits_rows(levels, None, model.decode_head, 1e-3), 1e-3)
     torch.testing.assert_close(logits, whole, **TOLERANCE)
     assert top.height == 40 and top.sizes and max(top.sizes) <= 12, top.sizes
+
+
+NORMS = {'GN': dict(type='GN', num_groups=4), 'LN': dict(type='LN')}
+
+
+def _norm_in(part, norm):
+    """A model with the norm ``norm`` in one part the stream runs on bands of rows, and the
+    module name the refusal must give: built with it (the stem, the first met), or given it."""
+    from mmcv.cnn import build_norm_layer
+    if part == 'stem':
+        model = _model(SEM_FPN, backbone_cfg=dict(norm_cfg=NORMS[norm]))
+        return model, 'backbone.patch_embed.proj.0.' + norm.lower()
+    model = _model(SEM_FPN)
+    layer = build_norm_layer(NORMS[norm], 32)[1] if norm in NORMS else torch.nn.BatchNorm2d(
+        32, track_running_stats=False)
+    if part == 'lpi':
+        model.backbone.layers[1].lpi.bn = layer
+        return model, 'backbone.layers.1.lpi.bn'
+    model.backbone.fpn1[1] = layer
+    return model, 'backbone.fpn1.1'
+
+
+@pytest.mark.parametrize('part,norm', [('stem', 'GN'), ('stem', 'LN'), ('lpi', 'GN'),
+                                       ('lpi', 'LN'), ('lpi', 'BN without running statistics'),
+                                       ('adapter', 'GN'), ('adapter', 'LN')])
+def test_a_norm_over_the_map_in_the_trunk_is_refused_before_any_work(part, norm):
+    """A norm that is not per pixel, in the stem, an LPI or the adapter, would normalise each band
+    over its own rows: refused, naming the module and the fix, before the image is read (and
+    predict's stream before the trunk starts)."""
+    import numpy as np
+    model, name = _norm_in(part, norm)
+    kind = {'GN': 'GroupNorm', 'LN': 'LayerNorm'}.get(norm, 'BatchNorm2d without running')
+    message = f"{re.escape(name)} is a {kind}.*norm_cfg=dict\\(type='BN'\\)"
+    read = []
+    img = np.zeros((64, 64, 3), dtype=np.uint8)
+    with pytest.raises(ValueError, match='stream_labels: cannot stream: ' + message):
+        model.stream_labels(lambda a, b: read.append((a, b)) or img[a:b], (64, 64))
+    assert read == []
+    with pytest.raises(ValueError, match="mode='stream' cannot run: " + message):
+        model.backbone.stream_trunk = None  # predict must refuse before reaching the trunk
+        _predict(model, torch.randn(1, 3, 64, 64), None)
+
+
+def test_stream_labels_confidence_and_ties_across_class_chunks():
+    """``stream_labels(confidence=True)`` over chunks of 8 of 150 classes: labels those of stock's
+    whole predict, a class tied with a later twin (equal classifier rows, in another chunk)
+    winning as in argmax; the confidence round(255 x the top softmax probability) of stock's
+    full-size logits, within one level everywhere."""
+    import numpy as np
+    from mmseg.models.data_preprocessor import SegDataPreProcessor
+    from test_lean_segmentation import _pair
+    stock, lean = _pair(SEM_FPN)
+    lean.test_cfg = ConfigDict(mode='stream', band_mb=0.05)
+    assert lean._stream_class_chunk(131, 0.05) == 8
+    lean.data_preprocessor = SegDataPreProcessor(mean=[123.675, 116.28, 103.53],
+                                                 std=[58.395, 57.12, 57.375], bgr_to_rgb=True)
+    img = np.random.RandomState(7).randint(0, 255, (97, 131, 3), dtype=np.uint8)
+    bands = list(lean.stream_labels(lambda a, b: img[a:b], (97, 131), confidence=True))
+    labels = torch.cat([band[2] for band in bands])
+    confidence = torch.cat([band[3] for band in bands])
+    assert labels.dtype == torch.long and confidence.dtype == torch.uint8
+    inputs = lean.data_preprocessor(dict(inputs=[torch.from_numpy(img).permute(2, 0, 1)]),
+                                    False)['inputs']
+    with torch.no_grad():
+        expected = stock.predict(inputs)[0]
+    want = expected.pred_sem_seg.data[0]
+    weight = stock.decode_head.conv_seg.weight.flatten(1)
+    twins = torch.nonzero((weight[:, None] == weight[None]).all(-1).triu(1))
+    low, high = [int(c) for c in twins[0]]
+    assert high - low >= 8 and (want == low).sum() > 0 and (want == high).sum() == 0
+    assert (labels != want).sum() <= 1e-4 * labels.numel()
+    top = torch.softmax(expected.seg_logits.data, dim=0).max(dim=0).values
+    difference = (confidence.float() - torch.round(255 * top)).abs()
+    assert difference.max() <= 1 and confidence.float().std() > 5, difference.max()
+
+
+def _never_read(a, b):
+    raise AssertionError('the image was read')
+
+
+def test_a_token_folder_in_memory_is_refused_unless_a_budget_counts_it(tmp_path, monkeypatch):
+    """Token maps on disk in a tmpfs folder (by /proc/mounts, its octal escapes read: a folder
+    with a space) are in memory, unseen by the budget: refused before the image is read, naming
+    token_dir and the MB the maps need, unless the budget counted them (token_maps='disk' under
+    a budget that fits them in memory)."""
+    from xcit_mm.models.inference import row_stream
+    folder = tmp_path / 'in memory'
+    folder.mkdir()
+    escaped = str(folder).replace(' ', '\\040')
+    mounts = f'/dev/vda / ext4 rw 0 0\ntmpfs {escaped} tmpfs rw 0 0\n'
+    monkeypatch.setattr(row_stream, '_read_mounts', lambda: mounts)
+    model = _model(SEM_FPN, token_maps='disk')
+    # 2 token maps (after layers 1 and 2) of 256 x 256 tokens x 32 channels x 4 bytes: 16 MB
+    refusal = (f"token_dir '{folder}' is on a tmpfs.*set test_cfg.token_dir / --token-dir to a "
+               'folder on a disk with 16 MB free')
+    with pytest.raises(ValueError, match=refusal):
+        model.stream_labels(_never_read, (4096, 4096), token_dir=str(folder))
+    model.test_cfg.pop('token_maps')  # a budget that fits the maps on disk only: not counted
+    with pytest.raises(ValueError, match=refusal):
+        model.stream_labels(_never_read, (4096, 4096), max_memory=170, token_dir=str(folder))
+    assert model.last_memory_plan.name == 'stream-disk'
+    assert row_stream.file_system_type(str(tmp_path)) == 'ext4'
+    x = torch.randn(1, 3, 64, 64)
+    model.test_cfg.update(token_maps='disk', token_dir=str(folder), max_memory=10**6)
+    _predict(model, x, None)  # counted: runs
+    assert model.last_memory_plan.name == 'stream' and os.listdir(folder) == []
+
+
+def test_a_token_folder_without_room_is_refused(tmp_path, monkeypatch):
+    """Free space below the token maps' size: refused before the image is read."""
+    from types import SimpleNamespace
+
+    from xcit_mm.models.inference import row_stream
+    monkeypatch.setattr(row_stream.os, 'statvfs',
+                        lambda path: SimpleNamespace(f_bavail=6, f_frsize=2**18))
+    model = _model(SEM_FPN, token_maps='disk')
+    with pytest.raises(ValueError, match=f"token_dir '{tmp_path}' has 2 MB free but the token "
+                       'maps need 4 MB: set test_cfg.token_dir / --token-dir to a folder with '
+                       'room'):
+        model.stream_labels(_never_read, (2048, 2048), token_dir=str(tmp_path))
+    model.stream_labels(_never_read, (1024, 1024), token_dir=str(tmp_path))  # 1 MB: room
