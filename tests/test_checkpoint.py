@@ -139,12 +139,13 @@ def test_converter_cli_round_trip(mmpretrain_xcit, tmp_path, capsys):
     # --full-model: the official backbone under backbone. beside a neck and a head; what it
     # prints is counted here on the file it read and the file it wrote
     official = torch.load(src, weights_only=True)['model']
-    others = OrderedDict([('neck.lateral_convs.0.conv.weight', torch.randn(8, 64, 1, 1)),
+    others = OrderedDict([('neck.fpn_convs.0.conv.weight', torch.randn(64, 64, 3, 3)),
                           ('decode_head.conv_seg.bias', torch.randn(5))])
     whole = OrderedDict(('backbone.' + k, v) for k, v in official.items())
     whole.update(others)
     src_whole, dst_whole = str(tmp_path / 'whole.pth'), str(tmp_path / 'whole_conv.pth')
     torch.save({'state_dict': whole}, src_whole)
+    capsys.readouterr()  # what the conversions above printed
     converter.main([src_whole, dst_whole, '--full-model'])
     out = capsys.readouterr().out
     written = torch.load(dst_whole, weights_only=True)['state_dict']
