@@ -18,6 +18,7 @@ import torch
 from mmcv.cnn import ConvModule
 from mmengine.config import ConfigDict
 from mmengine.registry import init_default_scope
+from mmseg.models.data_preprocessor import SegDataPreProcessor
 from mmseg.models.decode_heads import FPNHead
 
 import xcit_mm  # noqa: F401  (registers XCiTBackbone and LeanEncoderDecoder)
@@ -148,7 +149,6 @@ def test_stream_labels_reads_rows_and_cleans_its_folder_on_error(tmp_path):
     layers then the label rows, and removes its token folder when the consumer stops on an error
     or Ctrl-C (a ``progress`` without ``stage`` told the same counts)."""
     import numpy as np
-    from mmseg.models.data_preprocessor import SegDataPreProcessor
     model = _model(SEM_FPN, band_mb=0.05)
     model.data_preprocessor = SegDataPreProcessor(mean=[123.675, 116.28, 103.53],
                                                   std=[58.395, 57.12, 57.375], bgr_to_rgb=True)
@@ -415,7 +415,6 @@ def test_stream_labels_confidence_and_ties_across_class_chunks():
     winning as in argmax; the confidence round(255 x the top softmax probability) of stock's
     full-size logits, within one level everywhere."""
     import numpy as np
-    from mmseg.models.data_preprocessor import SegDataPreProcessor
     from test_lean_segmentation import _pair
     stock, lean = _pair(SEM_FPN)
     lean.test_cfg = ConfigDict(mode='stream', band_mb=0.05)
@@ -487,3 +486,42 @@ def test_a_token_folder_without_room_is_refused(tmp_path, monkeypatch):
                        'room'):
         model.stream_labels(_never_read, (2048, 2048), token_dir=str(tmp_path))
     model.stream_labels(_never_read, (1024, 1024), token_dir=str(tmp_path))  # 1 MB: room
+
+
+def test_a_nodata_collar_leaves_the_labels_of_the_valid_part_alone():
+    """A scene whose valid part (on the stride-32 grid) has a collar of zeros around it, 39% of
+    the raster: with ``valid_rows`` and ``mask_xca``, the labels of the valid part away from the
+    collar (beyond what the stem, the LPIs and the head's convs read) are those of the valid part
+    segmented alone; with ``mask_xca=False`` the collar's tokens enter XCA's sums and change
+    them. ``valid_rows`` not of bool is refused, naming it, as is a mask for a backbone that
+    cannot leave tokens out."""
+    import numpy as np
+    model = _model(SEM_FPN)
+    model.data_preprocessor = SegDataPreProcessor(mean=[123.675, 116.28, 103.53],
+                                                  std=[58.395, 57.12, 57.375], bgr_to_rgb=True)
+    gen = torch.Generator().manual_seed(8)
+    field = torch.nn.functional.interpolate(torch.rand(1, 3, 12, 13, generator=gen),
+                                            size=(384, 416), mode='bicubic')
+    valid = (field.clamp(0, 1) * 254 + 1).byte()[0].permute(1, 2, 0).numpy()
+    scene = np.zeros((512, 512, 3), np.uint8)
+    scene[64:448, 64:480] = valid
+    mask = scene.any(2)
+
+    def labels(img, **kwargs):
+        return torch.cat([band[2] for band in model.stream_labels(lambda a, b: img[a:b],
+                                                                  img.shape[:2], **kwargs)])
+
+    alone = labels(valid)
+    reach = (1 + 2 * 2) * 16 + 64  # px: the stem, 2 LPIs, the head's convs up to stride 32
+    inner = (slice(reach, 384 - reach), slice(reach, 416 - reach))
+    agree = {}
+    for mask_xca in (True, False):
+        got = labels(scene, valid_rows=lambda a, b: mask[a:b], mask_xca=mask_xca)
+        agree[mask_xca] = float((got[64:448, 64:480] == alone)[inner].float().mean())
+    assert agree[True] >= 0.999 and agree[False] < 0.99, agree
+    with pytest.raises(ValueError, match=r'valid_rows\(0, \d+\) must give a bool array'):
+        labels(scene, valid_rows=lambda a, b: mask[a:b].astype(np.uint8))
+    model.backbone.stream_trunk = lambda read_pixels, image_hw, maps, band_mb, progress: None
+    with pytest.raises(ValueError, match='cannot leave masked tokens out of its attention: pass '
+                       'mask_xca=False'):
+        model.stream_labels(_never_read, (512, 512), valid_rows=lambda a, b: mask[a:b])
