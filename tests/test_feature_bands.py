@@ -19,7 +19,7 @@ import xcit_mm  # noqa: F401  (registers XCiTBackbone and LeanMaskRCNN)
 from mmdet.registry import MODELS
 from xcit_mm.models.inference import row_stream
 from xcit_mm.models.inference.fpn_data_flow import fpn_in_data_flow_order
-from xcit_mm.models.inference.row_stream import TensorRows, conv_halo
+from xcit_mm.models.inference.row_stream import FIRST_BAND_ROWS, TensorRows, conv_halo
 
 sys.path.insert(0, osp.dirname(osp.abspath(__file__)))
 from test_lean_detection import _meta, _pair, _predict  # noqa: E402
@@ -82,10 +82,12 @@ def test_fpn_with_a_banded_bottom_level_equals_mmdets_fpn(patch_size, count_band
     inputs = torch.randn(1, 3, 99, 145, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = neck(backbone(inputs))
-        got = fpn_in_data_flow_order(backbone, neck, inputs, band_mb=5 * 32 * 37 * 4 / 2**20)
-    # 25 rows: a first band of 8 and one row of context below (the FPN conv's), then bands of
-    # about 5 MB, each making only the rows the one before had not (the context is kept)
-    assert count_bands[0] == (0, 9) and count_bands[-1][1] == 25 and len(count_bands) >= 3
+        got = fpn_in_data_flow_order(backbone, neck, inputs, band_mb=0.1)
+    # 25 rows: a first band and one row of context below (the FPN conv's), then bands of several
+    # rows (0.1 MB over the rows of every map), each making only the rows the one before had not
+    # (the context is kept); rows in the wrong order within a band would show in the values
+    assert count_bands[0] == (0, FIRST_BAND_ROWS + 1) and count_bands[-1][1] == 25
+    assert len(count_bands) >= 3 and all(b - a >= 3 for a, b in count_bands[1:-1]), count_bands
     assert all(a[1] == b[0] for a, b in zip(count_bands, count_bands[1:])), count_bands
     torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
     for e, g in zip(expected[1:], got[1:]):
@@ -107,18 +109,39 @@ def test_conv_halo_is_the_context_of_a_stride_one_same_size_conv():
 
 
 @pytest.mark.parametrize('mode', ['whole', 'tiles'])
-def test_banded_detections_equal_stocks(mode, count_bands):
-    """Boxes, scores and masks of ``band_mb`` equal stock's up to rounding, labels exactly (a
-    single tile covering the image is the whole image)."""
+def test_banded_detections_equal_stocks(mode, count_bands, monkeypatch):
+    """The stride-4 maps made in bands of several rows (FPN level 0, the RPN's scores and box
+    deltas) equal stock's maps up to rounding, row for row; boxes, scores and masks of
+    ``band_mb`` equal stock's up to rounding, labels exactly (a single tile covering the image is
+    the whole image)."""
     extra = dict(tile_size=256, tile_overlap=32) if mode == 'tiles' else {}
-    stock, banded = _pair(band_mb=0.002, mode=mode, **extra)
-    calls = []
+    stock, banded = _pair(band_mb=0.2, mode=mode, **extra)
+    calls, rpn_maps = [], []
     banded.rpn_head.rpn_conv.register_forward_pre_hook(lambda m, args: calls.append(1))
+    predict_by_feat = banded.rpn_head.predict_by_feat
+
+    def keep_maps(cls_scores, bbox_preds, **kwargs):  # the RPN's maps, then its proposals
+        rpn_maps.append([*cls_scores, *bbox_preds])
+        return predict_by_feat(cls_scores, bbox_preds, **kwargs)
+
+    monkeypatch.setattr(banded.rpn_head, 'predict_by_feat', keep_maps)
     inputs = torch.randn(1, 3, 160, 224, generator=torch.Generator().manual_seed(1))
     metas = [_meta((160, 224), (160, 224), (320, 448))]
     expected = _predict(stock, inputs, metas)[0].pred_instances
     got = _predict(banded, inputs, metas)[0].pred_instances
-    assert len(count_bands) > 3 and len(calls) > 3 + 4  # bands of level 0, then 4 levels whole
+    # level 0's 40 rows in bands of several rows: FPN level 0, then the RPN's map
+    band_rows = [stop - start for start, stop in count_bands]
+    assert len(band_rows) > 3 and max(band_rows) > 3, band_rows
+    assert len(calls) > 3 + 4  # bands of level 0, then 4 levels whole
+    with torch.no_grad():
+        stock_feats = stock.extract_feat(inputs)
+        banded_feats = banded._lean_extract_feat(inputs)
+        cls_scores, bbox_preds = stock.rpn_head(stock_feats)
+    stock_maps = [*stock_feats, *cls_scores, *bbox_preds]
+    banded_maps = [*banded_feats, *rpn_maps[0]]
+    assert len(banded_maps) == len(stock_maps) == 3 * 5
+    for stock_map, banded_map in zip(stock_maps, banded_maps):
+        torch.testing.assert_close(banded_map, stock_map, rtol=1e-5, atol=1e-5)
     assert len(expected) == len(got) > 0
     assert torch.equal(expected.labels, got.labels)
     torch.testing.assert_close(got.bboxes, expected.bboxes, rtol=0, atol=1e-3)
