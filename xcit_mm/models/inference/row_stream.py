@@ -472,6 +472,7 @@ class LevelByLevelBackbone(Protocol):
         ...
 
     def stream_trunk(self, read_pixels: Callable[[int, int], Tensor], image_hw: Tuple[int, int],
-                     maps: TokenMaps, band_mb: float, progress: Callable[[], None] = None
+                     maps: TokenMaps, band_mb: float, progress: Callable[[], None] = None,
+                     valid_pixels: Optional[Callable[[int, int], Tensor]] = None
                      ) -> List[TokenMap]:
         ...

@@ -1,6 +1,9 @@
 """Semantic FPN and UperNet on a streamed XCiT trunk, and stock ``predict``'s labels, as
 :class:`~.row_stream.RowMap` s made a band of rows at a time, each sum and resize where stock
-does it (``docs/gigapixel.md``)."""
+does it (``docs/gigapixel.md``). No map is ever whole: UperNet's pyramid pooling adds its pools up
+band by band, and the full-resolution steps run a chunk of classes at a time into a running
+argmax (and softmax, for a confidence). The checks that a model's parts allow all this, before
+any work, are here too."""
 import re
 from typing import List, Optional, Sequence
 

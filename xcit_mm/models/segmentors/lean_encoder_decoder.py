@@ -62,7 +62,9 @@ INPUT_BYTES = 4 + 1
 # rows of a band a chunk is sized for: few classes at once where the image is wide.
 STREAM_CHUNK_COPIES = 6
 STREAM_CHUNK_ROWS = 8
-# stream_labels leaves tokens without a valid pixel out of XCA's sums when given valid_rows.
+# stream_labels leaves tokens without a valid pixel out of XCA's sums when given valid_rows: the
+# labels of the valid part then do not depend on the collar around it (those away from it are the
+# part's own, alone), which leaving them in does not give; the caller masks the collar's labels.
 MASK_XCA = True
 
 
