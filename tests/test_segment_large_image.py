@@ -422,80 +422,6 @@ def test_the_reader_holds_a_bounded_share_of_the_budget(tmp_path):
     assert peak < 2048 * size * 3 / 2, peak  # the image is 24 MB
 
 
-# -- the writer ------------------------------------------------------------------------------
-
-@pytest.mark.parametrize('num_classes,band', [(150, 37), (300, 256), (7, 1)])
-def test_label_file_by_bands(tmp_path, num_classes, band):
-    """Bands of any height, out of step with the 256-row tiles, give the labels exactly, as
-    uint8 up to 255 classes and uint16 above, with the palette as the colour map, the input's
-    georeferencing tags, nodata where the mask says, and zeros where the edge tiles pass the
-    image."""
-    import rasterio
-    import tifffile
-
-    from xcit_mm.apis.large_image import open_image, write_labels
-    h, w = 530, 300
-    labels = np.random.RandomState(1).randint(0, num_classes, (h, w))
-    palette = np.random.RandomState(2).randint(0, 256, (num_classes, 3)).tolist()
-    geo = _geotiff(tmp_path / 'geo.tif', np.zeros((h, w, 1), np.uint8))
-    with open_image(geo) as source:
-        geotags = source.geotags
-    mask = np.zeros((h, w), bool)
-    mask[100:300, 7] = True
-    out = str(tmp_path / 'labels.tif')
-    seen = []
-    bands = ((y, min(y + band, h), torch.from_numpy(labels[y:y + band]))
-             for y in range(0, h, band))
-    write_labels(out, bands, (h, w), num_classes, palette, geotags,
-                 lambda a, b: mask[a:b], on_rows=seen.append)
-    assert sorted(os.listdir(tmp_path)) == ['geo.tif', 'labels.tif']
-    assert seen[-1] == h
-    dtype = np.uint8 if num_classes <= 255 else np.uint16
-    expected = labels.astype(dtype)
-    expected[mask] = np.iinfo(dtype).max
-    padded = np.zeros((768, 512), dtype)  # 3 x 2 whole tiles
-    padded[:h, :w] = expected
-    with tifffile.TiffFile(out) as tif:
-        page = tif.pages[0]
-        assert tif.is_bigtiff and page.is_tiled and (page.tilelength, page.tilewidth) == (256, 256)
-        assert page.compression == 8 and page.photometric == 3  # ADOBE_DEFLATE, PALETTE
-        np.testing.assert_array_equal(page.colormap[:, :num_classes].T,
-                                      np.asarray(palette) * 257)
-        tiles = [(tile, y, x) for tile, (_, _, y, x, _), _ in page.segments()]
-    assert len(tiles) == 6
-    for tile, y, x in tiles:  # as stored, with what lies past the image's edges
-        np.testing.assert_array_equal(tile.reshape(256, 256), padded[y:y + 256, x:x + 256])
-    with rasterio.open(out) as dst, rasterio.open(geo) as src:
-        assert dst.dtypes[0] == np.dtype(dtype).name
-        assert (dst.transform, dst.crs, dst.shape) == (src.transform, src.crs, src.shape)
-        assert dst.nodata == np.iinfo(dtype).max
-        got = dst.read(1)
-    np.testing.assert_array_equal(got, expected)
-
-
-@pytest.mark.parametrize('bands,message', [
-    ([(0, 10), (12, 40)], r'out of order: rows \[12, 40\) after row 10'),
-    ([(0, 10), (5, 40)], r'out of order: rows \[5, 40\) after row 10'),
-    ([(0, 40), (40, 45)], r'out of order: rows \[40, 45\) after row 40'),
-    ([(0, 16), (16, 10)], r'out of order: rows \[16, 10\) after row 16'),
-    ([(0, 10)], 'stopped at row 10 of 40'),
-    ([(0, 10, 9)], r'band \[0, 10\) has shape \(9, 30\), expected \(10, 30\)'),
-])
-def test_label_bands_out_of_order_are_an_error_and_no_file(tmp_path, bands, message):
-    """Bands that skip, repeat, pass or stop short of the image's rows, or have the wrong
-    height, are an error naming the rows, and leave no file."""
-    from xcit_mm.apis.large_image import write_labels
-    labels = np.ones((50, 30), np.int64)
-
-    def stream():
-        for start, stop, *rows in bands:  # rows: a wrong band height
-            yield start, stop, labels[start:start + (rows[0] if rows else stop - start)]
-
-    with pytest.raises(RuntimeError, match=message):
-        write_labels(str(tmp_path / 'labels.tif'), stream(), (40, 30), 7, tile=16)
-    assert os.listdir(tmp_path) == []
-
-
 # -- the tool --------------------------------------------------------------------------------
 
 def test_labels_equal_inference_model(tool, tiny, tmp_path):
@@ -566,6 +492,109 @@ def test_vrt_mosaic_with_a_collar_through_the_tool(tool, tiny, tmp_path):
     expected = np.concatenate([band.numpy() for _, _, band in stream])
     assert (labels[valid] == expected[valid]).mean() >= 0.9999
     assert len(np.unique(expected[valid])) > 1
+
+
+def _whole_path(model, img):
+    """The labels and the full-resolution logits (classes, H, W) of the whole image through
+    mmseg's inference_model, test_cfg mode 'whole' (stock's path) keeping the logits."""
+    from mmseg.apis import inference_model
+    saved = model.test_cfg
+    model.test_cfg = dict(mode='whole', keep_seg_logits=True)
+    try:
+        result = inference_model(model, np.ascontiguousarray(img[:, :, ::-1]))
+    finally:
+        model.test_cfg = saved
+    return result.pred_sem_seg.data[0].numpy(), result.seg_logits.data
+
+
+def _recording_bar(records):
+    """A tqdm bar that draws (to nowhere) even off a terminal and records (description, unit,
+    count, total) at each refresh."""
+    import io
+
+    import tqdm
+
+    class Bar(tqdm.tqdm):
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **dict(kwargs, disable=False, file=io.StringIO()))
+
+        def refresh(self, *args, **kwargs):
+            records.append((self.desc, self.unit, self.n, self.total))
+            return super().refresh(*args, **kwargs)
+
+    return Bar
+
+
+def test_confidence_and_polygons_in_one_run(tool, tiny, tmp_path, monkeypatch):
+    """``--confidence`` and ``--vector`` beside the labels, from one pass of the stream, on a
+    scene with a 30% nodata collar and ``--include-nodata-tokens`` (the collar in XCA's sums, as
+    in the whole image): the labels of the valid pixels are those of the whole image through
+    inference_model (>= 99.99%), the confidence is round(255 x its top softmax probability)
+    within 1, on the labels' grid (GDAL's CRS, transform and size), 0 in the collar. The
+    polygons, in the scene's CRS and burnt back by GDAL, are the label file exactly: each valid
+    pixel in one polygon of its class, named as the dataset names it, no polygon in the collar.
+    The progress bar counts the trunk's token rows x layers, then the label rows."""
+    import pyogrio.raw
+    import rasterio
+    import shapely
+    from mmseg.datasets import ADE20KDataset
+    from rasterio.crs import CRS
+    from rasterio.enums import MergeAlg
+    from rasterio.features import rasterize
+    config, checkpoint, model = tiny
+    img = _image()
+    img[:, :90] = 0  # the collar (nodata 0), beside the black corner
+    scene = _geotiff(tmp_path / 'scene.tif', img)
+    out, confidence_out, vector = (str(tmp_path / name) for name in
+                                   ('labels.tif', 'confidence.tif', 'labels.gpkg'))
+    records = []
+    monkeypatch.setattr('tqdm.tqdm', _recording_bar(records))
+    assert tool.main([config, checkpoint, scene, '--out', out, '--confidence', confidence_out,
+                      '--vector', vector, '--include-nodata-tokens']) == 0
+    assert sorted(os.listdir(tmp_path)) == ['confidence.tif', 'labels.gpkg', 'labels.tif',
+                                            'labels.tif.aux.xml', 'scene.tif']
+    with rasterio.open(scene) as src, rasterio.open(out) as dst, \
+            rasterio.open(confidence_out) as conf:
+        valid = src.dataset_mask() > 0
+        for raster in (dst, conf):
+            assert (raster.crs, raster.transform, raster.shape) == (src.crs, src.transform,
+                                                                    src.shape)
+        assert conf.dtypes == ('uint8', ) and conf.nodata == 0
+        labels, confidence, transform = dst.read(1), conf.read(1), src.transform
+    assert valid.mean() == pytest.approx(0.7)
+    expected, logits = _whole_path(model, img)
+    top = torch.softmax(logits.double(), dim=0).max(dim=0).values
+    expected_confidence = np.maximum(torch.round(255 * top).numpy(), 1)  # 0 is nodata
+    assert (labels[~valid] == 255).all() and (confidence[~valid] == 0).all()
+    assert (labels[valid] == expected[valid]).mean() >= 0.9999
+    agree = valid & (labels == expected)
+    difference = np.abs(confidence[agree].astype(int) - expected_confidence[agree])
+    assert difference.max() <= 1 and confidence[valid].std() > 5, difference.max()
+
+    meta, _, wkb, fields = pyogrio.raw.read(vector)
+    fields = dict(zip(meta['fields'], fields))
+    assert CRS.from_user_input(meta['crs']) == CRS.from_epsg(32633)
+    geoms, class_ids = shapely.from_wkb(wkb), fields['class_id']
+    assert shapely.is_valid(geoms).all() and len(np.unique(class_ids)) > 1
+    names = ADE20KDataset.METAINFO['classes']
+    assert list(fields['class_name']) == [names[i] for i in class_ids]
+    burnt = rasterize(zip(geoms, class_ids.tolist()), out_shape=(H, W), transform=transform,
+                      fill=255, dtype='uint8')
+    np.testing.assert_array_equal(burnt, labels)
+    cover = rasterize(((g, 1) for g in geoms), out_shape=(H, W), transform=transform,
+                      merge_alg=MergeAlg.add, dtype='uint8')
+    np.testing.assert_array_equal(cover, valid)  # once each, none in the collar
+
+    layers, token_rows = 4, -(-H // 16)  # the tiny model's trunk, 16 px patches
+    stages = [(desc, unit, total) for desc, unit, _, total in records if total]
+    assert sorted(set(stages), key=stages.index) == [
+        ('scene.tif (200 x 300): trunk (token rows x layers)', 'row-layer', layers * token_rows),
+        ('scene.tif (200 x 300): labels', 'row', H),
+        ('scene.tif (200 x 300): writing the overviews', 'row', H)]
+    for stage, total in (('trunk', layers * token_rows), ('labels', H)):
+        counts = [n for desc, _, n, _ in records if stage in desc]
+        assert counts == sorted(counts) and counts[-1] == total
 
 
 def _corrupt_tile(path, index=5):
@@ -656,11 +685,11 @@ def _bad_input(kind, tmp_path, monkeypatch):
         return path, [], ['no space left', 'labels.tif']
     if kind == 'budget_below_the_reader':
         return path, ['--max-memory', '1'], ['--max-memory 1 MB does not cover the reader and '
-                                             'the writer', 'raise it']
-    if kind == 'budget_below_minimum':  # what the reader and writer leave: the stream's error
-        return path, ['--max-memory', '100'], [
-            'no way to run within max_memory=', "model's share of --max-memory 100 MB: the "
-            'reader and the writer hold']
+                                             'the writers (reader 1, writer 114 MB)', 'raise it']
+    if kind == 'budget_below_minimum':  # what the reader and writers leave: the stream's error
+        return path, ['--max-memory', '300'], [
+            'no way to run within max_memory=', "model's share of --max-memory 300 MB: the "
+            'reader and the writers hold reader 64, writer 114 MB']
     if kind == 'interrupted':
         from xcit_mm.apis.large_image import reader
 

@@ -3,23 +3,30 @@ memory: the image is read by windows of rows, the XCiT segmentor streams it
 (``LeanEncoderDecoder.stream_labels``), and the labels are written band by band.
 
     python tools/segment_large_image.py CONFIG CHECKPOINT IMAGE --out LABELS.tif \\
+        [--confidence CONFIDENCE.tif] [--vector POLYGONS.gpkg [--min-area A] [--simplify T]] \\
         [--max-memory MB] [--device DEV] [--token-dir DIR] [--bands B [B ...]] \\
         [--scale MIN MAX [MIN MAX ...]] [--rgb-from {first3,gray}] [--scale-16bit [MAX]] \\
-        [--cfg-options KEY=VALUE ...]
+        [--include-nodata-tokens] [--cfg-options KEY=VALUE ...]
 
 IMAGE: any raster GDAL reads (GeoTIFF, BigTIFF, COG, JPEG2000, a VRT mosaic, PNG / JPEG with a
 world file, ...), or an OME-TIFF or slide TIFF (level 0, through tifffile), read by windows of
-rows. Its nodata, alpha and mask bands mark the pixels without data, which get the labels'
+rows. Its nodata, alpha and mask bands mark the pixels without data, which get the outputs'
 nodata. LABELS.tif: a Cloud-Optimized GeoTIFF of class ids (uint8 up to 255 classes, else
 uint16) with overviews, the dataset's palette as its colour table and its class names in
-LABELS.tif.aux.xml, carrying the input's georeferencing and none of its band metadata, written
-under a .partial name and renamed when complete. A problem with the input, the output or the budget
-is one line on stderr (exit status 1; 130 when interrupted) and leaves no file behind. See
-docs/gigapixel.md.
+LABELS.tif.aux.xml, carrying the input's georeferencing and none of its band metadata.
+CONFIDENCE.tif: the top-1 softmax probability as uint8 (0-255) on the same grid. POLYGONS: the
+labels as polygons (class id, class name, area) in the input's CRS, merged across the bands.
+
+One pass over the stream feeds every output; none of them is held whole. Each output is written
+under a .partial name and renamed when complete: the rasters first, then the polygons; if the
+polygons then fail, the tool removes the rasters it has just renamed, so a failed run leaves none
+of its outputs. A problem with the input, an output or the budget is one line on stderr (exit
+status 1; 130 when interrupted). See docs/gigapixel.md.
 """
 import argparse
 import errno
 import math
+import os
 import os.path as osp
 import signal
 import sys
@@ -27,22 +34,46 @@ import sys
 _REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
-WRITER_TILE = 512  # the label COG's tiles
+MB = 2 ** 20
+GEO_INSTALL = 'pip install xcit_mm[geo]'
+# What the outputs hold beside the model, left out of its share of --max-memory (MB):
+WRITER_TILE = 512  # the COGs' tiles: the writer holds one row of tiles per raster
 WRITER_CACHE_MB = 64  # GDAL's block cache for the writer, beside the reader's
+COG_COPY_MB = 50  # GDAL's COG driver copying the tiles with their overviews, beyond the cache
+# The polygons: up to 16 MB of complete polygons queued between writes and their arrays when
+# written, one slice's polygons from GDAL (a quarter megapixel) and the open polygons of
+# ordinary labels. Open polygons are not bounded by the budget: a class that spans the scene
+# holds its vertices (and those of the holes in it) until its last row.
+POLYGONS_MB = 64
 
 
 def parse_args(argv=None):
     from mmengine.config import DictAction
     parser = argparse.ArgumentParser(
-        description='Segment a gigapixel image at full resolution into a tiled label GeoTIFF')
+        description='Segment a gigapixel image at full resolution into a Cloud-Optimized '
+        'GeoTIFF of labels, and optionally its confidence and polygons')
     parser.add_argument('config', help='segmentation config (a LeanEncoderDecoder)')
     parser.add_argument('checkpoint', help='checkpoint file (path or URL)')
     parser.add_argument('image', help='input image: any raster GDAL reads (GeoTIFF, COG, '
                         'JPEG2000, VRT, PNG / JPEG, ...), or an OME-TIFF or slide TIFF')
-    parser.add_argument('--out', required=True, help='output label file (.tif)')
+    parser.add_argument('--out', required=True, metavar='LABELS.tif',
+                        help='output labels: a Cloud-Optimized GeoTIFF of class ids')
+    parser.add_argument('--confidence', default=None, metavar='PATH',
+                        help='also write the top-1 softmax probability as uint8 (0-255, 0 where '
+                        'there is no data) on the labels\' grid, a Cloud-Optimized GeoTIFF')
+    parser.add_argument('--vector', default=None, metavar='PATH',
+                        help='also write the labels as polygons (fields class_id, class_name, '
+                        'area) in the input\'s CRS: .gpkg, .fgb or .geojson')
+    parser.add_argument('--min-area', type=float, default=0.0, metavar='A',
+                        help='with --vector: drop polygons smaller than A, in the CRS\'s units '
+                        '(square metres for a projected CRS, square degrees for a geographic '
+                        'one, pixels without a CRS)')
+    parser.add_argument('--simplify', type=float, default=0.0, metavar='T',
+                        help='with --vector: simplify each polygon with tolerance T, in the '
+                        'CRS\'s units (metres for a projected CRS, pixels without a CRS)')
     parser.add_argument('--max-memory', type=float, default=None, metavar='MB',
-                        help='MB the reader and the segmentation may add; token maps that do not '
-                        'fit go to disk')
+                        help='MB the reader, the writers and the segmentation may add; token '
+                        'maps that do not fit go to disk')
     parser.add_argument('--device', default='cpu', help='torch device, e.g. cpu or cuda:0')
     parser.add_argument('--token-dir', default=None, metavar='DIR',
                         help='folder for the disk-backed token maps (default: the system temp '
@@ -60,6 +91,12 @@ def parse_args(argv=None):
     parser.add_argument('--scale-16bit', type=float, nargs='?', const=65535.0, default=None,
                         metavar='MAX', help='shortcut for --scale 0 MAX on a 16-bit image '
                         '(MAX default 65535)')
+    parser.add_argument('--include-nodata-tokens', action='store_true',
+                        help='let the tokens of pixels without data (nodata, alpha, mask) into '
+                        "XCA's sums over the whole image, as segmenting the whole image with "
+                        "mmseg's inference_model does. By default they are left out, so that "
+                        'the labels of the data do not depend on the size of a nodata collar. '
+                        'No effect on an image without nodata, alpha or mask')
     parser.add_argument('--cfg-options', nargs='+', action=DictAction, default=None,
                         metavar='KEY=VALUE', help='override config settings, e.g. '
                         'model.test_cfg.mode=stream model.test_cfg.band_mb=64 (bands of 64 MB)')
@@ -79,34 +116,145 @@ def _dataset_meta(model, cfg, key: str, num_classes: int):
     return list(value[:num_classes]) if value is not None and len(value) >= num_classes else None
 
 
+def _outputs(args) -> dict:
+    """The outputs asked for, by option."""
+    return {option: path for option, path in (('--out', args.out),
+                                              ('--confidence', args.confidence),
+                                              ('--vector', args.vector)) if path is not None}
+
+
+def check_outputs(args, inputs=()) -> None:
+    """Fail before any work on options that do not go together, or on an output that cannot be
+    written: its folder missing, a folder itself, a file the input reads (``inputs``: also
+    through a link or another relative path) or the path of another output."""
+    from xcit_mm.apis.large_image import LargeImageError, check_vector_output
+    if args.vector is None:
+        for option, value in (('--min-area', args.min_area), ('--simplify', args.simplify)):
+            if value:
+                raise LargeImageError(f'{option} applies to the polygons: give --vector PATH '
+                                      f'too, or drop {option}')
+    if args.vector is not None:
+        check_vector_output(args.vector)
+    earlier = [('a file the input reads', path) for path in inputs]
+    for option, path in _outputs(args).items():
+        folder = osp.dirname(osp.abspath(path))
+        if not osp.isdir(folder):
+            raise LargeImageError(f'output folder does not exist: {folder}; create it or choose '
+                                  f'another {option}')
+        if osp.isdir(path):
+            raise LargeImageError(f'{option} {path} is a folder; give a file name')
+        for what, other in earlier:
+            if osp.realpath(path) == osp.realpath(other) or (
+                    osp.exists(path) and osp.exists(other) and osp.samefile(path, other)):
+                same = '' if osp.abspath(path) == osp.abspath(other) else f' ({other})'
+                raise LargeImageError(f'{option} {path} is {what}{same}: it would be '
+                                      f'overwritten; choose another {option}')
+        earlier.append((f'the path of {option}', path))
+
+
+def _memory_shares(source, width: int, num_classes: int, args) -> dict:
+    """MB of --max-memory that the reader, the raster writer and the polygons hold (the model
+    gets the rest), and GDAL's block cache (one per process: the reader's and the writer's)."""
+    label_bytes = 1 if num_classes <= 255 else 2
+    tile_rows = WRITER_TILE * width * (label_bytes + (args.confidence is not None)) / MB
+    shares = dict(reader=math.ceil(source.memory_mb),
+                  writer=WRITER_CACHE_MB + COG_COPY_MB + tile_rows,
+                  polygons=POLYGONS_MB if args.vector is not None else 0)
+    return dict(shares, cache_mb=shares['reader'] + WRITER_CACHE_MB)
+
+
+class _StreamProgress:
+    """The stream's two stages on one tqdm bar, each counting its own unit from 0 to its total
+    (see ``stage_reporter``): the trunk's layers over the token rows, whose rate gives the time
+    left of the trunk, then the label rows; the bar starts again at each stage so that its rate
+    and time left are of that stage's work."""
+
+    STAGES = {'trunk': ('trunk (token rows x layers)', 'row-layer'), 'labels': ('labels', 'row')}
+
+    def __init__(self, bar, name: str):
+        self.bar, self.name, self.stage = bar, name, None
+
+    def __call__(self, done: int, total: int, stage: str) -> None:
+        if stage != self.stage:
+            self.stage = stage
+            description, self.bar.unit = self.STAGES[stage]
+            self.bar.set_description_str(f'{self.name}: {description}', refresh=False)
+            self.bar.reset(total)
+        self.bar.n = done
+        self.bar.refresh()
+
+    def writing(self) -> None:
+        """The labels are made: the writer makes the overviews."""
+        self.bar.set_description_str(f'{self.name}: writing the overviews')
+
+
+def _feed(stream, polygons, valid_rows, masks: dict, progress: _StreamProgress):
+    """The stream's bands on to the raster writer, each band's labels given to the polygons
+    first; the band's pixels without data read once (``masks``) for both. The stream is closed
+    when the writer stops, so that its token maps go at once, not when collected."""
+    try:
+        for band in stream:
+            start, stop, labels = band[:3]
+            masks.clear()
+            masks[start, stop] = None if valid_rows is None else ~valid_rows(start, stop)
+            if polygons is not None:
+                polygons.add_band(start, labels, nodata_mask=masks[start, stop])
+            yield band
+        progress.writing()
+    finally:
+        stream.close()
+
+
+def _remove(paths) -> None:
+    for path in paths:
+        if osp.lexists(path):
+            os.remove(path)
+
+
+def _check_geo_packages(vector: bool) -> None:
+    """rasterio reads and writes the rasters; pyogrio and shapely make the polygons."""
+    import importlib
+    for name in ['rasterio'] + ['pyogrio', 'shapely'] * vector:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            raise RuntimeError(f'{name} is not installed; {GEO_INSTALL}') from None
+
+
 def run(args) -> None:
-    """Check the input and output, build the model, stream the labels into the file."""
+    """Check the input and outputs, build the model, stream the labels into the outputs."""
+    _check_geo_packages(args.vector is not None)
     import torch
     from tqdm import tqdm
 
-    from xcit_mm.apis.large_image import (LargeImageError, check_output, model_rows,
+    from xcit_mm.apis.large_image import (LargeImageError, PolygonWriter, model_rows,
                                           open_image, write_label_rasters)
     from xcit_mm.apis.utils import read_config
     cfg = read_config(args.config, args.cfg_options)
     mean = (cfg.model.get('data_preprocessor') or {}).get('mean') or [0, 0, 0]
-    check_output(args.out)
+    check_outputs(args)
     device = torch.device(args.device)
     if device.type == 'cuda' and not torch.cuda.is_available():
         raise LargeImageError(f'--device {args.device}: no CUDA device here; use --device cpu')
     with open_image(args.image, args.max_memory) as source:
-        check_output(args.out, source.files)
+        check_outputs(args, source.files)
+        if args.vector is not None and source.gcps:
+            raise LargeImageError(
+                f'--vector: {args.image} is placed by ground control points, not by a '
+                'geotransform, so the polygons cannot be put in its CRS; warp it first (e.g. '
+                'gdalwarp -r near IN OUT.tif) or drop --vector')
         read_rows = model_rows(source, len(mean), args.bands, args.scale, args.rgb_from,
                                args.scale_16bit)
-        # GDAL's block cache is one per process: the reader's share and the writer's, both
-        # left out of the model's budget with the writer's tile row
-        height, width = source.height, source.width
-        gdal_cache_mb = math.ceil(source.memory_mb) + WRITER_CACHE_MB
-        writer_mb = gdal_cache_mb + WRITER_TILE * width * 2 / 2 ** 20
-        budget = None if args.max_memory is None else args.max_memory - writer_mb
+        height, width = hw = source.height, source.width
+        shares = _memory_shares(source, width, cfg.model.decode_head.num_classes, args)
+        held = shares['reader'] + shares['writer'] + shares['polygons']
+        held_text = ', '.join(f'{k} {v:.0f}' for k, v in shares.items()
+                              if k != 'cache_mb' and v) + ' MB'
+        budget = None if args.max_memory is None else args.max_memory - held
         if budget is not None and budget <= 0:
             raise LargeImageError(f'--max-memory {args.max_memory:g} MB does not cover the '
-                                  f'reader and the writer ({writer_mb:.0f} MB), let alone the '
-                                  'model: raise it')
+                                  f'reader and the writers ({held_text}), let alone the model: '
+                                  'raise it')
         from mmengine.runner import load_checkpoint
         from mmseg.apis import init_model
 
@@ -114,7 +262,7 @@ def run(args) -> None:
         from xcit_mm.models.utils import check_checkpoint
         from xcit_mm.models.utils.memory_budget import MemoryBudgetError
         # mmseg's init_model needs a checkpoint 'meta' (KeyError without one): weights loaded
-        # here, the palette read by _palette
+        # here, the palette and class names read by _dataset_meta
         model = init_model(cfg, None, device='cpu')
         checkpoint = load_checkpoint(model, check_checkpoint(args.checkpoint), map_location='cpu')
         meta = checkpoint.get('meta') if isinstance(checkpoint, dict) else None
@@ -124,36 +272,46 @@ def run(args) -> None:
             raise LargeImageError(f'{type(model).__name__} cannot stream a large image; set '
                                   "model.type='LeanEncoderDecoder' in the config")
         num_classes = model.decode_head.num_classes
-        hw = (height, width)
-        bar = tqdm(desc=f'segmenting {osp.basename(args.image)} ({hw[0]} x {hw[1]})',
-                   unit='band', disable=None, file=sys.stderr)
-
-        def progress(done, total):
-            bar.total, bar.n = total, done
-            bar.refresh()
-
-        def label_rows(rows):
-            bar.set_postfix_str(f'label rows {rows}/{hw[0]}')
-
-        nodata = None if read_rows.valid_rows is None else (
-            lambda start, stop: ~read_rows.valid_rows(start, stop))
+        class_names = _dataset_meta(model, cfg, 'classes', num_classes)
+        valid_rows = read_rows.valid_rows
+        masks = {}  # the current band's pixels without data, for the writer and the polygons
+        rasters = [p for p in (args.out, args.confidence) if p is not None]
+        polygons = None
+        name = f'{osp.basename(args.image)} ({height} x {width})'
+        bar = tqdm(desc=name, disable=None, file=sys.stderr)
+        progress = _StreamProgress(bar, name)
         try:
+            if args.vector is not None:  # without class names, class_name is the class id
+                polygons = PolygonWriter(
+                    args.vector, class_names or [str(i) for i in range(num_classes)],
+                    crs=source.crs, transform=source.transform, min_area=args.min_area,
+                    simplify=args.simplify, height=height)
             with torch.no_grad():
                 stream = model.stream_labels(read_rows, hw, max_memory=budget,
-                                             token_dir=args.token_dir, progress=progress,
-                                             valid_rows=read_rows.valid_rows)
+                                             token_dir=args.token_dir,
+                                             progress=progress,
+                                             confidence=args.confidence is not None,
+                                             valid_rows=valid_rows,
+                                             mask_xca=not args.include_nodata_tokens)
                 write_label_rasters(
-                    args.out, stream, hw, num_classes,
+                    args.out, _feed(stream, polygons, valid_rows, masks, progress), hw, num_classes,
                     palette=_dataset_meta(model, cfg, 'palette', num_classes),
-                    class_names=_dataset_meta(model, cfg, 'classes', num_classes),
-                    crs=source.crs, transform=source.transform, gcps=source.gcps,
-                    nodata_mask=nodata, tile=WRITER_TILE, cache_mb=gdal_cache_mb,
-                    on_rows=label_rows)
+                    class_names=class_names, crs=source.crs, transform=source.transform,
+                    gcps=source.gcps, confidence_out=args.confidence,
+                    nodata_mask=None if valid_rows is None else lambda a, b: masks[a, b],
+                    tile=WRITER_TILE, cache_mb=shares['cache_mb'])
+            try:  # the rasters are renamed: the polygons last, the rasters removed if they fail
+                if polygons is not None:
+                    polygons.close()
+            except BaseException:
+                _remove(rasters + [p + '.aux.xml' for p in rasters])
+                raise
         except MemoryBudgetError as e:  # the model's share of the budget, told as the user's
             raise LargeImageError(f'{e} (the model\'s share of --max-memory {args.max_memory:g} '
-                                  f'MB: the reader and the writer hold {writer_mb:.0f} MB)'
-                                  ) from None
+                                  f'MB: the reader and the writers hold {held_text})') from None
         finally:
+            if polygons is not None:
+                polygons.abort()  # nothing left to do after a close; the partial file otherwise
             bar.close()
 
 
@@ -164,7 +322,7 @@ def main(argv=None) -> int:
     try:
         run(args)
     except KeyboardInterrupt:
-        print(f'error: interrupted; no {args.out} written', file=sys.stderr)
+        print('error: interrupted; no output written', file=sys.stderr)
         return 130
     except (OSError, ValueError, RuntimeError) as e:  # ours, the engine's (budget, memory)
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
@@ -172,7 +330,7 @@ def main(argv=None) -> int:
                  'choose another --out / --token-dir')
         print(error_line(e), file=sys.stderr)
         return 1
-    print(f'labels written: {args.out}')
+    print('written: ' + ', '.join(_outputs(args).values()))
     return 0
 
 

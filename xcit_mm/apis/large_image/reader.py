@@ -29,11 +29,6 @@ import numpy as np
 
 from .errors import LargeImageError
 
-# GeoTIFF tags that place a raster on the ground, copied to the labels by today's writer; never
-# the band metadata (GDAL_METADATA, 42112: scale, offset, names, statistics of the input's bands)
-GEO_TAGS = {33550: 'ModelPixelScale', 33922: 'ModelTiepoint', 34264: 'ModelTransformation',
-            34735: 'GeoKeyDirectory', 34736: 'GeoDoubleParams', 34737: 'GeoAsciiParams'}
-GDAL_NODATA = 42113
 _TIFF_MAGIC = (b'II*\x00', b'MM\x00*', b'II+\x00', b'MM\x00+')
 # tifffile's flags of the microscopy and slide TIFFs it reads and GDAL does not read as one image
 _TIFFFILE_KINDS = ('ome', 'svs', 'ndpi', 'scn', 'bif', 'philips', 'qpi', 'imagej', 'lsm', 'stk',
@@ -74,7 +69,6 @@ class _Source(contextlib.AbstractContextManager):
     transform = None
     gcps: List = []
     alpha_bands: Tuple[int, ...] = ()
-    geotags: List[tuple] = []
 
     def read_rows(self, start: int, stop: int,
                   bands: Optional[Sequence[int]] = None) -> np.ndarray:
@@ -348,10 +342,7 @@ def open_image(path: str, max_memory: Optional[float] = None) -> _Source:
     try:
         if _tifffile_reads(tif):
             return _TiffSource(tif, path, max_memory)
-        page = tif.pages.first
-        check_segments(page, tif.filehandle.size, path)
-        geotags = [(tag.code, tag.dtype, tag.count, tag.value, True)
-                   for tag in map(page.tags.get, GEO_TAGS) if tag]
+        check_segments(tif.pages.first, tif.filehandle.size, path)
     except LargeImageError:
         tif.close()
         raise
@@ -360,9 +351,7 @@ def open_image(path: str, max_memory: Optional[float] = None) -> _Source:
         return _GdalSource(path, max_memory, tiff=True,
                            note=f'; tifffile: {type(e).__name__}: {e}')
     tif.close()
-    source = _GdalSource(path, max_memory, tiff=True)
-    source.geotags = geotags  # for write_labels, until it goes
-    return source
+    return _GdalSource(path, max_memory, tiff=True)
 
 
 class ModelRows:

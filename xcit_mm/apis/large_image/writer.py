@@ -1,7 +1,7 @@
 # Copyright (c) xcit_mm contributors. All rights reserved.
-"""The label files, written band by band as the stream gives the labels: ``write_label_rasters``
-(Cloud-Optimized GeoTIFFs of the labels and the confidence, for GDAL and QGIS) and the older
-``write_labels`` (a tiled BigTIFF, which the tool writes until it moves to the former)."""
+"""The label files, written band by band as the stream gives the labels:
+``write_label_rasters``, Cloud-Optimized GeoTIFFs of the labels and the confidence, for GDAL and
+QGIS."""
 import contextlib
 import errno
 import os
@@ -15,8 +15,6 @@ from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .errors import LargeImageError
-
-GDAL_NODATA = 42113  # the TIFF tag in which GDAL keeps a band's nodata value, as text
 
 
 def _checked_bands(bands: Iterable[tuple], hw: Tuple[int, int], with_confidence: bool = False
@@ -53,74 +51,6 @@ def _checked_bands(bands: Iterable[tuple], hw: Tuple[int, int], with_confidence:
 def _numpy(rows) -> np.ndarray:
     return rows.numpy() if hasattr(rows, 'numpy') else np.asarray(rows)
 
-
-def _tiles(bands: Iterable[Tuple[int, int, object]], hw: Tuple[int, int], dtype: np.dtype,
-           tile: int, nodata_mask: Optional[Callable[[int, int], np.ndarray]],
-           on_rows: Optional[Callable[[int], None]]) -> Iterator[np.ndarray]:
-    """Tiles in file order from label bands in row order, one row of tiles buffered; the parts
-    of edge tiles past the image are zeros."""
-    height, width = hw
-    pending = np.zeros((0, width), dtype)  # rows received, not yet in a tile row
-    for start, stop, labels, _ in _checked_bands(bands, hw):
-        labels = labels.astype(dtype)
-        if nodata_mask is not None:
-            labels[nodata_mask(start, stop)] = np.iinfo(dtype).max
-        if on_rows is not None:
-            on_rows(stop)
-        pending = np.concatenate([pending, labels])
-        while len(pending) >= tile or (stop == height and len(pending)):
-            row = np.zeros((tile, -(-width // tile) * tile), dtype)  # zeros past the edges
-            row[:min(tile, len(pending)), :width] = pending[:tile]
-            pending = pending[tile:]
-            for x in range(0, width, tile):
-                yield row[:, x:x + tile].copy()
-
-
-def write_labels(out: str, bands: Iterable[Tuple[int, int, object]], hw: Tuple[int, int],
-                 num_classes: int, palette=None, geotags: Sequence[tuple] = (),
-                 nodata_mask: Optional[Callable[[int, int], np.ndarray]] = None,
-                 tile: int = 256, on_rows: Optional[Callable[[int], None]] = None) -> None:
-    """Label bands ``(start, stop, labels)``, top to bottom, into a deflate-tiled BigTIFF (uint8
-    up to 255 classes, uint16 above; ``nodata_mask``'s pixels the dtype's largest value), written
-    as ``out + '.partial'`` and renamed once complete, so a failed run leaves no file."""
-    import tifffile
-    if num_classes > 65535:
-        raise LargeImageError(f'{num_classes} classes do not fit a 16-bit label file')
-    # uint8 up to 255 classes: 255 stays free for nodata
-    dtype = np.dtype(np.uint8 if num_classes <= 255 else np.uint16)
-    cmap = None
-    if palette:  # the TIFF ColorMap: 16-bit RGB, 2**bits entries, those past the palette black
-        cmap = np.zeros((3, 2 ** (8 * dtype.itemsize)), np.uint16)
-        rgb = np.asarray(palette, np.uint16)[:cmap.shape[1]]
-        cmap[:, :len(rgb)] = rgb.T * 257
-    extratags = list(geotags)
-    if nodata_mask is not None:
-        extratags.append((GDAL_NODATA, 's', 0, str(np.iinfo(dtype).max), True))
-    partial = out + '.partial'
-    tiles = _tiles(bands, hw, dtype, tile, nodata_mask, on_rows)
-    try:
-        with tifffile.TiffWriter(partial, bigtiff=True) as tw:
-            # tifffile closes the iterator it is given: a generator expression, so that `tiles`
-            # stays open for the line after
-            tw.write((t for t in tiles), shape=tuple(hw), dtype=dtype, tile=(tile, tile),
-                     compression='zlib', colormap=cmap, extratags=extratags, metadata=None,
-                     photometric='palette' if cmap is not None else 'minisblack')
-        next(tiles, None)  # the bands run to their end: _tiles refuses any past the last row
-        os.replace(partial, out)
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise LargeImageError(f'no space left on the device while writing {partial}; free '
-                                  'space there or choose another --out') from None
-        raise
-    finally:
-        tiles.close()
-        if hasattr(bands, 'close'):  # an unfinished engine generator cleans up now, not at GC
-            bands.close()
-        if osp.exists(partial):  # not renamed: the run failed
-            os.remove(partial)
-
-
-# -- the label and confidence rasters as Cloud-Optimized GeoTIFFs ----------------------------
 
 @dataclass
 class _Raster:
