@@ -26,14 +26,19 @@ setup(
     # allow-listed, see xcit_mm/models/utils/safe_unpickling.py).
     # safetensors files and hf-hub: names (xcit_mm/models/utils/checkpoint_io.py): the calls and
     # error classes used exist from these releases on; tools/install.sh pins the ones tested.
-    # tools/segment_large_image.py (xcit_mm/apis/large_image/): TIFF tiles read and written
-    # (TiffPage.decode, TiffWriter.write of a tile iterator); imagecodecs for LZW / JPEG tiles.
     install_requires=['mmengine>=0.10,<0.11', 'numpy>=1.23,<2', 'safetensors>=0.4.3',
-                      'huggingface_hub>=0.23', 'tifffile>=2023.7.10', 'imagecodecs>=2023.3.16'],
+                      'huggingface_hub>=0.23'],
     # ONNX export and its ONNX Runtime check (tools/deployment/export_onnx.py): releases that
     # install with numpy 1.x (see tools/install.sh).
-    # rasterio (GDAL): the test that the label file lies over its input GeoTIFF.
-    extras_require={'onnx': ['onnx==1.17.0', 'onnxruntime==1.20.1'], 'geo': ['rasterio==1.4.4']},
+    # tools/segment_large_image.py (xcit_mm/apis/large_image/), `pip install xcit_mm[geo]`: the
+    # backbone needs none of it. rasterio reads every GDAL raster and writes the label and
+    # confidence COGs; tifffile reads slide and OME-TIFF tiles (TiffPage.decode), imagecodecs
+    # decodes their LZW / JPEG tiles; pyogrio writes the polygons (its Arrow writer: 0.8 and
+    # later) and shapely 2 merges them. The wheels bundle GDAL and GEOS. Tested with rasterio
+    # 1.4.4, tifffile 2026.3.3, imagecodecs 2026.1.14, pyogrio 0.13.0, shapely 2.2.0.
+    extras_require={'onnx': ['onnx==1.17.0', 'onnxruntime==1.20.1'],
+                    'geo': ['rasterio>=1.4', 'tifffile>=2023.7.10', 'imagecodecs>=2023.3.16',
+                            'pyogrio>=0.8', 'shapely>=2.0']},
     license='Apache-2.0',
     zip_safe=False,
 )

@@ -1,8 +1,9 @@
 # Copyright (c) xcit_mm contributors. All rights reserved.
-"""tools/segment_large_image.py and xcit_mm.apis.large_image: windows of rows read from TIFF
-files of every layout equal tifffile's whole read; the label file written by tiles is what
-GDAL (rasterio) places over the input, with the palette; the tool's labels are the whole-image
-labels of the same model; every bad input is one line and leaves no file.
+"""tools/segment_large_image.py and xcit_mm.apis.large_image's reader: windows of rows read from
+rasters of every layout GDAL (or tifffile) reads equal their whole read; the tool's labels are
+the whole-image labels of the same model, placed by GDAL over the input, with the confidence and
+polygons of the same run; every bad input or output is one line and leaves no file. (The COG
+writer: tests/test_raster_writer.py; the polygons alone: tests/test_polygons.py.)
 
 The model is a small XCiT Semantic FPN built from the paper's ADE20k config (random weights,
 150 classes); the images are 200 x 300 so the file stays fast. The expected labels come from
@@ -12,6 +13,7 @@ import errno
 import importlib.util
 import os
 import os.path as osp
+import sys
 
 import numpy as np
 import pytest
@@ -658,7 +660,40 @@ def _bad_input(kind, tmp_path, monkeypatch):
                          compression='zlib', rowsperstrip=600, photometric='rgb')
         return path, ['--max-memory', '2'], [path, 'gdal_translate -co TILED=YES',
                                              'raise --max-memory']
+    if kind == 'vector_of_a_scene_placed_by_gcps':
+        from rasterio.control import GroundControlPoint
+        gcps = [GroundControlPoint(r, c, 500000 + c, 4100000 - r) for r, c in
+                ((0, 0), (0, W), (H, 0), (H, W))]
+        _write(path, img[:, :, :3], gcps=gcps, crs='EPSG:32633')
+        return path, ['--vector', str(tmp_path / 'labels.gpkg')], [
+            'placed by ground control points', 'gdalwarp', 'drop --vector']
     _write(path, img[:, :, :3], crs='EPSG:32633', transform=_affine())
+    if kind == 'confidence_is_the_out':
+        return path, ['--confidence', str(tmp_path / 'labels.tif')], [
+            '--confidence', 'is the path of --out', 'choose another --confidence']
+    if kind == 'confidence_is_the_input':
+        return path, ['--confidence', path], ['--confidence', 'is a file the input reads']
+    if kind == 'confidence_folder_missing':
+        return path, ['--confidence', str(tmp_path / 'no' / 'c.tif')], [
+            'output folder does not exist', 'another --confidence']
+    if kind == 'vector_format_unknown':
+        return path, ['--vector', str(tmp_path / 'labels.shp')], [
+            'unknown polygon format', '.gpkg, .fgb, .geojson']
+    if kind == 'geo_package_missing':  # installed without setup.py's geo extra
+        monkeypatch.setitem(sys.modules, 'pyogrio', None)  # its import fails
+        return path, ['--vector', str(tmp_path / 'labels.gpkg')], [
+            'pyogrio is not installed; pip install xcit_mm[geo]']
+    if kind == 'min_area_without_vector':
+        return path, ['--min-area', '5'], ['--min-area applies to the polygons', '--vector']
+    if kind == 'polygons_fail_last':  # after the rasters got their names: none is left
+        from xcit_mm.apis.large_image import polygons
+
+        def fails(self):
+            assert {'labels.tif', 'confidence.tif'} <= set(os.listdir(tmp_path))
+            raise RuntimeError('Cannot write feature')
+        monkeypatch.setattr(polygons.PolygonWriter, '_convert', fails)
+        return path, ['--confidence', str(tmp_path / 'confidence.tif'), '--vector',
+                      str(tmp_path / 'labels.fgb')], ['Cannot write feature']
     if kind == 'output_folder_missing':
         return path, ['--out', str(tmp_path / 'no' / 'labels.tif')], ['output folder does not']
     if kind == 'out_is_the_input':
@@ -681,8 +716,9 @@ def _bad_input(kind, tmp_path, monkeypatch):
         def full(raster, rows, last):
             assert any('.partial' in name for name in os.listdir(tmp_path))
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        monkeypatch.setattr(writer, '_add_rows', full)
-        return path, [], ['no space left', 'labels.tif']
+        monkeypatch.setattr(writer, '_add_rows', full)  # the polygons' file begun too
+        return path, ['--confidence', str(tmp_path / 'confidence.tif'), '--vector',
+                      str(tmp_path / 'labels.gpkg')], ['no space left', 'labels.tif']
     if kind == 'budget_below_the_reader':
         return path, ['--max-memory', '1'], ['--max-memory 1 MB does not cover the reader and '
                                              'the writers (reader 1, writer 114 MB)', 'raise it']
@@ -705,9 +741,12 @@ BEFORE_THE_MODEL = ['not_an_image', 'missing', 'broken_header', 'truncated', '1_
                     '4_band', 'gray_flag_on_4_band', 'band_out_of_range', '16_bit',
                     'float_without_scale', 'one_strip_over_the_budget', 'output_folder_missing',
                     'out_is_the_input', 'out_is_the_input_by_a_link', 'out_is_a_vrt_source',
-                    'budget_below_the_reader']
+                    'confidence_is_the_out', 'confidence_is_the_input',
+                    'confidence_folder_missing', 'vector_format_unknown',
+                    'min_area_without_vector', 'vector_of_a_scene_placed_by_gcps',
+                    'geo_package_missing', 'budget_below_the_reader']
 DURING_THE_STREAM = ['cfg_options_applied', 'corrupt_tile', 'disk_full', 'budget_below_minimum',
-                     'interrupted']
+                     'interrupted', 'polygons_fail_last']
 
 
 @pytest.mark.parametrize('kind', BEFORE_THE_MODEL + DURING_THE_STREAM)

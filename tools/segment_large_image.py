@@ -212,9 +212,11 @@ def _remove(paths) -> None:
 
 
 def _check_geo_packages(vector: bool) -> None:
-    """rasterio reads and writes the rasters; pyogrio and shapely make the polygons."""
+    """The packages of setup.py's ``geo`` extra that the run needs, before any work: rasterio
+    reads and writes the rasters, tifffile and imagecodecs read slide and OME-TIFF tiles,
+    pyogrio and shapely make the polygons."""
     import importlib
-    for name in ['rasterio'] + ['pyogrio', 'shapely'] * vector:
+    for name in ['rasterio', 'tifffile', 'imagecodecs'] + ['pyogrio', 'shapely'] * vector:
         try:
             importlib.import_module(name)
         except ImportError:
