@@ -36,14 +36,17 @@ if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 MB = 2 ** 20
 GEO_INSTALL = 'pip install xcit_mm[geo]'
-# What the outputs hold beside the model, left out of its share of --max-memory (MB):
-WRITER_TILE = 512  # the COGs' tiles: the writer holds one row of tiles per raster
-WRITER_CACHE_MB = 64  # GDAL's block cache for the writer, beside the reader's
-COG_COPY_MB = 50  # GDAL's COG driver copying the tiles with their overviews, beyond the cache
-# The polygons: up to 16 MB of complete polygons queued between writes and their arrays when
-# written, one slice's polygons from GDAL (a quarter megapixel) and the open polygons of
-# ordinary labels. Open polygons are not bounded by the budget: a class that spans the scene
-# holds its vertices (and those of the holes in it) until its last row.
+# What the reader and the outputs hold beside the model, left out of its share of --max-memory
+# (MB; _memory_shares adds them up):
+WRITER_TILE = 512  # the COGs' tiles: the writer fills one row of tiles (512 rows x W) per raster
+WRITER_CACHE_MB = 64  # GDAL's block cache for the writer's tiles and overviews, beyond the reader's
+COG_COPY_MB = 50  # GDAL's COG driver copying the tiles into the COG with its overviews
+# The polygons (PolygonWriter): up to 16 MB of complete polygons queued between writes, and
+# their arrays while written; GDAL's polygons of one slice of a band (a quarter megapixel) as
+# Python lists; the open polygons (those reaching the latest band's last row). That is a few
+# MB for ordinary labels; labels that change class at most pixels take more, and the open
+# polygons are not bounded at all: a class spanning the scene keeps its vertices, and those of
+# the holes in it, until its last row.
 POLYGONS_MB = 64
 
 
@@ -155,9 +158,10 @@ def check_outputs(args, inputs=()) -> None:
 def _memory_shares(source, width: int, num_classes: int, args) -> dict:
     """MB of --max-memory that the reader, the raster writer and the polygons hold (the model
     gets the rest), and GDAL's block cache (one per process: the reader's and the writer's)."""
-    label_bytes = 1 if num_classes <= 255 else 2
+    label_bytes = 1 if num_classes <= 255 else 2  # uint8 labels up to 255 classes, else uint16
+    # the row of tiles being filled: the labels', and the confidence's (uint8) when written
     tile_rows = WRITER_TILE * width * (label_bytes + (args.confidence is not None)) / MB
-    shares = dict(reader=math.ceil(source.memory_mb),
+    shares = dict(reader=math.ceil(source.memory_mb),  # its block cache (or tifffile's rows)
                   writer=WRITER_CACHE_MB + COG_COPY_MB + tile_rows,
                   polygons=POLYGONS_MB if args.vector is not None else 0)
     return dict(shares, cache_mb=shares['reader'] + WRITER_CACHE_MB)
