@@ -426,43 +426,6 @@ def test_the_reader_holds_a_bounded_share_of_the_budget(tmp_path):
 
 # -- the tool --------------------------------------------------------------------------------
 
-def test_labels_equal_inference_model(tool, tiny, tmp_path):
-    """A GeoTIFF with a reflectance product's band metadata (scale 1e-4, offset -0.1, band
-    names, statistics): the labels are those of the whole image through mmseg's inference_model
-    on >= 99.99% of pixels, in a tiled deflate uint8 COG with the ADE20k palette, placed by GDAL
-    (rasterio) over the input, and carrying none of the input's band metadata (bug 1: QGIS
-    showed class 3 as -0.0997)."""
-    import rasterio
-    from mmseg.apis import inference_model
-    from mmseg.datasets import ADE20KDataset
-    config, checkpoint, model = tiny
-    img = np.maximum(_image(), 1)  # no pixel without data
-    scene = _write(tmp_path / 'scene.tif', img, crs='EPSG:32633', transform=_affine())
-    with rasterio.open(scene, 'r+') as src:
-        src.scales, src.offsets = (1e-4, ) * 3, (-0.1, ) * 3
-        src.descriptions = ('Red', 'Green', 'Blue')
-        for band in (1, 2, 3):
-            src.update_tags(band, STATISTICS_MEAN=0.05, STATISTICS_MAXIMUM=0.2)
-    out = str(tmp_path / 'labels.tif')
-    assert tool.main([config, checkpoint, scene, '--out', out]) == 0
-    assert sorted(os.listdir(tmp_path)) == ['labels.tif', 'labels.tif.aux.xml', 'scene.tif']
-    with rasterio.open(out) as dst, rasterio.open(scene) as src:
-        assert src.scales[0] == 1e-4 and src.descriptions[0] == 'Red'  # as GDAL reads them
-        assert (dst.transform, dst.crs, dst.shape) == (src.transform, src.crs, src.shape)
-        assert dst.scales == (1.0, ) and dst.offsets == (0.0, )
-        assert dst.descriptions[0] != 'Red' and 'STATISTICS_MEAN' not in dst.tags(1)
-        assert dst.dtypes == ('uint8',) and dst.compression.name == 'deflate'
-        assert dst.block_shapes == [(512, 512)] and dst.profile['tiled']
-        assert dst.colorinterp[0].name == 'palette' and dst.nodata == 255
-        palette = ADE20KDataset.METAINFO['palette']
-        assert [dst.colormap(1)[i][:3] for i in range(150)] == [tuple(p) for p in palette]
-        labels = dst.read(1)
-    expected = inference_model(model, np.ascontiguousarray(img[:, :, ::-1]))
-    expected = expected.pred_sem_seg.data[0].numpy()
-    assert (labels == expected).mean() >= 0.9999
-    assert len(np.unique(expected)) > 1
-
-
 def test_vrt_mosaic_with_a_collar_through_the_tool(tool, tiny, tmp_path):
     """A VRT of four 16-bit 4-band GeoTIFFs with a nodata collar, read as one scene with
     ``--bands 3 2 1 --scale 0 65535``: the labels are placed by GDAL (rasterio) exactly over the
@@ -528,15 +491,18 @@ def _recording_bar(records):
     return Bar
 
 
-def test_confidence_and_polygons_in_one_run(tool, tiny, tmp_path, monkeypatch):
-    """``--confidence`` and ``--vector`` beside the labels, from one pass of the stream, on a
-    scene with a 30% nodata collar and ``--include-nodata-tokens`` (the collar in XCA's sums, as
-    in the whole image): the labels of the valid pixels are those of the whole image through
-    inference_model (>= 99.99%), the confidence is round(255 x its top softmax probability)
-    within 1, on the labels' grid (GDAL's CRS, transform and size), 0 in the collar. The
-    polygons, in the scene's CRS and burnt back by GDAL, are the label file exactly: each valid
-    pixel in one polygon of its class, named as the dataset names it, no polygon in the collar.
-    The progress bar counts the trunk's token rows x layers, then the label rows."""
+def test_labels_confidence_and_polygons_of_one_run(tool, tiny, tmp_path, monkeypatch):
+    """The labels, ``--confidence`` and ``--vector`` from one pass of the stream, for a GeoTIFF
+    with a reflectance product's band metadata (scale 1e-4, offset -0.1, band names,
+    statistics) and a 30% nodata collar, run with ``--include-nodata-tokens`` (the collar in
+    XCA's sums, as in the whole image). The labels of the valid pixels are those of the whole
+    image through mmseg's inference_model (>= 99.99%), in a tiled deflate uint8 COG with the
+    ADE20k palette, nodata in the collar, placed by GDAL over the input and carrying none of its
+    band metadata (bug 1: QGIS showed class 3 as -0.0997). The confidence is round(255 x the
+    top softmax probability) within 1, on the labels' grid, 0 in the collar. The polygons, in
+    the scene's CRS and burnt back by GDAL, are the label file exactly: each valid pixel in one
+    polygon of its class, named as the dataset names it, none in the collar. The progress bar
+    counts the trunk's token rows x layers, then the label rows."""
     import pyogrio.raw
     import rasterio
     import shapely
@@ -548,6 +514,11 @@ def test_confidence_and_polygons_in_one_run(tool, tiny, tmp_path, monkeypatch):
     img = _image()
     img[:, :90] = 0  # the collar (nodata 0), beside the black corner
     scene = _geotiff(tmp_path / 'scene.tif', img)
+    with rasterio.open(scene, 'r+') as src:
+        src.scales, src.offsets = (1e-4, ) * 3, (-0.1, ) * 3
+        src.descriptions = ('Red', 'Green', 'Blue')
+        for band in (1, 2, 3):
+            src.update_tags(band, STATISTICS_MEAN=0.05, STATISTICS_MAXIMUM=0.2)
     out, confidence_out, vector = (str(tmp_path / name) for name in
                                    ('labels.tif', 'confidence.tif', 'labels.gpkg'))
     records = []
@@ -559,10 +530,18 @@ def test_confidence_and_polygons_in_one_run(tool, tiny, tmp_path, monkeypatch):
     with rasterio.open(scene) as src, rasterio.open(out) as dst, \
             rasterio.open(confidence_out) as conf:
         valid = src.dataset_mask() > 0
+        assert src.scales[0] == 1e-4 and src.descriptions[0] == 'Red'  # as GDAL reads them
         for raster in (dst, conf):
             assert (raster.crs, raster.transform, raster.shape) == (src.crs, src.transform,
                                                                     src.shape)
-        assert conf.dtypes == ('uint8', ) and conf.nodata == 0
+            assert raster.scales == (1.0, ) and raster.offsets == (0.0, )
+            assert raster.descriptions[0] != 'Red' and 'STATISTICS_MEAN' not in raster.tags(1)
+            assert raster.compression.name == 'deflate' and raster.profile['tiled']
+            assert raster.block_shapes == [(512, 512)] and raster.dtypes == ('uint8', )
+        assert dst.colorinterp[0].name == 'palette' and dst.nodata == 255
+        palette = ADE20KDataset.METAINFO['palette']
+        assert [dst.colormap(1)[i][:3] for i in range(150)] == [tuple(p) for p in palette]
+        assert conf.nodata == 0
         labels, confidence, transform = dst.read(1), conf.read(1), src.transform
     assert valid.mean() == pytest.approx(0.7)
     expected, logits = _whole_path(model, img)
