@@ -72,11 +72,13 @@ def parse_args(argv=None):
                         '(square metres for a projected CRS, square degrees for a geographic '
                         'one, pixels without a CRS)')
     parser.add_argument('--simplify', type=float, default=0.0, metavar='T',
-                        help='with --vector: simplify each polygon with tolerance T, in the '
-                        'CRS\'s units (metres for a projected CRS, pixels without a CRS)')
+                        help='with --vector: simplify each polygon on its own with tolerance T, '
+                        'in the CRS\'s units (metres for a projected CRS, pixels without a '
+                        'CRS); neighbours may then overlap or part slightly along shared edges')
     parser.add_argument('--max-memory', type=float, default=None, metavar='MB',
                         help='MB the reader, the writers and the segmentation may add; token '
-                        'maps that do not fit go to disk')
+                        'maps that do not fit go to disk. With --vector, an object spanning '
+                        'many rows is held until its last row, outside this bound')
     parser.add_argument('--device', default='cpu', help='torch device, e.g. cpu or cuda:0')
     parser.add_argument('--token-dir', default=None, metavar='DIR',
                         help='folder for the disk-backed token maps (default: the system temp '
