@@ -1265,27 +1265,49 @@ def test_cli_end_to_end_in_a_fresh_process(end_to_end_run):
     assert png[:8] == b'\x89PNG\r\n\x1a\n' and len(png) > 10_000
 
 
-def test_large_image_tool_update_keeps_the_other_budgets_rows(tmp_path, monkeypatch):
-    """``benchmarks/large_image_tool.py --update`` replaces the rows of the budgets it runs and
-    keeps the others with the revision that measured them, and the earlier run's command."""
+def _large_image_tool():
     import importlib.util
     spec = importlib.util.spec_from_file_location(
         'large_image_tool', os.path.join(ROOT, 'benchmarks', 'large_image_tool.py'))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    for name in ('input_64.tif', 'input_256.tif', 'sem_fpn_xcit_s12_p16_random.pth'):
-        (tmp_path / name).write_bytes(b'')  # made already: the tool is faked below
-    runs = iter(range(1, 10))
-    monkeypatch.setattr(tool, 'run_tool', lambda image, ckpt, out, budget, tokens: dict(
-        max_memory=budget, peak_rss_mb=next(runs)))
+    return tool
+
+
+def test_large_image_tool_update_keeps_the_other_points_rows(tmp_path, monkeypatch):
+    """``benchmarks/large_image_tool.py --update`` replaces the rows of the points it runs (config,
+    input, options, budget) and keeps the others with the revision that measured them, and the
+    earlier runs' commands; a row's memory is its peak above its own run's floor."""
+    tool = _large_image_tool()
+    (tmp_path / 'sem_fpn_xcit_s12_p16_80k_ade20k_random.pth').write_bytes(b'')  # made already
+    runs = iter(range(1, 10))  # each run's peak RSS, the floor's first: the tool is faked
+    monkeypatch.setattr(tool, 'measure', lambda args, image, ckpt, budget, name: dict(
+        returncode=0, peak_rss_mb=10 * next(runs)))
+    monkeypatch.setattr(tool, 'tool_flags', lambda: '')
     monkeypatch.setattr(tool, 'revision', lambda: 'first')
     out = str(tmp_path / 'artifact.json')
     common = ['--size', '64', '--work-dir', str(tmp_path), '--out', out]
     tool.main(common + ['--budgets', 'none', '3000'])
     monkeypatch.setattr(tool, 'revision', lambda: 'second')
     tool.main(common + ['--budgets', '3000', '--update'])
+    tool.main(common + ['--budgets', '3000', '--mosaic', '2', '--update'])
     with open(out) as f:
         artifact = json.load(f)
-    got = {row['max_memory']: (row['revision'], row['peak_rss_mb']) for row in artifact['rows']}
-    assert got == {None: ('first', 2), 3000.0: ('second', 5)}
-    assert len(artifact['meta']['earlier_commands']) == 1  # the first run's, as peak_memory
+    got = {(row['mosaic'], row['max_memory']): (row['revision'], row['peak_rss_mb'],
+           row['memory_mb']) for row in artifact['rows']}
+    assert got == {(None, None): ('first', 20, 10), (None, 3000.0): ('second', 50, 10),
+                   (2, 3000.0): ('second', 70, 10)}
+    assert len(artifact['meta']['earlier_commands']) == 2
+
+
+def test_large_image_tool_mosaic_is_the_bigtiff_as_gdal_reads_them(tmp_path):
+    """The benchmark's VRT of N x N GeoTIFFs and its BigTIFF of the same size are, as GDAL reads
+    them, one scene: the same pixels, CRS and transform."""
+    import rasterio
+    tool = _large_image_tool()
+    with rasterio.open(tool.make_input(str(tmp_path), 64, 96, None)) as tiff, \
+            rasterio.open(tool.make_input(str(tmp_path), 64, 96, 2)) as vrt:
+        assert len(vrt.files) == 5 and vrt.driver == 'VRT'  # the VRT and its 2 x 2 pieces
+        assert (vrt.shape, vrt.crs, vrt.transform) == (tiff.shape, tiff.crs, tiff.transform)
+        assert tiff.crs.to_epsg() == tool.EPSG
+        assert (vrt.read() == tiff.read()).all()
