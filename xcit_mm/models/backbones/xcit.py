@@ -164,8 +164,7 @@ class XCA(nn.Module):
                         self.num_heads)
         with _autocast_off(x):
             dtype = _sums_dtype(q)
-            qk, q_norm, k_norm = xca_sums(q.to(dtype), k.to(dtype))
-        return qk, q_norm.square(), k_norm.square()
+            return xca_sums(q.to(dtype), k.to(dtype), squared=True)
 
     def mixing(self, qk: torch.Tensor, q_sq: torch.Tensor, k_sq: torch.Tensor) -> torch.Tensor:
         """The (B, C, C) mixing from :meth:`sums` over all the tokens, in float32 (or float64)."""

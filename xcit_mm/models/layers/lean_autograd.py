@@ -14,10 +14,12 @@ _NORM_EPS = 1e-12  # as F.normalize: the q / k column norms are clamped from bel
 _OFFSETS = ((0, 0), (0, 1), (1, 0), (1, 1))  # (di, dj) of a 2x2 stride-2 transposed conv
 
 
-def xca_sums(q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+def xca_sums(q: torch.Tensor, k: torch.Tensor, squared: bool = False) -> Tuple[torch.Tensor, ...]:
     """XCA's only reads of all the tokens, ``(q^T k, q_norm, k_norm)`` of q, k (B, h, N, d): the
-    (B, h, d, d) product and the (B, h, d) column norms. A streamed trunk adds the products of its
-    bands, and their norms as squares."""
+    (B, h, d, d) product and the (B, h, d) column norms; ``squared``: the norms squared, which add
+    up over the bands of a streamed trunk (and reduce faster over a band's strided columns)."""
+    if squared:
+        return q.transpose(-2, -1) @ k, (q * q).sum(-2), (k * k).sum(-2)
     return (q.transpose(-2, -1) @ k, torch.linalg.vector_norm(q, dim=-2),
             torch.linalg.vector_norm(k, dim=-2))
 
