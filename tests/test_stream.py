@@ -86,8 +86,9 @@ def test_stream_logits_and_labels_equal_the_whole_forward(heads, patch_size):
 
 def test_each_row_is_made_once_and_only_maps_read_again_keep_rows(monkeypatch):
     """The engine's time and memory over many bands: no map makes a row twice (the rows it keeps
-    cover every consumer's context), and a map read once a row keeps none, so the
-    full-resolution logits of a band are not held while the next band is made."""
+    cover every consumer's context) but the full-resolution logits, once per chunk of 8 of the
+    150 classes, and a map read once a row keeps none, so the full-resolution logits of a band
+    are not held while the next band is made."""
     model, img_hw = _model(SEM_FPN), (97, 131)
     made = {}
     for cls in (Local, Combine, Resize):
@@ -99,12 +100,13 @@ def test_each_row_is_made_once_and_only_maps_read_again_keep_rows(monkeypatch):
     with TokenMaps('cpu') as maps, torch.no_grad():
         trunk = model.backbone.stream_trunk(lambda a, b: x[:, :, a:b], img_hw, maps, 1e-3)
         logits = logits_rows(_levels(model, trunk, img_hw), model.neck, model.decode_head)
-        labels = labels_rows(logits, img_hw, (0, 0, 0, 0), img_hw, False, False)
+        labels = labels_rows(logits, img_hw, (0, 0, 0, 0), img_hw, False, False, 8)
         bands = [stop - start for start, stop, _ in stream_rows(labels, 1e-3)]
     assert len(bands) > 4
-    assert {m: made[m] for m in made if made[m] > m.height} == {}  # no row made twice
     full_resolution = [m for m in made if (m.height, m.width) == img_hw]
-    assert full_resolution and all(m._rows is None for m in full_resolution)
+    assert full_resolution and all(made[m] == 19 * m.height for m in full_resolution)
+    assert all(m._rows is None for m in full_resolution)
+    assert {m: made[m] for m in made if made[m] > m.height and m not in full_resolution} == {}
     assert any(m._rows is not None for m in made)
 
 
