@@ -132,7 +132,7 @@ def check_outputs(args, inputs=()) -> None:
     """Fail before any work on options that do not go together, or on an output that cannot be
     written: its folder missing, a folder itself, a file the input reads (``inputs``: also
     through a link or another relative path) or the path of another output."""
-    from xcit_mm.apis.large_image import LargeImageError, check_vector_output
+    from xcit_mm.apis.large_image import LargeImageError, check_output, check_vector_output
     if args.vector is None:
         for option, value in (('--min-area', args.min_area), ('--simplify', args.simplify)):
             if value:
@@ -140,21 +140,10 @@ def check_outputs(args, inputs=()) -> None:
                                       f'too, or drop {option}')
     if args.vector is not None:
         check_vector_output(args.vector)
-    earlier = [('a file the input reads', path) for path in inputs]
+    taken = [('a file the input reads', path) for path in inputs]
     for option, path in _outputs(args).items():
-        folder = osp.dirname(osp.abspath(path))
-        if not osp.isdir(folder):
-            raise LargeImageError(f'output folder does not exist: {folder}; create it or choose '
-                                  f'another {option}')
-        if osp.isdir(path):
-            raise LargeImageError(f'{option} {path} is a folder; give a file name')
-        for what, other in earlier:
-            if osp.realpath(path) == osp.realpath(other) or (
-                    osp.exists(path) and osp.exists(other) and osp.samefile(path, other)):
-                same = '' if osp.abspath(path) == osp.abspath(other) else f' ({other})'
-                raise LargeImageError(f'{option} {path} is {what}{same}: it would be '
-                                      f'overwritten; choose another {option}')
-        earlier.append((f'the path of {option}', path))
+        check_output(path, option, taken)
+        taken.append((f'the path of {option}', path))
 
 
 def _memory_shares(source, width: int, num_classes: int, args) -> dict:

@@ -1,26 +1,28 @@
 # Copyright (c) xcit_mm contributors. All rights reserved.
 """The large-image tool's user errors, and the check of its output path before any work."""
 import os.path as osp
-from typing import Iterable
+from typing import Iterable, Tuple
 
 
 class LargeImageError(ValueError):
     """A problem with the user's input or output path, told in one line that names the fix."""
 
 
-def check_output(out: str, inputs: Iterable[str] = ()) -> None:
-    """Fail before any work on an output that cannot be written, or that is one of the files
-    read (``inputs``: the image, a VRT's sources, its world or .aux.xml file), also when named
-    through a symbolic link, a hard link or another relative path."""
-    folder = osp.dirname(osp.abspath(out))
+def check_output(path: str, option: str = '--out',
+                 taken: Iterable[Tuple[str, str]] = ()) -> None:
+    """Fail before any work on an output that cannot be written: its folder missing, a folder
+    itself, or a file already ``taken`` (``(what, path)`` pairs: the files the input reads, the
+    other outputs), also when named through a symbolic link, a hard link or another relative
+    path, since writing it would overwrite that file."""
+    folder = osp.dirname(osp.abspath(path))
     if not osp.isdir(folder):
         raise LargeImageError(f'output folder does not exist: {folder}; create it or choose '
-                              'another --out')
-    if osp.isdir(out):
-        raise LargeImageError(f'--out {out} is a folder; give a file name, e.g. {out}/labels.tif')
-    for path in inputs:
-        if osp.realpath(out) == osp.realpath(path) or (
-                osp.exists(out) and osp.exists(path) and osp.samefile(out, path)):
-            same = '' if osp.abspath(out) == osp.abspath(path) else f' ({path})'
-            raise LargeImageError(f'--out {out} is a file the input reads{same}: it would be '
-                                  'overwritten; choose another --out')
+                              f'another {option}')
+    if osp.isdir(path):
+        raise LargeImageError(f'{option} {path} is a folder; give a file name in it')
+    for what, other in taken:
+        if osp.realpath(path) == osp.realpath(other) or (
+                osp.exists(path) and osp.exists(other) and osp.samefile(path, other)):
+            same = '' if osp.abspath(path) == osp.abspath(other) else f' ({other})'
+            raise LargeImageError(f'{option} {path} is {what}{same}: it would be overwritten; '
+                                  f'choose another {option}')

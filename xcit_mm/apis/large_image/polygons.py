@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .errors import LargeImageError
+from .errors import LargeImageError, check_output
 
 # Output formats by file extension: GDAL's OGR driver of each.
 VECTOR_DRIVERS = {'.gpkg': 'GPKG', '.fgb': 'FlatGeobuf', '.geojson': 'GeoJSON'}
@@ -36,13 +36,7 @@ def check_vector_output(path: str) -> str:
     if driver is None:
         raise LargeImageError(f'--vector {path}: unknown polygon format; end the name with '
                               f'{", ".join(VECTOR_DRIVERS)} (GeoPackage, FlatGeobuf, GeoJSON)')
-    folder = osp.dirname(osp.abspath(path))
-    if not osp.isdir(folder):
-        raise LargeImageError(f'--vector {path}: the folder {folder} does not exist; create it '
-                              'or choose another --vector')
-    if osp.isdir(path):
-        raise LargeImageError(f'--vector {path} is a folder; give a file name, e.g. '
-                              f'{osp.join(path, "labels.gpkg")}')
+    check_output(path, '--vector')
     return driver
 
 
