@@ -25,12 +25,12 @@
 #   huggingface_hub==2.4.0  Hugging Face Hub; xcit_mm/models/utils/checkpoint_io.py). Neither needs
 #                        numpy (checked with numpy 1.26, Python 3.11; huggingface_hub 2.x needs
 #                        Python >= 3.10); imported only when such a file or name is read.
-#   tifffile==2026.3.3   tools/segment_large_image.py reads TIFF / BigTIFF / OME-TIFF / GeoTIFF tile
-#   imagecodecs==2026.1.14  by tile and writes the tiled label BigTIFF; imagecodecs decodes LZW,
-#                        JPEG, ... tiles (deflate needs only zlib). Checked with numpy 1.26 (both
-#                        need Python >= 3.11); imported only by that tool.
-#   rasterio==1.4.4      the test that GDAL places the label file over the input GeoTIFF
-#                        (tests/test_segment_large_image.py); wheels bundle GDAL, numpy>=1.24.
+#   tifffile==2026.3.3   tools/segment_large_image.py reads OME-TIFF and slide TIFFs tile by tile
+#   imagecodecs==2026.1.14  (level 0); imagecodecs decodes their LZW, JPEG, ... tiles (deflate
+#                        needs only zlib). Checked with numpy 1.26 (both need Python >= 3.11).
+#   rasterio==1.4.4      the same tool reads every other raster through GDAL by windows and writes
+#                        the label and confidence COGs; wheels bundle GDAL, numpy>=1.24.
+#                        These five are setup.py's `geo` extra; imported only by that tool.
 #   pyogrio==0.13.0      the large-image tool's polygons (GeoPackage / FlatGeobuf / GeoJSON) through
 #                        GDAL's OGR; wheels bundle GDAL. Checked with numpy 1.26.
 #   rio-cogeo==7.0.4     its cog_validate checks the label COG in the tests (pulls morecantile,
