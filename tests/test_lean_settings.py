@@ -20,10 +20,13 @@ MISSPELT = r"unknown test_cfg key\(s\) \['max_memroy'\]; the keys are \[.*'max_m
 
 
 def _segmentor(**test_cfg):
+    """A small LeanEncoderDecoder, mode='whole' unless given (its default chooses: the tests of
+    that are test_segmentation_memory_budget.py's)."""
     from mmseg.registry import MODELS
     init_default_scope('mmseg')
     return MODELS.build(dict(type='LeanEncoderDecoder', backbone=BACKBONE,
-                             **copy.deepcopy(SEM_FPN), test_cfg=ConfigDict(test_cfg))).eval()
+                             **copy.deepcopy(SEM_FPN),
+                             test_cfg=ConfigDict(dict(mode='whole'), **test_cfg))).eval()
 
 
 def _detector(**test_cfg):
@@ -49,7 +52,7 @@ def test_an_unknown_key_fails_the_build_naming_the_known_ones(kind):
     with pytest.raises(ValueError, match=MISSPELT):
         BUILD[kind](max_memroy=4000)
     with pytest.raises(ValueError, match=r"only apply to mode='auto'"):
-        BUILD[kind](max_memory=4000)  # mode 'whole' would run with no budget
+        BUILD[kind](mode='whole', max_memory=4000)  # would run with no budget
 
 
 @pytest.mark.parametrize('kind', BUILD)
@@ -99,3 +102,90 @@ def test_segmentor_window_defaults():
         read(dict(auto, crop_size=(0, 5)))
     with pytest.raises(ValueError, match=r'needs stride=\(h, w\).*got None'):
         read(dict(mode='slide', crop_size=(64, 64)))
+
+
+def test_the_segmentor_chooses_unless_a_mode_is_set():
+    """No mode (or mode=None): 'auto', within the memory the process may use unless max_memory
+    is given; lean=False without a mode is stock's predict, not an error. The detector keeps
+    'whole' and its 'auto' still needs max_memory (issue 56)."""
+    from xcit_mm.models.inference.settings import DetectorSettings, SegmentorSettings
+    from xcit_mm.models.utils.memory_budget import MemoryBudgetError
+    read = SegmentorSettings.from_cfg
+    assert (read({}).mode, read({}).max_memory) == ('auto', None)
+    assert read(dict(mode=None, max_memory=3000)).max_memory == 3000.0
+    assert (read(dict(lean=False)).mode, read(dict(lean=False)).lean) == ('whole', False)
+    assert read(dict(mode='whole')).mode == 'whole'
+    assert DetectorSettings.from_cfg({}).mode == 'whole'
+    with pytest.raises(MemoryBudgetError, match='needs max_memory'):
+        DetectorSettings.from_cfg(dict(mode='auto'))
+
+
+GIB = 2**30
+V1_UNLIMITED = 9223372036854771712  # what cgroup v1 writes for "no limit"
+
+
+def _write(root, files: dict):
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+# /proc/self/cgroup, the files under the cgroup mount, MemAvailable (kB); the budget (MB) and the
+# file it came from
+BUDGET_CASES = {
+    # v2, the tighter room one level up (the kernel acts at the first limit reached)
+    'v2': ('0::/job/step\n', {'cgroup.controllers': 'memory',
+                              'job/memory.max': str(6 * GIB), 'job/memory.current': str(5 * GIB),
+                              'job/step/memory.max': str(4 * GIB),
+                              'job/step/memory.current': str(GIB)},
+           8 * 2**20, 1024, 'cgroup v2 memory.max - memory.current of {root}/job'),
+    'v2_no_limit': ('0::/job\n', {'cgroup.controllers': 'memory', 'job/memory.max': 'max',
+                                  'job/memory.current': str(GIB)},
+                    3 * 2**20, 3072, 'MemAvailable'),
+    'v2_hybrid': ('1:memory:/\n0::/job\n',
+                  {'unified/cgroup.controllers': '', 'unified/job/memory.max': str(2 * GIB),
+                   'unified/job/memory.current': str(GIB // 2),
+                   'memory/memory.limit_in_bytes': str(V1_UNLIMITED),
+                   'memory/memory.usage_in_bytes': str(GIB)},
+                  8 * 2**20, 1536, 'cgroup v2 memory.max - memory.current of {root}/unified/job'),
+    'v1': ('5:cpu:/\n4:memory:/docker/abc\n',
+           {'memory/docker/abc/memory.limit_in_bytes': str(2 * GIB),
+            'memory/docker/abc/memory.usage_in_bytes': str(GIB // 4)},
+           8 * 2**20, 1792, 'cgroup v1 memory.limit_in_bytes - memory.usage_in_bytes of '
+           '{root}/memory/docker/abc'),
+    # a container: its own cgroup at the mount's root, the host's path absent
+    'v1_container': ('4:memory:/host/path\n', {'memory/memory.limit_in_bytes': str(3 * GIB),
+                                               'memory/memory.usage_in_bytes': str(GIB)},
+                     8 * 2**20, 2048, 'cgroup v1 memory.limit_in_bytes'),
+    'v1_unlimited': ('4:memory:/\n', {'memory/memory.limit_in_bytes': str(V1_UNLIMITED),
+                                      'memory/memory.usage_in_bytes': str(GIB)},
+                     5 * 2**20, 5120, 'MemAvailable'),
+    'meminfo_only': (None, {}, 2 * 2**20, 2048, 'MemAvailable in {meminfo}'),
+    'nothing': (None, {}, None, None, None),
+}
+
+
+@pytest.mark.parametrize('case', list(BUDGET_CASES))
+def test_process_budget_from_cgroup_v2_v1_and_meminfo(case, tmp_path, monkeypatch):
+    """The budget nobody set: the least room of the process's memory cgroups and those above,
+    and MemAvailable, the smaller; None where nothing can be read."""
+    from xcit_mm.models.utils import memory_budget
+    proc_cgroup, files, available_kb, expected_mb, source = BUDGET_CASES[case]
+    root, meminfo = tmp_path / 'cgroup', tmp_path / 'meminfo'
+    _write(root, files)
+    if proc_cgroup is not None:
+        (tmp_path / 'self_cgroup').write_text(proc_cgroup)
+    if available_kb is not None:
+        meminfo.write_text(f'MemTotal:       {2 * available_kb} kB\n'
+                           f'MemFree:        {available_kb // 2} kB\n'
+                           f'MemAvailable:   {available_kb} kB\n')
+    monkeypatch.setattr(memory_budget, 'CGROUP_ROOT', str(root))
+    monkeypatch.setattr(memory_budget, 'PROC_SELF_CGROUP', str(tmp_path / 'self_cgroup'))
+    monkeypatch.setattr(memory_budget, 'PROC_MEMINFO', str(meminfo))
+    budget = memory_budget.process_budget()
+    if expected_mb is None:
+        assert budget is None
+        return
+    assert budget.mb == pytest.approx(expected_mb)
+    assert budget.source.startswith(source.format(root=root, meminfo=meminfo)), budget.source

@@ -10,6 +10,7 @@ the tightest budget that picks it (its own estimate), so the estimate must bound
 import copy
 import json
 import logging
+import math
 import os
 import os.path as osp
 import subprocess
@@ -174,7 +175,6 @@ def test_a_misspelt_test_cfg_key_in_the_config_fails_the_build():
 
 @pytest.mark.parametrize('settings,error,match', [
     (dict(mode='fast'), ValueError, r"one of \['whole', 'slide', 'auto', 'stream'\]"),
-    (dict(mode='auto'), MemoryBudgetError, 'needs max_memory'),
     (dict(mode='auto', max_memory=-5), MemoryBudgetError, 'positive number'),
     (dict(mode='auto', max_memory='3000'), MemoryBudgetError, 'positive number'),
     (dict(mode='auto', max_memory=3000, memory_model=dict(base_mb=1)), MemoryBudgetError,
@@ -189,7 +189,7 @@ def test_a_misspelt_test_cfg_key_in_the_config_fails_the_build():
      'leave gaps'),
     (dict(mode='auto', max_memory=3000, lean=False), ValueError, 'needs the lean predict'),
     (dict(mode='auto', max_memroy=3000), ValueError, MISSPELT),
-], ids=['unknown_mode', 'no_budget', 'negative_budget', 'str_budget', 'memory_model_keys',
+], ids=['unknown_mode', 'negative_budget', 'str_budget', 'memory_model_keys',
         'memory_model_negative', 'budget_without_auto', 'memory_model_without_auto',
         'slide_without_crop', 'stride_over_crop', 'auto_not_lean', 'misspelt_key'])
 def test_bad_settings_are_clear_errors(settings, error, match):
@@ -218,6 +218,99 @@ def test_calibrates_once_per_model_with_a_positive_line(monkeypatch, log_lines):
     assert lean.calibrated_memory_model is line
     assert line.mb_per_mpix > 0 and line.base_mb >= 0
     assert any('memory calibrated' in m for m in log_lines)
+
+
+# ---------------------------------------------------------------- no mode: the configs' default
+@pytest.fixture
+def available_mb(tmp_path, monkeypatch):
+    """Sets the memory the process may use (MB): MemAvailable of a /proc/meminfo of the test's
+    own, no cgroup."""
+    from xcit_mm.models.utils import memory_budget
+    meminfo = tmp_path / 'meminfo'
+    monkeypatch.setattr(memory_budget, 'PROC_MEMINFO', str(meminfo))
+    monkeypatch.setattr(memory_budget, 'PROC_SELF_CGROUP', str(tmp_path / 'no_cgroup'))
+    return lambda mb: meminfo.write_text(f'MemAvailable:   {math.ceil(mb * 1024)} kB\n')
+
+
+def _without_mode(lean, **test_cfg):
+    """``lean`` (its weights) with a ``test_cfg`` that names no mode, as the configs give it."""
+    lean = copy.deepcopy(lean)
+    lean.test_cfg = ConfigDict(test_cfg)
+    return lean
+
+
+def test_default_runs_whole_bit_identical_measuring_nothing_per_size(available_mb, log_lines,
+                                                                     monkeypatch):
+    """Where whole plainly fits, the default is stock's whole (labels and logits bit for bit, a
+    padded flipped batch of two and a test resize) and measures nothing per image size: the
+    network's line given (calibrating is test_calibrates_once_per_model_with_a_positive_line's),
+    the choice logged once for both sizes; mode='whole' plans nothing."""
+    from xcit_mm.models.segmentors import lean_encoder_decoder as module
+    measured, measure_line = [], module.measure_line
+    monkeypatch.setattr(module, 'measure_line',
+                        lambda *a, **k: measured.append(a[1]) or measure_line(*a, **k))
+    available_mb(10**5)
+    stock, whole = _pair(SEM_FPN, keep_seg_logits=True)
+    default = _without_mode(whole, keep_seg_logits=True, memory_model=STEEP)
+    (img_hw, ori_hws), = CASES['batch2_pad_flip']
+    cases = [(img_hw, _case_metas(img_hw, ori_hws)), ((160, 48), [_meta((160, 48), (517, 151))])]
+    torch.manual_seed(6)
+    for hw, metas in cases:
+        inputs = torch.randn(len(metas), 3, *hw)
+        expected = _predict(stock, inputs, metas)
+        _assert_same(expected, _predict(default, inputs, metas))
+        assert default.last_memory_plan.name == 'whole'
+        _assert_same(expected, _predict(whole, inputs, metas))
+    assert measured == []
+    assert whole.calibrated_memory_model is None and whole.last_memory_plan is None
+    chosen = [m for m in log_lines if 'LeanEncoderDecoder on' in m]
+    assert len(chosen) == 1, chosen
+    assert 'whole, its peak at most' in chosen[0] and 'the memory this process may use' in chosen[0]
+    assert 'MemAvailable in ' in chosen[0] and f'within {10**5} MB' in chosen[0], chosen[0]
+
+
+def test_default_streams_when_little_memory_is_available(available_mb, log_lines):
+    """The default where whole does not fit the memory available: the stream (labels as stock's
+    whole up to float rounding), logged once with the estimates and where the budget came from."""
+    stock, lean = _pair(SEM_FPN)
+    default = _without_mode(lean, memory_model=STEEP)
+    torch.manual_seed(7)
+    inputs = torch.randn(1, 3, 150, 170)
+    metas = [_meta((150, 170), (150, 170))]
+    whole, stream = default.memory_plans(inputs, _samples(metas))[:2]
+    assert stream.name == 'stream' and stream.estimate_mb < whole.estimate_mb
+    expected = _predict(stock, inputs, metas)[0].pred_sem_seg.data
+    for extra_mb in (0.5, 1.5):  # the memory available moves a little: one decision, one line
+        available_mb(stream.estimate_mb + extra_mb)
+        got = _predict(default, inputs, metas)[0].pred_sem_seg.data
+        assert default.last_memory_plan.name == 'stream'
+        assert int((got != expected).sum()) <= 1e-4 * got.numel()
+    chosen = [m for m in log_lines if 'LeanEncoderDecoder on' in m]
+    assert len(chosen) == 1, chosen
+    assert (f'stream within {stream.estimate_mb + 0.5:.0f} MB, the memory this process may use '
+            '(MemAvailable in ') in chosen[0], chosen[0]
+    assert f'whole (150x170 px): {whole.estimate_mb:.0f} MB' in chosen[0]
+
+
+def test_whole_bound_is_at_least_the_measured_estimate():
+    """The default's whole without measuring (the post-processing counted from its shapes) is
+    never below whole's estimate with the post-processing measured: whole admitted by the count is
+    whole that the measured plans choose. A padded, flipped batch of two resized up, logits kept,
+    outputs large enough that the count is far above its fixed slack (measured scaled down:
+    quick); no network line (the post-processing alone decides); one slide window."""
+    img_hw = (1024, 1280)
+    metas = [_meta(img_hw, (2000, 2600), pad=(0, 9, 0, 13), flip='horizontal'),
+             _meta(img_hw, (1500, 2400), pad=(0, 0, 0, 5), flip='vertical')]
+    _, lean = _pair(SEM_FPN, num_classes=24)
+    lean = _without_mode(lean, memory_model=dict(base_mb=0, mb_per_mpix=0), keep_seg_logits=True,
+                         crop_size=img_hw, stride=img_hw)
+    inputs = torch.zeros(len(metas), 3, *img_hw)
+    with torch.no_grad():
+        whole = lean.memory_plans(inputs, _samples(metas))[0]
+        bound = lean._whole_bound_mb(inputs, _samples(metas))
+    print(f'bound {bound:.0f} MB, measured estimate {whole.estimate_mb:.0f} MB')
+    assert whole.name == 'whole' and whole.estimate_mb > 500
+    assert bound >= whole.estimate_mb, (bound, whole)
 
 
 # ---------------------------------------------------------------- the memory bound

@@ -30,10 +30,12 @@ param_scheduler = [_base_.xcit_warmup] + [
 # weights through backbone.init_cfg, set by the leaf configs); training batches padded to the crop
 # size (as mmseg's Cityscapes configs); mmseg's EncoderDecoder with a whole-image prediction that
 # never holds full-size logits of all classes, same labels (xcit_mm.models.segmentors;
-# docs/lean_segmentation.md; test_cfg.lean=False gives the stock one).
+# docs/lean_segmentation.md; test_cfg.lean=False gives the stock one); without a test_cfg.mode it
+# runs each image whole wherever it fits the memory the process may use, else streams it, and logs
+# which (test_cfg.mode='whole': stock's whole path).
 xcit_cityscapes_segmentor = dict(
     type='LeanEncoderDecoder',
     data_preprocessor=dict(size=_base_.crop_size),
     pretrained=None,
     backbone=dict(_delete_=True, arch='s12', drop_path_rate=0.05, **_base_.xcit_backbone),
-    test_cfg=dict(mode='whole'))
+    test_cfg=dict(_delete_=True))

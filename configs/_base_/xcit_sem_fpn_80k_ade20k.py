@@ -24,7 +24,11 @@ model = dict(
     backbone=dict(_delete_=True, **_base_.xcit_backbone),
     # neck.in_channels / neck.out_channels / decode_head.in_channels: set by the leaf configs.
     neck=dict(num_outs=4),
-    decode_head=dict(channels=128, num_classes=150))
+    decode_head=dict(channels=128, num_classes=150),
+    # No mode (mmseg's base sets 'whole'): LeanEncoderDecoder runs each image whole (stock's
+    # labels) wherever it fits the memory the process may use, else streams it, and logs which;
+    # test_cfg.mode='whole' is stock's whole path, test_cfg.max_memory (MB) sets the budget.
+    test_cfg=dict(_delete_=True))
 
 optimizer = dict(_delete_=True, **_base_.xcit_optimizer)
 optim_wrapper = dict(_delete_=True, **_base_.xcit_optim_wrapper)

@@ -24,7 +24,11 @@ model = dict(
     # decode_head.in_channels / auxiliary_head.in_channels: set by the leaf configs.
     decode_head=dict(channels=512, pool_scales=(1, 2, 3, 6), num_classes=150),
     auxiliary_head=dict(
-        in_index=2, channels=256, num_classes=150, loss_decode=dict(loss_weight=0.4)))
+        in_index=2, channels=256, num_classes=150, loss_decode=dict(loss_weight=0.4)),
+    # No mode (mmseg's base sets 'whole'): LeanEncoderDecoder runs each image whole (stock's
+    # labels) wherever it fits the memory the process may use, else streams it, and logs which;
+    # test_cfg.mode='whole' is stock's whole path, test_cfg.max_memory (MB) sets the budget.
+    test_cfg=dict(_delete_=True))
 
 optimizer = dict(_delete_=True, **_base_.xcit_optimizer)
 optim_wrapper = dict(_delete_=True, **_base_.xcit_optim_wrapper)

@@ -32,6 +32,10 @@ def _is_pair(value, least: int) -> bool:
 class LeanSettings:
     """The keys both lean models read; each model's subclass adds its own and its modes."""
     MODES: ClassVar[Tuple[str, ...]] = ('whole', )
+    DEFAULT_MODE: ClassVar[str] = 'whole'  # when test_cfg has no mode (or mode=None)
+    # mode='auto' without max_memory: an error, or (True) the memory the process may use, read
+    # at each predict (LeanEncoderDecoder)
+    AUTO_BUDGET_FROM_PROCESS: ClassVar[bool] = False
     LEAN_MODES: ClassVar[Tuple[str, ...]] = ()  # modes stock predict has no equivalent of
     READ_BY: ClassVar[Dict[str, Tuple[str, ...]]] = {}  # the modes that read a key (else all)
     OTHER_KEYS: ClassVar[Tuple[str, ...]] = ()  # keys read by the model's parts (rpn, rcnn)
@@ -54,7 +58,9 @@ class LeanSettings:
         if unknown:
             raise ValueError(f'{owner}: unknown test_cfg key(s) {unknown}; the keys are '
                              f'{list(keys)} ({cls.DOCS})')
-        mode, lean = cfg.get('mode', 'whole'), cfg.get('lean', True)
+        mode, lean = cfg.get('mode'), cfg.get('lean', True)
+        if mode is None:  # lean=False asks for stock's predict, which has no choice to make
+            mode = cls.DEFAULT_MODE if lean is not False else 'whole'
         if mode not in cls.MODES:
             raise ValueError(f'{owner}: test_cfg.mode must be one of {list(cls.MODES)}, got '
                              f'{mode!r}; e.g. --cfg-options model.test_cfg.mode=auto '
@@ -79,8 +85,8 @@ class LeanSettings:
         if needs_lean and not lean:
             raise ValueError(f'{owner}: test_cfg.{needs_lean} needs the lean predict; it does '
                              'not combine with lean=False (remove one of them)')
-        budget = (read_budget_mb(cfg, owner)
-                  if mode == 'auto' or cfg.get('max_memory') is not None else None)
+        budget = (read_budget_mb(cfg, owner) if cfg.get('max_memory') is not None or (
+            mode == 'auto' and not cls.AUTO_BUDGET_FROM_PROCESS) else None)
         return cls(mode, lean, budget, read_memory_model(cfg.get('memory_model'), owner),
                    None if band_mb is None else float(band_mb),
                    **cls._read_own(cfg, mode, owner, **context))
@@ -127,8 +133,15 @@ class DetectorSettings(LeanSettings):
 
 @dataclass(frozen=True)
 class SegmentorSettings(LeanSettings):
-    """``LeanEncoderDecoder``'s ``test_cfg`` keys (``docs/lean_segmentation.md``)."""
+    """``LeanEncoderDecoder``'s ``test_cfg`` keys (``docs/lean_segmentation.md``).
+
+    Without a mode it chooses ('auto'), within the memory the process may use unless
+    ``max_memory`` says otherwise: an image runs whole (stock's labels, bit for bit) wherever it
+    fits, and a large one streams instead of failing for want of memory hours in. An explicit
+    mode='whole' is stock's whole path, with no planning."""
     MODES: ClassVar = ('whole', 'slide', 'auto', 'stream')
+    DEFAULT_MODE: ClassVar = 'auto'
+    AUTO_BUDGET_FROM_PROCESS: ClassVar = True
     LEAN_MODES: ClassVar = ('auto', 'stream')
     READ_BY: ClassVar = dict(max_memory=('auto', 'stream'), memory_model=('auto', ),
                              band_mb=('stream', 'auto'), token_maps=('stream', 'auto'),
@@ -136,6 +149,7 @@ class SegmentorSettings(LeanSettings):
     DOCS: ClassVar = 'docs/lean_segmentation.md'
     OWNER: ClassVar = 'LeanEncoderDecoder'
 
+    mode: str = 'auto'
     keep_seg_logits: bool = False
     lean_chunk_mb: float = 256
     crop_size: Tuple[int, int] = DEFAULT_CROP  # mode 'slide' needs both; else auto's default

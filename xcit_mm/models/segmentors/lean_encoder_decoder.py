@@ -2,6 +2,7 @@
 without full-size logits of all classes; ``mode='stream'`` is equal up to float rounding. Why
 each step is exact, and the ``test_cfg`` keys: ``docs/lean_segmentation.md``."""
 import inspect
+import logging
 import math
 import tempfile
 from contextlib import contextmanager
@@ -32,7 +33,8 @@ from ..inference.seg_stream import (PyramidPooling, labels_rows, logits_rows, wh
 from ..inference.settings import LeanSettingsMixin, SegmentorSettings
 from ..utils.ckpt_load import refuse_headless_load
 from ..utils.memory_budget import (MB, MemoryModel, MemoryPlanMixin, Plan, calibrate,
-                                   measure_line, read_budget_mb, release_free_heap)
+                                   measure_line, process_budget, read_budget_mb,
+                                   release_free_heap)
 
 # Chunk widths whose bilinear results equal the full call's, channel by channel: torch's CPU
 # kernels take another path for 1 channel, and channels-last below 24 or off multiples of 8.
@@ -57,6 +59,12 @@ STREAM_WORK_MB = 64
 STREAM_WORK_BANDS = 2.5
 # Bytes per input element that mmseg's doors hold while predict runs (float batch, uint8 image).
 INPUT_BYTES = 4 + 1
+# The post-processing counted from its shapes, above what is measured (_whole_bound_mb): copies of
+# a class chunk at full size alive at once (the head's resize, the flip, the resize to the
+# original shape, the chunk the argmax reads: two or three at a time), and bytes per output pixel
+# of the running argmax (its values and indices, best and labels, the comparison and the blends).
+POST_CHUNK_COPIES = 4
+POST_ARGMAX_BYTES = 64
 # Full-resolution copies of a class chunk alive at once in the stream's last steps (a bilinear
 # resize's source rows, two gathered rows and their blend; the softmax's exponentials), and the
 # rows of a band a chunk is sized for: few classes at once where the image is wide.
@@ -227,21 +235,27 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
             if why is not None:
                 raise ValueError(f"{name}: test_cfg mode='stream' cannot run: {why}; choose mode "
                                  "'whole', 'slide' or 'auto'")
-        if mode == 'auto' and why_resize is not None:
+        if mode == 'auto' and why_resize is not None and settings.max_memory is not None:
             raise ValueError(f"{name}: test_cfg.mode='auto' estimates memory only for mmseg's "
                              f"decode head predict; {why_resize}: choose mode 'whole' or 'slide'")
         self._release_heap = mode == 'auto'
         if not settings.lean:
             return super().predict(inputs, data_samples)
         if why_resize is not None:
+            if mode == 'auto':  # no budget was set: run as before there was a choice
+                self._log_decision(('whole', why_resize), f'{name}: whole image, unplanned: '
+                                   f'{why_resize}, and only decode heads that do not can be '
+                                   'planned', level=logging.WARNING)
             # full-size logits come from the inference itself: only the post-processing is lean
             return self._whole_post(self.inference(inputs, self._batch_img_metas(
                 inputs, data_samples)), None, data_samples)
         plan = None  # mode='stream' within max_memory: where its token maps live
-        if mode == 'auto' or mode == 'stream' and settings.max_memory is not None:
+        if mode == 'auto':
+            plan = self._auto_plan(inputs, data_samples)
+        elif mode == 'stream' and settings.max_memory is not None:
             B, _, H, W = inputs.shape
             plan = self._choose_memory_plan(
-                self.memory_plans(inputs, data_samples, stream_only=mode == 'stream'),
+                self.memory_plans(inputs, data_samples, stream_only=True),
                 settings.max_memory, f'{name} on {B} x {H}x{W} px')
         run = mode if plan is None else plan.name
         if run == 'slide':
@@ -591,10 +605,11 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
 
     # ------------------------------------------------------------------ memory budget
     def memory_plans(self, inputs: Tensor, data_samples: OptSampleList = None,
-                     stream_only: bool = False) -> List[Plan]:
+                     stream_only: bool = False, budget_mb: Optional[float] = None) -> List[Plan]:
         """``mode='auto'``'s plans in the order tried (``stream_only``: a budgeted mode='stream'),
         each with the peak (MB) ``predict`` adds: the input batch and the larger of the network's
-        and the post-processing's, raised by ``MARGIN`` (``docs/lean_segmentation.md``)."""
+        and the post-processing's, raised by ``MARGIN`` (``docs/lean_segmentation.md``); the
+        stream's bands shrunk to fit ``budget_mb`` (default ``max_memory``)."""
         B, _, H, W = inputs.shape
         metas = self._metas(data_samples, B)
         head_hw = self._head_resize_size(inputs, data_samples)
@@ -603,7 +618,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         if stream_only or self.why_not('stream') is None:
             labels = sum(math.prod(self._output_hw(meta, head_hw)) for meta in metas)
             stream = self._stream_plans((H, W), input_mb + LABEL_BYTES * labels / MB,
-                                        self.test_settings.max_memory)
+                                        budget_mb or self.test_settings.max_memory)
         if stream_only:
             return stream
         crop, stride = self.test_settings.crop_size, self.test_settings.stride
@@ -621,6 +636,62 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         return [Plan('whole', whole_mb, f'({H}x{W} px)')] + stream + [
                 Plan('slide', slide_mb, f'({len(windows)} windows {win_hw[0]}x{win_hw[1]}, '
                      f'stride {stride[0]}x{stride[1]})')]
+
+    def _auto_plan(self, inputs: Tensor, data_samples: OptSampleList) -> Plan:
+        """``mode='auto'``'s plan within ``max_memory``, else within the memory the process may
+        use (read at each call: it moves). Whole where ``_whole_bound_mb`` fits, which measures
+        nothing per image size (a test set of many sizes pays only the first call's calibration);
+        else the first of ``memory_plans`` that fits. Nothing to plan within (neither a setting
+        nor a readable limit): whole, as before the choice, with a warning."""
+        settings = self.test_settings
+        B, _, H, W = inputs.shape
+        what = f'{type(self).__name__} on {B} x {H}x{W} px'
+        budget, source = settings.max_memory, None
+        if budget is None:
+            found = process_budget(inputs.device)
+            if found is None:
+                self._log_decision(
+                    ('whole', None), f'{what}: whole, unplanned: test_cfg.max_memory is not set '
+                    'and the memory this process may use cannot be read here (no cgroup memory '
+                    'files, no /proc/meminfo, not CUDA); set test_cfg.max_memory (MB) to plan',
+                    level=logging.WARNING)
+                return Plan('whole', math.inf, '(no budget)')
+            budget, source = found
+        bound = self._whole_bound_mb(inputs, data_samples)
+        if bound > budget:
+            return self._choose_memory_plan(
+                self.memory_plans(inputs, data_samples, budget_mb=budget), budget, what, source)
+        within = (f'max_memory={budget:.0f} MB' if source is None else
+                  f'{budget:.0f} MB, the memory this process may use ({source}; '
+                  'test_cfg.max_memory sets a budget)')
+        self._log_decision(None if source is None else ('whole', source),
+                           f'{what}: whole, its peak at most {bound:.0f} MB (the network\'s line '
+                           f'and the post-processing counted from its shapes), within {within}')
+        self.last_memory_plans, self._last_budget = (), None  # no listing to reuse
+        self.last_memory_plan = Plan('whole', bound, f'({H}x{W} px, bound)')
+        return self.last_memory_plan
+
+    def _whole_bound_mb(self, inputs: Tensor, data_samples: OptSampleList) -> float:
+        """At least whole's estimate in ``memory_plans`` without measuring at this geometry: the
+        network's line, and for the post-processing its tensors counted from their shapes (the
+        head's logits, ``POST_CHUNK_COPIES`` full-size class chunks, the running argmax and kept
+        logits per output pixel, ``SLACK_MB``), so that whole admitted here is whole that
+        ``memory_plans`` would choose (``tests/test_segmentation_memory_budget.py`` checks the
+        count against the measured post-processing)."""
+        B, _, H, W = inputs.shape
+        metas = self._metas(data_samples, B)
+        head_hw = self._head_resize_size(inputs, data_samples)
+        s_h, s_w, channels_last = self._head_output_geometry(inputs)
+        C = self.out_channels
+        width = self._chunk_width(head_hw, metas, channels_last)
+        plane = max(max(math.prod(head_hw), math.prod(self._output_hw(meta, head_hw)))
+                    for meta in metas)
+        kept = FLOAT_BYTES * C if self.test_settings.keep_seg_logits else 0
+        post = (FLOAT_BYTES * (B * C * math.ceil(H / s_h) * math.ceil(W / s_w)
+                               + POST_CHUNK_COPIES * width * plane)
+                + B * plane * (POST_ARGMAX_BYTES + kept))
+        network = self.network_memory_model(inputs).estimate_mb(B * H * W)
+        return INPUT_BYTES * inputs.numel() / MB + MARGIN * max(network, post / MB + SLACK_MB)
 
     def _post_mb(self, inputs: Tensor, metas: List[Optional[dict]], head_hw: Sequence[int],
                  windows: Optional[list] = None) -> float:

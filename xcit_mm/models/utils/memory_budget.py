@@ -8,6 +8,7 @@ import ctypes
 import gc
 import logging
 import math
+import os.path as osp
 import statistics
 from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -149,6 +150,111 @@ def read_budget_mb(test_cfg, owner: str) -> float:
     return float(budget)
 
 
+# Where the memory this process may use is read (tests point them at files of their own).
+CGROUP_ROOT = '/sys/fs/cgroup'
+PROC_SELF_CGROUP = '/proc/self/cgroup'
+PROC_MEMINFO = '/proc/meminfo'
+# cgroup v1 reports "no limit" as a page-rounded 2**63 - 1; above this a limit means none.
+CGROUP_V1_UNLIMITED = 2**62
+
+
+class Budget(NamedTuple):
+    """A memory budget (MB) and where it came from, in words for the log."""
+    mb: float
+    source: str
+
+
+def _read_int(path: str) -> Optional[int]:
+    """The integer a cgroup file holds; None where the file is absent, unreadable or says
+    ``max`` (cgroup v2's "no limit")."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _memory_cgroups() -> List[Tuple[str, str, str, str]]:
+    """``(version, mount, path, (limit file, usage file))`` of the process's memory cgroups, from
+    ``/proc/self/cgroup``: the v2 hierarchy (``0::path``) and v1's ``memory`` controller."""
+    try:
+        with open(PROC_SELF_CGROUP) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        parts = line.split(':', 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == '0' and not controllers:
+            # pure v2 mounts the hierarchy at the root; the hybrid layout under unified/
+            for mount in (CGROUP_ROOT, osp.join(CGROUP_ROOT, 'unified')):
+                if osp.exists(osp.join(mount, 'cgroup.controllers')):
+                    found.append(('v2', mount, path, ('memory.max', 'memory.current')))
+                    break
+        elif 'memory' in controllers.split(','):
+            found.append(('v1', osp.join(CGROUP_ROOT, 'memory'), path,
+                          ('memory.limit_in_bytes', 'memory.usage_in_bytes')))
+    return found
+
+
+def cgroup_room() -> Optional[Budget]:
+    """The least room (limit minus usage) over the process's memory cgroups and every cgroup
+    above them, as the kernel reclaims or kills at the first limit reached; None without a
+    limit. A container sees its own cgroup at the mount's root, where the path named in
+    ``/proc/self/cgroup`` (the host's) does not exist: then the root is the process's."""
+    best = None
+    for version, mount, path, (limit_file, usage_file) in _memory_cgroups():
+        folder = osp.join(mount, path.lstrip('/'))
+        if not osp.isdir(folder):
+            folder = mount
+        while True:
+            limit, usage = (_read_int(osp.join(folder, name)) for name in (limit_file, usage_file))
+            if limit is not None and usage is not None and not (
+                    version == 'v1' and limit >= CGROUP_V1_UNLIMITED):
+                room = Budget(max(limit - usage, 0) / MB,
+                              f'cgroup {version} {limit_file} - {usage_file} of {folder}')
+                best = room if best is None or room.mb < best.mb else best
+            if osp.normpath(folder) == osp.normpath(mount):
+                break
+            folder = osp.dirname(folder)
+    return best
+
+
+def meminfo_available() -> Optional[Budget]:
+    """``MemAvailable`` of ``/proc/meminfo`` (free memory plus what the kernel can reclaim at
+    once); None where the file or the line is absent (not Linux, kernels before 3.14)."""
+    try:
+        with open(PROC_MEMINFO) as f:
+            for line in f:
+                if line.startswith('MemAvailable:'):
+                    return Budget(int(line.split()[1]) / 1024, f'MemAvailable in {PROC_MEMINFO}')
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def process_budget(device=None) -> Optional[Budget]:
+    """The memory this process may still use on ``device`` (default CPU), for a budget nobody
+    set: on the CPU the smaller of its cgroups' room and the system's available memory (either
+    alone misleads: a container's limit is not in ``MemAvailable``, and a cgroup without a limit
+    says nothing of the machine); on CUDA the device's free memory plus what the caching
+    allocator holds unused (it reuses that first). None where none of these can be read."""
+    device = torch.device('cpu' if device is None else device)
+    if device.type == 'cuda':
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return Budget((free + cached) / MB, f'free memory of {device} (torch.cuda.mem_get_info, '
+                      'plus the caching allocator\'s unused blocks)')
+    if device.type != 'cpu':
+        return None
+    known = [b for b in (cgroup_room(), meminfo_available()) if b is not None]
+    return min(known, key=lambda b: b.mb) if known else None
+
+
 class Plan(NamedTuple):
     """One way to run an image, its peak estimate, its pieces in words, a stream's band size."""
     name: str
@@ -165,6 +271,7 @@ class MemoryPlanMixin:
     last_memory_plans: Sequence[Plan] = ()
     last_memory_plan: Optional[Plan] = None
     _last_budget: Optional[float] = None
+    _last_logged_decision: Optional[tuple] = None
 
     def network_memory_model(self, inputs: torch.Tensor) -> MemoryModel:
         """``test_cfg.memory_model`` if given (it wins over an earlier calibration), else the line
@@ -176,25 +283,42 @@ class MemoryPlanMixin:
             self.calibrated_memory_model = self._calibrate_memory(inputs)
         return self.calibrated_memory_model
 
-    def _choose_memory_plan(self, plans: List[Plan], budget_mb: float, what: str) -> Plan:
+    def _choose_memory_plan(self, plans: List[Plan], budget_mb: float, what: str,
+                            source: Optional[str] = None) -> Plan:
         """The first of ``plans`` within ``budget_mb``, logged unless the previous batch had these
-        plans and budget (a test set of one image size); else an error naming the fix."""
+        plans and budget (a test set of one image size); else an error naming the fix.
+        ``source``: where a budget nobody set came from (:func:`process_budget`); that budget
+        moves from call to call, so its choice is logged once per plan chosen, not per call."""
         last = self.last_memory_plan
         if last is not None and (plans, budget_mb) == (self.last_memory_plans, self._last_budget):
             return last
         self.last_memory_plans, self._last_budget, self.last_memory_plan = plans, budget_mb, None
         listing = '; '.join(f'{p.name}{" " + p.detail if p.detail else ""}: {p.estimate_mb:.0f} MB'
                             for p in plans)
+        within = (f'max_memory={budget_mb:.0f} MB' if source is None else
+                  f'{budget_mb:.0f} MB, the memory this process may use ({source}; '
+                  'test_cfg.max_memory sets a budget)')
         for plan in plans:
             if plan.estimate_mb <= budget_mb:
-                print_log(f'{what}: {plan.name} within max_memory={budget_mb:.0f} MB '
-                          f'(estimates: {listing})', logger='current')
+                self._log_decision(None if source is None else (plan.name, source),
+                                   f'{what}: {plan.name} within {within} (estimates: {listing})')
                 self.last_memory_plan = plan
                 return plan
         smallest = min(plans, key=lambda p: p.estimate_mb)
-        print_log(f'{what}: no plan within max_memory={budget_mb:.0f} MB ({listing})',
+        print_log(f'{what}: no plan within {within} ({listing})',
                   logger='current', level=logging.ERROR)
+        fix = (f'raise test_cfg.max_memory to at least {smallest.estimate_mb:.0f}'
+               if source is None else
+               f'free memory, or set test_cfg.max_memory={smallest.estimate_mb:.0f} to run the '
+               'smallest plan anyway')
         raise MemoryBudgetError(
-            f'{what}: no way to run within max_memory={budget_mb:.0f} MB (estimates: {listing}); '
-            f'raise test_cfg.max_memory to at least {smallest.estimate_mb:.0f} or use smaller '
-            'windows / tiles')
+            f'{what}: no way to run within {within} (estimates: {listing}); {fix} or use '
+            'smaller windows / tiles')
+
+    def _log_decision(self, key: Optional[tuple], message: str,
+                      level: int = logging.INFO) -> None:
+        """Log ``message`` unless the last decision logged had the same ``key`` (None: always),
+        so that a test set of many image sizes gets a line per change of path, not per image."""
+        if key is None or key != self._last_logged_decision:
+            print_log(message, logger='current', level=level)
+        self._last_logged_decision = key
