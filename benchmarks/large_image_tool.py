@@ -147,24 +147,25 @@ def tool_flags() -> str:
 
 def run_tool(cmd: list, work_dir: str, threads=None) -> dict:
     """``cmd`` in a fresh process (``threads``: torch's threads, else its default): its exit
-    status, wall time and peak RSS (its own ``ru_maxrss``, from ``wait4``), and the load of the
-    machine around it."""
+    status, wall time, peak RSS (its own ``ru_maxrss``, from ``wait4``) and output, and the load
+    of the machine around it."""
     env = dict(os.environ, **({} if threads is None else dict(
         OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))))
     load = [round(os.getloadavg()[0], 1)]
     with tempfile.TemporaryFile('w+', dir=work_dir) as err:
         start = time.time()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
+        proc = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, env=env)
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.time() - start
         err.seek(0)
-        stderr = err.read()
+        output = err.read()
     load.append(round(os.getloadavg()[0], 1))
-    lines = [line for line in stderr.splitlines()  # the tool's, not the libraries' warnings
+    lines = [line for line in output.splitlines()  # the tool's, not the libraries' warnings
              if line.strip() and not line[0].isspace() and 'Warning' not in line]
     return dict(returncode=os.waitstatus_to_exitcode(status), wall_s=round(wall, 1),
                 peak_rss_mb=round(usage.ru_maxrss / 1024), load_1min=load,
-                stderr_tail=lines[-3:])
+                plan=[line for line in lines if 'max_memory=' in line],  # the stream's choice
+                output_tail=lines[-3:])
 
 
 def placed_as_input(image: str, labels: str):
@@ -258,6 +259,7 @@ def main(argv=None):
         import torch
         torch.save(dict(state_dict=random_segmentor(osp.join(ROOT, args.config)).state_dict()),
                    checkpoint)
+    code = revision()  # the code the runs import, before the tree changes under them
     image = make_input(args.work_dir, height, width, args.mosaic)
     floor_image = make_input(args.work_dir, FLOOR, FLOOR, args.mosaic)
     options = [f'mosaic{args.mosaic}'] * bool(args.mosaic) + ['confidence'] * args.confidence
@@ -277,7 +279,7 @@ def main(argv=None):
     for budget in args.budgets:
         row = measure(args, image, checkpoint, budget, f'labels_{tag}_{height}x{width}_{budget}')
         row = dict(described, max_memory=budget, image_bytes=input_bytes(image),
-                   revision=revision(), threads=args.threads or os.cpu_count(),
+                   revision=code, threads=args.threads or os.cpu_count(),
                    floor_peak_rss_mb=floor['peak_rss_mb'], floor_wall_s=floor['wall_s'],
                    memory_mb=row['peak_rss_mb'] - floor['peak_rss_mb'], **row, note=args.note)
         print(json.dumps(row), flush=True)
