@@ -1282,7 +1282,7 @@ def test_large_image_tool_update_keeps_the_other_points_rows(tmp_path, monkeypat
     (tmp_path / 'sem_fpn_xcit_s12_p16_80k_ade20k_random.pth').write_bytes(b'')  # made already
     runs = iter(range(1, 10))  # each run's peak RSS, the floor's first: the tool is faked
     monkeypatch.setattr(tool, 'measure', lambda args, image, ckpt, budget, name: dict(
-        returncode=0, peak_rss_mb=10 * next(runs)))
+        returncode=0, wall_s=1.0, peak_rss_mb=10 * next(runs)))
     monkeypatch.setattr(tool, 'tool_flags', lambda: '')
     monkeypatch.setattr(tool, 'revision', lambda: 'first')
     out = str(tmp_path / 'artifact.json')
