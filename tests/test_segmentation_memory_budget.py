@@ -295,21 +295,21 @@ def test_default_streams_when_little_memory_is_available(available_mb, log_lines
 def test_whole_bound_is_at_least_the_measured_estimate():
     """The default's whole without measuring (the post-processing counted from its shapes) is
     never below whole's estimate with the post-processing measured: whole admitted by the count is
-    whole that the measured plans choose. A padded, flipped batch of two resized up, logits kept,
-    outputs large enough that the count is far above its fixed slack (measured scaled down:
+    whole that the measured plans choose. A padded, flipped batch of two resized up, outputs
+    large enough that the count is far above its fixed slack (measured scaled down:
     quick); no network line (the post-processing alone decides); one slide window."""
     img_hw = (1024, 1280)
     metas = [_meta(img_hw, (2000, 2600), pad=(0, 9, 0, 13), flip='horizontal'),
              _meta(img_hw, (1500, 2400), pad=(0, 0, 0, 5), flip='vertical')]
-    _, lean = _pair(SEM_FPN, num_classes=24)
-    lean = _without_mode(lean, memory_model=dict(base_mb=0, mb_per_mpix=0), keep_seg_logits=True,
-                         crop_size=img_hw, stride=img_hw)
+    _, lean = _pair(SEM_FPN, num_classes=8)  # one chunk: quick
+    lean = _without_mode(lean, memory_model=dict(base_mb=0, mb_per_mpix=0), crop_size=img_hw,
+                         stride=img_hw)
     inputs = torch.zeros(len(metas), 3, *img_hw)
     with torch.no_grad():
         whole = lean.memory_plans(inputs, _samples(metas))[0]
         bound = lean._whole_bound_mb(inputs, _samples(metas))
     print(f'bound {bound:.0f} MB, measured estimate {whole.estimate_mb:.0f} MB')
-    assert whole.name == 'whole' and whole.estimate_mb > 500
+    assert whole.name == 'whole' and whole.estimate_mb > 250
     assert bound >= whole.estimate_mb, (bound, whole)
 
 

@@ -60,11 +60,13 @@ STREAM_WORK_BANDS = 2.5
 # Bytes per input element that mmseg's doors hold while predict runs (float batch, uint8 image).
 INPUT_BYTES = 4 + 1
 # The post-processing counted from its shapes, above what is measured (_whole_bound_mb): copies of
-# a class chunk at full size alive at once (the head's resize, the flip, the resize to the
-# original shape, the chunk the argmax reads: two or three at a time), and bytes per output pixel
-# of the running argmax (its values and indices, best and labels, the comparison and the blends).
-POST_CHUNK_COPIES = 4
-POST_ARGMAX_BYTES = 64
+# a class chunk at full size alive at once (the head's resize and its flip, then the flip and the
+# resize to the original shape: two at a time); bytes per output pixel
+# that each image's running argmax keeps (best value, label) and that one image's update holds
+# for a moment (the chunk's maximum and its index, the comparison, the two blends).
+POST_CHUNK_COPIES = 2
+POST_ARGMAX_KEPT_BYTES = 4 + 8
+POST_ARGMAX_STEP_BYTES = 4 + 8 + 1 + 4 + 8
 # Full-resolution copies of a class chunk alive at once in the stream's last steps (a bilinear
 # resize's source rows, two gathered rows and their blend; the softmax's exponentials), and the
 # rows of a band a chunk is sized for: few classes at once where the image is wide.
@@ -674,8 +676,9 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
     def _whole_bound_mb(self, inputs: Tensor, data_samples: OptSampleList) -> float:
         """At least whole's estimate in ``memory_plans`` without measuring at this geometry: the
         network's line, and for the post-processing its tensors counted from their shapes (the
-        head's logits, ``POST_CHUNK_COPIES`` full-size class chunks, the running argmax and kept
-        logits per output pixel, ``SLACK_MB``), so that whole admitted here is whole that
+        head's logits, ``POST_CHUNK_COPIES`` full-size class chunks of the largest image, every
+        image's running argmax and kept logits, one image's argmax update, ``SLACK_MB``; each
+        summed, though not all live at once), so that whole admitted here is whole that
         ``memory_plans`` would choose (``tests/test_segmentation_memory_budget.py`` checks the
         count against the measured post-processing)."""
         B, _, H, W = inputs.shape
@@ -684,12 +687,13 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         s_h, s_w, channels_last = self._head_output_geometry(inputs)
         C = self.out_channels
         width = self._chunk_width(head_hw, metas, channels_last)
-        plane = max(max(math.prod(head_hw), math.prod(self._output_hw(meta, head_hw)))
-                    for meta in metas)
+        planes = [math.prod(self._output_hw(meta, head_hw)) for meta in metas]
         kept = FLOAT_BYTES * C if self.test_settings.keep_seg_logits else 0
+        largest = max(planes + [math.prod(head_hw)])  # one image's chunks at a time
         post = (FLOAT_BYTES * (B * C * math.ceil(H / s_h) * math.ceil(W / s_w)
-                               + POST_CHUNK_COPIES * width * plane)
-                + B * plane * (POST_ARGMAX_BYTES + kept))
+                               + POST_CHUNK_COPIES * width * largest)
+                + sum(planes) * (POST_ARGMAX_KEPT_BYTES + kept)
+                + largest * POST_ARGMAX_STEP_BYTES)
         network = self.network_memory_model(inputs).estimate_mb(B * H * W)
         return INPUT_BYTES * inputs.numel() / MB + MARGIN * max(network, post / MB + SLACK_MB)
 
