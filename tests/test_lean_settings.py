@@ -189,3 +189,16 @@ def test_process_budget_from_cgroup_v2_v1_and_meminfo(case, tmp_path, monkeypatc
         return
     assert budget.mb == pytest.approx(expected_mb)
     assert budget.source.startswith(source.format(root=root, meminfo=meminfo)), budget.source
+
+
+def test_process_budget_on_cuda_counts_the_allocators_unused_blocks(monkeypatch):
+    """On CUDA: the device's free memory plus the blocks torch's caching allocator holds unused
+    (it reuses them before asking the device)."""
+    from xcit_mm.models.utils import memory_budget
+    cuda = memory_budget.torch.cuda
+    monkeypatch.setattr(cuda, 'mem_get_info', lambda device=None: (3 * GIB, 8 * GIB))
+    monkeypatch.setattr(cuda, 'memory_reserved', lambda device=None: GIB)
+    monkeypatch.setattr(cuda, 'memory_allocated', lambda device=None: GIB // 4)
+    budget = memory_budget.process_budget('cuda:0')
+    assert budget.mb == pytest.approx(3 * 1024 + 768)
+    assert budget.source.startswith('free memory of cuda:0'), budget.source
