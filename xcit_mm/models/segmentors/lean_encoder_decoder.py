@@ -12,6 +12,7 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 import torch
+from mmengine.logging import print_log
 from mmengine.structures import PixelData
 from torch import Tensor
 
@@ -268,6 +269,18 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         self._step_done()
         return self._whole_post(low_res, self._head_resize_size(inputs, data_samples),
                                 data_samples)
+
+    def inference(self, inputs: Tensor, batch_img_metas: List[dict]) -> Tensor:
+        """Stock ``inference`` (what ``lean=False`` and heads that override ``predict`` run) by
+        the settings' mode, as stock reads ``test_cfg.mode``, which may be absent here (the
+        configs' default): 'slide' slides, any other mode runs whole, as stock's default."""
+        ori_shape = batch_img_metas[0]['ori_shape']
+        if not all(meta['ori_shape'] == ori_shape for meta in batch_img_metas):
+            print_log('Image shapes are different in the batch.', logger='current',
+                      level=logging.WARN)
+        if self.test_settings.mode == 'slide':
+            return self.slide_inference(inputs, batch_img_metas)
+        return self.whole_inference(inputs, batch_img_metas)
 
     def _step_done(self) -> None:
         """mode='auto': the freed heap back to the OS, as its estimate measures each step alone."""
