@@ -88,6 +88,8 @@ def build_cfg(point: dict):
                 t.update(scale_factor=1.0, keep_ratio=True)
         pipeline[:] = [t for t in pipeline if t['type'] != 'LoadAnnotations']
     cfg.model.test_cfg.update(TEST_CFGS.get(path, {}))
+    if seg and path in ('lean', 'stock'):  # the whole image: the configs name no mode now
+        cfg.model.test_cfg.setdefault('mode', 'whole')
     if point.get('band_mb'):  # a budget point's
         cfg.model.test_cfg.band_mb = point['band_mb']
     return cfg

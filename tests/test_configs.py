@@ -147,7 +147,7 @@ def test_config_recipe(task, arch, patch):
         assert cfg.model.pretrained is None
         assert cfg.model.data_preprocessor.size == (512, 512)
         assert cfg.model.data_preprocessor.type == 'SegDataPreProcessor'  # upstream kept
-        assert cfg.model.test_cfg == dict(mode='whole')
+        assert cfg.model.test_cfg == {}  # no mode: the lean segmentor chooses (whole if it fits)
         assert cfg.train_dataloader.dataset.data_root == 'data/ade/ADEChallengeData2016'
         crop = [t for t in cfg.train_dataloader.dataset.pipeline if t.type == 'RandomCrop'][0]
         assert crop.crop_size == (512, 512) and crop.cat_max_ratio == 0.75

@@ -200,6 +200,7 @@ def test_inference_model_door_paper_pipeline_and_full_resolution():
     lean = init_model(cfg, device='cpu')
     stock_cfg = copy.deepcopy(cfg)
     stock_cfg.model.type = 'EncoderDecoder'
+    stock_cfg.model.test_cfg = dict(mode='whole')  # stock reads test_cfg.mode
     stock = init_model(stock_cfg, device='cpu')
     torch.manual_seed(5)
     with torch.no_grad():  # random weights with varied labels: spread the classifier
