@@ -297,7 +297,10 @@ def test_budget_points_report_the_plan_and_its_estimate(small, tmp_path, monkeyp
     # within the small budget the stream runs (its bands shrunk to fit: its estimate follows
     # the budget), before windows
     assert (whole['plan'], slide['plan']) == ('whole', 'stream'), (whole, slide)
-    assert whole['estimates']['whole'] == slide['estimates']['whole'] > 400
+    # whole is admitted by its bound, which measures nothing at this size and is never below
+    # the estimate the full plans measure
+    assert whole['estimates'] == {'whole': whole['estimate_mb']}
+    assert whole['estimates']['whole'] >= slide['estimates']['whole'] > 400
     (det,) = _child([dict(point, task='detector', size=128, config=str(configs['detector']),
                           max_memory=10**5)])
     assert det['plan'] == 'whole' and det['num_dets'] == 20, det

@@ -682,8 +682,9 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         self._log_decision(None if source is None else ('whole', source),
                            f'{what}: whole, its peak at most {bound:.0f} MB (the network\'s line '
                            f'and the post-processing counted from its shapes), within {within}')
-        self.last_memory_plans, self._last_budget = (), None  # no listing to reuse
         self.last_memory_plan = Plan('whole', bound, f'({H}x{W} px, bound)')
+        # the listing is the bound's one plan; no budget kept, so no later listing reuses it
+        self.last_memory_plans, self._last_budget = (self.last_memory_plan, ), None
         return self.last_memory_plan
 
     def _whole_bound_mb(self, inputs: Tensor, data_samples: OptSampleList) -> float:
