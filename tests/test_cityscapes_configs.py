@@ -144,6 +144,9 @@ def test_one_training_step_and_whole_image_prediction(task, patch):
     cfg = _small(task, patch)
     # A small crop instead of 512x1024 keeps the CPU step short; the padding path is the same.
     cfg.model.data_preprocessor.size = (64, 128)
+    # the whole image as named: the configs' default would first calibrate its memory line
+    # (three forwards up to 896²), which test_segmentation_memory_budget.py covers
+    cfg.model.test_cfg = dict(mode='whole')
     model = revert_sync_batchnorm(_build(cfg, device='cpu'))
     init_default_scope(cfg.default_scope)
     wrapper = build_optim_wrapper(model, cfg.optim_wrapper)
