@@ -1,5 +1,7 @@
 # Copyright (c) xcit_mm contributors. All rights reserved.
-"""The large-image tool's user errors, and the check of its output path before any work."""
+"""The large-image tool's user errors, the check of its output paths before any work, and the sync
+that puts an output on disk before it gets its name."""
+import os
 import os.path as osp
 from typing import Iterable, Tuple
 
@@ -26,3 +28,13 @@ def check_output(path: str, option: str = '--out',
             same = '' if osp.abspath(path) == osp.abspath(other) else f' ({other})'
             raise LargeImageError(f'{option} {path} is {what}{same}: it would be overwritten; '
                                   f'choose another {option}')
+
+
+def sync_to_disk(path: str) -> None:
+    """fsync a file (or a folder, for the renames in it), so that a crash after the rename
+    cannot leave a complete-looking name over incomplete data."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

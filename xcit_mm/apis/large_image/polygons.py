@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .errors import LargeImageError, check_output
+from .errors import LargeImageError, check_output, sync_to_disk
 
 # Output formats by file extension: GDAL's OGR driver of each.
 VECTOR_DRIVERS = {'.gpkg': 'GPKG', '.fgb': 'FlatGeobuf', '.geojson': 'GeoJSON'}
@@ -363,11 +363,7 @@ class PolygonWriter:
             self._write(append=True)
             if self.driver != 'GPKG':
                 self._convert()
-            fd = os.open(self._made, os.O_RDONLY)
-            try:
-                os.fsync(fd)  # on disk before it gets its name
-            finally:
-                os.close(fd)
+            sync_to_disk(self._made)  # on disk before it gets its name
             os.replace(self._made, self.path)
         finally:
             self._remove_temporaries()

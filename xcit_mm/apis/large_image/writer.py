@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .errors import LargeImageError
+from .errors import LargeImageError, sync_to_disk
 
 
 def _checked_bands(bands: Iterable[tuple], hw: Tuple[int, int], with_confidence: bool = False
@@ -201,14 +201,6 @@ def _class_sidecar(path: str, class_names: Sequence[str], palette) -> None:
     ET.ElementTree(root).write(path, encoding='UTF-8', xml_declaration=False)
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_label_rasters(out: str, bands: Iterable[tuple], hw: Tuple[int, int], num_classes: int,
                         *, palette=None, class_names: Optional[Sequence[str]] = None,
                         crs=None, transform=None, gcps: Sequence = (),
@@ -290,7 +282,7 @@ def write_label_rasters(out: str, bands: Iterable[tuple], hw: Tuple[int, int], n
                 _class_sidecar(sidecar, class_names, palette)
             for path in (raster.partial, sidecar):
                 if osp.exists(path):
-                    _fsync(path)
+                    sync_to_disk(path)
         for raster in rasters:
             sidecar = raster.partial + '.aux.xml'
             if osp.exists(sidecar):
@@ -300,7 +292,7 @@ def write_label_rasters(out: str, bands: Iterable[tuple], hw: Tuple[int, int], n
                 os.remove(raster.path + '.aux.xml')
             os.replace(raster.partial, raster.path)
             renamed.append(raster.path)
-        _fsync(osp.dirname(osp.abspath(out)))
+        sync_to_disk(osp.dirname(osp.abspath(out)))
         done = True
         gdal.pass_on()
     except Exception as e:  # GDAL's errors through rasterio are of many classes
