@@ -47,7 +47,7 @@ def logged(monkeypatch):
 
 # ---------------------------------------------------------------------- settings
 @pytest.mark.parametrize('cfg,match', [
-    (dict(mode='slide'), r"mode must be one of \['whole', 'tiles', 'auto'\]"),
+    (dict(mode='slide'), r"mode must be one of \['whole', 'tiles', 'auto', 'stream'\]"),
     (dict(max_memory=6000), r"\['max_memory'\] only apply to mode='auto', but mode is 'whole'"),
     (dict(mode='whole', tile_size=512), r"\['tile_size'\] only apply to mode='tiles'"),
     (dict(mode='tiles', max_memory=6000), r"\['max_memory'\] only apply to mode='auto'"),

@@ -145,9 +145,9 @@ def test_precomputed_proposals_are_stocks_whole_and_refused_by_tiles(pair):
 
 def test_why_not_allows_every_lean_path_on_stock_parts_and_names_the_known_ones(pair):
     lean = pair[1]
-    assert [lean.why_not(path) for path in ('fpn', 'rpn', 'roi', 'bands')] == [None] * 4
+    assert [lean.why_not(path) for path in ('fpn', 'rpn', 'roi', 'bands', 'stream')] == [None] * 5
     with pytest.raises(ValueError, match=r"^LeanMaskRCNN: unknown lean path 'band'; known: "
-                       r"fpn, rpn, roi, bands$"):
+                       r"fpn, rpn, roi, bands, stream$"):
         lean.why_not('band')
 
 

@@ -4,10 +4,14 @@ Whole, it gives stock's detections bit for bit (each operation stock's, on the s
 bands, tiles, ``mode='auto'`` and the keys: ``docs/lean_detection.md``. Training is stock's.
 """
 import math
-from typing import List, Optional, Tuple
+import tempfile
+from functools import partial
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from mmcv.ops import batched_nms
 from mmengine.structures import InstanceData
 from torch import Tensor
 
@@ -17,26 +21,52 @@ from mmdet.models.necks import FPN
 from mmdet.models.roi_heads import StandardRoIHead
 from mmdet.models.roi_heads.base_roi_head import BaseRoIHead
 from mmdet.models.roi_heads.mask_heads import FCNMaskHead
+from mmdet.models.roi_heads.mask_heads.fcn_mask_head import _do_paste_mask
 from mmdet.registry import MODELS
 from mmdet.structures import DetDataSample, SampleList
 from mmdet.structures.bbox import bbox2roi
 
-from ..inference.fpn_data_flow import (fpn_bottom_rows, fpn_in_data_flow_order,
+from ..inference import det_stream
+from ..inference.det_stream import FeatureWindow
+from ..inference.fpn_data_flow import (fpn_bottom_rows, fpn_in_data_flow_order, fpn_rows,
                                        why_not_data_flow_fpn)
-from ..inference.row_stream import (LevelByLevelBackbone, Local, NotRowLocal, TensorRows, conv_halo,
-                                    materialize)
+from ..inference.row_stream import (LevelByLevelBackbone, Local, NotRowLocal, TensorRows,
+                                    TokenMaps, check_token_folder, conv_halo, materialize,
+                                    why_not_norms)
+from ..inference.scene_input import preprocessed_rows, stage_reporter, valid_pixels
 from ..inference.settings import DetectorSettings, LeanSettingsMixin
 from ..utils.ckpt_load import refuse_headless_load
 from ..utils.memory_budget import (MB, MemoryModel, MemoryPlanMixin, Plan, calibrate,
-                                   measure_peak_growth_mb, release_free_heap)
+                                   measure_peak_growth_mb, read_budget_mb, release_free_heap)
 from . import tiled_inference as tiling
+
+# The stream's bands of rows (MB) when test_cfg.band_mb gives none: the segmentor's CPU default;
+# the bands' work is counted as this many bands at once, and a little slack besides.
+STREAM_BAND_MB = 128
+STREAM_WORK_BANDS = 2.5
+STREAM_SLACK_MB = 64
+
+
+def paste_in_box(mask_logits: Tensor, bboxes: Tensor, image_hw: Sequence[int],
+                 threshold: float = 0.5) -> List[Tuple[Tensor, int, int]]:
+    """Each instance's mask as ``FCNMaskHead.predict_by_feat`` pastes it (its logits' sigmoid
+    sampled over the box, then ``>= threshold``), but only over the box and a pixel around it:
+    ``(mask, x0, y0)``, a bool (h, w) mask whose top-left pixel is (x0, y0) of the image. Never a
+    mask of the whole image per instance."""
+    out = []
+    for logits, box in zip(mask_logits, bboxes):
+        pasted, region = _do_paste_mask(logits[None, None].sigmoid(), box[None], *image_hw,
+                                        skip_empty=True)
+        ys, xs = region if region else (slice(0, image_hw[0]), slice(0, image_hw[1]))
+        out.append((pasted[0] >= threshold, int(xs.start), int(ys.start)))
+    return out
 
 
 @MODELS.register_module()
 class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
     """mmdet's ``MaskRCNN`` whose ``predict`` keeps fewer full-resolution maps alive."""
     SETTINGS = DetectorSettings
-    LEAN_PATHS = ('fpn', 'rpn', 'roi', 'bands')
+    LEAN_PATHS = ('fpn', 'rpn', 'roi', 'bands', 'stream')
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -70,6 +100,8 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
                     f'{type(mask_head).__name__}')
         if path == 'rpn':
             return None if type(rpn) is RPNHead else f"{type(rpn).__name__} is not mmdet's RPNHead"
+        if path == 'stream':
+            return self._why_not_stream()
         if not isinstance(backbone, LevelByLevelBackbone):
             if path == 'bands':
                 return (f'the backbone {type(backbone).__name__} cannot make its stride-4 level '
@@ -90,6 +122,41 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
             return "the RPN head must be mmdet's RPNHead with one stride-1 same-size conv"
         return None
 
+    def _why_not_stream(self) -> Optional[str]:
+        """Why the parts cannot run ``mode='stream'`` (None if they can): the XCiT trunk streamed,
+        mmdet's FPN and RPN by rows, the stock RoI head, norms that are per pixel."""
+        backbone, neck, rpn = self.backbone, getattr(self, 'neck', None), self.rpn_head
+        if not hasattr(backbone, 'stream_trunk'):
+            return f'{type(backbone).__name__} cannot stream its trunk (XCiTBackbone can)'
+        why = (self.why_not('roi') or self.why_not('rpn') or why_not_norms(backbone)
+               or why_not_data_flow_fpn(neck, FPN, extra_levels=True))
+        if why:
+            return why
+        if conv_halo(rpn.rpn_conv) is None or conv_halo(rpn.rpn_cls) or conv_halo(rpn.rpn_reg):
+            return "the RPN head must be mmdet's RPNHead with one stride-1 same-size conv"
+        strides = [s[0] for s in rpn.prior_generator.strides]
+        if strides != self._stream_strides():
+            return (f'the RPN anchors have strides {strides}, the FPN levels '
+                    f'{self._stream_strides()}')
+        side = 64
+        zeros = next(backbone.parameters()).new_zeros
+        levels = [TensorRows(zeros(1, channels, -(-side // stride), -(-side // stride)))
+                  for channels, stride in zip(backbone.out_channels, backbone.strides)]
+        try:  # the very construction the stream makes, on a 64 px image's placeholder maps
+            for level in range(len(levels)):
+                backbone.level_rows(TensorRows(zeros(1, 1, 4, 4)), level, (side, side))
+            fpn_rows(levels, neck, neck.num_outs - len(levels))
+        except NotRowLocal as error:
+            return f'the adapter or the FPN: {error}'
+        return None
+
+    def _stream_strides(self) -> List[int]:
+        """The FPN outputs' strides: the backbone's, then x2 for each extra level."""
+        strides = list(self.backbone.strides)
+        for _ in range(self.neck.num_outs - len(strides)):
+            strides.append(strides[-1] * 2)
+        return strides
+
     def _check_parts(self) -> None:
         """The lean paths ``test_cfg`` asks for, refused where the parts rule them out."""
         name, settings = type(self).__name__, self.test_settings
@@ -97,6 +164,9 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         if why:
             raise ValueError(f'{name}: test_cfg.band_mb: {why}; remove band_mb (every map whole) '
                              "or use mode='tiles'")
+        why = settings.mode == 'stream' and self.why_not('stream')
+        if why:
+            raise ValueError(f"{name}: test_cfg.mode='stream' needs {why}; use mode='tiles'")
         why = settings.mode != 'whole' and self.why_not('roi')
         if why:
             raise ValueError(f"{name}: test_cfg.mode='tiles' / 'auto' need {why}; use "
@@ -125,8 +195,12 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
                 plan = self._choose_memory_plan(plans, settings.max_memory, what).name
             if plan == 'whole':
                 return self._predict_whole(batch_inputs, batch_data_samples, rescale)
-            results_list = self._paste_masks(self._tile_detections(batch_inputs, batch_img_metas),
-                                             batch_img_metas, rescale)
+            if plan == 'stream':
+                results_list = [self.stream_detections(batch_inputs[i:i + 1], meta)
+                                for i, meta in enumerate(batch_img_metas)]
+            else:
+                results_list = self._tile_detections(batch_inputs, batch_img_metas)
+            results_list = self._paste_masks(results_list, batch_img_metas, rescale)
         return self.add_pred_to_datasample(batch_data_samples, results_list)
 
     def _predict_whole(self, batch_inputs: Tensor, batch_data_samples: SampleList,
@@ -275,6 +349,207 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         """(feature maps as a list, RPN proposals): the stage whose peak grows with the pixels."""
         x = self._lean_extract_feat(inputs)
         return x, self._lean_rpn_predict(x, [DetDataSample(metainfo=meta)])
+
+    # ------------------------------------------------------------------ stream
+    def stream_instances(self, read_rows: Callable[[int, int], 'np.ndarray'],
+                         image_hw: Tuple[int, int], max_memory: Optional[float] = None,
+                         token_dir: Optional[str] = None, progress: Optional[Callable] = None,
+                         valid_rows: Optional[Callable[[int, int], 'np.ndarray']] = None
+                         ) -> Iterator[InstanceData]:
+        """The instances of an image larger than memory, core by core (each object once, in the
+        core holding its box centre): ``InstanceData`` with ``bboxes`` (x1, y1, x2, y2 in the
+        image's pixels), ``scores``, ``labels`` and ``mask_logits`` (N, side, side), the mask
+        head's logits of each one's class over its box (:func:`paste_in_box` makes the mask).
+
+        ``read_rows(a, b)``: rows a..b-1 as mmcv reads them ((b - a, W, C), BGR), preprocessed
+        here as the model's data preprocessor would. ``valid_rows(a, b)``: which of them hold data
+        (bool (b - a, W)); tokens without any are left out of XCA's sums. Under ``max_memory``
+        (MB) the token maps go to ``token_dir`` where memory would not hold them. ``progress``:
+        as ``LeanEncoderDecoder.stream_labels``' (stages 'trunk', then 'cores').
+
+        The parts, the budget and the token folder are checked here, before the image is read;
+        the work runs as the instances are iterated."""
+        name = type(self).__name__
+        why = self.why_not('stream')
+        if why is not None:
+            raise ValueError(f'{name}.stream_instances: cannot stream: {why}')
+        device = next(self.parameters()).device
+        folder = self._stream_token_folder(image_hw, max_memory, token_dir,
+                                           f'{name} on {image_hw[0]}x{image_hw[1]} px')
+        read_pixels = partial(preprocessed_rows, self.data_preprocessor, read_rows, device)
+        valid = (None if valid_rows is None else
+                 partial(valid_pixels, valid_rows, image_hw[1], device))
+        meta = dict(img_shape=tuple(image_hw), ori_shape=tuple(image_hw),
+                    pad_shape=tuple(image_hw), batch_input_shape=tuple(image_hw),
+                    scale_factor=(1., 1.))
+
+        def instances() -> Iterator[InstanceData]:
+            was_training = self.training
+            self.eval()
+            try:
+                for dets in self.stream_cores(read_pixels, image_hw, meta, folder, progress,
+                                              valid):
+                    yield dets.cpu()
+            finally:
+                self.train(was_training)
+
+        return instances()
+
+    def _stream_plans(self, image_hw: Sequence[int]) -> List[Plan]:
+        """The stream's plans, token maps in memory then on disk (docs/lean_detection.md): the
+        maps, the window of feature rows, a core's RoI feature copies, the bands' work and the
+        RoI heads' fixed part."""
+        settings, backbone, neck = self.test_settings, self.backbone, self.neck
+        H, W = image_hw
+        p, D = backbone.patch_size, backbone.embed_dims
+        kept = len(set(backbone.out_indices) - {max(backbone.out_indices)}) + 1
+        maps_mb = kept * 4 * D * (-(-H // p)) * (-(-W // p)) / MB
+        margin = max(settings.feature_margin, det_stream.ALIGN)
+        rows = min(H, settings.tile_size[0] + 2 * margin)
+        strides = self._stream_strides()
+        window_mb = det_stream.window_mb(W, rows, neck.out_channels, strides)
+        roi_strides = self.roi_head.bbox_roi_extractor.featmap_strides
+        copies_mb = det_stream.window_mb(min(W, settings.tile_size[1] + 2 * margin), rows,
+                                         neck.out_channels, roi_strides)
+        band_mb = settings.band_mb or STREAM_BAND_MB
+        num_proposals, num_dets = self._max_boxes()
+        roi_mb = (num_proposals * neck.out_channels * 7 * 7 * 4 * 3
+                  + num_dets * neck.out_channels * 28 * 28 * 4 * 3) / MB
+        rest = window_mb + copies_mb + STREAM_WORK_BANDS * band_mb + roi_mb + STREAM_SLACK_MB
+        detail = (f'{kept} token maps of {maps_mb / kept:.0f} MB {{}}, windows of {rows} rows: '
+                  f'{window_mb:.0f} MB')
+        return [Plan('stream', maps_mb + rest, '(' + detail.format('in memory') + ')'),
+                Plan('stream-disk', rest, '(' + detail.format('on disk') + ')')]
+
+    def _stream_token_folder(self, image_hw: Sequence[int], max_memory: Optional[float],
+                             token_dir: Optional[str], what: str) -> Optional[str]:
+        """Where the token maps go (None: memory): on disk if ``test_cfg.token_maps='disk'`` or
+        if only the disk plan fits ``max_memory``; the folder checked for room and not tmpfs."""
+        settings = self.test_settings
+        plans = self._stream_plans(image_hw)
+        plan = plans[0]
+        if max_memory is not None:
+            budget = read_budget_mb(dict(max_memory=max_memory), type(self).__name__)
+            plan = self._choose_memory_plan(plans, budget, what)
+        if not (settings.token_maps == 'disk' or plan.name == 'stream-disk'):
+            return None
+        folder = token_dir or settings.token_dir or tempfile.gettempdir()
+        check_token_folder(folder, (plans[0].estimate_mb - plans[1].estimate_mb) * MB,
+                           memory_counted=False)
+        return folder
+
+    def stream_detections(self, image: Tensor, meta: dict) -> InstanceData:
+        """One preprocessed image (1, C, H, W) by :meth:`stream_cores`, every core's detections
+        together (network coordinates, each with its class's mask logits), after a class-wise NMS
+        across the cores (one object's detections in two cores whose centres fall either side of
+        their edge)."""
+        parts = list(self.stream_cores(lambda a, b: image[:, :, a:b], tuple(image.shape[2:]),
+                                       meta))
+        cores, dets = len(parts), InstanceData.cat(parts)
+        del parts
+        if cores > 1 and len(dets) > 1:
+            _, keep = batched_nms(dets.bboxes, dets.scores, dets.labels, self.roi_head.test_cfg.nms)
+            dets = dets[keep]
+        return dets
+
+    @torch.no_grad()
+    def stream_cores(self, read_pixels: Callable[[int, int], Tensor], image_hw: Tuple[int, int],
+                     meta: dict, folder: Optional[str] = None,
+                     progress: Optional[Callable] = None,
+                     valid: Optional[Callable[[int, int], Tensor]] = None
+                     ) -> Iterator[InstanceData]:
+        """The detections of a scene read by ``read_pixels(a, b)`` (preprocessed rows a..b-1 of
+        the network input, (1, C, b - a, W)), one core after another (docs/lean_detection.md):
+        the trunk streamed over the whole scene into token maps (in ``folder`` if given, else
+        in memory), then for each core its proposals, detections and mask logits on the scene's
+        own features. ``meta``: the image's (``img_shape`` clips the boxes)."""
+        settings, backbone, neck = self.test_settings, self.backbone, self.neck
+        band_mb = settings.band_mb or STREAM_BAND_MB
+        H, W = image_hw
+        report = stage_reporter(progress)
+        layers = max(backbone.out_indices) + 1
+        token_rows = -(-H // backbone.patch_size)
+        done = [0]
+
+        def layer_done() -> None:
+            done[0] += token_rows
+            report(done[0], layers * token_rows, 'trunk')
+
+        core_rows = det_stream.core_edges(H, settings.tile_size[0])
+        core_cols = det_stream.core_edges(W, settings.tile_size[1])
+        with TokenMaps(next(self.parameters()).device, folder) as maps:
+            report(0, layers * token_rows, 'trunk')
+            trunk = backbone.stream_trunk(read_pixels, image_hw, maps, band_mb, layer_done,
+                                          **({} if valid is None else dict(valid_pixels=valid)))
+            levels = [backbone.level_rows(trunk_map, i, image_hw)
+                      for i, trunk_map in enumerate(trunk)]
+            window = FeatureWindow(fpn_rows(levels, neck, neck.num_outs - len(levels)),
+                                   self._stream_strides(), band_mb)
+            del trunk, levels
+            total = len(core_rows) * len(core_cols)
+            report(0, total, 'cores')
+            for i, rows in enumerate(core_rows):
+                # at least a cell of every level above and below: the RPN conv's context
+                window.move(*det_stream.window_rows(
+                    rows, max(settings.feature_margin, det_stream.ALIGN), H))
+                for j, cols in enumerate(core_cols):
+                    yield self._core_detections(window, (rows, cols), meta)
+                    report(i * len(core_cols) + j + 1, total, 'cores')
+
+    def _core_detections(self, window: FeatureWindow, core, meta: dict) -> InstanceData:
+        """One core's detections: its anchors' proposals, the RoI heads on the window's features
+        around it (RoIs shifted to the window; boxes decoded and clipped on the scene), kept where
+        the core holds the box centre, each with its class's mask logits."""
+        rpn, head = self.rpn_head, self.roi_head
+        (y0, y1), (x0, x1) = core
+        halo = conv_halo(rpn.rpn_conv)
+        cls_scores, bbox_preds, priors = [], [], []
+        for level, stride in enumerate(self._stream_strides()):
+            size = window.levels[level].height, window.levels[level].width
+            (r0, r1) = det_stream.cells(y0, y1, stride, size[0])
+            (c0, c1) = det_stream.cells(x0, x1, stride, size[1])
+            feat = window.crop(level, (r0 - halo, r1 + halo), (c0 - halo, c1 + halo))
+            top, left = r0 - max(0, r0 - halo), c0 - max(0, c0 - halo)
+            hidden = F.relu_(rpn.rpn_conv(feat))[:, :, top:top + r1 - r0, left:left + c1 - c0]
+            cls_scores.append(rpn.rpn_cls(hidden)[0])
+            bbox_preds.append(rpn.rpn_reg(hidden)[0])
+            del hidden
+            anchors = rpn.prior_generator.single_level_grid_priors(
+                (r1 - r0, c1 - c0), level, dtype=feat.dtype, device=feat.device)
+            priors.append(anchors + anchors.new_tensor([c0 * stride, r0 * stride] * 2))
+        proposals = rpn._predict_by_feat_single(cls_scores, bbox_preds, [None] * len(priors),
+                                                priors, meta, rpn.test_cfg, rescale=False)
+        del cls_scores, bbox_preds, priors
+        # the RoI heads' window: the rows held, the core's columns and the margin each side
+        left = max(0, x0 - self.test_settings.feature_margin)
+        right = min(window.levels[0].width * self._stream_strides()[0],
+                    x1 + self.test_settings.feature_margin)
+        # copies in NCHW: mmcv's CPU RoIAlign reads a map's raw memory as contiguous NCHW
+        feats = tuple(
+            window.crop(level, (0, math.inf), det_stream.cells(
+                left, right, stride, window.levels[level].width)).contiguous()
+            for level, stride in enumerate(head.bbox_roi_extractor.featmap_strides))
+        rois = bbox2roi([proposals.bboxes])
+        shift = rois.new_tensor([0, left, window.top, left, window.top])
+        if rois.shape[0] == 0:
+            dets = InstanceData(bboxes=rois.new_zeros((0, 4)), scores=rois.new_zeros((0, )),
+                                labels=rois.new_zeros((0, ), dtype=torch.long))
+        else:
+            out = head._bbox_forward(feats, rois - shift)
+            dets = head.bbox_head.predict_by_feat(
+                rois=(rois, ), cls_scores=(out['cls_score'], ), bbox_preds=(out['bbox_pred'], ),
+                batch_img_metas=[meta], rcnn_test_cfg=head.test_cfg, rescale=False)[0]
+            del out
+            dets = dets[det_stream.owned(dets.bboxes, core, tuple(meta['img_shape'][:2]))]
+        side = self._mask_shape()[1]
+        if len(dets) == 0:
+            dets.mask_logits = rois.new_zeros((0, side, side))
+            return dets
+        mask_preds = head._mask_forward(feats, bbox2roi([dets.bboxes]) - shift)['mask_preds']
+        dets.mask_logits = mask_preds[torch.arange(len(dets)),
+                                      dets.labels if mask_preds.shape[1] > 1 else 0]
+        dets.scores, dets.labels = dets.scores.clone(), dets.labels.clone()
+        return dets
 
     # ------------------------------------------------------------------ memory plans
     def memory_plans(self, batch_inputs: Tensor, batch_data_samples: SampleList,

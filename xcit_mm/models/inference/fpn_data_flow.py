@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .row_stream import (Combine, LevelByLevelBackbone, Resize, RowMap, TensorRows, band_rows_for,
-                         materialize, module_rows)
+from .row_stream import (Combine, LevelByLevelBackbone, Local, Resize, RowMap, TensorRows,
+                         band_rows_for, materialize, module_rows)
 
 
 def why_not_data_flow_fpn(neck, fpn_type: type, extra_levels: bool = False) -> Optional[str]:
@@ -137,6 +137,19 @@ def fpn_bottom_rows(backbone, neck, trunk: RowMap, top: RowMap, image_hw) -> Row
     """Level 0's FPN output as rows, from the backbone's trunk map and level 1's lateral sum."""
     lateral = module_rows(neck.lateral_convs[0], backbone.level_rows(trunk, 0, image_hw))
     return module_rows(neck.fpn_convs[0], top_down_rows(lateral, top, neck.upsample_cfg))
+
+
+def fpn_rows(levels: Sequence[RowMap], neck, extra_levels: int = 0) -> List[RowMap]:
+    """``neck.forward(levels)`` of an FPN (mmdet's or mmseg's, 1x1 laterals, no extra convs) by
+    rows: the laterals, the top-down sums and the FPN convs, then ``extra_levels`` levels made as
+    mmdet's FPN makes them without extra convs (a max pool of kernel 1, stride 2, of the last)."""
+    lateral = [module_rows(conv, level) for conv, level in zip(neck.lateral_convs, levels)]
+    for i in range(len(lateral) - 1, 0, -1):
+        lateral[i - 1] = top_down_rows(lateral[i - 1], lateral[i], neck.upsample_cfg)
+    outs = [module_rows(conv, lat) for conv, lat in zip(neck.fpn_convs, lateral)]
+    for _ in range(extra_levels):
+        outs.append(Local(lambda x: F.max_pool2d(x, 1, stride=2), outs[-1], num=2))
+    return outs
 
 
 def top_down_rows(lateral: RowMap, top: RowMap, upsample_cfg: dict) -> RowMap:

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.modules.utils import _pair
 
 MB = 2**20
@@ -476,3 +477,31 @@ class LevelByLevelBackbone(Protocol):
                      valid_pixels: Optional[Callable[[int, int], Tensor]] = None
                      ) -> List[TokenMap]:
         ...
+
+
+# ---------------------------------------------------------------------------- norms
+NORMS = (nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm, _InstanceNorm)
+# Where the stream runs a backbone's modules on bands of image rows (the XCiT parts by name): the
+# conv stem, each layer's LPI and the adapter; a norm there must be per pixel.
+ROW_PARTS = re.compile(r'(patch_embed|layers\.\d+\.lpi|fpn\d)(\.|$)')
+NORM_FIX = ("build the backbone with norm_cfg=dict(type='BN') or dict(type='SyncBN') (per pixel "
+            'in eval mode)')
+
+
+def why_not_norms(backbone: nn.Module) -> Optional[str]:
+    """A norm the stream would apply to each band alone (None if there is none): in the parts that
+    run on bands of rows, any norm but a BatchNorm with running statistics, which alone is per
+    pixel in eval mode (a GroupNorm, a LayerNorm, an InstanceNorm would normalise each band over
+    its own rows, and give other labels or fail after the whole trunk has run)."""
+    for name, module in backbone.named_modules():
+        if not ROW_PARTS.match(name):
+            continue
+        if isinstance(module, _BatchNorm):
+            if module.running_mean is None:
+                return (f'backbone.{name} is a {type(module).__name__} without running '
+                        'statistics (track_running_stats=False): it would normalise each band by '
+                        f'its own statistics; {NORM_FIX}')
+        elif isinstance(module, NORMS) or 'Norm' in type(module).__name__:
+            return (f'backbone.{name} is a {type(module).__name__}: it would normalise each band '
+                    f'over its own rows, not over the whole image; {NORM_FIX}')
+    return None

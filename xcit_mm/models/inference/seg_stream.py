@@ -4,7 +4,6 @@ does it (``docs/gigapixel.md``). No map is ever whole: UperNet's pyramid pooling
 band by band, and the full-resolution steps run a chunk of classes at a time into a running
 argmax (and softmax, for a confidence). The checks that a model's parts allow all this, before
 any work, are here too."""
-import re
 from typing import List, Optional, Sequence
 
 import torch
@@ -12,15 +11,12 @@ import torch.nn as nn
 from mmseg.models.decode_heads import UPerHead
 from mmseg.models.utils import Upsample
 from torch import Tensor
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.modules.utils import _pair
 
-from .fpn_data_flow import top_down_rows
+from .fpn_data_flow import fpn_rows, top_down_rows
 from .row_stream import (Combine, Crop, LevelByLevelBackbone, Local, NotRowLocal, Resize, RowMap,
                          TensorRows, measured_bands, module_rows)
 
-NORMS = (nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm, _InstanceNorm)
 # The pyramid pooling's pass over the coarsest level, where no stream gives its band.
 POOL_BAND_MB = 64
 
@@ -50,10 +46,7 @@ def logits_rows(levels: Sequence[RowMap], neck, head, band_mb: float = POOL_BAND
     coarsest level in bands of ``band_mb``)."""
     if type(head) is UPerHead:
         return _upernet_rows(levels, head, band_mb)
-    lateral = [module_rows(conv, level) for conv, level in zip(neck.lateral_convs, levels)]
-    for i in range(len(lateral) - 1, 0, -1):
-        lateral[i - 1] = top_down_rows(lateral[i - 1], lateral[i], neck.upsample_cfg)
-    outs = [module_rows(conv, lat) for conv, lat in zip(neck.fpn_convs, lateral)]
+    outs = fpn_rows(levels, neck)
     output = _branch_rows(head.scale_heads[0], outs[0])
     for i in range(1, len(head.feature_strides)):
         branch = _branch_rows(head.scale_heads[i], outs[i])
@@ -267,30 +260,4 @@ def why_not_by_rows(backbone: LevelByLevelBackbone, neck, head) -> Optional[str]
         logits_rows(levels, neck, head)
     except NotRowLocal as error:
         return f'a part of the neck or head: {error}'
-    return None
-
-
-# Where the stream runs a backbone's modules on bands of image rows (the XCiT parts by name): the
-# conv stem, each layer's LPI and the adapter; a norm there must be per pixel.
-ROW_PARTS = re.compile(r'(patch_embed|layers\.\d+\.lpi|fpn\d)(\.|$)')
-NORM_FIX = ("build the backbone with norm_cfg=dict(type='BN') or dict(type='SyncBN') (per pixel "
-            'in eval mode)')
-
-
-def why_not_norms(backbone: nn.Module) -> Optional[str]:
-    """A norm the stream would apply to each band alone (None if there is none): in the parts that
-    run on bands of rows, any norm but a BatchNorm with running statistics, which alone is per
-    pixel in eval mode (a GroupNorm, a LayerNorm, an InstanceNorm would normalise each band over
-    its own rows, and give other labels or fail after the whole trunk has run)."""
-    for name, module in backbone.named_modules():
-        if not ROW_PARTS.match(name):
-            continue
-        if isinstance(module, _BatchNorm):
-            if module.running_mean is None:
-                return (f'backbone.{name} is a {type(module).__name__} without running '
-                        'statistics (track_running_stats=False): it would normalise each band by '
-                        f'its own statistics; {NORM_FIX}')
-        elif isinstance(module, NORMS) or 'Norm' in type(module).__name__:
-            return (f'backbone.{name} is a {type(module).__name__}: it would normalise each band '
-                    f'over its own rows, not over the whole image; {NORM_FIX}')
     return None

@@ -12,6 +12,11 @@ from ..utils.memory_budget import MemoryModel, read_budget_mb, read_memory_model
 # object (network pixels) still seen whole in some tile.
 DEFAULT_TILE_SIZE = (1024, 1024)
 DEFAULT_TILE_OVERLAP = 256
+# How far (network pixels) beyond its tile the stream's RoI heads read the scene's features:
+# every object up to twice this is seen whole by the tile holding its centre; a multiple of the
+# coarsest FPN stride, so that windows start on a whole cell of every level.
+DEFAULT_FEATURE_MARGIN = 512
+FEATURE_MARGIN_STEP = 64
 # The smallest tile side: XCiT needs 32 px to reach its stride-32 level.
 MIN_TILE_SIZE = 32
 # The window of mode='auto' without test_cfg.crop_size or data_preprocessor.size: mmseg's usual
@@ -96,19 +101,32 @@ class LeanSettings:
         return {}
 
 
+def _token_keys(cfg: dict, owner: str) -> dict:
+    """The stream's ``token_maps`` (where the trunk's token maps live) and ``token_dir``."""
+    if cfg.get('token_maps') not in (None, 'memory', 'disk'):
+        raise ValueError(f"{owner}: test_cfg.token_maps must be 'memory' or 'disk', got "
+                         f"{cfg['token_maps']!r}")
+    return dict(token_maps=cfg.get('token_maps'), token_dir=cfg.get('token_dir'))
+
+
 @dataclass(frozen=True)
 class DetectorSettings(LeanSettings):
     """``LeanMaskRCNN``'s top-level ``test_cfg`` keys (next to ``rpn`` and ``rcnn``)."""
-    MODES: ClassVar = ('whole', 'tiles', 'auto')
-    LEAN_MODES: ClassVar = ('tiles', 'auto')
-    READ_BY: ClassVar = dict(tile_size=('tiles', 'auto'), tile_overlap=('tiles', 'auto'),
-                             max_memory=('auto', ), memory_model=('auto', ))
+    MODES: ClassVar = ('whole', 'tiles', 'auto', 'stream')
+    LEAN_MODES: ClassVar = ('tiles', 'auto', 'stream')
+    READ_BY: ClassVar = dict(tile_size=('tiles', 'auto', 'stream'), tile_overlap=('tiles', 'auto'),
+                             feature_margin=('stream', 'auto'), token_maps=('stream', 'auto'),
+                             token_dir=('stream', 'auto'), max_memory=('auto', ),
+                             memory_model=('auto', ))
     OTHER_KEYS: ClassVar = ('rpn', 'rcnn')
     DOCS: ClassVar = 'docs/lean_detection.md'
     OWNER: ClassVar = 'LeanMaskRCNN'
 
     tile_size: Tuple[int, int] = DEFAULT_TILE_SIZE
     tile_overlap: int = DEFAULT_TILE_OVERLAP
+    feature_margin: int = DEFAULT_FEATURE_MARGIN
+    token_maps: Optional[str] = None
+    token_dir: Optional[str] = None
 
     @classmethod
     def _read_own(cls, cfg: dict, mode: str, owner: str) -> dict:
@@ -122,13 +140,22 @@ class DetectorSettings(LeanSettings):
                 f'tile_size=(1024, 1536); got {size!r}')
         overlap = cfg.get('tile_overlap')
         overlap = DEFAULT_TILE_OVERLAP if overlap is None else overlap
-        if not (_is_int(overlap) and 0 <= overlap < min(pair)):
+        if not (_is_int(overlap) and 0 <= overlap and (mode == 'stream' or overlap < min(pair))):
             raise ValueError(
                 f'{owner}: test_cfg.tile_overlap must be an int of network-scale pixels, at '
                 f'least 0 and less than the smaller tile side {min(pair)} (tile_size='
                 f'{tuple(pair)}); make it larger than the largest object to be seen whole in one '
                 f'tile; got {overlap!r}')
-        return dict(tile_size=(int(pair[0]), int(pair[1])), tile_overlap=int(overlap))
+        margin = cfg.get('feature_margin')
+        margin = DEFAULT_FEATURE_MARGIN if margin is None else margin
+        if not (_is_int(margin) and margin >= 0 and margin % FEATURE_MARGIN_STEP == 0):
+            raise ValueError(
+                f'{owner}: test_cfg.feature_margin must be an int of network-scale pixels, a '
+                f'multiple of {FEATURE_MARGIN_STEP} (the coarsest FPN stride), at least 0: how '
+                'far beyond its tile the RoI heads read the scene\'s features; objects up to twice '
+                f'it are detected as on the whole image, e.g. feature_margin=512; got {margin!r}')
+        return dict(tile_size=(int(pair[0]), int(pair[1])), tile_overlap=int(overlap),
+                    feature_margin=margin, **_token_keys(cfg, owner))
 
 
 @dataclass(frozen=True)
@@ -161,9 +188,6 @@ class SegmentorSettings(LeanSettings):
     def _read_own(cls, cfg: dict, mode: str, owner: str,
                   default_crop: Optional[Sequence[int]] = None) -> dict:
         """``default_crop``: the data preprocessor's ``size``, auto's window if given."""
-        if cfg.get('token_maps') not in (None, 'memory', 'disk'):
-            raise ValueError(f"{owner}: test_cfg.token_maps must be 'memory' or 'disk', got "
-                             f"{cfg['token_maps']!r}")
         crop, stride = cfg.get('crop_size'), cfg.get('stride')
         if mode != 'slide' and crop is None:  # auto's window; stock's slide needs both keys
             crop = default_crop or DEFAULT_CROP
@@ -179,8 +203,7 @@ class SegmentorSettings(LeanSettings):
                              f'crop_size {tuple(crop)}: the windows would leave gaps')
         return dict(keep_seg_logits=cfg.get('keep_seg_logits', False),
                     lean_chunk_mb=cfg.get('lean_chunk_mb', 256), crop_size=tuple(crop),
-                    stride=tuple(stride), token_maps=cfg.get('token_maps'),
-                    token_dir=cfg.get('token_dir'))
+                    stride=tuple(stride), **_token_keys(cfg, owner))
 
 
 class LeanSettingsMixin:

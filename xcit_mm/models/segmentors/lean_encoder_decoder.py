@@ -28,9 +28,9 @@ from mmseg.utils import OptSampleList, SampleList
 from ..inference.fpn_data_flow import (fpn_in_data_flow_order, uper_head_in_data_flow_order,
                                        why_not_data_flow_fpn)
 from ..inference.row_stream import (LevelByLevelBackbone, TokenMaps, check_token_folder,
-                                    stream_rows)
-from ..inference.seg_stream import (PyramidPooling, labels_rows, logits_rows, why_not_by_rows,
-                                    why_not_norms)
+                                    stream_rows, why_not_norms)
+from ..inference.scene_input import preprocessed_rows, stage_reporter, valid_pixels
+from ..inference.seg_stream import PyramidPooling, labels_rows, logits_rows, why_not_by_rows
 from ..inference.settings import LeanSettingsMixin, SegmentorSettings
 from ..utils.ckpt_load import refuse_headless_load
 from ..utils.memory_budget import (MB, MemoryModel, MemoryPlanMixin, Plan, calibrate,
@@ -102,34 +102,6 @@ def _class_slice(x: Tensor, c0: int, c1: int, batch: slice = slice(None)) -> Ten
     if _is_channels_last(x):
         part = part.contiguous(memory_format=torch.channels_last)
     return part
-
-
-def stage_reporter(progress: Optional[Callable]) -> Callable[[int, int, str], None]:
-    """How the stream calls ``progress``: ``progress(done, total, stage=stage)`` if it has a
-    ``stage`` parameter (or ``**kwargs``), else ``progress(done, total)``. Two stages, each
-    counting its work from 0 to its total: ``'trunk'``, token rows x layers (every layer passes
-    over every token row, so the trunk's time goes by them and their rate gives its time left),
-    then ``'labels'``, the label rows made. A callable without ``stage`` sees the total change
-    once, when the labels start."""
-    if progress is None:
-        return lambda done, total, stage: None
-    try:
-        params = inspect.signature(progress).parameters.values()
-    except (TypeError, ValueError):  # a builtin without a signature: the two-argument form
-        params = ()
-    if any(p.name == 'stage' or p.kind == p.VAR_KEYWORD for p in params):
-        return lambda done, total, stage: progress(done, total, stage=stage)
-    return lambda done, total, stage: progress(done, total)
-
-
-def _valid_pixels(valid_rows: Callable[[int, int], 'np.ndarray'], width: int,
-                  device: torch.device, start: int, stop: int) -> Tensor:
-    """``valid_rows(start, stop)`` checked, as a bool tensor on ``device``."""
-    mask = np.asarray(valid_rows(start, stop))
-    if mask.shape != (stop - start, width) or mask.dtype != np.bool_:
-        raise ValueError(f'valid_rows({start}, {stop}) must give a bool array of shape '
-                         f'({stop - start}, {width}), got {mask.dtype} {mask.shape}')
-    return torch.from_numpy(np.ascontiguousarray(mask)).to(device)
 
 
 class _RunningArgmax:
@@ -356,21 +328,13 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                 raise ValueError(f'{name}.stream_labels: {type(self.backbone).__name__} cannot '
                                  'leave masked tokens out of its attention: pass '
                                  'mask_xca=False')
-            trunk_kwargs['valid_pixels'] = partial(_valid_pixels, valid_rows, W, device)
+            trunk_kwargs['valid_pixels'] = partial(valid_pixels, valid_rows, W, device)
         budget = None if max_memory is None else read_budget_mb(dict(max_memory=max_memory), name)
         plans = self._stream_plans(image_hw, held_mb=0, budget_mb=budget)
         plan = plans[0] if budget is None else self._choose_memory_plan(
             plans, budget, f'{name} on {H}x{W} px')
         folder = self._token_folder(image_hw, plan, token_dir, budgeted=budget is not None)
-        pre = self.data_preprocessor
-
-        def read_pixels(start: int, stop: int) -> Tensor:
-            rows = torch.from_numpy(np.ascontiguousarray(read_rows(start, stop))).to(device)
-            rows = rows.permute(2, 0, 1)[None]
-            if getattr(pre, 'channel_conversion', False):  # mmseg's SegDataPreProcessor
-                rows = rows[:, [2, 1, 0]]
-            rows = rows.float()
-            return (rows - pre.mean) / pre.std if getattr(pre, '_enable_normalize', False) else rows
+        read_pixels = partial(preprocessed_rows, self.data_preprocessor, read_rows, device)
 
         def bands() -> Iterator[tuple]:
             with self._eval_no_grad():

@@ -1,0 +1,129 @@
+"""Mask R-CNN over a whole scene on the scene's own features (``LeanMaskRCNN``'s
+``mode='stream'``, docs/lean_detection.md): the geometry of the tiles and the window of feature
+rows their heads read. Torch only.
+
+The XCiT trunk streams over the whole scene (:mod:`.row_stream`), so every feature map is the
+scene's, not a tile's. The scene is cut into *cores*, tiles that do not overlap. Each core's RPN
+proposes from the anchors whose centres lie in it, and its RoI heads read the scene's feature maps
+in a window reaching ``margin`` pixels beyond the core, so a box that leaves the core is still
+seen whole. A detection belongs to the core that holds its box centre: no object is reported by
+two tiles, and no fragments need merging.
+
+The window holds whole rows of every FPN level (the level maps are made by rows), from
+``margin`` above a row of cores to ``margin`` below it; moving down to the next row of cores
+keeps the rows both windows share and makes only the new ones."""
+import math
+from typing import List, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .row_stream import RowMap, _graph, band_rows_for
+
+# Core edges inside the scene lie on multiples of the coarsest FPN stride (P6's, 64 px), so that a
+# core starts on a whole cell of every level: its anchors are the scene's anchors, shifted by the
+# core's corner, and a window's RoIs sample the features at the scene's positions.
+ALIGN = 64
+
+
+def core_edges(length: int, tile: int) -> List[Tuple[int, int]]:
+    """(start, stop) of the cores along one axis: they cover ``[0, length)`` without overlap,
+    ``tile`` long (rounded down to a multiple of :data:`ALIGN`, at least one), the last one
+    whatever remains; the whole axis if it fits a tile."""
+    step = max(ALIGN, tile // ALIGN * ALIGN)
+    edges = list(range(0, length, step))[1:]
+    if edges and length - edges[-1] < ALIGN // 2:  # a sliver joins the core before it
+        edges.pop()
+    edges = [0] + edges + [length]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def cells(start: int, stop: int, stride: int, size: int) -> Tuple[int, int]:
+    """The cells ``[a, b)`` of a level of ``stride`` (``size`` cells) under pixels
+    ``[start, stop)``: those whose anchor centre (``cell x stride``) lies in them."""
+    return min(size, -(-start // stride)), min(size, -(-stop // stride))
+
+
+def owned(bboxes: Tensor, core: Tuple[Tuple[int, int], Tuple[int, int]],
+          scene_hw: Sequence[int]) -> Tensor:
+    """Which boxes (x1, y1, x2, y2) have their centre in ``core`` ((y0, y1), (x0, x1)); the
+    cores on the scene's bottom and right edges also own the centres on that edge."""
+    (y0, y1), (x0, x1) = core
+    cx = (bboxes[:, 0] + bboxes[:, 2]) / 2
+    cy = (bboxes[:, 1] + bboxes[:, 3]) / 2
+    in_x = (cx >= x0) & ((cx < x1) | ((x1 >= scene_hw[1]) & (cx <= x1)))
+    in_y = (cy >= y0) & ((cy < y1) | ((y1 >= scene_hw[0]) & (cy <= y1)))
+    return in_x & in_y
+
+
+class FeatureWindow:
+    """Rows ``[top, bottom)`` (network pixels) of every level of ``levels`` (row maps of strides
+    ``strides``), whole width, held as tensors; :meth:`move` slides it down the scene, making the
+    new rows in bands of about ``band_mb`` of the finest level."""
+
+    def __init__(self, levels: Sequence[RowMap], strides: Sequence[int], band_mb: float):
+        self.levels, self.strides, self.band_mb = list(levels), list(strides), band_mb
+        self.top = self.bottom = 0
+        self.held: List[Tensor] = [None] * len(self.levels)
+        self.first: List[int] = [0] * len(self.levels)  # each level's first row held
+
+    def move(self, top: int, bottom: int) -> None:
+        """Hold pixel rows ``[top, bottom)`` (``top`` not above the current top): the rows held
+        already are kept, the others made band by band, every level's rows of a band together
+        (they share the maps of the top-down path)."""
+        spans = [cells(top, bottom, s, level.height)
+                 for s, level in zip(self.strides, self.levels)]
+        parts: List[List[Tensor]] = []
+        for i, (a, b) in enumerate(spans):
+            old, first = self.held[i], self.first[i]
+            self.held[i] = None
+            keep = old is not None and first <= a < first + old.shape[2]
+            parts.append([old[:, :, a - first:b - first].clone()] if keep else [])
+            del old
+        cursors = [a + sum(p.shape[2] for p in kept) for (a, _), kept in zip(spans, parts)]
+        pixel = min(c * s for c, s in zip(cursors, self.strides))
+        while any(c < b for c, (_, b) in zip(cursors, spans)):
+            pixel += self._band_pixels()
+            for i, (level, s) in enumerate(zip(self.levels, self.strides)):
+                stop = min(spans[i][1], -(-pixel // s))
+                if stop > cursors[i]:
+                    parts[i].append(level.rows(cursors[i], stop))
+                    cursors[i] = stop
+        for i, kept in enumerate(parts):
+            self.held[i] = kept[0] if len(kept) == 1 else torch.cat(kept, dim=2)
+            self.first[i] = spans[i][0]
+            kept.clear()
+        self.top, self.bottom = top, bottom
+
+    def _band_pixels(self) -> int:
+        """Pixel rows of the next band: :data:`ALIGN` until a band has been made, then as many
+        as keep the finest level's rows in every map it is made from near ``band_mb``."""
+        finest = self.levels[0]
+        maps, _ = _graph(finest)
+        per_row = sum(m.row_bytes * m.height / finest.height for m in maps)
+        if not per_row:
+            return ALIGN
+        rows = band_rows_for(self.band_mb, int(per_row))
+        return max(ALIGN, rows * self.strides[0] // ALIGN * ALIGN)
+
+    def crop(self, level: int, rows: Tuple[int, int], cols: Tuple[int, int]) -> Tensor:
+        """Cells ``rows`` x ``cols`` of ``level`` (clipped to the window and the map), a view."""
+        held, first = self.held[level], self.first[level]
+        r0, r1 = max(rows[0], first), min(rows[1], first + held.shape[2])
+        return held[:, :, r0 - first:r1 - first, max(0, cols[0]):cols[1]]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.held if t is not None)
+
+
+def window_rows(core_rows: Tuple[int, int], margin: int, height: int) -> Tuple[int, int]:
+    """The pixel rows of a window ``margin`` beyond a row of cores (``margin`` a multiple of
+    :data:`ALIGN`, so that the window starts on a cell of every level)."""
+    return max(0, core_rows[0] - margin), min(height, core_rows[1] + margin)
+
+
+def window_mb(width: int, rows: int, channels: int, strides: Sequence[int],
+              element_size: int = 4) -> float:
+    """MB of a window of ``rows`` pixel rows of levels of ``channels`` channels at ``strides``."""
+    return sum(channels * math.ceil(rows / s) * math.ceil(width / s) * element_size
+               for s in strides) / 2**20
