@@ -11,7 +11,6 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 import torch.nn.functional as F
-from mmcv.ops import batched_nms
 from mmengine.structures import InstanceData
 from torch import Tensor
 
@@ -356,8 +355,8 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
                          token_dir: Optional[str] = None, progress: Optional[Callable] = None,
                          valid_rows: Optional[Callable[[int, int], 'np.ndarray']] = None
                          ) -> Iterator[InstanceData]:
-        """The instances of an image larger than memory, core by core (each object once, in the
-        core holding its box centre): ``InstanceData`` with ``bboxes`` (x1, y1, x2, y2 in the
+        """The instances of an image larger than memory, a row of cores at a time (each object
+        once): ``InstanceData`` with ``bboxes`` (x1, y1, x2, y2 in the
         image's pixels), ``scores``, ``labels`` and ``mask_logits`` (N, side, side), the mask
         head's logits of each one's class over its box (:func:`paste_in_box` makes the mask).
 
@@ -439,18 +438,11 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         return folder
 
     def stream_detections(self, image: Tensor, meta: dict) -> InstanceData:
-        """One preprocessed image (1, C, H, W) by :meth:`stream_cores`, every core's detections
-        together (network coordinates, each with its class's mask logits), after a class-wise NMS
-        across the cores (one object's detections in two cores whose centres fall either side of
-        their edge)."""
-        parts = list(self.stream_cores(lambda a, b: image[:, :, a:b], tuple(image.shape[2:]),
-                                       meta))
-        cores, dets = len(parts), InstanceData.cat(parts)
-        del parts
-        if cores > 1 and len(dets) > 1:
-            _, keep = batched_nms(dets.bboxes, dets.scores, dets.labels, self.roi_head.test_cfg.nms)
-            dets = dets[keep]
-        return dets
+        """One preprocessed image (1, C, H, W) by :meth:`stream_cores`, all its detections
+        (network coordinates, each with its class's mask logits), best scored first."""
+        dets = InstanceData.cat(list(self.stream_cores(
+            lambda a, b: image[:, :, a:b], tuple(image.shape[2:]), meta)))
+        return dets[dets.scores.argsort(descending=True, stable=True)]
 
     @torch.no_grad()
     def stream_cores(self, read_pixels: Callable[[int, int], Tensor], image_hw: Tuple[int, int],
@@ -459,10 +451,12 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
                      valid: Optional[Callable[[int, int], Tensor]] = None
                      ) -> Iterator[InstanceData]:
         """The detections of a scene read by ``read_pixels(a, b)`` (preprocessed rows a..b-1 of
-        the network input, (1, C, b - a, W)), one core after another (docs/lean_detection.md):
-        the trunk streamed over the whole scene into token maps (in ``folder`` if given, else
-        in memory), then for each core its proposals, detections and mask logits on the scene's
-        own features. ``meta``: the image's (``img_shape`` clips the boxes)."""
+        the network input, (1, C, b - a, W)), one row of cores after another
+        (docs/lean_detection.md): the trunk streamed over the whole scene into token maps (in
+        ``folder`` if given, else in memory), then for each core its proposals, detections and
+        mask logits on the scene's own features, and after each row of cores the detections no
+        later core can duplicate (:class:`~..inference.det_stream.CoreRowMerge`). ``meta``: the
+        image's (``img_shape`` clips the boxes)."""
         settings, backbone, neck = self.test_settings, self.backbone, self.neck
         band_mb = settings.band_mb or STREAM_BAND_MB
         H, W = image_hw
@@ -488,19 +482,28 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
             del trunk, levels
             total = len(core_rows) * len(core_cols)
             report(0, total, 'cores')
+            merge = det_stream.CoreRowMerge(self.roi_head.test_cfg.nms, settings.feature_margin)
             for i, rows in enumerate(core_rows):
                 # at least a cell of every level above and below: the RPN conv's context
                 window.move(*det_stream.window_rows(
                     rows, max(settings.feature_margin, det_stream.ALIGN), H))
+                row = []
                 for j, cols in enumerate(core_cols):
-                    yield self._core_detections(window, (rows, cols), meta)
+                    row.append(self._core_detections(window, (rows, cols), meta))
                     report(i * len(core_cols) + j + 1, total, 'cores')
+                next_top = core_rows[i + 1][0] if i + 1 < len(core_rows) else None
+                yield merge.add_row(InstanceData.cat(row), next_top)
 
     def _core_detections(self, window: FeatureWindow, core, meta: dict) -> InstanceData:
         """One core's detections: its anchors' proposals, the RoI heads on the window's features
-        around it (RoIs shifted to the window; boxes decoded and clipped on the scene), kept where
-        the core holds the box centre, each with its class's mask logits."""
-        rpn, head = self.rpn_head, self.roi_head
+        around it (RoIs shifted to the window; boxes decoded and clipped on the scene), each with
+        its class's mask logits."""
+        return self._core_roi(window, core, self._core_proposals(window, core, meta), meta)
+
+    def _core_proposals(self, window: FeatureWindow, core, meta: dict) -> InstanceData:
+        """The RPN's proposals from the anchors of one core (scene coordinates): each level's
+        cells of the core with a cell of context for the RPN conv, the scene's anchors there."""
+        rpn = self.rpn_head
         (y0, y1), (x0, x1) = core
         halo = conv_halo(rpn.rpn_conv)
         cls_scores, bbox_preds, priors = [], [], []
@@ -517,9 +520,15 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
             anchors = rpn.prior_generator.single_level_grid_priors(
                 (r1 - r0, c1 - c0), level, dtype=feat.dtype, device=feat.device)
             priors.append(anchors + anchors.new_tensor([c0 * stride, r0 * stride] * 2))
-        proposals = rpn._predict_by_feat_single(cls_scores, bbox_preds, [None] * len(priors),
-                                                priors, meta, rpn.test_cfg, rescale=False)
-        del cls_scores, bbox_preds, priors
+        return rpn._predict_by_feat_single(cls_scores, bbox_preds, [None] * len(priors), priors,
+                                           meta, rpn.test_cfg, rescale=False)
+
+    def _core_roi(self, window: FeatureWindow, core, proposals: InstanceData,
+                  meta: dict) -> InstanceData:
+        """The RoI heads on a core's proposals, reading the window's features from the
+        ``feature_margin`` left of the core to that right of it (and all the rows it holds)."""
+        head = self.roi_head
+        (_, _), (x0, x1) = core
         # the RoI heads' window: the rows held, the core's columns and the margin each side
         left = max(0, x0 - self.test_settings.feature_margin)
         right = min(window.levels[0].width * self._stream_strides()[0],
@@ -540,7 +549,6 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
                 rois=(rois, ), cls_scores=(out['cls_score'], ), bbox_preds=(out['bbox_pred'], ),
                 batch_img_metas=[meta], rcnn_test_cfg=head.test_cfg, rescale=False)[0]
             del out
-            dets = dets[det_stream.owned(dets.bboxes, core, tuple(meta['img_shape'][:2]))]
         side = self._mask_shape()[1]
         if len(dets) == 0:
             dets.mask_logits = rois.new_zeros((0, side, side))

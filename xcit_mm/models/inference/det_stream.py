@@ -1,21 +1,25 @@
 """Mask R-CNN over a whole scene on the scene's own features (``LeanMaskRCNN``'s
-``mode='stream'``, docs/lean_detection.md): the geometry of the tiles and the window of feature
-rows their heads read. Torch only.
+``mode='stream'``, docs/lean_detection.md): the geometry of the cores, the window of feature rows
+their heads read, and the merge of their detections.
 
 The XCiT trunk streams over the whole scene (:mod:`.row_stream`), so every feature map is the
 scene's, not a tile's. The scene is cut into *cores*, tiles that do not overlap. Each core's RPN
-proposes from the anchors whose centres lie in it, and its RoI heads read the scene's feature maps
-in a window reaching ``margin`` pixels beyond the core, so a box that leaves the core is still
-seen whole. A detection belongs to the core that holds its box centre: no object is reported by
-two tiles, and no fragments need merging.
+proposes from the anchors whose centres lie in it (each anchor belongs to one core), and its RoI
+heads read the scene's feature maps in a window reaching ``margin`` pixels beyond the core, so
+that a box leaving the core is still seen whole, on the features the whole image would give it.
+An object near a core's edge may be proposed by the anchors of both cores: the whole image's
+class-wise NMS, applied across the cores (:class:`CoreRowMerge`), keeps it once. Nothing is cut,
+so no fragments need merging.
 
 The window holds whole rows of every FPN level (the level maps are made by rows), from
 ``margin`` above a row of cores to ``margin`` below it; moving down to the next row of cores
 keeps the rows both windows share and makes only the new ones."""
 import math
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
+from mmcv.ops import batched_nms
+from mmengine.structures import InstanceData
 from torch import Tensor
 
 from .row_stream import RowMap, _graph, band_rows_for
@@ -44,16 +48,32 @@ def cells(start: int, stop: int, stride: int, size: int) -> Tuple[int, int]:
     return min(size, -(-start // stride)), min(size, -(-stop // stride))
 
 
-def owned(bboxes: Tensor, core: Tuple[Tuple[int, int], Tuple[int, int]],
-          scene_hw: Sequence[int]) -> Tensor:
-    """Which boxes (x1, y1, x2, y2) have their centre in ``core`` ((y0, y1), (x0, x1)); the
-    cores on the scene's bottom and right edges also own the centres on that edge."""
-    (y0, y1), (x0, x1) = core
-    cx = (bboxes[:, 0] + bboxes[:, 2]) / 2
-    cy = (bboxes[:, 1] + bboxes[:, 3]) / 2
-    in_x = (cx >= x0) & ((cx < x1) | ((x1 >= scene_hw[1]) & (cx <= x1)))
-    in_y = (cy >= y0) & ((cy < y1) | ((y1 >= scene_hw[0]) & (cy <= y1)))
-    return in_x & in_y
+class CoreRowMerge:
+    """The cores' detections, one row of cores at a time, through the class-wise NMS that the
+    whole image's RoI head applies to all of them (``nms_cfg``, mmcv's ``batched_nms``): one object
+    proposed by the anchors of two cores is kept once, the better scored.
+
+    A detection is released once no later core can hold its duplicate: when its box ends more
+    than ``reach`` pixels above the next row of cores (a later core's boxes reach at most that far
+    above it on the features of its window). The others wait for the next row."""
+
+    def __init__(self, nms_cfg, reach: int):
+        self.nms_cfg, self.reach = nms_cfg, reach
+        self.pending: Optional[InstanceData] = None
+
+    def add_row(self, dets: InstanceData, next_top: Optional[int]) -> InstanceData:
+        """A row of cores' detections in; those now final out (all of them after the last row,
+        ``next_top=None``), best scored first."""
+        both = dets if self.pending is None else InstanceData.cat([self.pending, dets])
+        self.pending = None
+        if len(both) > 1:
+            _, keep = batched_nms(both.bboxes, both.scores, both.labels, self.nms_cfg)
+            both = both[keep]
+        if next_top is None:
+            return both
+        later = both.bboxes[:, 3] > next_top - self.reach
+        self.pending = both[later]
+        return both[~later]
 
 
 class FeatureWindow:
