@@ -194,8 +194,9 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
                 plan = self._choose_memory_plan(plans, settings.max_memory, what).name
             if plan == 'whole':
                 return self._predict_whole(batch_inputs, batch_data_samples, rescale)
-            if plan == 'stream':
-                results_list = [self.stream_detections(batch_inputs[i:i + 1], meta)
+            if plan in ('stream', 'stream-disk'):
+                folder = self._predict_token_folder(batch_inputs.shape[2:], plan)
+                results_list = [self.stream_detections(batch_inputs[i:i + 1], meta, folder)
                                 for i, meta in enumerate(batch_img_metas)]
             else:
                 results_list = self._tile_detections(batch_inputs, batch_img_metas)
@@ -433,15 +434,28 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         if not (settings.token_maps == 'disk' or plan.name == 'stream-disk'):
             return None
         folder = token_dir or settings.token_dir or tempfile.gettempdir()
-        check_token_folder(folder, (plans[0].estimate_mb - plans[1].estimate_mb) * MB,
-                           memory_counted=False)
+        check_token_folder(folder, (plans[0].estimate_mb - plans[1].estimate_mb) * MB)
         return folder
 
-    def stream_detections(self, image: Tensor, meta: dict) -> InstanceData:
+    def _predict_token_folder(self, image_hw: Sequence[int], plan: str) -> Optional[str]:
+        """predict's folder for the token maps: None (memory) unless ``test_cfg.token_maps`` is
+        'disk' or auto chose the disk plan; ``token_dir`` or the temp folder, checked for room
+        and refused on tmpfs (memory the budget does not see)."""
+        settings = self.test_settings
+        if not (plan == 'stream-disk' or settings.token_maps == 'disk'):
+            return None
+        folder = settings.token_dir or tempfile.gettempdir()
+        plans = self._stream_plans(image_hw)
+        check_token_folder(folder, (plans[0].estimate_mb - plans[1].estimate_mb) * MB)
+        return folder
+
+    def stream_detections(self, image: Tensor, meta: dict,
+                          folder: Optional[str] = None) -> InstanceData:
         """One preprocessed image (1, C, H, W) by :meth:`stream_cores`, all its detections
-        (network coordinates, each with its class's mask logits), best scored first."""
+        (network coordinates, each with its class's mask logits), best scored first; the token
+        maps in ``folder`` if given, else in memory."""
         dets = InstanceData.cat(list(self.stream_cores(
-            lambda a, b: image[:, :, a:b], tuple(image.shape[2:]), meta)))
+            lambda a, b: image[:, :, a:b], tuple(image.shape[2:]), meta, folder)))
         return dets[dets.scores.argsort(descending=True, stable=True)]
 
     @torch.no_grad()
@@ -579,10 +593,18 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         held_mb = sum(map(len, grids)) * max_per_img * (4 * 4 + 4 + 8 + 1 + 4 * side**2) / MB
         rows = len({t.y0 for t in grids[0]})
         th, tw = settings.tile_size
-        return [Plan('whole', max(B * model.estimate_mb(H * W), paste_mb), f'{H}x{W}'),
-                Plan('tiles', max(model.estimate_mb(tile_px), paste_mb) + held_mb,
+        whole = Plan('whole', max(B * model.estimate_mb(H * W), paste_mb), f'{H}x{W}')
+        tiles = Plan('tiles', max(model.estimate_mb(tile_px), paste_mb) + held_mb,
                      f'{rows}x{len(grids[0]) // rows} tiles of {th}x{tw} px, overlap '
-                     f'{settings.tile_overlap} px')]
+                     f'{settings.tile_overlap} px')
+        if self.why_not('stream'):
+            return [whole, tiles]
+        # the stream holds every core's detections until the masks are pasted, as tiles do
+        cores = (len(det_stream.core_edges(H, th)) * len(det_stream.core_edges(W, tw)))
+        stream_held_mb = cores * max_per_img * (4 * 4 + 4 + 8 + 4 * side**2) / MB
+        streams = [Plan(p.name, max(p.estimate_mb + stream_held_mb, paste_mb), p.detail)
+                   for p in self._stream_plans((H, W))]
+        return [whole] + streams + [tiles]
 
     def _max_boxes(self) -> Tuple[int, int]:
         """The most proposals and detections per image the test config allows."""
