@@ -7,6 +7,8 @@ memory: the image is read by windows of rows, the XCiT segmentor streams it
         [--max-memory MB] [--device DEV] [--token-dir DIR] [--bands B [B ...]] \\
         [--scale MIN MAX [MIN MAX ...]] [--rgb-from {first3,gray}] [--scale-16bit [MAX]] \\
         [--include-nodata-tokens] [--cfg-options KEY=VALUE ...]
+    python tools/segment_large_image.py DETECTOR_CONFIG CHECKPOINT IMAGE \\
+        --out INSTANCES.{gpkg,fgb,geojson,json} [--score-thr T] [input and memory options]
 
 IMAGE: any raster GDAL reads (GeoTIFF, BigTIFF, COG, JPEG2000, a VRT mosaic, PNG / JPEG with a
 world file, ...), or an OME-TIFF or slide TIFF (level 0, through tifffile), read by windows of
@@ -22,8 +24,14 @@ under a .partial name and renamed when complete: the rasters first, then the pol
 polygons then fail, the tool removes the rasters it has just renamed, so a failed run leaves none
 of its outputs. A problem with the input, an output or the budget is one line on stderr (exit
 status 1; 130 when interrupted). See docs/gigapixel.md.
+
+With a detector's config (a LeanMaskRCNN: the config's model type decides), the same command
+streams its instances (``LeanMaskRCNN.stream_instances``) into --out: polygons of the instances'
+masks (fields class_id, class_name, score) in the input's CRS for .gpkg, .fgb or .geojson, or
+COCO results (RLE masks, pixel coordinates) for .json; see docs/large_image_tool.md, Detectors.
 """
 import argparse
+import copy
 import errno
 import math
 import os
@@ -48,6 +56,14 @@ COG_COPY_MB = 50  # GDAL's COG driver copying the tiles into the COG with its ov
 # polygons are not bounded at all: a class spanning the scene keeps its vertices, and those of
 # the holes in it, until its last row.
 POLYGONS_MB = 64
+# A detector's instances (InstanceWriter): up to 16 MB of features between writes, 16 MB of the
+# valid-pixel mask's rows, and the masks of one row of cores over their boxes.
+INSTANCES_MB = 64
+# Instances scored below this are not written (--score-thr): mmdet's demo / DetInferencer
+# threshold. The configs' test_cfg.rcnn.score_thr (0.05) keeps low scores for COCO's AP.
+SCORE_THR = 0.3
+# The options that apply to one kind of model only.
+SEGMENTATION_ONLY = ('--confidence', '--vector', '--min-area', '--simplify')
 
 
 def parse_args(argv=None):
@@ -55,26 +71,34 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description='Segment a gigapixel image at full resolution into a Cloud-Optimized '
         'GeoTIFF of labels, and optionally its confidence and polygons')
-    parser.add_argument('config', help='segmentation config (a LeanEncoderDecoder)')
+    parser.add_argument('config', help='segmentation config (a LeanEncoderDecoder) or '
+                        'detection config (a LeanMaskRCNN)')
     parser.add_argument('checkpoint', help='checkpoint file (path or URL)')
     parser.add_argument('image', help='input image: any raster GDAL reads (GeoTIFF, COG, '
                         'JPEG2000, VRT, PNG / JPEG, ...), or an OME-TIFF or slide TIFF')
     parser.add_argument('--out', required=True, metavar='LABELS.tif',
-                        help='output labels: a Cloud-Optimized GeoTIFF of class ids')
+                        help='output labels: a Cloud-Optimized GeoTIFF of class ids. For a '
+                        "detector, its instances: the masks' polygons (.gpkg, .fgb, .geojson) "
+                        'or COCO results (.json)')
     parser.add_argument('--confidence', default=None, metavar='PATH',
                         help='also write the top-1 softmax probability as uint8 (0-255, 0 where '
                         'there is no data) on the labels\' grid, a Cloud-Optimized GeoTIFF')
     parser.add_argument('--vector', default=None, metavar='PATH',
                         help='also write the labels as polygons (fields class_id, class_name, '
                         'area) in the input\'s CRS: .gpkg, .fgb or .geojson')
-    parser.add_argument('--min-area', type=float, default=0.0, metavar='A',
+    parser.add_argument('--min-area', type=float, default=None, metavar='A',
                         help='with --vector: drop polygons smaller than A, in the CRS\'s units '
                         '(square metres for a projected CRS, square degrees for a geographic '
                         'one, pixels without a CRS)')
-    parser.add_argument('--simplify', type=float, default=0.0, metavar='T',
+    parser.add_argument('--simplify', type=float, default=None, metavar='T',
                         help='with --vector: simplify each polygon on its own with tolerance T, '
                         'in the CRS\'s units (metres for a projected CRS, pixels without a '
                         'CRS); neighbours may then overlap or part slightly along shared edges')
+    parser.add_argument('--score-thr', type=float, default=None, metavar='T',
+                        help=f'detectors only: write the instances scored at least T (default '
+                        f'{SCORE_THR}, the threshold of mmdet\'s demo: the config\'s own '
+                        'test_cfg.rcnn.score_thr, 0.05, keeps the low scores COCO\'s AP needs, '
+                        'which would crowd a map with false detections; 0 writes them all)')
     parser.add_argument('--max-memory', type=float, default=None, metavar='MB',
                         help='MB the reader, the writers and the segmentation may add; token '
                         'maps that do not fit go to disk. With --vector, an object spanning '
@@ -161,13 +185,14 @@ def _memory_shares(source, width: int, num_classes: int, args) -> dict:
 class _StreamProgress:
     """The stream's two stages on one tqdm bar, each counting its own unit from 0 to its total
     (see ``stage_reporter``): the trunk's layers over the token rows, whose rate gives the time
-    left of the trunk, then the label rows; the bar starts again at each stage so that its rate
-    and time left are of that stage's work."""
+    left of the trunk, then the label rows (a detector's: its cores); the bar starts again at
+    each stage so that its rate and time left are of that stage's work."""
 
-    STAGES = {'trunk': ('trunk (token rows x layers)', 'row-layer'), 'labels': ('labels', 'row')}
+    STAGES = {'trunk': ('trunk (token rows x layers)', 'row-layer'), 'labels': ('labels', 'row'),
+              'cores': ('cores', 'core')}
 
-    def __init__(self, bar, name: str):
-        self.bar, self.name, self.stage = bar, name, None
+    def __init__(self, bar, name: str, last_step: str = 'writing the overviews'):
+        self.bar, self.name, self.stage, self.last_step = bar, name, None, last_step
 
     def __call__(self, done: int, total: int, stage: str) -> None:
         if stage != self.stage:
@@ -179,8 +204,8 @@ class _StreamProgress:
         self.bar.refresh()
 
     def writing(self) -> None:
-        """The labels are made: the writer makes the overviews."""
-        self.bar.set_description_str(f'{self.name}: writing the overviews')
+        """The labels are made: the writer makes the overviews (``last_step``)."""
+        self.bar.set_description_str(f'{self.name}: {self.last_step}')
 
 
 def _feed(stream, polygons, valid_rows, masks: dict, progress: _StreamProgress):
@@ -206,12 +231,13 @@ def _remove(paths) -> None:
             os.remove(path)
 
 
-def _check_geo_packages(vector: bool) -> None:
+def _check_geo_packages(vector: bool, more=()) -> None:
     """The packages of setup.py's ``geo`` extra that the run needs, before any work: rasterio
     reads and writes the rasters, tifffile and imagecodecs read slide and OME-TIFF tiles,
-    pyogrio and shapely make the polygons."""
+    pyogrio and shapely make the polygons; ``more``: others (a detector's pycocotools)."""
     import importlib
-    for name in ['rasterio', 'tifffile', 'imagecodecs'] + ['pyogrio', 'shapely'] * vector:
+    for name in (['rasterio', 'tifffile', 'imagecodecs'] + ['pyogrio', 'shapely'] * vector
+                 + list(more)):
         try:
             importlib.import_module(name)
         except ImportError:
@@ -219,6 +245,20 @@ def _check_geo_packages(vector: bool) -> None:
 
 
 def run(args) -> None:
+    """Read the config; a detector's instances (:func:`detect`) or a segmentor's labels
+    (:func:`segment`), each refusing the options of the other."""
+    from xcit_mm.apis.large_image import LargeImageError
+    from xcit_mm.apis.utils import config_task, read_config
+    cfg = read_config(args.config, args.cfg_options)
+    if config_task(cfg) == 'det':
+        return detect(args, cfg)
+    if args.score_thr is not None:
+        raise LargeImageError(f'--score-thr applies to detectors; {args.config} is a '
+                              f'segmentation config ({cfg.model.type}): drop --score-thr')
+    return segment(args, cfg)
+
+
+def segment(args, cfg) -> None:
     """Check the input and outputs, build the model, stream the labels into the outputs."""
     _check_geo_packages(args.vector is not None)
     import torch
@@ -226,8 +266,6 @@ def run(args) -> None:
 
     from xcit_mm.apis.large_image import (LargeImageError, PolygonWriter, model_rows,
                                           open_image, write_label_rasters)
-    from xcit_mm.apis.utils import read_config
-    cfg = read_config(args.config, args.cfg_options)
     mean = (cfg.model.get('data_preprocessor') or {}).get('mean') or [0, 0, 0]
     check_outputs(args)
     device = torch.device(args.device)
@@ -281,8 +319,8 @@ def run(args) -> None:
             if args.vector is not None:  # without class names, class_name is the class id
                 polygons = PolygonWriter(
                     args.vector, class_names or [str(i) for i in range(num_classes)],
-                    crs=source.crs, transform=source.transform, min_area=args.min_area,
-                    simplify=args.simplify, height=height)
+                    crs=source.crs, transform=source.transform,
+                    min_area=args.min_area or 0.0, simplify=args.simplify or 0.0, height=height)
             with torch.no_grad():
                 stream = model.stream_labels(read_rows, hw, max_memory=budget,
                                              token_dir=args.token_dir,
@@ -309,6 +347,130 @@ def run(args) -> None:
         finally:
             if polygons is not None:
                 polygons.abort()  # nothing left to do after a close; the partial file otherwise
+            bar.close()
+
+
+def _detector_meta(model, cfg, num_classes: int):
+    """The class names: the checkpoint's ``dataset_meta``, else the config's test dataset's, where
+    they cover every class; else the class ids as names."""
+    names = (getattr(model, 'dataset_meta', None) or {}).get('classes')
+    if names is None or len(names) < num_classes:
+        try:
+            from mmdet.registry import DATASETS
+            names = DATASETS.get(cfg.test_dataloader.dataset.type).METAINFO.get('classes')
+        except (AttributeError, KeyError, TypeError):
+            names = None
+    if names is None or len(names) < num_classes:
+        return [str(i) for i in range(num_classes)]
+    return [str(name) for name in names[:num_classes]]
+
+
+def _build_detector(cfg, checkpoint: str):
+    """The config's detector with the checkpoint's weights (checked, safely loaded) and its
+    ``dataset_meta``, on the CPU, in eval mode. Built as mmdet's ``init_detector`` builds it,
+    without its warnings on stderr (the one-line contract) and without the pretrained weights
+    the config's backbone names."""
+    from mmengine.model.utils import revert_sync_batchnorm
+    from mmengine.registry import init_default_scope
+    from mmengine.runner import load_checkpoint
+    from mmdet.registry import MODELS
+
+    import xcit_mm  # noqa: F401  (LeanMaskRCNN, safe checkpoint loading)
+    from xcit_mm.models.utils import check_checkpoint
+    init_default_scope(cfg.get('default_scope', 'mmdet') or 'mmdet')
+    model_cfg = copy.deepcopy(cfg.model)
+    if 'init_cfg' in model_cfg.get('backbone', {}):
+        model_cfg.backbone.init_cfg = None  # the checkpoint holds the backbone's weights
+    model = revert_sync_batchnorm(MODELS.build(model_cfg))
+    loaded = load_checkpoint(model, check_checkpoint(checkpoint), map_location='cpu')
+    meta = loaded.get('meta') if isinstance(loaded, dict) else None
+    model.dataset_meta = {k.lower(): v for k, v in ((meta or {}).get('dataset_meta') or {}).items()}
+    model.cfg = cfg
+    return model.eval()
+
+
+def detect(args, cfg) -> None:
+    """A detector's instances (``LeanMaskRCNN.stream_instances``) into ``--out``: the same input
+    as the labels (bands, scaling, nodata, memory), an :class:`InstanceWriter` as output."""
+    from xcit_mm.apis.large_image import LargeImageError
+    from xcit_mm.apis.large_image.instances import InstanceWriter, check_instances_output
+    given = dict(zip(SEGMENTATION_ONLY, (args.confidence, args.vector, args.min_area,
+                                         args.simplify)))
+    for option, value in given.items():
+        if value is not None:
+            raise LargeImageError(
+                f'{option} applies to segmentation; {args.config} is a detector '
+                f'({cfg.model.type}), whose instances go to --out (.gpkg, .fgb, .geojson or '
+                f'.json): drop {option}')
+    score_thr = SCORE_THR if args.score_thr is None else args.score_thr
+    if not 0 <= score_thr <= 1:
+        raise LargeImageError(f'--score-thr {score_thr:g}: give a score from 0 to 1')
+    fmt = check_instances_output(args.out)
+    _check_geo_packages(fmt != 'COCO', ['pycocotools'] if fmt == 'COCO' else [])
+    import torch
+    from tqdm import tqdm
+
+    from xcit_mm.apis.large_image import model_rows, open_image
+    mean = (cfg.model.get('data_preprocessor') or {}).get('mean') or [0, 0, 0]
+    device = torch.device(args.device)
+    if device.type == 'cuda' and not torch.cuda.is_available():
+        raise LargeImageError(f'--device {args.device}: no CUDA device here; use --device cpu')
+    with open_image(args.image, args.max_memory) as source:
+        check_instances_output(args.out, '--out', [('a file the input reads', path)
+                                                   for path in source.files])
+        if fmt != 'COCO' and source.gcps and source.transform is None:
+            raise LargeImageError(
+                f'--out {args.out}: {args.image} is placed by ground control points, not by a '
+                'geotransform, so the polygons cannot be put in its CRS; warp it first (e.g. '
+                'gdalwarp -r near IN OUT.tif) or write COCO results in pixels (--out NAME.json)')
+        read_rows = model_rows(source, len(mean), args.bands, args.scale, args.rgb_from,
+                               args.scale_16bit)
+        height, width = hw = source.height, source.width
+        shares = dict(reader=math.ceil(source.memory_mb), instances=INSTANCES_MB)
+        held_text = ', '.join(f'{k} {v:.0f}' for k, v in shares.items()) + ' MB'
+        budget = None if args.max_memory is None else args.max_memory - sum(shares.values())
+        if budget is not None and budget <= 0:
+            raise LargeImageError(f'--max-memory {args.max_memory:g} MB does not cover the '
+                                  f'reader and the writer ({held_text}), let alone the model: '
+                                  'raise it')
+        from xcit_mm.models.utils.memory_budget import MemoryBudgetError
+        model = _build_detector(cfg, args.checkpoint).to(device)
+        if not hasattr(model, 'stream_instances'):
+            raise LargeImageError(f'{type(model).__name__} cannot stream a large image; set '
+                                  "model.type='LeanMaskRCNN' in the config")
+        num_classes = model.roi_head.bbox_head.num_classes
+        rcnn_cfg = (model.test_cfg or {}).get('rcnn') or {}
+        valid_rows = read_rows.valid_rows
+        name = f'{osp.basename(args.image)} ({height} x {width})'
+        bar = tqdm(desc=name, disable=None, file=sys.stderr)
+        progress = _StreamProgress(bar, name, last_step='writing the file')
+        writer = None
+        try:
+            writer = InstanceWriter(args.out, _detector_meta(model, cfg, num_classes), hw,
+                                    crs=source.crs, transform=source.transform,
+                                    score_thr=score_thr,
+                                    mask_threshold=rcnn_cfg.get('mask_thr_binary', 0.5),
+                                    valid_rows=valid_rows)
+            with torch.no_grad():
+                # the tokens of pixels without data left out of XCA's sums unless asked for;
+                # the masks lose those pixels either way
+                stream = model.stream_instances(
+                    read_rows, hw, max_memory=budget, token_dir=args.token_dir,
+                    progress=progress,
+                    valid_rows=None if args.include_nodata_tokens else valid_rows)
+                try:
+                    for instances in stream:
+                        writer.add(instances)
+                finally:
+                    stream.close()  # its token maps go at once, not when collected
+            progress.writing()
+            writer.close()
+        except MemoryBudgetError as e:  # the model's share of the budget, told as the user's
+            raise LargeImageError(f'{e} (the model\'s share of --max-memory {args.max_memory:g} '
+                                  f'MB: the reader and the writer hold {held_text})') from None
+        finally:
+            if writer is not None:
+                writer.abort()  # nothing left to do after a close; the partial file otherwise
             bar.close()
 
 
