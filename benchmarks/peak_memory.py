@@ -47,7 +47,8 @@ CONFIGS = {
 # the series that have a path beyond lean and stock (the segmentor's band path became the
 # stream: its bands rows in docs/results stay as measured)
 ONLY = {'auto': {('segmentor', 'xcit'), ('detector', 'xcit')}, 'bands': {('detector', 'xcit')},
-        **dict.fromkeys(STREAMS, {('segmentor', 'xcit'), ('segmentor', 'uper')})}
+        **dict.fromkeys(STREAMS, {('segmentor', 'xcit'), ('segmentor', 'uper'),
+                                  ('detector', 'xcit')})}
 DOORS = {'segmentor': 'mmseg.apis.inference_model', 'detector': 'mmdet.apis.inference_detector'}
 LABELS = {'xcit': 'XCiT-S12/16', 'swin': 'Swin-T', 'vit': 'ViT-S/16', 'uper': 'UperNet XCiT-S12/16',
           'segmentor': 'Semantic FPN', 'detector': 'Mask R-CNN'}

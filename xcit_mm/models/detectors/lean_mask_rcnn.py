@@ -599,10 +599,13 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
                      f'{settings.tile_overlap} px')
         if self.why_not('stream'):
             return [whole, tiles]
-        # the stream holds every core's detections until the masks are pasted, as tiles do
+        # the stream holds every core's detections until the masks are pasted, and each core
+        # keeps up to max_per_img of them: predict pastes them all at the image's size
         cores = (len(det_stream.core_edges(H, th)) * len(det_stream.core_edges(W, tw)))
         stream_held_mb = cores * max_per_img * (4 * 4 + 4 + 8 + 4 * side**2) / MB
-        streams = [Plan(p.name, max(p.estimate_mb + stream_held_mb, paste_mb), p.detail)
+        stream_paste_mb = model.base_mb + tiling.paste_estimate_mb(
+            batch_img_metas, rescale, cores * max_per_img, channels, side)
+        streams = [Plan(p.name, max(p.estimate_mb + stream_held_mb, stream_paste_mb), p.detail)
                    for p in self._stream_plans((H, W))]
         return [whole] + streams + [tiles]
 
