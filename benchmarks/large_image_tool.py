@@ -26,8 +26,8 @@ from xml.etree import ElementTree
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path[:0] = [ROOT, osp.join(ROOT, 'benchmarks')]
 from training_extras.run_results import cpu_description  # noqa: E402
-from xcit_benchmark.fresh_points import (kept_rows, random_segmentor, revision,  # noqa: E402
-                                         write_artifact)
+from xcit_benchmark.fresh_points import (kept_rows, random_detector,  # noqa: E402
+                                         random_segmentor, revision, write_artifact)
 
 CONFIG = 'configs/sem_fpn_xcit_s12_p16_80k_ade20k.py'
 TOOL = osp.join(ROOT, 'tools/segment_large_image.py')
@@ -177,6 +177,27 @@ def placed_as_input(image: str, labels: str):
         return (src.shape, src.crs, src.transform) == (dst.shape, dst.crs, dst.transform)
 
 
+def instances_in_scene(image: str, instances: str):
+    """(instances, whether their CRS is the input's and every one lies within its bounds), as
+    pyogrio and rasterio read them."""
+    import pyogrio
+    import rasterio
+    from rasterio.crs import CRS
+    if not osp.exists(instances):
+        return None
+    info = pyogrio.read_info(instances)
+    with rasterio.open(image) as src:
+        bounds, crs = src.bounds, src.crs
+    inside = True
+    if info['features']:
+        box = pyogrio.read_bounds(instances)[1]
+        x0, y0, x1, y1 = box[0].min(), box[1].min(), box[2].max(), box[3].max()
+        inside = (x0 >= bounds.left and y0 >= bounds.bottom and x1 <= bounds.right
+                  and y1 <= bounds.top)
+    return dict(features=int(info['features']), crs=CRS.from_user_input(info['crs']) == crs,
+                inside=bool(inside))
+
+
 def point(row: dict) -> tuple:
     """What a row measured (rows of the first version of this script: their defaults)."""
     size = row.get('size')
@@ -205,9 +226,10 @@ def measure(args, image: str, checkpoint: str, budget, name: str) -> dict:
     out = osp.join(args.work_dir, name)
     token_dir = osp.join(args.work_dir, 'tokens', name)  # its own: runs may overlap
     os.makedirs(token_dir, exist_ok=True)
+    suffix = '.gpkg' if args.detector else '.tif'  # a detector's instances, a segmentor's labels
     cmd = [sys.executable, TOOL, osp.join(ROOT, args.config), checkpoint, image,
-           '--out', out + '.tif', '--token-dir', token_dir]
-    outputs = [out + '.tif']
+           '--out', out + suffix, '--token-dir', token_dir]
+    outputs = [out + suffix]
     if args.confidence:
         outputs.append(out + '_confidence.tif')
         cmd += ['--confidence', outputs[-1]]
@@ -220,14 +242,17 @@ def measure(args, image: str, checkpoint: str, budget, name: str) -> dict:
         if osp.exists(path):
             os.remove(path)
     row = run_tool(cmd, args.work_dir, args.threads)
+    placed = (instances_in_scene(image, outputs[0]) if args.detector
+              else placed_as_input(image, outputs[0]))
     return dict(row, output_bytes=[osp.getsize(p) if osp.exists(p) else None for p in outputs],
-                placed_as_input=placed_as_input(image, out + '.tif'),
+                placed_as_input=placed,
                 token_dir_left=sorted(os.listdir(token_dir)), command=' '.join(cmd[1:]))
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument('--config', default=CONFIG, help='a LeanEncoderDecoder config (repo-relative)')
+    p.add_argument('--config', default=CONFIG, help='a LeanEncoderDecoder or LeanMaskRCNN config '
+                   '(repo-relative): labels, or instances (.gpkg)')
     shape = p.add_mutually_exclusive_group()
     shape.add_argument('--size', type=int, default=16384, help='a square input of SIZE² px')
     shape.add_argument('--shape', type=int, nargs=2, metavar=('H', 'W'), help='an H x W input')
@@ -255,10 +280,12 @@ def main(argv=None):
     os.makedirs(args.work_dir, exist_ok=True)
     config = osp.basename(args.config)
     checkpoint = osp.join(args.work_dir, osp.splitext(config)[0] + '_random.pth')
+    from mmengine.config import Config
+    args.detector = Config.fromfile(osp.join(ROOT, args.config)).model.type == 'LeanMaskRCNN'
     if not osp.exists(checkpoint):  # the tool takes the config's palette and class names
         import torch
-        torch.save(dict(state_dict=random_segmentor(osp.join(ROOT, args.config)).state_dict()),
-                   checkpoint)
+        build = random_detector if args.detector else random_segmentor
+        torch.save(dict(state_dict=build(osp.join(ROOT, args.config)).state_dict()), checkpoint)
     code = revision()  # the code the runs import, before the tree changes under them
     image = make_input(args.work_dir, height, width, args.mosaic)
     floor_image = make_input(args.work_dir, FLOOR, FLOOR, args.mosaic)

@@ -210,6 +210,17 @@ def random_segmentor(config: str, device: str = 'cpu'):
     return init_model(cfg, device=device)
 
 
+def random_detector(config: str, device: str = 'cpu'):
+    """``mmdet.apis.init_detector`` of ``config``, random weights (seed 0, no Pretrained init)."""
+    import torch
+    from mmdet.apis import init_detector
+    from mmengine.config import Config
+    cfg = Config.fromfile(config)
+    cfg.model.backbone.init_cfg = None
+    torch.manual_seed(0)
+    return init_detector(cfg, device=device)
+
+
 def revision() -> str:
     """The checkout's commit, ``+dirty`` if xcit_mm/ differs from it; without git, $REVISION."""
     try:
