@@ -667,10 +667,10 @@ def _bad_input(kind, tmp_path, monkeypatch):
     if kind == 'polygons_fail_last':  # after the rasters got their names: none is left
         from xcit_mm.apis.large_image import polygons
 
-        def fails(self):
+        def fails(*args):
             assert {'labels.tif', 'confidence.tif'} <= set(os.listdir(tmp_path))
             raise RuntimeError('Cannot write feature')
-        monkeypatch.setattr(polygons.PolygonWriter, '_convert', fails)
+        monkeypatch.setattr(polygons, 'copy_layer', fails)
         return path, ['--confidence', str(tmp_path / 'confidence.tif'), '--vector',
                       str(tmp_path / 'labels.fgb')], ['Cannot write feature']
     if kind == 'output_folder_missing':

@@ -27,23 +27,20 @@ functions, not by ``import xcit_mm``.
 import json
 import os
 import os.path as osp
-import shutil
 import warnings
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .errors import LargeImageError, check_output, sync_to_disk
-from .polygons import VECTOR_DRIVERS
+from .polygons import VECTOR_DRIVERS, copy_layer, raise_if_full, remove_vector_files
 
 # Output formats by file extension: GDAL's OGR driver, or COCO's results JSON.
 INSTANCE_FORMATS = dict(VECTOR_DRIVERS, **{'.json': 'COCO'})
 _FIELDS = ['class_id', 'class_name', 'score']
 _FLUSH_BYTES = 16 << 20  # features queued between writes to the GeoPackage, at most
 _VALID_CHUNK_BYTES = 16 << 20  # the rows of the valid-pixel mask read at once
-_COPY_BATCH = 4096  # features per batch in the copy to FlatGeobuf or GeoJSON
 _RLE_PIXELS = 2 ** 32  # pycocotools' RLE counts are 32-bit
-_FULL_BYTES = 1 << 20  # a write failing with less free space than this failed on a full disk
 IMAGE_ID = 0
 
 
@@ -58,14 +55,6 @@ def check_instances_output(path: str, option: str = '--out',
                               'FlatGeobuf, GeoJSON) or .json (COCO results)')
     check_output(path, option, taken)
     return fmt
-
-
-def _raise_if_full(path: str, error: Exception) -> None:
-    """A write that failed on a full disk as one error naming it (GDAL's words for it vary by
-    driver, so the free space of the folder tells)."""
-    if shutil.disk_usage(osp.dirname(osp.abspath(path))).free < _FULL_BYTES:
-        raise LargeImageError(f'no space left on the device while writing {path} ({error}); '
-                              'free space there or choose another --out') from None
 
 
 def coco_rle(mask: np.ndarray, x0: int, y0: int, image_hw: Sequence[int]) -> dict:
@@ -238,7 +227,7 @@ class InstanceWriter:
             try:
                 self._file.write((',\n' if self.count or i else '\n') + json.dumps(result))
             except OSError as e:
-                _raise_if_full(self._made, e)
+                raise_if_full(self._made, e, '--out')
                 raise
         self._file.flush()
 
@@ -282,7 +271,7 @@ class InstanceWriter:
                     layer=self.layer, driver='GPKG', geometry_type='MultiPolygon',
                     crs=self.crs_wkt, append=append)
         except (OSError, RuntimeError) as e:  # pyogrio's errors are RuntimeErrors
-            _raise_if_full(self._store, e)
+            raise_if_full(self._store, e, '--out')
             raise
         self._pending = {'wkb': [], 'class_id': [], 'score': []}
         self._pending_bytes = 0
@@ -300,33 +289,18 @@ class InstanceWriter:
                     self._file.write('\n]\n' if self.count else ']\n')
                     self._file.close()
                 except OSError as e:
-                    _raise_if_full(self._made, e)
+                    raise_if_full(self._made, e, '--out')
                     raise
             else:
                 self._write(append=True)
                 if self.format != 'GPKG':
-                    self._convert()
+                    copy_layer(self._store, self._made, self.layer, self.format,
+                               'MultiPolygon', self.crs_wkt, '--out')
             sync_to_disk(self._made)  # on disk before it gets its name
             os.replace(self._made, self.path)
             sync_to_disk(osp.dirname(osp.abspath(self.path)))
         finally:
             self._remove_temporaries()
-
-    def _convert(self) -> None:
-        """The GeoPackage copied to the output's format by batches (GDAL's Arrow streams)."""
-        import pyogrio.raw
-        try:
-            with pyogrio.raw.open_arrow(self._store, layer=self.layer,
-                                        batch_size=_COPY_BATCH) as (meta, stream), \
-                    warnings.catch_warnings():
-                warnings.filterwarnings('ignore', "'crs' was not provided")
-                pyogrio.raw.write_arrow(
-                    stream, self._made, layer=self.layer, driver=self.format,
-                    geometry_name=meta['geometry_name'], geometry_type='MultiPolygon',
-                    crs=self.crs_wkt)
-        except (OSError, RuntimeError) as e:
-            _raise_if_full(self._made, e)
-            raise
 
     def abort(self) -> None:
         """Stop without a file."""
@@ -337,10 +311,7 @@ class InstanceWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
-        for name in {self._store, self._made}:
-            for side in ('', '-journal', '-wal', '-shm'):  # SQLite's files beside a GeoPackage
-                if osp.exists(name + side):
-                    os.remove(name + side)
+        remove_vector_files(self._store, self._made)
 
     def __enter__(self):
         return self

@@ -40,13 +40,38 @@ def check_vector_output(path: str) -> str:
     return driver
 
 
-def _raise_if_full(path: str, error: Exception) -> None:
+def raise_if_full(path: str, error: Exception, option: str = '--vector') -> None:
     """A write that failed on a full disk as one error naming it. GDAL reports a full disk in
     words that vary by driver (SQLite's 'database or disk is full', 'Cannot write feature'), so
     the free space of the folder tells."""
     if shutil.disk_usage(osp.dirname(osp.abspath(path))).free < _FULL_BYTES:
         raise LargeImageError(f'no space left on the device while writing {path} ({error}); '
-                              'free space there or choose another --vector') from None
+                              f'free space there or choose another {option}') from None
+
+
+def copy_layer(store: str, made: str, layer: str, driver: str, geometry_type: str,
+               crs_wkt: Optional[str], option: str = '--vector') -> None:
+    """The GeoPackage ``store``'s ``layer`` copied to ``made`` in ``driver``'s format, by batches
+    (GDAL's Arrow streams): FlatGeobuf and GeoJSON cannot be appended to in place."""
+    import pyogrio.raw
+    try:
+        with pyogrio.raw.open_arrow(store, layer=layer, batch_size=_COPY_BATCH) as (
+                meta, stream), warnings.catch_warnings():
+            warnings.filterwarnings('ignore', "'crs' was not provided")
+            pyogrio.raw.write_arrow(stream, made, layer=layer, driver=driver,
+                                    geometry_name=meta['geometry_name'],
+                                    geometry_type=geometry_type, crs=crs_wkt)
+    except (OSError, RuntimeError) as e:
+        raise_if_full(made, e, option)
+        raise
+
+
+def remove_vector_files(*names: str) -> None:
+    """Remove these files if they exist, with SQLite's files beside a GeoPackage."""
+    for name in set(names):
+        for side in ('', '-journal', '-wal', '-shm'):
+            if osp.exists(name + side):
+                os.remove(name + side)
 
 
 def _runs(labels: np.ndarray, valid: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -342,7 +367,7 @@ class PolygonWriter:
                     layer=self.layer, driver='GPKG', geometry_type='Polygon', crs=self.crs_wkt,
                     append=append)
         except (OSError, RuntimeError) as e:  # pyogrio's errors are RuntimeErrors
-            _raise_if_full(self._store, e)
+            raise_if_full(self._store, e)
             raise
         self._pending = {'wkb': [], 'class_id': [], 'area': []}
         self._pending_bytes = 0
@@ -362,27 +387,12 @@ class PolygonWriter:
             self._complete(open_groups)
             self._write(append=True)
             if self.driver != 'GPKG':
-                self._convert()
+                copy_layer(self._store, self._made, self.layer, self.driver, 'Polygon',
+                           self.crs_wkt)
             sync_to_disk(self._made)  # on disk before it gets its name
             os.replace(self._made, self.path)
         finally:
             self._remove_temporaries()
-
-    def _convert(self) -> None:
-        """The GeoPackage copied to the output's format by batches (GDAL's Arrow streams)."""
-        import pyogrio.raw
-        try:
-            with pyogrio.raw.open_arrow(self._store, layer=self.layer,
-                                        batch_size=_COPY_BATCH) as (meta, stream), \
-                    warnings.catch_warnings():
-                warnings.filterwarnings('ignore', "'crs' was not provided")
-                pyogrio.raw.write_arrow(
-                    stream, self._made, layer=self.layer, driver=self.driver,
-                    geometry_name=meta['geometry_name'], geometry_type='Polygon',
-                    crs=self.crs_wkt)
-        except (OSError, RuntimeError) as e:
-            _raise_if_full(self._made, e)
-            raise
 
     def abort(self) -> None:
         """Stop without a file."""
@@ -391,10 +401,7 @@ class PolygonWriter:
         self._remove_temporaries()
 
     def _remove_temporaries(self) -> None:
-        for name in {self._store, self._made}:
-            for side in ('', '-journal', '-wal', '-shm'):  # SQLite's files beside a GeoPackage
-                if osp.exists(name + side):
-                    os.remove(name + side)
+        remove_vector_files(self._store, self._made)
 
     def __enter__(self):
         return self
