@@ -17,7 +17,6 @@ keeps the rows both windows share and makes only the new ones."""
 import math
 from typing import List, Optional, Sequence, Tuple
 
-import torch
 from mmcv.ops import batched_nms
 from mmengine.structures import InstanceData
 from torch import Tensor
@@ -90,29 +89,41 @@ class FeatureWindow:
     def move(self, top: int, bottom: int) -> None:
         """Hold pixel rows ``[top, bottom)`` (``top`` not above the current top): the rows held
         already are kept, the others made band by band, every level's rows of a band together
-        (they share the maps of the top-down path)."""
+        (they share the maps of the top-down path), each written into the window's new tensor as
+        it comes (never a second copy of the window)."""
         spans = [cells(top, bottom, s, level.height)
                  for s, level in zip(self.strides, self.levels)]
-        parts: List[List[Tensor]] = []
-        for i, (a, b) in enumerate(spans):
+        kept = []
+        for i, (a, b) in enumerate(spans):  # the rows both windows share, before the old goes
             old, first = self.held[i], self.first[i]
             self.held[i] = None
             keep = old is not None and first <= a < first + old.shape[2]
-            parts.append([old[:, :, a - first:b - first].clone()] if keep else [])
+            kept.append(old[:, :, a - first:b - first].clone() if keep else None)
             del old
-        cursors = [a + sum(p.shape[2] for p in kept) for (a, _), kept in zip(spans, parts)]
+        cursors = [a + (0 if part is None else part.shape[2]) for (a, _), part in zip(spans, kept)]
         pixel = min(c * s for c, s in zip(cursors, self.strides))
-        while any(c < b for c, (_, b) in zip(cursors, spans)):
-            pixel += self._band_pixels()
+        while True:
             for i, (level, s) in enumerate(zip(self.levels, self.strides)):
-                stop = min(spans[i][1], -(-pixel // s))
-                if stop > cursors[i]:
-                    parts[i].append(level.rows(cursors[i], stop))
-                    cursors[i] = stop
-        for i, kept in enumerate(parts):
-            self.held[i] = kept[0] if len(kept) == 1 else torch.cat(kept, dim=2)
-            self.first[i] = spans[i][0]
-            kept.clear()
+                a, b = spans[i]
+                stop = min(b, -(-pixel // s))
+                if stop <= cursors[i]:
+                    continue
+                rows = level.rows(cursors[i], stop)
+                if self.held[i] is None:  # the window's tensor, filled as the bands come
+                    self.held[i] = rows.new_empty(rows.shape[:2] + (b - a, rows.shape[3]))
+                    if kept[i] is not None:
+                        self.held[i][:, :, :kept[i].shape[2]] = kept[i]
+                        kept[i] = None
+                self.held[i][:, :, cursors[i] - a:stop - a] = rows
+                del rows
+                cursors[i] = stop
+            if all(c >= b for c, (_, b) in zip(cursors, spans)):
+                break
+            pixel += self._band_pixels()
+        for i, part in enumerate(kept):  # a level whose rows were all held already
+            if part is not None:
+                self.held[i] = part
+        self.first = [a for a, _ in spans]
         self.top, self.bottom = top, bottom
 
     def _band_pixels(self) -> int:
