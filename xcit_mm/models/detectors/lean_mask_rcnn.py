@@ -408,6 +408,8 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         rows = min(H, settings.tile_size[0] + 2 * margin)
         strides = self._stream_strides()
         window_mb = det_stream.window_mb(W, rows, neck.out_channels, strides)
+        # moving down, the rows both windows share are copied aside while the new one fills
+        overlap_mb = det_stream.window_mb(W, min(H, 2 * margin), neck.out_channels, strides)
         roi_strides = self.roi_head.bbox_roi_extractor.featmap_strides
         copies_mb = det_stream.window_mb(min(W, settings.tile_size[1] + 2 * margin), rows,
                                          neck.out_channels, roi_strides)
@@ -415,7 +417,8 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         num_proposals, num_dets = self._max_boxes()
         roi_mb = (num_proposals * neck.out_channels * 7 * 7 * 4 * 3
                   + num_dets * neck.out_channels * 28 * 28 * 4 * 3) / MB
-        rest = window_mb + copies_mb + STREAM_WORK_BANDS * band_mb + roi_mb + STREAM_SLACK_MB
+        rest = (window_mb + overlap_mb + copies_mb + STREAM_WORK_BANDS * band_mb + roi_mb
+                + STREAM_SLACK_MB)
         detail = (f'{kept} token maps of {maps_mb / kept:.0f} MB {{}}, windows of {rows} rows: '
                   f'{window_mb:.0f} MB')
         return [Plan('stream', maps_mb + rest, '(' + detail.format('in memory') + ')'),
