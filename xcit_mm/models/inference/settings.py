@@ -12,10 +12,12 @@ from ..utils.memory_budget import MemoryModel, read_budget_mb, read_memory_model
 # object (network pixels) still seen whole in some tile.
 DEFAULT_TILE_SIZE = (1024, 1024)
 DEFAULT_TILE_OVERLAP = 256
-# How far (network pixels) beyond its tile the stream's RoI heads read the scene's features:
-# every object up to twice this is seen whole by the tile holding its centre; a multiple of the
-# coarsest FPN stride, so that windows start on a whole cell of every level.
-DEFAULT_FEATURE_MARGIN = 512
+# How far (network pixels) beyond its core the stream's RoI heads read the scene's features: an
+# object whose box reaches at most this far beyond the core gets the whole image's features (any
+# object up to twice it, from the core holding its centre); a multiple of the coarsest FPN
+# stride, so that windows start on a whole cell of every level. The window of feature rows grows
+# with it (cores of 1024 rows and 256 each side: 1536 rows, all levels, the image's width).
+DEFAULT_FEATURE_MARGIN = 256
 FEATURE_MARGIN_STEP = 64
 # The smallest tile side: XCiT needs 32 px to reach its stride-32 level.
 MIN_TILE_SIZE = 32
@@ -153,7 +155,7 @@ class DetectorSettings(LeanSettings):
                 f'{owner}: test_cfg.feature_margin must be an int of network-scale pixels, a '
                 f'multiple of {FEATURE_MARGIN_STEP} (the coarsest FPN stride), at least 0: how '
                 'far beyond its tile the RoI heads read the scene\'s features; objects up to twice '
-                f'it are detected as on the whole image, e.g. feature_margin=512; got {margin!r}')
+                f'it are detected as on the whole image, e.g. feature_margin=256; got {margin!r}')
         return dict(tile_size=(int(pair[0]), int(pair[1])), tile_overlap=int(overlap),
                     feature_margin=margin, **_token_keys(cfg, owner))
 
