@@ -1,4 +1,5 @@
-"""Box and mask AP of one trained Mask R-CNN run whole, in bands and in tiles (``LeanMaskRCNN``).
+"""Box and mask AP of one trained Mask R-CNN run whole, in bands, streamed and in tiles
+(``LeanMaskRCNN``).
 
     python tools/train.py configs/shapes/mask_rcnn_xcit_shapes_coco.py \
         --work-dir work_dirs/shapes_det
@@ -6,7 +7,9 @@
         work_dirs/shapes_det/iter_1200.pth --out docs/results/shapes_mask_rcnn_tiles
 
 Each variant is the config's own test (``Runner.test``) with ``model.test_cfg`` updated: whole,
-bands, tiles of each ``--tiles SIZE:OVERLAP`` (network pixels).
+bands, the stream with cores of each ``--stream SIZE:MARGIN`` (``feature_margin``), tiles of each
+``--tiles SIZE:OVERLAP`` (network pixels). ``--figure PNG``: the first test image with each
+variant's masks.
 """
 import argparse
 import json
@@ -23,9 +26,12 @@ COLUMNS = ['variant', 'test_cfg', 'coco/bbox_mAP', 'coco/bbox_mAP_50', 'coco/seg
            'coco/segm_mAP_50', 'time_s']
 
 
-def variants(band_mb, tiles: list) -> list:
+def variants(band_mb, tiles: list, streams: list = ()) -> list:
     """(name, ``model.test_cfg`` update) of every variant, whole first."""
     return ([('whole', {})] + ([('bands', dict(band_mb=band_mb))] if band_mb else [])
+            + [(f'stream {size}/{margin}',
+                dict(mode='stream', tile_size=size, feature_margin=margin))
+               for size, margin in streams]
             + [(f'tiles {size}/{overlap}', dict(mode='tiles', tile_size=size, tile_overlap=overlap))
                for size, overlap in tiles])
 
@@ -39,6 +45,39 @@ def tile(value: str) -> tuple:
     return int(size), int(overlap)
 
 
+def stream(value: str) -> tuple:
+    """A ``--stream`` value: (core size, feature margin), the margin a multiple of 64."""
+    size, sep, margin = value.partition(':')
+    if not (sep and size.isdigit() and margin.isdigit() and int(margin) % 64 == 0):
+        raise argparse.ArgumentTypeError(
+            f'{value!r}: expected SIZE:MARGIN, MARGIN a multiple of 64')
+    return int(size), int(margin)
+
+
+def draw_figure(path: str, image_path: str, masks: dict) -> None:
+    """The image, then each variant's masks over it (one colour an instance)."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    import mmcv
+    import numpy as np
+    image = mmcv.imread(image_path, channel_order='rgb')
+    fig, axes = plt.subplots(1, len(masks) + 1, figsize=(4 * (len(masks) + 1), 4.4))
+    axes[0].imshow(image)
+    axes[0].set_title('held-out scene')
+    colours = np.random.default_rng(0).uniform(0, 1, (4096, 3))
+    for ax, (name, (instance_masks, count)) in zip(axes[1:], masks.items()):
+        overlay = image / 255.0 * 0.45
+        for i, mask in enumerate(instance_masks):
+            overlay[mask] = 0.45 * overlay[mask] + 0.55 * colours[i % len(colours)]
+        ax.imshow(overlay)
+        ax.set_title(f'{name}: {count} instances')
+    for ax in axes:
+        ax.axis('off')
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('config', help='a Mask R-CNN config whose model is LeanMaskRCNN')
@@ -48,6 +87,9 @@ def main(argv=None):
                         'GroupNorm: not the shapes config)')
     parser.add_argument('--tiles', nargs='+', type=tile, default=['96:32', '112:64'],
                         help='SIZE:OVERLAP of each tiles variant (network pixels)')
+    parser.add_argument('--stream', nargs='*', type=stream, default=[],
+                        help='SIZE:MARGIN of each stream variant (cores, feature_margin)')
+    parser.add_argument('--figure', help='PNG: the first test image with each variant\'s masks')
     parser.add_argument('--out', help='artifact path without extension (.json, .csv)')
     args = parser.parse_args(argv)
     for path in (args.config, args.checkpoint):
@@ -57,17 +99,28 @@ def main(argv=None):
     from mmengine.runner import Runner
     rows = []
     with tempfile.TemporaryDirectory() as work_dir:
-        for name, update in variants(args.band_mb, args.tiles):
+        figure = {}
+        for name, update in variants(args.band_mb, args.tiles, args.stream):
             start = time.perf_counter()
             cfg = Config.fromfile(args.config)  # the config's own test, test_cfg updated
             cfg.model.test_cfg.update(update)
             cfg.update(load_from=args.checkpoint, work_dir=work_dir, resume=False)
-            metrics = Runner.from_cfg(cfg).test()
+            runner = Runner.from_cfg(cfg)
+            metrics = runner.test()
+            if args.figure:  # the first test image through the same model, as the test ran it
+                from mmengine.dataset import pseudo_collate
+                sample = runner.test_dataloader.dataset[0]
+                image_path = sample['data_samples'].img_path
+                dets = runner.model.test_step(pseudo_collate([sample]))[0].pred_instances
+                dets = dets[dets.scores >= 0.5]
+                figure[name] = (dets.masks.cpu().numpy(), len(dets))
             row = dict(variant=name, test_cfg=json.dumps(update),
                        time_s=round(time.perf_counter() - start, 1),
                        **{k: round(float(v), 4) for k, v in metrics.items()})
             rows.append(row)
             print(json.dumps(row), flush=True)
+    if args.figure:
+        draw_figure(args.figure, image_path, figure)
     if args.out:
         write_artifact(args.out, dict(run_metadata(), config=args.config,
                                       checkpoint=args.checkpoint), rows, COLUMNS)
