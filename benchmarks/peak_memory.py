@@ -28,7 +28,9 @@ from xcit_benchmark.report import log_log_axes, md_table  # noqa: E402
 
 TASKS = ('segmentor', 'detector')
 BACKBONES = ('xcit', 'swin', 'vit', 'uper')
-PATHS = ('bands', 'lean', 'stream', 'stream-disk', 'stock', 'auto')  # a series' order
+# a series' order; default: the config's test_cfg as it is (the segmentor then chooses its plan
+# within the memory the process may use)
+PATHS = ('bands', 'lean', 'stream', 'stream-disk', 'stock', 'auto', 'default')
 STREAMS = {'stream': 'memory', 'stream-disk': 'disk'}  # path: test_cfg.token_maps
 # a path's model.test_cfg (auto: no limit while the warm-up calibrates; a point sets its budget)
 TEST_CFGS = dict(bands=dict(band_mb=64), auto=dict(mode='auto', max_memory=10**9), **{
@@ -47,6 +49,7 @@ CONFIGS = {
 # the series that have a path beyond lean and stock (the segmentor's band path became the
 # stream: its bands rows in docs/results stay as measured)
 ONLY = {'auto': {('segmentor', 'xcit'), ('detector', 'xcit')}, 'bands': {('detector', 'xcit')},
+        'default': {('segmentor', 'xcit')},
         **dict.fromkeys(STREAMS, {('segmentor', 'xcit'), ('segmentor', 'uper'),
                                   ('detector', 'xcit')})}
 DOORS = {'segmentor': 'mmseg.apis.inference_model', 'detector': 'mmdet.apis.inference_detector'}
@@ -178,6 +181,9 @@ def measure_point(model, infer, point: dict, spec: dict) -> dict:
         row['times_s'] = [round(t, 3) for t in times]
     if meter:
         row['parts'] = meter.parts
+    if path == 'default' and model.last_memory_plan is not None:  # what the model chose
+        plan = model.last_memory_plan
+        row.update(plan=plan.name, detail=plan.detail, estimate_mb=round(plan.estimate_mb))
     if path == 'auto':
         plan, predict_mb = model.last_memory_plan, base + growth - at_predict[0]
         line = (model.calibrated_memory_model
