@@ -4,6 +4,8 @@ Expected values come from the whole-image path, which is stock ``MaskRCNN.predic
 (tests/test_lean_detection.py): its feature maps, and its detections on one core covering the
 image. The small random model of test_lean_detection keeps this file fast.
 """
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -266,3 +268,20 @@ def test_stream_is_refused_before_any_work_with_the_part_named(change, reason):
     change(model)
     with pytest.raises(ValueError, match=f"mode='stream' needs .*{reason}.*use mode='tiles'"):
         _predict(_stream(model, tile_size=128), _image(), [_meta(HW, HW, HW)])
+
+
+def test_token_maps_on_disk_give_the_same_detections_and_leave_no_file(lean, tmp_path):
+    image, meta = _image(), _meta(HW, HW, HW)
+    _stream(lean, tile_size=128)
+    with torch.no_grad():
+        in_memory = lean.stream_detections(image, meta)
+    _stream(lean, tile_size=128, token_maps='disk', token_dir=str(tmp_path))
+    folder = lean._token_folder(HW, 'stream')
+    with torch.no_grad():
+        on_disk = lean.stream_detections(image, meta, folder)
+    lean.test_cfg.pop('token_dir')
+    _whole(lean)
+    assert folder == str(tmp_path) and os.listdir(tmp_path) == []
+    assert len(in_memory) > 3
+    for key in ('bboxes', 'scores', 'labels', 'mask_logits'):
+        assert torch.equal(in_memory[key], on_disk[key]), key

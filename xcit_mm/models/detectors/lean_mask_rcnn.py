@@ -195,7 +195,7 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
             if plan == 'whole':
                 return self._predict_whole(batch_inputs, batch_data_samples, rescale)
             if plan in ('stream', 'stream-disk'):
-                folder = self._predict_token_folder(batch_inputs.shape[2:], plan)
+                folder = self._token_folder(batch_inputs.shape[2:], plan)
                 results_list = [self.stream_detections(batch_inputs[i:i + 1], meta, folder)
                                 for i, meta in enumerate(batch_img_metas)]
             else:
@@ -374,8 +374,12 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         if why is not None:
             raise ValueError(f'{name}.stream_instances: cannot stream: {why}')
         device = next(self.parameters()).device
-        folder = self._stream_token_folder(image_hw, max_memory, token_dir,
-                                           f'{name} on {image_hw[0]}x{image_hw[1]} px')
+        plan = 'stream'  # no budget: the token maps in memory, unless test_cfg says disk
+        if max_memory is not None:
+            budget = read_budget_mb(dict(max_memory=max_memory), name)
+            plan = self._choose_memory_plan(self._stream_plans(image_hw), budget,
+                                            f'{name} on {image_hw[0]}x{image_hw[1]} px').name
+        folder = self._token_folder(image_hw, plan, token_dir)
         read_pixels = partial(preprocessed_rows, self.data_preprocessor, read_rows, device)
         valid = (None if valid_rows is None else
                  partial(valid_pixels, valid_rows, image_hw[1], device))
@@ -424,30 +428,16 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         return [Plan('stream', maps_mb + rest, '(' + detail.format('in memory') + ')'),
                 Plan('stream-disk', rest, '(' + detail.format('on disk') + ')')]
 
-    def _stream_token_folder(self, image_hw: Sequence[int], max_memory: Optional[float],
-                             token_dir: Optional[str], what: str) -> Optional[str]:
-        """Where the token maps go (None: memory): on disk if ``test_cfg.token_maps='disk'`` or
-        if only the disk plan fits ``max_memory``; the folder checked for room and not tmpfs."""
-        settings = self.test_settings
-        plans = self._stream_plans(image_hw)
-        plan = plans[0]
-        if max_memory is not None:
-            budget = read_budget_mb(dict(max_memory=max_memory), type(self).__name__)
-            plan = self._choose_memory_plan(plans, budget, what)
-        if not (settings.token_maps == 'disk' or plan.name == 'stream-disk'):
-            return None
-        folder = token_dir or settings.token_dir or tempfile.gettempdir()
-        check_token_folder(folder, (plans[0].estimate_mb - plans[1].estimate_mb) * MB)
-        return folder
-
-    def _predict_token_folder(self, image_hw: Sequence[int], plan: str) -> Optional[str]:
-        """predict's folder for the token maps: None (memory) unless ``test_cfg.token_maps`` is
-        'disk' or auto chose the disk plan; ``token_dir`` or the temp folder, checked for room
-        and refused on tmpfs (memory the budget does not see)."""
+    def _token_folder(self, image_hw: Sequence[int], plan: str,
+                      token_dir: Optional[str] = None) -> Optional[str]:
+        """Where the stream's token maps go: None (memory) unless ``test_cfg.token_maps`` is
+        'disk' or the plan is the disk one; else ``token_dir``, ``test_cfg.token_dir`` or the
+        temporary folder, checked for room and refused on tmpfs (memory the budget does not
+        see), before any work."""
         settings = self.test_settings
         if not (plan == 'stream-disk' or settings.token_maps == 'disk'):
             return None
-        folder = settings.token_dir or tempfile.gettempdir()
+        folder = token_dir or settings.token_dir or tempfile.gettempdir()
         plans = self._stream_plans(image_hw)
         check_token_folder(folder, (plans[0].estimate_mb - plans[1].estimate_mb) * MB)
         return folder
