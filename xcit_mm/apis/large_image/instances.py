@@ -27,13 +27,13 @@ functions, not by ``import xcit_mm``.
 import json
 import os
 import os.path as osp
-import warnings
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .errors import LargeImageError, check_output, sync_to_disk
-from .polygons import VECTOR_DRIVERS, copy_layer, raise_if_full, remove_vector_files
+from .polygons import (VECTOR_DRIVERS, append_features, copy_layer, raise_if_full,
+                       remove_vector_files)
 
 # Output formats by file extension: GDAL's OGR driver, or COCO's results JSON.
 INSTANCE_FORMATS = dict(VECTOR_DRIVERS, **{'.json': 'COCO'})
@@ -256,23 +256,15 @@ class InstanceWriter:
 
     def _write(self, append: bool) -> None:
         """Append the queued features to the GeoPackage (``append=False``: create its layer)."""
-        import pyogrio.raw
         pending = {k: np.concatenate(v) if v else np.zeros(0, object if k == 'wkb' else float)
                    for k, v in self._pending.items()}
         if append and not len(pending['wkb']):
             return
         class_ids = pending['class_id'].astype(np.int32)
         names = np.array(self.class_names, dtype=object)[class_ids]
-        try:
-            with warnings.catch_warnings():  # no CRS is meant: the image is not georeferenced
-                warnings.filterwarnings('ignore', "'crs' was not provided")
-                pyogrio.raw.write(
-                    self._store, pending['wkb'], [class_ids, names, pending['score']], _FIELDS,
-                    layer=self.layer, driver='GPKG', geometry_type='MultiPolygon',
-                    crs=self.crs_wkt, append=append)
-        except (OSError, RuntimeError) as e:  # pyogrio's errors are RuntimeErrors
-            raise_if_full(self._store, e, '--out')
-            raise
+        append_features(self._store, self.layer, pending['wkb'],
+                        [class_ids, names, pending['score']], _FIELDS, 'MultiPolygon',
+                        self.crs_wkt, append, '--out')
         self._pending = {'wkb': [], 'class_id': [], 'score': []}
         self._pending_bytes = 0
 

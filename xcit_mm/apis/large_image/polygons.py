@@ -49,6 +49,23 @@ def raise_if_full(path: str, error: Exception, option: str = '--vector') -> None
                               f'free space there or choose another {option}') from None
 
 
+def append_features(store: str, layer: str, wkb, columns: list, field_names: Sequence[str],
+                    geometry_type: str, crs_wkt: Optional[str], append: bool,
+                    option: str = '--vector') -> None:
+    """Features (their WKB geometries and field columns) written to ``layer`` of the GeoPackage
+    ``store`` (``append=False``: the layer created); a full disk is one error naming ``option``.
+    No CRS is meant where the image is not georeferenced: pyogrio's warning about it is hushed."""
+    import pyogrio.raw
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings('ignore', "'crs' was not provided")
+            pyogrio.raw.write(store, wkb, columns, field_names, layer=layer, driver='GPKG',
+                              geometry_type=geometry_type, crs=crs_wkt, append=append)
+    except (OSError, RuntimeError) as e:  # pyogrio's errors are RuntimeErrors
+        raise_if_full(store, e, option)
+        raise
+
+
 def copy_layer(store: str, made: str, layer: str, driver: str, geometry_type: str,
                crs_wkt: Optional[str], option: str = '--vector') -> None:
     """The GeoPackage ``store``'s ``layer`` copied to ``made`` in ``driver``'s format, by batches
@@ -354,21 +371,13 @@ class PolygonWriter:
 
     def _write(self, append: bool) -> None:
         """Append the queued polygons to the GeoPackage (``append=False``: create its layer)."""
-        import pyogrio.raw
         pending = {k: np.concatenate(v) if v else np.zeros(0, object if k == 'wkb' else float)
                    for k, v in self._pending.items()}
         class_ids = pending['class_id'].astype(np.int32)
         names = np.array(self.class_names, dtype=object)[class_ids]
-        try:
-            with warnings.catch_warnings():  # no CRS is meant: the image is not georeferenced
-                warnings.filterwarnings('ignore', "'crs' was not provided")
-                pyogrio.raw.write(
-                    self._store, pending['wkb'], [class_ids, names, pending['area']], _FIELDS,
-                    layer=self.layer, driver='GPKG', geometry_type='Polygon', crs=self.crs_wkt,
-                    append=append)
-        except (OSError, RuntimeError) as e:  # pyogrio's errors are RuntimeErrors
-            raise_if_full(self._store, e)
-            raise
+        append_features(self._store, self.layer, pending['wkb'],
+                        [class_ids, names, pending['area']], _FIELDS, 'Polygon', self.crs_wkt,
+                        append)
         self._pending = {'wkb': [], 'class_id': [], 'area': []}
         self._pending_bytes = 0
 
