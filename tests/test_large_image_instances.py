@@ -18,6 +18,7 @@ import os.path as osp
 import numpy as np
 import pytest
 import torch
+from recording_bar import recording_bar
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 H, W = 200, 300
@@ -178,25 +179,6 @@ def _bounds(transform):
     return (*corners.min(axis=0), *corners.max(axis=0))
 
 
-def _recording_bar(records):
-    """A tqdm bar that draws (to nowhere) even off a terminal and records (description, unit,
-    count, total) at each refresh."""
-    import io
-
-    import tqdm
-
-    class Bar(tqdm.tqdm):
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **dict(kwargs, disable=False, file=io.StringIO()))
-
-        def refresh(self, *args, **kwargs):
-            records.append((self.desc, self.unit, self.n, self.total))
-            return super().refresh(*args, **kwargs)
-
-    return Bar
-
-
 # -- the tool --------------------------------------------------------------------------------
 
 def test_geotiff_to_polygons_in_its_crs(tool, tiny, reference, tmp_path, capsys):
@@ -231,7 +213,7 @@ def test_png_without_georeferencing_to_coco_results(tool, tiny, reference, tmp_p
     config, checkpoint, _ = tiny
     out = str(tmp_path / 'instances.json')
     records = []
-    monkeypatch.setattr('tqdm.tqdm', _recording_bar(records))
+    monkeypatch.setattr('tqdm.tqdm', recording_bar(records))
     assert tool.main([config, checkpoint, png, '--out', out, '--score-thr', '0']) == 0
     assert not [name for name in os.listdir(tmp_path) if 'partial' in name]
     with open(out) as f:

@@ -18,6 +18,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from recording_bar import recording_bar
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 H, W = 200, 300
@@ -472,25 +473,6 @@ def _whole_path(model, img):
     return result.pred_sem_seg.data[0].numpy(), result.seg_logits.data
 
 
-def _recording_bar(records):
-    """A tqdm bar that draws (to nowhere) even off a terminal and records (description, unit,
-    count, total) at each refresh."""
-    import io
-
-    import tqdm
-
-    class Bar(tqdm.tqdm):
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **dict(kwargs, disable=False, file=io.StringIO()))
-
-        def refresh(self, *args, **kwargs):
-            records.append((self.desc, self.unit, self.n, self.total))
-            return super().refresh(*args, **kwargs)
-
-    return Bar
-
-
 def test_labels_confidence_and_polygons_of_one_run(tool, tiny, tmp_path, monkeypatch):
     """The labels, ``--confidence`` and ``--vector`` from one pass of the stream, for a GeoTIFF
     with a reflectance product's band metadata (scale 1e-4, offset -0.1, band names,
@@ -522,7 +504,7 @@ def test_labels_confidence_and_polygons_of_one_run(tool, tiny, tmp_path, monkeyp
     out, confidence_out, vector = (str(tmp_path / name) for name in
                                    ('labels.tif', 'confidence.tif', 'labels.gpkg'))
     records = []
-    monkeypatch.setattr('tqdm.tqdm', _recording_bar(records))
+    monkeypatch.setattr('tqdm.tqdm', recording_bar(records))
     assert tool.main([config, checkpoint, scene, '--out', out, '--confidence', confidence_out,
                       '--vector', vector, '--include-nodata-tokens']) == 0
     assert sorted(os.listdir(tmp_path)) == ['confidence.tif', 'labels.gpkg', 'labels.tif',
