@@ -532,10 +532,10 @@ def test_labels_under_autocast_equal_the_whole_paths_under_the_same_autocast(hea
     """Issue 55's goal on labels, not only on trunk maps: predict under ``torch.autocast`` (as
     mmengine's ``TestLoop(fp16=True)`` runs it), streamed in many bands, against the whole path
     under the same autocast. q and k are biased so that XCA's sums over the image's 192 tokens
-    pass fp16's largest value (65504): summed in fp16 they would be inf / NaN. At least 99.9% of the labels agree,
-    or, where the autocast dtype alone moves more labels of this random model than that (the
-    whole path under autocast against it in float32: 99.75% for UperNet under fp16), at least as
-    many as the whole path keeps."""
+    pass fp16's largest value (65504): summed in fp16 they would be inf / NaN. At least 99.9% of
+    the labels agree, or, where the autocast dtype alone moves more labels of this random model
+    than that (the whole path under autocast against it in float32: 99.75% for UperNet under
+    fp16), at least as many as the whole path keeps."""
     model = _model(heads, 16, band_mb=0.01)
     with torch.no_grad():
         for layer in model.backbone.layers:
