@@ -653,6 +653,14 @@ class XCiTBackbone(BaseModule):
         kept[last] = x
         return [kept[i] for i in self.out_indices]
 
+    def token_maps_mb(self, image_hw: Tuple[int, int]) -> Tuple[int, float]:
+        """How many token maps :meth:`stream_trunk` keeps for an image of ``image_hw`` (the
+        copies the adapter reads, and the map the layers update), and their MB together."""
+        p, D = self.patch_size, self.embed_dims
+        grid = [(side + p - 1) // p for side in image_hw]
+        kept = len(set(self.out_indices) - {max(self.out_indices)}) + 1
+        return kept, kept * 4 * D * grid[0] * grid[1] / 2**20
+
     def _valid_tokens(self, valid_pixels: Callable[[int, int], torch.Tensor],
                       image_hw: Tuple[int, int], band_rows: int) -> torch.Tensor:
         """(grid rows, grid columns) bool: the tokens whose patch holds a valid pixel, from

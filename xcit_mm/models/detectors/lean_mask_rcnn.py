@@ -405,9 +405,7 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         RoI heads' fixed part."""
         settings, backbone, neck = self.test_settings, self.backbone, self.neck
         H, W = image_hw
-        p, D = backbone.patch_size, backbone.embed_dims
-        kept = len(set(backbone.out_indices) - {max(backbone.out_indices)}) + 1
-        maps_mb = kept * 4 * D * (-(-H // p)) * (-(-W // p)) / MB
+        kept, maps_mb = backbone.token_maps_mb(image_hw)
         margin = max(settings.feature_margin, det_stream.ALIGN)
         rows = min(H, settings.tile_size[0] + 2 * margin)
         strides = self._stream_strides()

@@ -379,7 +379,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         if not (self.test_settings.token_maps == 'disk' or plan.name == 'stream-disk'):
             return None
         folder = token_dir or tempfile.gettempdir()
-        check_token_folder(folder, self._token_maps_mb(image_hw)[1] * MB,
+        check_token_folder(folder, self.backbone.token_maps_mb(image_hw)[1] * MB,
                            memory_counted=budgeted and plan.name == 'stream')
         return folder
 
@@ -422,19 +422,12 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         return min(self.out_channels,
                    max(CHUNK_MULTIPLE, planes // CHUNK_MULTIPLE * CHUNK_MULTIPLE))
 
-    def _token_maps_mb(self, image_hw: Sequence[int]) -> Tuple[int, float]:
-        """How many token maps the trunk keeps (the adapter's taps), and their MB together."""
-        p, D = self.backbone.patch_size, self.backbone.embed_dims
-        grid = [(side + p - 1) // p for side in image_hw]
-        kept = len(set(self.backbone.out_indices) - {max(self.backbone.out_indices)}) + 1
-        return kept, kept * FLOAT_BYTES * D * grid[0] * grid[1] / MB
-
     def _stream_plans(self, image_hw: Sequence[int], held_mb: float,
                       budget_mb: Optional[float] = None) -> List[Plan]:
         """The stream's plans, token maps in memory then on disk: the maps, the bands' work, what
         the caller holds, UperNet's pooled maps and ``SLACK_MB``; the bands ``test_cfg.band_mb``,
         else the device's default, shrunk to fit ``budget_mb`` (down to the minimum)."""
-        kept, maps_mb = self._token_maps_mb(image_hw)
+        kept, maps_mb = self.backbone.token_maps_mb(image_hw)
         fixed_mb = SLACK_MB + held_mb + STREAM_WORK_MB
         head = self.decode_head
         if type(head) is UPerHead:  # the pooled maps of its pyramid pooling
