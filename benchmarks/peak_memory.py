@@ -96,6 +96,8 @@ def build_cfg(point: dict):
         cfg.model.test_cfg.setdefault('mode', 'whole')
     if point.get('band_mb'):  # a budget point's
         cfg.model.test_cfg.band_mb = point['band_mb']
+    if point.get('mask_format'):  # the detector's lean modes
+        cfg.model.test_cfg.mask_format = point['mask_format']
     return cfg
 
 
@@ -116,6 +118,15 @@ def output_digest(task: str, result) -> dict:
         labels = result.pred_sem_seg.data
         add(labels)
         out = dict(labels_sum=int(labels.sum()), out_shape=list(labels.shape))
+    elif isinstance(result.pred_instances.masks, list):  # mask_format='rle'
+        import pycocotools.mask as mask_utils
+        pred = result.pred_instances
+        add(pred.bboxes, pred.labels, pred.scores)
+        for rle in pred.masks:
+            digest.update(rle['counts'])
+        size = pred.masks[0]['size'] if len(pred) else list(result.ori_shape)
+        out = dict(num_dets=len(pred), out_shape=[len(pred)] + list(size), mask_format='rle',
+                   mask_pixels=sum(int(mask_utils.area(rle)) for rle in pred.masks))
     else:
         pred = result.pred_instances
         add(pred.bboxes, pred.labels, pred.scores, *pred.masks)  # a mask at a time: same bytes
@@ -261,7 +272,7 @@ def why_not(previous, point: dict, deadline: float = float('inf'), limit_mb=None
 def point_key(row: dict) -> tuple:
     """What identifies a point in an artifact (``--update`` replaces rows by it)."""
     return (row['task'], row['backbone'], row['path'], row['size'], row.get('pipeline', 'full'),
-            row.get('max_memory'), row.get('band_mb'))
+            row.get('max_memory'), row.get('band_mb'), row.get('mask_format'))
 
 
 def series_key(row: dict) -> tuple:
@@ -271,6 +282,8 @@ def series_key(row: dict) -> tuple:
 def plan(args, configs: dict) -> list:
     """The points in the order they run: size by size, then the budget points as given."""
     extra = {} if args.pipeline == 'full' else dict(pipeline=args.pipeline)
+    if getattr(args, 'mask_format', None):
+        extra['mask_format'] = args.mask_format
     if args.device != 'cpu':
         extra['device'] = args.device
     series = [(t, b) for t in args.tasks for b in args.backbones if (t, b) in configs]
@@ -580,6 +593,8 @@ def make_parser() -> argparse.ArgumentParser:
         help="paper: the config's test Resize; network: the segmentor's network alone")
     add('--config', action='append', metavar='TASK:BACKBONE=PATH', help='another config')
     add('--parts', action='store_true', help="Mask R-CNN: the peak of each part too (CPU)")
+    add('--mask-format', choices=('bitmap', 'rle'),
+        help="Mask R-CNN's test_cfg.mask_format (stream, stream-disk and auto paths)")
     add('--device', default='cpu', help='cpu, cuda or cuda:N')
     add('--warmup', type=int, default=64, help='warm-up image size (px)')
     add('--repeat-below-s', type=float, default=0.0, help='time a shorter call twice (mean)')
@@ -608,6 +623,10 @@ def parse_args(parser, argv):
         parser.error('--limit-gb and --timeout must be positive')
     if 'auto' in args.paths and not args.budgets:
         parser.error('--paths auto needs --budgets')
+    if args.mask_format and (args.tasks != ['detector'] or set(args.paths) - {
+            'stream', 'stream-disk', 'auto'}):
+        parser.error('--mask-format: --tasks detector and --paths among stream, stream-disk, '
+                     'auto (the modes that read test_cfg.mask_format)')
     if args.pipeline == 'network' and args.tasks != ['segmentor']:
         parser.error('--pipeline network: --tasks segmentor only')
     try:

@@ -99,7 +99,7 @@ def _geotiff(path, img, **options):
 def reference(tiny):
     """The stream's pieces for the scene as the tool reads it (BGR, the collar without data),
     and every instance's expected mask over the whole image (pasted, less the collar)."""
-    from xcit_mm.models.detectors.lean_mask_rcnn import paste_in_box
+    from xcit_mm.models.detectors.box_masks import paste_in_box
     img, valid = _scene()
     pieces = list(tiny[2].stream_instances(lambda a, b: np.ascontiguousarray(img[a:b, :, ::-1]),
                                            (H, W), valid_rows=lambda a, b: valid[a:b]))
@@ -264,26 +264,6 @@ def test_formats_that_cannot_append_and_an_image_without_crs(reference, tmp_path
         _check_polygons(path, _kept(flat, 0.2), transform or Affine.identity(), crs,
                         in_order=not name.endswith('.fgb'))
     assert sorted(os.listdir(tmp_path)) == sorted([f'utm{ext}', 'pixels.gpkg'])
-
-
-def test_rle_of_a_mask_in_its_box_is_the_whole_images():
-    """coco_rle from the box's mask alone equals pycocotools' encoding of the whole image's
-    mask: boxes at the image's edges, a box over every row (runs going on across columns), an
-    empty mask."""
-    import pycocotools.mask as mask_utils
-
-    from xcit_mm.apis.large_image.instances import coco_rle
-    rs = np.random.RandomState(0)
-    h, w = 37, 53
-    for y0, x0, bh, bw in ((0, 0, 5, 7), (30, 40, 7, 13), (0, 10, h, 6), (0, 0, h, w),
-                           (12, 3, 1, 1), (3, 4, 9, 9)):
-        for fill in (0.0, 0.5, 1.0):
-            mask = rs.rand(bh, bw) < fill
-            full = np.zeros((h, w), np.uint8)
-            full[y0:y0 + bh, x0:x0 + bw] = mask
-            rle = coco_rle(mask, x0, y0, (h, w))
-            assert rle == {'size': [h, w], 'counts': mask_utils.encode(
-                np.asfortranarray(full))['counts'].decode()}, (y0, x0, bh, bw, fill)
 
 
 # -- bad input -------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from mmengine.structures import InstanceData
 from test_lean_detection import _meta, _pair, _predict, _samples
 
 from mmdet.structures.bbox import bbox2roi, bbox_overlaps
-from xcit_mm.models.detectors.lean_mask_rcnn import paste_in_box
+from xcit_mm.models.detectors.box_masks import paste_in_box
 from xcit_mm.models.inference import det_stream
 from xcit_mm.models.inference.det_stream import FeatureWindow
 from xcit_mm.models.inference.fpn_data_flow import fpn_rows

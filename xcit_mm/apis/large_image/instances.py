@@ -57,38 +57,6 @@ def check_instances_output(path: str, option: str = '--out',
     return fmt
 
 
-def coco_rle(mask: np.ndarray, x0: int, y0: int, image_hw: Sequence[int]) -> dict:
-    """The compressed RLE (``{'size': [H, W], 'counts': str}``) that
-    ``pycocotools.mask.encode`` gives for the whole image's mask holding ``mask`` (bool (h, w))
-    at column ``x0``, row ``y0`` and nothing else, made from the runs of ``mask`` alone. COCO's
-    RLE runs down the columns (Fortran order), starting with a run of zeros (maybe empty) and
-    ending with the last run, which has pixels."""
-    import pycocotools.mask as mask_utils
-    H, W = (int(v) for v in image_hw)
-    mask = np.asarray(mask, bool)
-    h, w = mask.shape
-    if not (0 <= x0 and x0 + w <= W and 0 <= y0 and y0 + h <= H):
-        raise ValueError(f'mask of shape {mask.shape} at ({x0}, {y0}) is not inside the image '
-                         f'{H}x{W}')
-    padded = np.zeros((w, h + 2), np.int8)  # each column of the box, a zero either end
-    padded[:, 1:-1] = mask.T
-    step = np.diff(padded, axis=1)
-    col, row = np.nonzero(step == 1)  # runs' first pixels, column by column, top down
-    end_col, end_row = np.nonzero(step == -1)  # their ends (exclusive), in the same order
-    starts = (x0 + col).astype(np.int64) * H + y0 + row
-    ends = (x0 + end_col).astype(np.int64) * H + y0 + end_row
-    if len(starts) > 1:  # a run reaching the image's last row goes on at the next column's top
-        joined = starts[1:] == ends[:-1]
-        starts = starts[np.r_[True, ~joined]]
-        ends = ends[np.r_[~joined, True]]
-    edges = np.concatenate([[0], np.stack([starts, ends], 1).ravel(), [H * W]])
-    counts = np.diff(edges)
-    if len(counts) > 1 and counts[-1] == 0:  # a mask reaching the last pixel: no zeros after
-        counts = counts[:-1]
-    rle = mask_utils.frPyObjects({'size': [H, W], 'counts': counts.tolist()}, H, W)
-    return {'size': [H, W], 'counts': rle['counts'].decode('ascii')}
-
-
 class InstanceWriter:
     """The instances of a detector's stream, piece by piece, to polygons or COCO results (see the
     module); use as a context manager (an exception leaves no file)::
@@ -179,7 +147,7 @@ class InstanceWriter:
             return None
         import torch
 
-        from xcit_mm.models.detectors.lean_mask_rcnn import paste_in_box
+        from xcit_mm.models.detectors.box_masks import paste_in_box
         index = torch.as_tensor(keep, dtype=torch.long)
         pasted = paste_in_box(logits[index], instances.bboxes[index], self.image_hw,
                               threshold=self.mask_threshold)
@@ -212,6 +180,7 @@ class InstanceWriter:
                 mask[r0 - y0:r1 - y0] &= valid[r0 - a:r1 - a, x0:x0 + mask.shape[1]]
 
     def _add_coco(self, bboxes, scores, labels, masks) -> None:
+        from xcit_mm.models.detectors.box_masks import coco_rle
         for i, (box, score, label) in enumerate(zip(bboxes, scores, labels)):
             x1, y1, x2, y2 = (float(v) for v in box)
             if masks is None:  # a box-only model: the box's pixels, as COCO's bbox results

@@ -20,7 +20,6 @@ from mmdet.models.necks import FPN
 from mmdet.models.roi_heads import StandardRoIHead
 from mmdet.models.roi_heads.base_roi_head import BaseRoIHead
 from mmdet.models.roi_heads.mask_heads import FCNMaskHead
-from mmdet.models.roi_heads.mask_heads.fcn_mask_head import _do_paste_mask
 from mmdet.registry import MODELS
 from mmdet.structures import DetDataSample, SampleList
 from mmdet.structures.bbox import bbox2roi
@@ -38,27 +37,13 @@ from ..utils.ckpt_load import refuse_headless_load
 from ..utils.memory_budget import (MB, MemoryModel, MemoryPlanMixin, Plan, calibrate,
                                    measure_peak_growth_mb, read_budget_mb, release_free_heap)
 from . import tiled_inference as tiling
+from .box_masks import box_mask_rle, paste_in_box
 
 # The stream's bands of rows (MB) when test_cfg.band_mb gives none: the segmentor's CPU default;
 # the bands' work is counted as this many bands at once, and a little slack besides.
 STREAM_BAND_MB = 128
 STREAM_WORK_BANDS = 2.5
 STREAM_SLACK_MB = 64
-
-
-def paste_in_box(mask_logits: Tensor, bboxes: Tensor, image_hw: Sequence[int],
-                 threshold: float = 0.5) -> List[Tuple[Tensor, int, int]]:
-    """Each instance's mask as ``FCNMaskHead.predict_by_feat`` pastes it (its logits' sigmoid
-    sampled over the box, then ``>= threshold``), but only over the box and a pixel around it:
-    ``(mask, x0, y0)``, a bool (h, w) mask whose top-left pixel is (x0, y0) of the image. Never a
-    mask of the whole image per instance."""
-    out = []
-    for logits, box in zip(mask_logits, bboxes):
-        pasted, region = _do_paste_mask(logits[None, None].sigmoid(), box[None], *image_hw,
-                                        skip_empty=True)
-        ys, xs = region if region else (slice(0, image_hw[0]), slice(0, image_hw[1]))
-        out.append((pasted[0] >= threshold, int(xs.start), int(ys.start)))
-    return out
 
 
 @MODELS.register_module()
@@ -288,7 +273,11 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
     def _paste_masks(self, results_list: List[InstanceData], batch_img_metas: List[dict],
                      rescale: bool) -> List[InstanceData]:
         """mmdet's ``FCNMaskHead.predict_by_feat`` on ``mask_logits`` put back where the head's
-        output has them (other classes zero: it reads the detection's class only): stock's masks."""
+        output has them (other classes zero: it reads the detection's class only): stock's masks.
+        With ``test_cfg.mask_format='rle'``, the same masks as COCO RLEs (:meth:`_rle_masks`)."""
+        if self.test_settings.mask_format == 'rle':
+            return [self._rle_masks(results, meta, rescale)
+                    for results, meta in zip(results_list, batch_img_metas)]
         channels = self._mask_shape()[0]
         mask_preds = []
         for results in results_list:
@@ -301,6 +290,25 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
             mask_preds=tuple(mask_preds), results_list=results_list,
             batch_img_metas=batch_img_metas, rcnn_test_cfg=self.roi_head.test_cfg,
             rescale=rescale)
+
+    def _rle_masks(self, results: InstanceData, meta: dict, rescale: bool) -> InstanceData:
+        """``FCNMaskHead.predict_by_feat``'s output for one image, its masks a list of COCO RLEs
+        (``{'size': [H, W], 'counts': bytes}``, as ``CocoMetric`` takes them) instead of an
+        (N, H, W) tensor: each mask pasted as mmdet pastes it, but over its box alone. The boxes
+        are rescaled to the original image as mmdet's mask head rescales them."""
+        logits = results.pop('mask_logits')
+        results.pop('cut', None)
+        h, w = meta['ori_shape'][:2]
+        w_scale, h_scale = meta['scale_factor'][:2]
+        if rescale:
+            results.bboxes = results.bboxes / results.bboxes.new_tensor(
+                [w_scale, h_scale, w_scale, h_scale])
+        else:  # the network's scale, rounded as mmdet rounds it
+            h, w = int(np.round(h * float(h_scale))), int(np.round(w * float(w_scale)))
+        threshold = self.roi_head.test_cfg.mask_thr_binary
+        results.masks = [box_mask_rle(one, box, (h, w), threshold)
+                         for one, box in zip(logits, results.bboxes)]
+        return results
 
     def _mask_shape(self) -> Tuple[int, int]:
         """(channels, side) of the mask head's logits (classes or 1, 28 for Mask R-CNN)."""
@@ -572,9 +580,10 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         batch_img_metas = [data_sample.metainfo for data_sample in batch_data_samples]
         max_per_img = self._max_boxes()[1]
         channels, side = self._mask_shape()
+        fmt = settings.mask_format
         # the heap a network run leaves (the line's base) is still resident while masks are pasted
         paste_mb = model.base_mb + tiling.paste_estimate_mb(batch_img_metas, rescale, max_per_img,
-                                                            channels, side)
+                                                            channels, side, fmt)
         B, _, H, W = batch_inputs.shape
         grids = self._tile_grids(batch_inputs, batch_img_metas)
         divisor = getattr(self.data_preprocessor, 'pad_size_divisor', 1)
@@ -584,19 +593,34 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         held_mb = sum(map(len, grids)) * max_per_img * (4 * 4 + 4 + 8 + 1 + 4 * side**2) / MB
         rows = len({t.y0 for t in grids[0]})
         th, tw = settings.tile_size
-        whole = Plan('whole', max(B * model.estimate_mb(H * W), paste_mb), f'{H}x{W}')
+
+        def pasting(network_mb: float, pasting_mb: float, count: int) -> str:
+            """Words for a plan whose peak is pasting whole-image masks, naming the fix."""
+            if fmt == 'rle' or pasting_mb <= network_mb:
+                return ''
+            return (f', set by pasting up to {count} masks of the whole image: test_cfg.'
+                    "mask_format='rle' pastes each in its box")
+
+        whole_mb = B * model.estimate_mb(H * W)
+        whole = Plan('whole', max(whole_mb, paste_mb),
+                     f'{H}x{W}' + pasting(whole_mb, paste_mb, B * max_per_img))
         tiles = Plan('tiles', max(model.estimate_mb(tile_px), paste_mb) + held_mb,
                      f'{rows}x{len(grids[0]) // rows} tiles of {th}x{tw} px, overlap '
-                     f'{settings.tile_overlap} px')
+                     f'{settings.tile_overlap} px'
+                     + pasting(model.estimate_mb(tile_px), paste_mb, B * max_per_img))
         if self.why_not('stream'):
             return [whole, tiles]
         # the stream holds every core's detections until the masks are pasted, and each core
         # keeps up to max_per_img of them: predict pastes them all at the image's size
         cores = (len(det_stream.core_edges(H, th)) * len(det_stream.core_edges(W, tw)))
         stream_held_mb = cores * max_per_img * (4 * 4 + 4 + 8 + 4 * side**2) / MB
+        margin = max(settings.feature_margin, det_stream.ALIGN)
         stream_paste_mb = model.base_mb + tiling.paste_estimate_mb(
-            batch_img_metas, rescale, cores * max_per_img, channels, side)
-        streams = [Plan(p.name, max(p.estimate_mb + stream_held_mb, stream_paste_mb), p.detail)
+            batch_img_metas, rescale, cores * max_per_img, channels, side, fmt,
+            box_width=min(W, tw + 2 * margin))
+        streams = [Plan(p.name, max(p.estimate_mb + stream_held_mb, stream_paste_mb),
+                        p.detail + pasting(p.estimate_mb + stream_held_mb, stream_paste_mb,
+                                           cores * max_per_img))
                    for p in self._stream_plans((H, W))]
         return [whole] + streams + [tiles]
 

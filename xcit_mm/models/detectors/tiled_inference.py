@@ -1,7 +1,7 @@
 """``LeanMaskRCNN``'s tiles without the model: the grid, the merge of the tiles' detections and the
 memory estimates besides the network's line (docs/lean_detection.md)."""
 import math
-from typing import List, NamedTuple, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch.nn.functional as F
 from mmcv.ops import batched_nms
@@ -11,6 +11,7 @@ from torch import Tensor
 from mmdet.structures.bbox import bbox_overlaps
 
 from ..utils.memory_budget import MB
+from .box_masks import PASTE_BYTES_PER_PIXEL, rle_masks_mb
 
 # A box within this many network pixels (one cell of the stride-4 level) of a tile edge inside the
 # image counts as cut by it: box regression does not always end exactly on the edge.
@@ -21,9 +22,6 @@ CONTAINED_THR = 0.7
 # Square input sides at which features + proposals are measured for ``mode='auto'``'s line: small
 # (each is one run), yet far enough apart for the slope to stand out of the noise.
 CALIBRATION_SIDES = (256, 384, 512)
-# Transient bytes per pixel of the region mmdet pastes one mask into (``_do_paste_mask``): the
-# sampling grid (2 floats), the sampled mask (1 float) and its thresholded copy (1 byte).
-PASTE_BYTES_PER_PIXEL = 13
 
 
 class Tile(NamedTuple):
@@ -122,14 +120,21 @@ def merge_tile_detections(dets: InstanceData, nms_cfg: dict, max_per_img: int) -
 
 
 def paste_estimate_mb(metas: Sequence[dict], rescale: bool, max_per_img: int,
-                      num_mask_channels: int, mask_side: int) -> float:
-    """Memory (MB) of pasting a batch's masks at the size ``FCNMaskHead`` pastes them: every
-    image's boolean masks, one mask's transients, all mask logits and one image's sigmoid."""
+                      num_mask_channels: int, mask_side: int, mask_format: str = 'bitmap',
+                      box_width: Optional[int] = None) -> float:
+    """Memory (MB) of pasting a batch's masks at the size ``FCNMaskHead`` pastes them. Bitmaps:
+    every image's boolean masks, one mask's transients, all mask logits and one image's sigmoid.
+    RLE (``mask_format='rle'``): the detections' own class logits and their RLEs, boxes up to
+    ``box_width`` px wide (default: the image's width)."""
     mask_hws = []
     for meta in metas:
         h, w = meta['ori_shape'][:2]
         scale_w, scale_h = (1, 1) if rescale else meta['scale_factor'][:2]
         mask_hws.append((int(round(h * scale_h)), int(round(w * scale_w))))
+    if mask_format == 'rle':
+        widest = max(w for _, w in mask_hws) if box_width is None else box_width
+        count = max_per_img * len(mask_hws)
+        return count * mask_side**2 * 4 / MB + rle_masks_mb(count, widest)
     logits = max_per_img * num_mask_channels * mask_side**2 * 4
     masks = sum(max_per_img * h * w for h, w in mask_hws)
     transient = PASTE_BYTES_PER_PIXEL * max(h * w for h, w in mask_hws)

@@ -119,7 +119,7 @@ class DetectorSettings(LeanSettings):
     READ_BY: ClassVar = dict(tile_size=('tiles', 'auto', 'stream'), tile_overlap=('tiles', 'auto'),
                              feature_margin=('stream', 'auto'), token_maps=('stream', 'auto'),
                              token_dir=('stream', 'auto'), max_memory=('auto', ),
-                             memory_model=('auto', ))
+                             memory_model=('auto', ), mask_format=('tiles', 'auto', 'stream'))
     OTHER_KEYS: ClassVar = ('rpn', 'rcnn')
     DOCS: ClassVar = 'docs/lean_detection.md'
     OWNER: ClassVar = 'LeanMaskRCNN'
@@ -129,6 +129,7 @@ class DetectorSettings(LeanSettings):
     feature_margin: int = DEFAULT_FEATURE_MARGIN
     token_maps: Optional[str] = None
     token_dir: Optional[str] = None
+    mask_format: str = 'bitmap'
 
     @classmethod
     def _read_own(cls, cfg: dict, mode: str, owner: str) -> dict:
@@ -157,7 +158,26 @@ class DetectorSettings(LeanSettings):
                 'far beyond its tile the RoI heads read the scene\'s features; objects up to twice '
                 f'it are detected as on the whole image, e.g. feature_margin=256; got {margin!r}')
         return dict(tile_size=(int(pair[0]), int(pair[1])), tile_overlap=int(overlap),
-                    feature_margin=margin, **_token_keys(cfg, owner))
+                    feature_margin=margin, mask_format=_mask_format(cfg, owner),
+                    **_token_keys(cfg, owner))
+
+
+def _mask_format(cfg: dict, owner: str) -> str:
+    """``mask_format``: 'bitmap', stock's (N, H, W) bool masks, or 'rle', each mask a COCO RLE
+    made from its box alone (binary masks only: a negative ``rcnn.mask_thr_binary`` asks for
+    soft masks)."""
+    fmt = cfg.get('mask_format')
+    fmt = 'bitmap' if fmt is None else fmt
+    if fmt not in ('bitmap', 'rle'):
+        raise ValueError(f"{owner}: test_cfg.mask_format must be 'bitmap' (stock's (N, H, W) "
+                         "masks) or 'rle' (a COCO RLE per instance, as CocoMetric takes it), got "
+                         f'{fmt!r}')
+    threshold = (cfg.get('rcnn') or {}).get('mask_thr_binary', 0.5)
+    if fmt == 'rle' and threshold < 0:
+        raise ValueError(f"{owner}: test_cfg.mask_format='rle' encodes binary masks, but "
+                         f'test_cfg.rcnn.mask_thr_binary={threshold} asks for soft (uint8) '
+                         "masks; set mask_thr_binary >= 0 or mask_format='bitmap'")
+    return fmt
 
 
 @dataclass(frozen=True)
