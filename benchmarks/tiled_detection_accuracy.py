@@ -1,5 +1,4 @@
-"""Box and mask AP of one trained Mask R-CNN run whole, in bands, streamed and in tiles
-(``LeanMaskRCNN``).
+"""Box and mask AP of one trained Mask R-CNN run whole, streamed and in tiles (``LeanMaskRCNN``).
 
     python tools/train.py configs/shapes/mask_rcnn_xcit_shapes_coco.py \
         --work-dir work_dirs/shapes_det
@@ -7,9 +6,10 @@
         work_dirs/shapes_det/iter_1200.pth --out docs/results/shapes_mask_rcnn_tiles
 
 Each variant is the config's own test (``Runner.test``) with ``model.test_cfg`` updated: whole,
-bands, the stream with cores of each ``--stream SIZE:MARGIN`` (``feature_margin``), tiles of each
-``--tiles SIZE:OVERLAP`` (network pixels). ``--figure PNG``: the first test image with each
-variant's masks.
+the stream with cores of each ``--stream SIZE:MARGIN`` (``feature_margin``; ``--band-mb`` its
+bands of rows), tiles of each ``--tiles SIZE:OVERLAP`` (network pixels). ``--figure PNG``: the
+first test image with each variant's masks. (The bands variant, band_mb with the whole path, went
+into the stream with the path itself.)
 """
 import argparse
 import json
@@ -27,10 +27,12 @@ COLUMNS = ['variant', 'test_cfg', 'coco/bbox_mAP', 'coco/bbox_mAP_50', 'coco/seg
 
 
 def variants(band_mb, tiles: list, streams: list = ()) -> list:
-    """(name, ``model.test_cfg`` update) of every variant, whole first."""
-    return ([('whole', {})] + ([('bands', dict(band_mb=band_mb))] if band_mb else [])
+    """(name, ``model.test_cfg`` update) of every variant, whole first; ``band_mb`` (or None):
+    the stream variants' band size."""
+    bands = {} if band_mb is None else dict(band_mb=band_mb)
+    return ([('whole', {})]
             + [(f'stream {size}/{margin}',
-                dict(mode='stream', tile_size=size, feature_margin=margin))
+                dict(mode='stream', tile_size=size, feature_margin=margin, **bands))
                for size, margin in streams]
             + [(f'tiles {size}/{overlap}', dict(mode='tiles', tile_size=size, tile_overlap=overlap))
                for size, overlap in tiles])
@@ -83,8 +85,7 @@ def main(argv=None):
     parser.add_argument('config', help='a Mask R-CNN config whose model is LeanMaskRCNN')
     parser.add_argument('checkpoint', help='its trained weights')
     parser.add_argument('--band-mb', type=float,
-                        help='also a bands variant with this band size (needs an FPN without '
-                        'GroupNorm: not the shapes config)')
+                        help="the stream variants' bands of rows (MB; test_cfg.band_mb)")
     parser.add_argument('--tiles', nargs='+', type=tile, default=['96:32', '112:64'],
                         help='SIZE:OVERLAP of each tiles variant (network pixels)')
     parser.add_argument('--stream', nargs='*', type=stream, default=[],
@@ -92,6 +93,9 @@ def main(argv=None):
     parser.add_argument('--figure', help='PNG: the first test image with each variant\'s masks')
     parser.add_argument('--out', help='artifact path without extension (.json, .csv)')
     args = parser.parse_args(argv)
+    if args.band_mb is not None and not args.stream:
+        parser.error("--band-mb sets the stream's bands (band_mb is read by mode='stream' "
+                     'alone): give --stream SIZE:MARGIN too')
     for path in (args.config, args.checkpoint):
         if not osp.isfile(path):
             parser.error(f'no such file: {path}')

@@ -1,6 +1,7 @@
 """benchmarks/peak_memory.py on the CPU: its skipping rule, its run loop, ``--update`` and its
-artifact, its children (stock, lean and bands outputs through the upstream doors, the budget and
-network paths, the parts), its command line and its reports of the committed artifacts.
+artifact, its children (stock, lean and stream outputs through the upstream doors, the budget and
+network paths, the parts), its command line and its reports of the committed artifacts (their
+bands rows included: the band paths went into the stream, and no longer run).
 
 The children run small XCiTs (2 layers, 32 channels) in the paper configs' necks, heads and
 pipelines, in this process; the run loop is driven by a stand-in runner. One run of the script
@@ -160,13 +161,13 @@ def test_update_measures_some_points_again_and_keeps_the_others(tmp_path):
                         digest=p['path'][0]))
 
     pm.run(_args(out=out, tasks=['detector'], sizes=[1024, 2048]), pm.CONFIGS, runner)
-    pm.run(_args(out=out, tasks=['detector'], paths=['bands', 'lean'], sizes=[2048, 4096],
+    pm.run(_args(out=out, tasks=['detector'], paths=['stream', 'lean'], sizes=[2048, 4096],
                  update=True), pm.CONFIGS, runner)
     with open(out + '.json') as f:
         artifact = json.load(f)
     assert sorted((r['path'], r['size']) for r in artifact['rows']) == [
-        ('bands', 2048), ('bands', 4096), ('lean', 1024), ('lean', 2048), ('lean', 4096),
-        ('stock', 1024), ('stock', 2048)]
+        ('lean', 1024), ('lean', 2048), ('lean', 4096), ('stock', 1024), ('stock', 2048),
+        ('stream', 2048), ('stream', 4096)]
     meta = artifact['meta']
     assert len(meta['earlier_commands']) == 1 and meta['sizes'] == [1024, 2048, 4096]
     assert meta['stock_equals_lean'] == {'detector:xcit:1024': False,
@@ -207,6 +208,9 @@ def test_a_child_that_raises_reports_the_point_it_stopped_at(monkeypatch):
     (['--config', 'segmentor:xcit=/no/such/config.py'], 'config not found'),
     (['--config', 'detector:swin=mmpose::x.py'], 'the prefix must be mmdet:: or mmseg::'),
     (['--update', '--out', '/no/such/artifact'], '--update needs --out'),
+    (['--paths', 'lean', 'bands'], "--paths bands: both models' band paths went into the stream "
+                                   "(test_cfg.mode='stream', band_mb its band size): run --paths "
+                                   'stream'),
     (['--report', '/no/such.json'], 'cannot read'),
 ])
 def test_bad_arguments_are_usage_errors(argv, message, capsys, monkeypatch):
@@ -225,29 +229,29 @@ def _child(points, **spec):
 
 
 @pytest.mark.parametrize('task', pm.TASKS)
-def test_stock_lean_and_bands_give_the_same_output_through_the_doors(task, small):
+def test_stock_lean_and_stream_give_the_same_output_through_the_doors(task, small):
     """Each path's child on the small model at 96 px through the upstream door: the network ran
-    at the image size, stock and lean outputs have equal digests, the stream's (segmentor) or
-    the bands' (detector) nearly equal ones; the detector keeps exactly its ``max_per_img``
+    at the image size, stock and lean outputs have equal digests, the stream's nearly equal ones
+    (one core: the whole image, up to rounding); the detector keeps exactly its ``max_per_img``
     detections, and ``--parts`` gives the peak of each of its parts, none above the call's."""
     rows = {}
-    near = 'stream' if task == 'segmentor' else 'bands'
+    near = 'stream'
     for path in ('stock', 'lean', near):
         (rows[path],) = _child([dict(task=task, backbone='xcit', path=path, size=96,
                                      config=small[task])], parts=path == 'lean')
         assert rows[path]['status'] == 'ok', rows[path]
         assert rows[path]['peak_growth_mb'] >= 0 and rows[path]['base_mb'] > 0
-    stock, lean, bands = rows['stock'], rows['lean'], rows[near]
+    stock, lean, stream = rows['stock'], rows['lean'], rows[near]
     assert (stock['type'], lean['type']) == (
         ('EncoderDecoder', 'LeanEncoderDecoder') if task == 'segmentor'
         else ('MaskRCNN', 'LeanMaskRCNN'))
-    assert stock['digest'] == lean['digest'] and bands['out_shape'] == lean['out_shape']
+    assert stock['digest'] == lean['digest'] and stream['out_shape'] == lean['out_shape']
     if task == 'segmentor':
         assert lean['out_shape'] == [1, 96, 96] and stock['labels_sum'] == lean['labels_sum']
-        assert abs(bands['labels_sum'] - lean['labels_sum']) <= 0.01 * lean['labels_sum']
+        assert abs(stream['labels_sum'] - lean['labels_sum']) <= 0.01 * lean['labels_sum']
     else:
         assert lean['out_shape'] == [20, 96, 96] and lean['num_dets'] == 20
-        assert abs(bands['mask_pixels'] - lean['mask_pixels']) <= 0.01 * lean['mask_pixels']
+        assert abs(stream['mask_pixels'] - lean['mask_pixels']) <= 0.01 * lean['mask_pixels']
         parts = {p['part']: p for p in lean['parts']}
         assert {'lean_features', 'lean_rpn', 'lean_roi', 'mask_paste'} <= set(parts)
         assert max(p['peak_mb'] for p in parts.values()) <= lean['peak_growth_mb']
@@ -326,8 +330,10 @@ def test_network_and_paper_pipelines(small):
 
 
 def test_each_path_builds_the_model_the_cpu_page_names():
-    """The CPU page's table names each path's model and the bands' ``band_mb``; the stream paths
-    keep their token maps in memory or on disk (``test_cfg.token_maps``)."""
+    """The CPU page's table names each path's model; its bands rows (report only) name the
+    ``band_mb`` they were measured with and say that the path went into the stream, which no
+    longer takes band_mb with mode='whole'; the stream paths keep their token maps in memory or
+    on disk (``test_cfg.token_maps``)."""
     with open(osp.join(ROOT, 'docs', 'benchmark_high_resolution.md')) as f:
         table = {line.split('|')[1].strip(): line.split('|')[2:4] for line in f
                  if line.startswith('| stock / lean |') or line.startswith('| bands |')}
@@ -335,9 +341,9 @@ def test_each_path_builds_the_model_the_cpu_page_names():
         point = dict(task=task, backbone='xcit', size=64, config=pm.CONFIGS[(task, 'xcit')])
         types = [pm.build_cfg(dict(point, path=p)).model.type for p in ('stock', 'lean')]
         assert ' / '.join(f'`{t}`' for t in types) == table['stock / lean'][column].strip()
-        bands = pm.build_cfg(dict(point, path='bands')).model
-        assert f"`{bands.type}`, `test_cfg.band_mb={bands.test_cfg.band_mb}`" in table['bands'][
-            column]
+        assert f"`{types[1]}`, `test_cfg.band_mb=64`" in table['bands'][column]
+        assert 'went into the stream' in table['bands'][column]
+        assert 'bands' not in pm.TEST_CFGS and 'bands' in pm.REPORT_ONLY
     for path, maps in (('stream', 'memory'), ('stream-disk', 'disk')):
         test_cfg = pm.build_cfg(dict(point, task='segmentor', path=path,
                                      config=pm.CONFIGS[('segmentor', 'xcit')])).model.test_cfg
@@ -461,12 +467,20 @@ def test_committed_artifacts_are_the_scripts_and_the_cpu_page_quotes_its_tables(
 
 
 def test_tiled_accuracy_script_names_its_variants_and_rejects_bad_tiles(capsys):
-    """``benchmarks/tiled_detection_accuracy.py``: whole first, bands only when asked, a tiles
-    variant per SIZE:OVERLAP; a malformed or impossible tile is a usage error."""
+    """``benchmarks/tiled_detection_accuracy.py``: whole first, a stream variant per SIZE:MARGIN
+    (``--band-mb`` its bands; it had a bands variant of the whole path, which went into the
+    stream), a tiles variant per SIZE:OVERLAP; a malformed or impossible tile, or --band-mb
+    without a stream, is a usage error."""
     import tiled_detection_accuracy as tda
     assert tda.variants(None, [(128, 96)]) == [
         ('whole', {}), ('tiles 128/96', dict(mode='tiles', tile_size=128, tile_overlap=96))]
-    assert tda.variants(64.0, [])[1] == ('bands', dict(band_mb=64.0))
+    assert tda.variants(64.0, [], [(128, 64)]) == [
+        ('whole', {}),
+        ('stream 128/64', dict(mode='stream', tile_size=128, feature_margin=64, band_mb=64.0))]
+    with pytest.raises(SystemExit) as exc:
+        tda.main(['configs/shapes/mask_rcnn_xcit_shapes_coco.py', 'x.pth', '--band-mb', '64'])
+    assert exc.value.code == 2
+    assert "--band-mb sets the stream's bands" in capsys.readouterr().err
     for bad in ('96', '96:96', 'a:1'):
         with pytest.raises(SystemExit) as exc:
             tda.main(['configs/shapes/mask_rcnn_xcit_shapes_coco.py', 'x.pth', '--tiles', bad])
