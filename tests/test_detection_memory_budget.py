@@ -463,7 +463,7 @@ from xcit_mm.models.utils.memory_budget import measure_peak_growth_mb
 MMLogger.get_current_instance().setLevel(logging.WARNING)
 torch.set_num_threads(1)
 base_cfg = _model_cfg()
-# 1. auto at the tightest budget of each plan (its own estimate), the line calibrated first
+# auto at the tightest budget of each plan (its own estimate), the line calibrated first
 size, ori = 1536, 768  # network scale, original: masks small next to the network's maps
 cfg = copy.deepcopy(base_cfg)
 cfg.test_cfg.rcnn.max_per_img = 5
@@ -484,36 +484,15 @@ for plan in model.memory_plans(inputs, _samples(metas)):
                      estimate_mb=chosen.estimate_mb, peak_mb=peak, target=plan.name))
 line = list(model.calibrated_memory_model)
 del model, inputs
-# 2. features and the RPN's convs, whole vs bands of 4 MB (mmdet's top-k of proposals left out)
-size = 1024
-cfg = copy.deepcopy(base_cfg)
-cfg.neck.out_channels = 128  # the stride-4 maps (not the patch embedding) set the peak
-cfg.rpn_head.update(in_channels=128, feat_channels=128)
-torch.manual_seed(0)
-model = MODELS.build(dict(cfg, type='LeanMaskRCNN')).eval()
-model.rpn_head.predict_by_feat = lambda *args, **kwargs: None  # the maps, not mmdet's top-k
-inputs = torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(1))
-meta = _meta((size, size), (size, size), (size, size))
-bands = {}
-with torch.no_grad():
-    model._features_and_proposals(inputs[..., :256, :256], _meta(*[(256, 256)] * 3))  # warm-up
-    for band_mb in (None, 4):
-        model.test_cfg.band_mb = band_mb
-        bands[str(band_mb)] = measure_peak_growth_mb(
-            lambda: model._features_and_proposals(inputs, meta))
-print(json.dumps(dict(line=line, rows=rows, bands=bands)))
+print(json.dumps(dict(line=line, rows=rows)))
 """
 
 
-def test_measured_peaks_stay_within_the_budgets_and_the_bands():
+def test_measured_peaks_stay_within_the_budgets():
     """One fresh process (malloc returning freed memory at once, so the resident set follows the
-    live tensors), two independent measurements, each with its own model and warm-up.
-
-    Budgets: auto at the tightest budget of each plan on a 1536 x 1536 input, the peak growth of
-    ``predict`` measured (the estimate's error is printed). Bands: the peak growth of features
-    and the RPN's convs at 1024 x 1024, whole vs bands of 4 MB. Whole holds, besides the FPN's
-    outputs, the stride-4 lateral map or the RPN conv's map (each the size of the FPN's level 0);
-    bands hold the outputs and less than one such map.
+    live tensors): auto at the tightest budget of each plan on a 1536 x 1536 input, the peak
+    growth of ``predict`` measured (the estimate's error is printed). The whole path's bands of
+    rows, once measured here too, went into the stream, whose two plans are among those measured.
     """
     report = run_fresh(CHILD)
     rows = report['rows']
@@ -534,11 +513,3 @@ def test_measured_peaks_stay_within_the_budgets_and_the_bands():
     for row in rows:
         assert row['peak_mb'] <= row['budget'], row
     assert rows[-1]['peak_mb'] < rows[0]['peak_mb'] / 2, rows
-
-    bands = report['bands']
-    print(bands)
-    # the FPN's 5 levels of 128 channels (stride 4 to 64) at 1024 x 1024, float32
-    level_mb = [128 * (1024 // stride)**2 * 4 / 2**20 for stride in (4, 8, 16, 32, 64)]
-    maps_mb, level0_mb = sum(level_mb), level_mb[0]
-    assert bands['4'] < maps_mb + level0_mb, (bands, maps_mb)
-    assert bands['None'] > maps_mb + 1.5 * level0_mb, (bands, maps_mb)

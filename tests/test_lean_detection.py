@@ -145,10 +145,25 @@ def test_precomputed_proposals_are_stocks_whole_and_refused_by_tiles(pair):
 
 def test_why_not_allows_every_lean_path_on_stock_parts_and_names_the_known_ones(pair):
     lean = pair[1]
-    assert [lean.why_not(path) for path in ('fpn', 'rpn', 'roi', 'bands', 'stream')] == [None] * 5
-    with pytest.raises(ValueError, match=r"^LeanMaskRCNN: unknown lean path 'band'; known: "
-                       r"fpn, rpn, roi, bands, stream$"):
-        lean.why_not('band')
+    assert [lean.why_not(path) for path in ('fpn', 'rpn', 'roi', 'stream')] == [None] * 4
+    with pytest.raises(ValueError, match=r"^LeanMaskRCNN: unknown lean path 'bands'; known: "
+                       r"fpn, rpn, roi, stream$"):
+        lean.why_not('bands')  # the band path went into the stream
+
+
+@pytest.mark.parametrize('mode', ['whole', 'tiles'])
+def test_band_mb_outside_the_stream_is_refused_naming_the_stream(mode):
+    """``band_mb`` is the stream's band size (the whole path's bands went into the stream): with
+    mode='whole' or 'tiles' building the model is an error naming mode='stream', not bands
+    silently ignored; with mode='stream' or 'auto' the stream's bands take it."""
+    cfg = _model_cfg()
+    cfg.test_cfg.update(mode=mode, band_mb=64)
+    with pytest.raises(ValueError, match=r"^LeanMaskRCNN: test_cfg \['band_mb'\] only apply to "
+                       r"mode='stream' or mode='auto', but mode is '" + mode + "'"):
+        MODELS.build(dict(cfg, type='LeanMaskRCNN'))
+    for reads in (dict(mode='stream'), dict(mode='auto', max_memory=10**5)):
+        cfg.test_cfg.update(reads)
+        assert MODELS.build(dict(cfg, type='LeanMaskRCNN')).test_settings.band_mb == 64.0
 
 
 def test_features_equal_stock_and_top_down_in_blocks(pair, monkeypatch):
@@ -209,26 +224,6 @@ def test_inference_detector_equals_stock(pair):
     _assert_same([s], [lean])
 
 
-def test_banded_rpn_conv_map_stays_within_band_mb():
-    """With ``band_mb`` the RPN conv's wide map (``feat_channels`` a pixel) is made a band at a
-    time of about ``band_mb``, not sized by the narrow scores and deltas it becomes."""
-    cfg = _model_cfg()
-    cfg.rpn_head.feat_channels = 128
-    band_mb = 1.0
-    cfg.test_cfg.band_mb = band_mb
-    torch.manual_seed(0)
-    model = MODELS.build(dict(cfg, type='LeanMaskRCNN')).eval()
-    made = []
-    model.rpn_head.rpn_conv.register_forward_hook(
-        lambda m, args, out: made.append(out.numel() * out.element_size()))
-    inputs = torch.randn(1, 3, 512, 256, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        model._features_and_proposals(inputs, _meta((512, 256), (512, 256), (512, 256)))
-    level0 = 128 * (512 // 4) * (256 // 4) * 4  # the whole stride-4 map is 4 MB
-    assert len(made) > 3 + 4 and sum(made[:-4]) >= level0  # bands of level 0, 4 levels whole
-    assert max(made[:-4]) <= band_mb * 2**20
-
-
 @pytest.mark.parametrize('package, change, extra_levels, reason', [
     ('mmdet', dict(), True, None),
     ('mmdet', dict(num_outs=5), True, None),  # the fifth level by max pooling, as FPN makes it
@@ -241,7 +236,7 @@ def test_banded_rpn_conv_map_stays_within_band_mb():
 ])
 def test_one_fpn_check_for_both_models(package, change, extra_levels, reason):
     """``why_not_data_flow_fpn``: the FPNs ``fpn_in_data_flow_order`` computes as stock does (the
-    detector's data-flow and bands check, the segmentor's Semantic FPN and stream)."""
+    detector's data-flow and stream checks, the segmentor's Semantic FPN and stream)."""
     import importlib
     from xcit_mm.models.inference.fpn_data_flow import why_not_data_flow_fpn
     fpn_type = importlib.import_module(f'{package}.models.necks').FPN

@@ -1,7 +1,7 @@
 """Mask R-CNN with fewer live maps, whole or in tiles within a memory budget: :class:`LeanMaskRCNN`.
 
 Whole, it gives stock's detections bit for bit (each operation stock's, on the same whole tensor);
-bands, tiles, ``mode='auto'`` and the keys: ``docs/lean_detection.md``. Training is stock's.
+the stream, tiles, ``mode='auto'`` and the keys: ``docs/lean_detection.md``. Training is stock's.
 """
 import math
 import tempfile
@@ -26,11 +26,9 @@ from mmdet.structures.bbox import bbox2roi
 
 from ..inference import det_stream
 from ..inference.det_stream import FeatureWindow
-from ..inference.fpn_data_flow import (fpn_bottom_rows, fpn_in_data_flow_order, fpn_rows,
-                                       why_not_data_flow_fpn)
-from ..inference.row_stream import (LevelByLevelBackbone, Local, NotRowLocal, TensorRows,
-                                    TokenMaps, check_token_folder, conv_halo, materialize,
-                                    why_not_norms)
+from ..inference.fpn_data_flow import fpn_in_data_flow_order, fpn_rows, why_not_data_flow_fpn
+from ..inference.row_stream import (LevelByLevelBackbone, NotRowLocal, TensorRows, TokenMaps,
+                                    check_token_folder, conv_halo, why_not_norms)
 from ..inference.scene_input import preprocessed_rows, stage_reporter, valid_pixels
 from ..inference.settings import DetectorSettings, LeanSettingsMixin
 from ..utils.ckpt_load import refuse_headless_load
@@ -39,8 +37,9 @@ from ..utils.memory_budget import (MB, MemoryModel, MemoryPlanMixin, Plan, calib
 from . import tiled_inference as tiling
 from .box_masks import box_mask_rle, paste_in_box
 
-# The stream's bands of rows (MB) when test_cfg.band_mb gives none: the segmentor's CPU default;
-# the bands' work is counted as this many bands at once, and a little slack besides.
+# The stream's bands of rows (MB) when test_cfg.band_mb gives none (band_mb is read by the stream
+# alone, as the segmentor's): the segmentor's CPU default; the bands' work is counted as this many
+# bands at once, and a little slack besides.
 STREAM_BAND_MB = 128
 STREAM_WORK_BANDS = 2.5
 STREAM_SLACK_MB = 64
@@ -50,7 +49,7 @@ STREAM_SLACK_MB = 64
 class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
     """mmdet's ``MaskRCNN`` whose ``predict`` keeps fewer full-resolution maps alive."""
     SETTINGS = DetectorSettings
-    LEAN_PATHS = ('fpn', 'rpn', 'roi', 'bands', 'stream')
+    LEAN_PATHS = ('fpn', 'rpn', 'roi', 'stream')
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -58,15 +57,11 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         self.register_load_state_dict_post_hook(refuse_headless_load)
         self._check_parts()  # a malformed test_cfg, or parts it cannot run
 
-    def _band_mb(self) -> Optional[float]:
-        """``band_mb`` in eval mode (a BatchNorm in training mode normalises over the whole map)."""
-        return None if self.training else self.test_settings.band_mb
-
     # ------------------------------------------------------------------ what the parts allow
     def why_not(self, path: str) -> Optional[str]:
         """None if the parts allow the lean ``path``, else why not: 'fpn' backbone + FPN in
         data-flow order, 'rpn' the RPN's in-place ReLU, 'roi' the RoI steps run here (tiles and
-        auto need them), 'bands' the stride-4 work in bands of rows."""
+        auto need them), 'stream' the trunk streamed and the heads core by core."""
         self._check_lean_path(path)
         backbone, neck, rpn, roi = (self.backbone, getattr(self, 'neck', None), self.rpn_head,
                                     self.roi_head)
@@ -86,25 +81,9 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
             return None if type(rpn) is RPNHead else f"{type(rpn).__name__} is not mmdet's RPNHead"
         if path == 'stream':
             return self._why_not_stream()
-        if not isinstance(backbone, LevelByLevelBackbone):
-            if path == 'bands':
-                return (f'the backbone {type(backbone).__name__} cannot make its stride-4 level '
-                        'in bands of rows (XCiTBackbone can)')
+        if not isinstance(backbone, LevelByLevelBackbone):  # path == 'fpn'
             return f'the backbone {type(backbone).__name__} makes its levels all at once'
-        why = why_not_data_flow_fpn(neck, FPN, extra_levels=True)
-        if why or path == 'fpn':
-            return why
-        zeros, trunk_side = next(backbone.parameters()).new_zeros, 64 // backbone.patch_size
-        try:  # the very construction the bands make, on a 64 px image's placeholder maps
-            fpn_bottom_rows(backbone, neck,
-                            TensorRows(zeros(1, backbone.out_channels[0], trunk_side, trunk_side)),
-                            TensorRows(zeros(1, neck.out_channels, 8, 8)), (64, 64))
-        except NotRowLocal as error:
-            return f'the FPN: {error}'
-        if not (type(rpn) is RPNHead and conv_halo(rpn.rpn_conv) is not None
-                and conv_halo(rpn.rpn_cls) == conv_halo(rpn.rpn_reg) == 0):
-            return "the RPN head must be mmdet's RPNHead with one stride-1 same-size conv"
-        return None
+        return why_not_data_flow_fpn(neck, FPN, extra_levels=True)
 
     def _why_not_stream(self) -> Optional[str]:
         """Why the parts cannot run ``mode='stream'`` (None if they can): the XCiT trunk streamed,
@@ -144,10 +123,6 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
     def _check_parts(self) -> None:
         """The lean paths ``test_cfg`` asks for, refused where the parts rule them out."""
         name, settings = type(self).__name__, self.test_settings
-        why = settings.band_mb is not None and self.why_not('bands')
-        if why:
-            raise ValueError(f'{name}: test_cfg.band_mb: {why}; remove band_mb (every map whole) '
-                             "or use mode='tiles'")
         why = settings.mode == 'stream' and self.why_not('stream')
         if why:
             raise ValueError(f"{name}: test_cfg.mode='stream' needs {why}; use mode='tiles'")
@@ -213,35 +188,23 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         if self.why_not('fpn'):
             return list(self.extract_feat(batch_inputs))  # e.g. RetinaNet-style extra convs
         neck = self.neck
-        outs = fpn_in_data_flow_order(self.backbone, neck, batch_inputs, self._band_mb())
+        outs = fpn_in_data_flow_order(self.backbone, neck, batch_inputs)
         for _ in range(neck.num_outs - len(outs)):  # extra levels as FPN makes them
             outs.append(F.max_pool2d(outs[-1], 1, stride=2))
         return outs
 
     def _lean_rpn_predict(self, x: List[Tensor], batch_data_samples: SampleList):
-        """``rpn_head.predict(x, batch_data_samples, rescale=False)`` with an in-place ReLU, its
-        stride-4 level in bands with ``band_mb``."""
+        """``rpn_head.predict(x, batch_data_samples, rescale=False)`` with an in-place ReLU: each
+        level's conv map freed once its scores and box deltas exist."""
         head = self.rpn_head
         if self.why_not('rpn'):
             return head.predict(x, batch_data_samples, rescale=False)
-
-        def hidden(feat: Tensor) -> Tensor:
-            return F.relu_(head.rpn_conv(feat))
-
-        def scores_and_deltas(hidden: Tensor) -> Tensor:
-            return torch.cat([head.rpn_cls(hidden), head.rpn_reg(hidden)], dim=1)
-
-        band_mb, sizes = self._band_mb(), [head.rpn_cls.out_channels, head.rpn_reg.out_channels]
-        outs = []
-        for level, feat in enumerate(x):
-            if level == 0 and band_mb is not None:  # the conv's map one band at a time
-                # two row maps, so that the bands are sized by the conv's wide map too
-                hidden_rows = Local(hidden, TensorRows(feat), conv_halo(head.rpn_conv))
-                both = materialize(Local(scores_and_deltas, hidden_rows), band_mb)
-            else:
-                both = scores_and_deltas(hidden(feat))
-            outs.append(both.split(sizes, dim=1))
-        cls_scores, bbox_preds = map(list, zip(*outs))
+        cls_scores, bbox_preds = [], []
+        for feat in x:
+            hidden = F.relu_(head.rpn_conv(feat))
+            cls_scores.append(head.rpn_cls(hidden))
+            bbox_preds.append(head.rpn_reg(hidden))
+            del hidden
         return head.predict_by_feat(
             cls_scores, bbox_preds, rescale=False,
             batch_img_metas=[data_sample.metainfo for data_sample in batch_data_samples])

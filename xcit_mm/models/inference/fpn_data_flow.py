@@ -1,7 +1,7 @@
 """An FPN (mmdet's or mmseg's) or mmseg's UPerHead in data-flow order: stock's outputs bit for
 bit, fewer maps alive. The levels are made top-down, each map freed once used, each conv on
-stock's whole tensor; with ``band_mb`` level 0 band by band (equal up to rounding). Torch only:
-docs/lean_detection.md, docs/lean_segmentation.md."""
+stock's whole tensor (work by rows, which changes the bits, is the stream's: :func:`fpn_rows`).
+Torch only: docs/lean_detection.md, docs/lean_segmentation.md."""
 from itertools import accumulate
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .row_stream import (Combine, LevelByLevelBackbone, Local, Resize, RowMap, TensorRows,
-                         band_rows_for, materialize, module_rows)
+                         band_rows_for, module_rows)
 
 
 def why_not_data_flow_fpn(neck, fpn_type: type, extra_levels: bool = False) -> Optional[str]:
@@ -111,32 +111,18 @@ def top_down_sums(levels: BackboneLevels, lateral_convs, fpn_convs, add: Callabl
     return upper
 
 
-def fpn_in_data_flow_order(backbone, neck, inputs: Tensor,
-                           band_mb: Optional[float] = None) -> List[Tensor]:
+def fpn_in_data_flow_order(backbone, neck, inputs: Tensor) -> List[Tensor]:
     """``neck(backbone(inputs))`` for the neck's own levels, each map freed when done (the
-    caller checks ``why_not_data_flow_fpn``); ``band_mb``: level 0 in bands of about that size."""
+    caller checks ``why_not_data_flow_fpn``)."""
     levels = BackboneLevels(backbone, inputs)
     n = len(levels.maps)
     outs = [None] * n
     top = top_down_sums(levels, neck.lateral_convs, neck.fpn_convs,
                         lambda lat, up: add_top_down_(lat, up, neck.upsample_cfg),
-                        neck.lateral_convs[n - 1](levels.pop(n - 1)), outs,
-                        0 if band_mb is None else 1, n - 1)
-    if band_mb is None:  # level 0's lateral sum; level 1's went before this largest conv
-        outs[0] = neck.fpn_convs[0](top)
-        return outs
-    trunk = TensorRows(levels.maps[0])
-    levels.maps[0] = None
-    outs[0] = materialize(fpn_bottom_rows(backbone, neck, trunk, TensorRows(top),
-                                          levels.image_hw), band_mb)
-    outs[1] = neck.fpn_convs[1](top)
+                        neck.lateral_convs[n - 1](levels.pop(n - 1)), outs, 0, n - 1)
+    # level 0's lateral sum; level 1's went before this largest conv
+    outs[0] = neck.fpn_convs[0](top)
     return outs
-
-
-def fpn_bottom_rows(backbone, neck, trunk: RowMap, top: RowMap, image_hw) -> RowMap:
-    """Level 0's FPN output as rows, from the backbone's trunk map and level 1's lateral sum."""
-    lateral = module_rows(neck.lateral_convs[0], backbone.level_rows(trunk, 0, image_hw))
-    return module_rows(neck.fpn_convs[0], top_down_rows(lateral, top, neck.upsample_cfg))
 
 
 def fpn_rows(levels: Sequence[RowMap], neck, extra_levels: int = 0) -> List[RowMap]:

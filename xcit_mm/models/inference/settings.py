@@ -119,7 +119,8 @@ class DetectorSettings(LeanSettings):
     READ_BY: ClassVar = dict(tile_size=('tiles', 'auto', 'stream'), tile_overlap=('tiles', 'auto'),
                              feature_margin=('stream', 'auto'), token_maps=('stream', 'auto'),
                              token_dir=('stream', 'auto'), max_memory=('auto', ),
-                             memory_model=('auto', ), mask_format=('tiles', 'auto', 'stream'))
+                             memory_model=('auto', ), mask_format=('tiles', 'auto', 'stream'),
+                             band_mb=('stream', 'auto'))  # the stream's bands (once also whole's)
     OTHER_KEYS: ClassVar = ('rpn', 'rcnn')
     DOCS: ClassVar = 'docs/lean_detection.md'
     OWNER: ClassVar = 'LeanMaskRCNN'
