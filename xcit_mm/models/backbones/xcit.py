@@ -21,6 +21,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..inference.row_stream import (Crop, RowMap, TokenMap, TokenMaps, band_rows_for,
                                     module_rows, row_bands)
+from ..inference.sharding import EMPTY, Shard, SlabRows
 from ..layers import (batch_norm_stats_frozen, ffn_residual, recomputed_residual, split_qk,
                       split_qkv, up2_blockwise, xca_mixing, xca_mixing_of_sums, xca_residual,
                       xca_sums)
@@ -308,17 +309,41 @@ class XCiTLayer(nn.Module):
 
 class _StreamedSums:
     """One layer's XCA sums over a token map, added band by band as its rows are made, leaving
-    out the tokens that ``valid`` (grid rows, grid columns; or None) marks False."""
+    out the tokens that ``valid`` (the ``owned`` rows, grid columns; or None) marks False.
 
-    def __init__(self, layer: XCiTLayer, valid: Optional[torch.Tensor]):
+    The map's rows are the image's token rows from ``first`` on; only those in ``owned``
+    (first, stop, whole-image rows) are added: a rank of a sharded stream adds its slab's rows
+    and none of its margin's, so that the ranks' sums add up to the image's."""
+
+    def __init__(self, layer: XCiTLayer, valid: Optional[torch.Tensor], first: int = 0,
+                 owned: Tuple[int, int] = (0, None)):
         self.layer, self.valid, self.total = layer, valid, None
+        self.first, self.owned = first, owned
 
     def add(self, start: int, rows: torch.Tensor) -> None:
         """Add the rows ``start:start + len(rows)`` of the layer's input, (rows, W, C)."""
-        valid = None if self.valid is None else self.valid[start:start + len(rows)].flatten()
+        start += self.first
+        lo, hi = self.owned
+        a, b = max(start, lo), start + len(rows) if hi is None else min(start + len(rows), hi)
+        if a >= b:
+            return
+        if (a, b) != (start, start + len(rows)):
+            rows = rows[a - start:b - start]
+        valid = None if self.valid is None else self.valid[a - lo:b - lo].flatten()
         band = self.layer.xca_sums(rows.reshape(-1, rows.shape[-1]), valid)
         self.total = band if self.total is None else tuple(
             total.add_(part) for total, part in zip(self.total, band))
+
+    def combined(self, shard: Optional[Shard]) -> Tuple[torch.Tensor, ...]:
+        """The sums over the whole image: this process's, or added up over ``shard``'s ranks
+        (a rank that owns no token row gives zeros)."""
+        if shard is None:
+            return self.total
+        total = self.total
+        if total is None:
+            weight = self.layer.norm1.weight
+            total = self.layer.xca_sums(weight.new_zeros(0, weight.shape[0]))
+        return tuple(shard.combine(total, 'XCA sums'))
 
 
 def _build_adapter(embed_dims: int, patch_size: int, norm_cfg: dict) -> List[nn.Module]:
@@ -360,10 +385,32 @@ def _position_frame(valid: Optional[torch.Tensor],
     """(top, left, height, width) of the token grid a streamed trunk's position code is made for:
     the bounding box of the ``valid`` tokens, so that a scene's code does not depend on its
     collar; the whole grid without a mask or without any valid token."""
-    if valid is None or not bool(valid.any()):
+    if valid is None:
         return (0, 0) + tuple(grid)
-    rows = valid.any(1).nonzero()[:, 0]
-    cols = valid.any(0).nonzero()[:, 0]
+    return _frame_of(valid.any(1), valid.any(0), grid)
+
+
+def _sharded_position_frame(valid: Optional[torch.Tensor], owned: Tuple[int, int],
+                            grid: Tuple[int, int], shard: Shard) -> Tuple[int, int, int, int]:
+    """:func:`_position_frame` of the whole image from each rank's ``valid`` tokens of its
+    ``owned`` rows: which rows and columns hold a valid token, added up over the ranks."""
+    if valid is None:
+        return (0, 0) + tuple(grid)
+    rows, cols = torch.zeros(grid[0]), torch.zeros(grid[1])
+    rows[owned[0]:owned[1]] = valid.any(1).float().cpu()
+    if len(valid):
+        cols += valid.any(0).float().cpu()
+    rows, cols = shard.combine([rows, cols], 'valid token rows and columns')
+    return _frame_of(rows > 0, cols > 0, grid)
+
+
+def _frame_of(rows_any: torch.Tensor, cols_any: torch.Tensor,
+              grid: Tuple[int, int]) -> Tuple[int, int, int, int]:
+    """:func:`_position_frame` of the grid rows and columns that hold a valid token."""
+    if not bool(rows_any.any()):
+        return (0, 0) + tuple(grid)
+    rows = rows_any.nonzero()[:, 0]
+    cols = cols_any.nonzero()[:, 0]
     top, left = int(rows[0]), int(cols[0])
     return top, left, int(rows[-1]) + 1 - top, int(cols[-1]) + 1 - left
 
@@ -594,8 +641,9 @@ class XCiTBackbone(BaseModule):
     def stream_trunk(self, read_pixels: Callable[[int, int], torch.Tensor],
                      image_hw: Tuple[int, int], maps: TokenMaps, band_mb: float,
                      progress: Callable[[], None] = lambda: None,
-                     valid_pixels: Optional[Callable[[int, int], torch.Tensor]] = None
-                     ) -> List[TokenMap]:
+                     valid_pixels: Optional[Callable[[int, int], torch.Tensor]] = None,
+                     shard: Optional[Shard] = None, read_rows: Tuple[int, int] = EMPTY
+                     ) -> List[RowMap]:
         """:meth:`forward_trunk` of one image read by ``read_pixels(a, b)`` (pixel rows) as token
         maps in ``maps``: the layers update one map in place, copied at the ``out_indices``.
 
@@ -613,7 +661,19 @@ class XCiTBackbone(BaseModule):
         and left of its own, and each layer's LPI reads the tokens 2 rows and columns away, so
         collar pixels reach valid tokens within 1 + 2 x (layers) tokens of the collar (the crop
         reads zeros there instead). Exact alignment needs the valid part's bounding box on the
-        patch grid."""
+        patch grid.
+
+        With a ``shard`` (:class:`~xcit_mm.models.inference.sharding.Shard`), this process is one
+        rank of a sharded stream of the image: it adds up XCA's sums over its slab of token rows
+        (``shard.token_rows``) and the ranks add theirs up (one exchange per layer), and it makes
+        its slab and the rows ``read_rows`` (first, stop: whole-image token rows the caller will
+        read, e.g. for the labels of the slab's pixel rows) from the image's pixels of those
+        rows and a margin of :meth:`stream_margin` rows each side (:meth:`streamed_rows`): LPI
+        reads zeros past the margin, which spoils ``LPI.reach`` more rows inside it with each
+        layer, so that with this margin all the rows asked for come out exact. It returns
+        :class:`~xcit_mm.models.inference.sharding.SlabRows` (whole-image row numbers) that
+        refuse rows outside them. The position code, and with ``valid_pixels`` (read for the
+        slab's rows only) its frame, are the whole image's."""
         if self.training:
             raise RuntimeError('XCiTBackbone.stream_trunk is for inference: call .eval() first')
         H, W = image_hw
@@ -622,19 +682,28 @@ class XCiTBackbone(BaseModule):
         # the largest stem map: D / (p / 2) channels at stride 2, p / 2 of its rows per token row
         stem_rows = band_rows_for(band_mb, 4 * (D * 2 // p) * (grid[1] * p // 2) * (p // 2))
         device = self.pos_embed.proj.weight.device
-        valid = (None if valid_pixels is None else
-                 self._valid_tokens(valid_pixels, image_hw, stem_rows).to(device))
-        frame = _position_frame(valid, grid)
         last = max(self.out_indices)
         layers = self.layers[:last + 1]
-        x = maps.new(grid + (D, ))
-        sums = _StreamedSums(layers[0], valid)
-        for start, stop, _, _ in row_bands(grid[0], stem_rows):
+        if shard is None:
+            owned, (first, stop_all) = (0, grid[0]), (0, grid[0])
+        else:
+            shard.agree((H, W, p, D, len(layers), valid_pixels is not None),
+                        'image sizes, models or masks (height, width, patch, dims, layers, mask)')
+            owned = shard.token_rows(grid[0])
+            first, stop_all = self.streamed_rows(grid[0], owned, read_rows)
+        valid = (None if valid_pixels is None else self._valid_tokens(
+            valid_pixels, image_hw, stem_rows, owned).to(device))
+        frame = (_position_frame(valid, grid) if shard is None else
+                 _sharded_position_frame(valid, owned, grid, shard))
+        x = maps.new((stop_all - first, grid[1], D))
+        sums = _StreamedSums(layers[0], valid, first, owned)
+        for start, stop, _, _ in row_bands(stop_all - first, stem_rows):
+            start, stop = start + first, stop + first  # whole-image token rows
             lo = max(0, start - 1) * p  # a token row reads p - 1 pixel rows above its own
             tokens = self.patch_embed(read_pixels(lo, min(H, stop * p)))[0, :, start - lo // p:]
             tokens = tokens.permute(1, 2, 0) + self._position_rows(frame, grid, start, stop)
-            x.write(start, tokens)
-            sums.add(start, tokens)
+            x.write(start - first, tokens)
+            sums.add(start - first, tokens)
             del tokens
         # the FFN's hidden layer, 4 D floats a token, is a band's largest map
         band_rows = band_rows_for(band_mb, 4 * 4 * D * grid[1], at_least=2)
@@ -644,33 +713,64 @@ class XCiTBackbone(BaseModule):
             if i in self.out_indices and i != last:
                 kept[i] = maps.new(x.shape)
                 then.append(kept[i].write)
-            following = _StreamedSums(layers[i + 1], valid) if i < last else None
+            following = _StreamedSums(layers[i + 1], valid, first, owned) if i < last else None
             if following is not None:
                 then.append(following.add)
-            layer.forward_streamed(x, band_rows, sums.total, then)
+            layer.forward_streamed(x, band_rows, sums.combined(shard), then)
             sums = following
             progress()
         kept[last] = x
-        return [kept[i] for i in self.out_indices]
+        if shard is None:
+            return [kept[i] for i in self.out_indices]
+        reach = self.layers[0].lpi.reach
+        return [SlabRows(grid[0], grid[1], kept[i], first,
+                         (first + reach * (i + 1) if first > 0 else 0,
+                          stop_all - reach * (i + 1) if stop_all < grid[0] else grid[0]))
+                for i in self.out_indices]
 
-    def token_maps_mb(self, image_hw: Tuple[int, int]) -> Tuple[int, float]:
+    @property
+    def stream_margin(self) -> int:
+        """The token rows a slab of a sharded stream is made with each side of the rows it needs
+        exactly: each layer's LPI (two 3x3 convs) spoils ``LPI.reach`` rows inside an edge where
+        the image goes on. (The stem reads the pixels of the row above, read with the margin.)"""
+        return self.layers[0].lpi.reach * (max(self.out_indices) + 1)
+
+    def streamed_rows(self, grid_rows: int, owned: Tuple[int, int],
+                      read_rows: Tuple[int, int] = EMPTY) -> Tuple[int, int]:
+        """The token rows (first, stop) a rank of a sharded stream makes: its slab ``owned`` and
+        the rows ``read_rows`` that will be read, with :attr:`stream_margin` rows each side
+        (none where it owns and reads no row)."""
+        spans = [span for span in (owned, read_rows) if span[0] < span[1]]
+        if not spans:
+            return owned[0], owned[0]
+        margin = self.stream_margin
+        return (max(0, min(lo for lo, _ in spans) - margin),
+                min(grid_rows, max(hi for _, hi in spans) + margin))
+
+    def token_maps_mb(self, image_hw: Tuple[int, int],
+                      token_rows: Optional[int] = None) -> Tuple[int, float]:
         """How many token maps :meth:`stream_trunk` keeps for an image of ``image_hw`` (the
-        copies the adapter reads, and the map the layers update), and their MB together."""
+        copies the adapter reads, and the map the layers update), and their MB together; of
+        ``token_rows`` rows each (a rank's :meth:`streamed_rows`), by default all the grid's."""
         p, D = self.patch_size, self.embed_dims
         grid = [(side + p - 1) // p for side in image_hw]
+        rows = grid[0] if token_rows is None else token_rows
         kept = len(set(self.out_indices) - {max(self.out_indices)}) + 1
-        return kept, kept * 4 * D * grid[0] * grid[1] / 2**20
+        return kept, kept * 4 * D * rows * grid[1] / 2**20
 
     def _valid_tokens(self, valid_pixels: Callable[[int, int], torch.Tensor],
-                      image_hw: Tuple[int, int], band_rows: int) -> torch.Tensor:
+                      image_hw: Tuple[int, int], band_rows: int,
+                      rows: Optional[Tuple[int, int]] = None) -> torch.Tensor:
         """(grid rows, grid columns) bool: the tokens whose patch holds a valid pixel, from
         ``valid_pixels`` read by bands of ``band_rows`` token rows (the padding to the patch
-        grid is not valid)."""
+        grid is not valid); only the token rows ``rows`` (first, stop) if given."""
         H, W = image_hw
         p = self.patch_size
         grid = ((H + p - 1) // p, (W + p - 1) // p)
-        valid = torch.empty(grid, dtype=torch.bool)
-        for start, stop, _, _ in row_bands(grid[0], band_rows):
+        first, last = (0, grid[0]) if rows is None else rows
+        valid = torch.empty((last - first, grid[1]), dtype=torch.bool)
+        for start, stop, _, _ in row_bands(last - first, band_rows):
+            start, stop = start + first, stop + first
             a, b = start * p, min(H, stop * p)
             band = valid_pixels(a, b)
             if (not isinstance(band, torch.Tensor) or band.dtype != torch.bool
@@ -682,7 +782,8 @@ class XCiTBackbone(BaseModule):
                                  f'pixel is valid); got a {got}')
             padded = torch.zeros((stop - start) * p, grid[1] * p, dtype=torch.bool)
             padded[:b - a, :W] = band.cpu()
-            valid[start:stop] = padded.view(stop - start, p, grid[1], p).any(3).any(1)
+            valid[start - first:stop - first] = padded.view(stop - start, p, grid[1],
+                                                            p).any(3).any(1)
         return valid
 
     def _position_rows(self, frame: Tuple[int, int, int, int], grid: Tuple[int, int],

@@ -73,6 +73,12 @@ class RowMap:
         """Drop the rows kept: the next request makes its rows again (its inputs changed)."""
         self._rows = None
 
+    def reads(self, start: int, stop: int) -> List[Tuple['RowMap', int, int]]:
+        """``(source, first, stop)``: the rows of each source that rows ``start:stop`` are made
+        from (none for a map that is given, not made), so that a slab of the image can know
+        which rows of the token maps it needs before any is made (``sharding.rows_read``)."""
+        return []
+
     def _make(self, start: int, stop: int) -> Tensor:
         raise NotImplementedError
 
@@ -243,9 +249,15 @@ class Local(RowMap):
         super().__init__(-(-source.height * den // num), -(-source.width * den // num))
         self.fn, self.source, self.halo, self.num, self.den = fn, source, halo, num, den
 
+    def _span(self, start: int, stop: int) -> Tuple[int, int]:
+        return (max(0, start * self.num // self.den - self.halo),
+                min(self.source.height, -(-stop * self.num // self.den) + self.halo))
+
+    def reads(self, start: int, stop: int) -> List[Tuple[RowMap, int, int]]:
+        return [(self.source, *self._span(start, stop))]
+
     def _make(self, start: int, stop: int) -> Tensor:
-        lo = max(0, start * self.num // self.den - self.halo)
-        hi = min(self.source.height, -(-stop * self.num // self.den) + self.halo)
+        lo, hi = self._span(start, stop)
         first = lo * self.den // self.num
         return self.fn(self.source.rows(lo, hi))[:, :, start - first:stop - first]
 
@@ -256,6 +268,9 @@ class Combine(RowMap):
     def __init__(self, fn: Callable[..., Tensor], *sources: RowMap):
         super().__init__(sources[0].height, sources[0].width)
         self.fn, self.sources = fn, sources
+
+    def reads(self, start: int, stop: int) -> List[Tuple[RowMap, int, int]]:
+        return [(source, start, stop) for source in self.sources]
 
     def _make(self, start: int, stop: int) -> Tensor:
         return self.fn(*(source.rows(start, stop) for source in self.sources))
@@ -296,19 +311,29 @@ class Resize(RowMap):
         self.next_of = (self.row_of + 1).clamp_max(h_in - 1)
         self.weight = (src - self.row_of).view(1, 1, -1, 1)
 
-    def _make(self, start: int, stop: int) -> Tensor:
+    def _span(self, start: int, stop: int) -> Tuple[int, int]:
+        """The source rows that rows ``start:stop`` are made from."""
         f = self.factor
         if f:
-            lo, hi = max(0, start // f - 1), min(self.source.height, -(-stop // f) + 1)
-            band = F.interpolate(self.source.rows(lo, hi), size=(f * (hi - lo), self.width),
+            return max(0, start // f - 1), min(self.source.height, -(-stop // f) + 1)
+        last = self.row_of if self.mode == 'nearest' else self.next_of
+        return int(self.row_of[start]), int(last[stop - 1]) + 1
+
+    def reads(self, start: int, stop: int) -> List[Tuple[RowMap, int, int]]:
+        return [(self.source, *self._span(start, stop))]
+
+    def _make(self, start: int, stop: int) -> Tensor:
+        f = self.factor
+        first, last = self._span(start, stop)
+        if f:
+            band = F.interpolate(self.source.rows(first, last),
+                                 size=(f * (last - first), self.width),
                                  mode=self.mode, align_corners=self.align_corners)
-            return band[:, :, start - f * lo:stop - f * lo]
-        first = int(self.row_of[start])
+            return band[:, :, start - f * first:stop - f * first]
         if self.mode == 'nearest':
-            band = self.source.rows(first, int(self.row_of[stop - 1]) + 1)
+            band = self.source.rows(first, last)
             band = band.index_select(2, (self.row_of[start:stop] - first).to(band.device))
             return band.index_select(3, self.col_of.to(band.device))
-        last = int(self.next_of[stop - 1]) + 1
         band = F.interpolate(self.source.rows(first, last), size=(last - first, self.width),
                              mode='bilinear', align_corners=self.align_corners)
         device = band.device
@@ -338,8 +363,11 @@ class Crop(RowMap):
         super().__init__(height, width)
         self.source, self.top, self.left = source, top, left
 
+    def reads(self, start: int, stop: int) -> List[Tuple[RowMap, int, int]]:
+        return [(self.source, self.top + max(0, start), self.top + min(self.height, stop))]
+
     def rows(self, start: int, stop: int) -> Tensor:
-        band = self.source.rows(self.top + max(0, start), self.top + min(self.height, stop))
+        band = self.source.rows(*self.reads(start, stop)[0][1:])
         return band[..., self.left:self.left + self.width]
 
 

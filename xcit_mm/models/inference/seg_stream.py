@@ -4,7 +4,7 @@ does it (``docs/gigapixel.md``). No map is ever whole: UperNet's pyramid pooling
 band by band, and the full-resolution steps run a chunk of classes at a time into a running
 argmax (and softmax, for a confidence). The checks that a model's parts allow all this, before
 any work, are here too."""
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -15,7 +15,7 @@ from torch.nn.modules.utils import _pair
 
 from .fpn_data_flow import fpn_rows, top_down_rows
 from .row_stream import (Combine, Crop, LevelByLevelBackbone, Local, NotRowLocal, Resize, RowMap,
-                         TensorRows, measured_bands, module_rows)
+                         TensorRows, _graph, measured_bands, module_rows)
 
 # The pyramid pooling's pass over the coarsest level, where no stream gives its band.
 POOL_BAND_MB = 64
@@ -40,12 +40,14 @@ def _branch_rows(branch, source: RowMap) -> RowMap:
     return source
 
 
-def logits_rows(levels: Sequence[RowMap], neck, head, band_mb: float = POOL_BAND_MB) -> RowMap:
+def logits_rows(levels: Sequence[RowMap], neck, head, band_mb: float = POOL_BAND_MB,
+                slab=None) -> RowMap:
     """The head's logits of the backbone's level maps, by rows: Semantic FPN
     (``FPNHead.forward(FPN.forward(levels))``) or UperNet (its pyramid pooling's pass over the
-    coarsest level in bands of ``band_mb``)."""
+    coarsest level in bands of ``band_mb``; with a ``slab`` of a sharded stream
+    (``sharding.Slab``), over the slab's rows, the pools then added up across the ranks)."""
     if type(head) is UPerHead:
-        return _upernet_rows(levels, head, band_mb)
+        return _upernet_rows(levels, head, band_mb, slab)
     outs = fpn_rows(levels, neck)
     output = _branch_rows(head.scale_heads[0], outs[0])
     for i in range(1, len(head.feature_strides)):
@@ -54,12 +56,12 @@ def logits_rows(levels: Sequence[RowMap], neck, head, band_mb: float = POOL_BAND
     return Local(head.cls_seg, output)
 
 
-def _upernet_rows(levels: Sequence[RowMap], head: UPerHead, band_mb: float) -> RowMap:
+def _upernet_rows(levels: Sequence[RowMap], head: UPerHead, band_mb: float, slab=None) -> RowMap:
     """``UPerHead.forward(levels)`` by rows, its ``psp_forward`` included: the pooled maps of
     :class:`PyramidPooling`, each resized to the coarsest level as rows, concatenated with it
     and the bottleneck conv, all by rows."""
     top = levels[-1]
-    pooling = PyramidPooling(top, head.psp_modules, band_mb)
+    pooling = PyramidPooling(top, head.psp_modules, band_mb, slab)
     psp = [top] + [Resize(pooled, (top.height, top.width), 'bilinear',
                           head.psp_modules.align_corners) for pooled in pooling.maps]
     lateral = [module_rows(conv, level) for conv, level in zip(head.lateral_convs, levels)]
@@ -90,15 +92,21 @@ class PyramidPooling:
     ConvModule, per scale s) of a map made by rows: on first use, one pass over its rows in
     measured bands adds each band into every pool's sums (in float64, binned as torch bins
     them), so that the map is never whole; the ConvModules then run on the small pooled maps
-    as stock runs them. ``maps``: each scale's output as rows."""
+    as stock runs them. ``maps``: each scale's output as rows.
 
-    def __init__(self, source: RowMap, ppm, band_mb: float):
+    With a ``slab`` (``sharding.Slab``), the pass covers the slab's share of the source's rows
+    (``slab.rows_of``: the ranks' shares tile the map) and the sums and counts are added up
+    across the ranks (``slab.combine``), so that every rank pools the whole map: the pass then
+    runs on every rank, which :func:`run_poolings` makes sure of before any rank's labels."""
+
+    def __init__(self, source: RowMap, ppm, band_mb: float, slab=None):
         for branch in ppm:
             if not (isinstance(branch, nn.Sequential)
                     and type(branch[0]) is nn.AdaptiveAvgPool2d):
                 raise NotRowLocal(f'{type(ppm).__name__}: a branch that is not an adaptive '
                                   'average pool then modules of the pooled map')
-        self.source, self.ppm, self.band_mb = source, ppm, band_mb
+        self.source, self.ppm, self.band_mb, self.slab = source, ppm, band_mb, slab
+        self.pass_rows = (0, source.height) if slab is None else slab.rows_of(source.height)
         self.scales = [_pair(branch[0].output_size) for branch in ppm]
         if any(None in scale for scale in self.scales):
             raise NotRowLocal('an adaptive average pool of the input size along one side')
@@ -122,14 +130,24 @@ class PyramidPooling:
         rows = [_adaptive_bins(height, s).double() for s, _ in self.scales]
         cols = [_adaptive_bins(width, s) for _, s in self.scales]
         sums, dtype = [0.] * len(self.scales), None
-        for start, stop, band in measured_bands(self.source, self.band_mb):
-            dtype = band.dtype
+        first, stop = self.pass_rows
+        source = self.source if (first, stop) == (0, height) else Crop(
+            self.source, first, 0, stop - first, width)
+        for start, stop, band in measured_bands(source, self.band_mb):
+            start, stop, dtype = start + first, stop + first, band.dtype
             for i, (row_bins, col_bins) in enumerate(zip(rows, cols)):
                 # each band row's column-bin sums (float32, as torch's pool adds), then the rows
                 by_columns = torch.matmul(band, col_bins.t().to(band)).double()
                 sums[i] = sums[i] + torch.einsum(
                     'ir,bcrj->bcij', row_bins[:, start:stop].to(band.device), by_columns)
             del band
+        if self.slab is not None:  # a rank whose share has no rows adds zeros
+            device = next(self.ppm.parameters()).device
+            dtype = dtype or next(self.ppm.parameters()).dtype
+            sums = self.slab.combine([
+                torch.zeros(1, self.ppm.in_channels, *scale, dtype=torch.float64, device=device)
+                if isinstance(total, float) else total
+                for total, scale in zip(sums, self.scales)], 'pyramid pooling sums')
         outs = []
         for branch, total, row_bins, col_bins in zip(self.ppm, sums, rows, cols):
             count = row_bins.sum(1)[:, None] * col_bins.double().sum(1)[None]
@@ -144,8 +162,20 @@ class _Pooled(RowMap):
         super().__init__(height, width)
         self.pooling, self.index = pooling, index
 
+    def reads(self, start: int, stop: int) -> List[Tuple[RowMap, int, int]]:
+        """Any of its rows: the pooling pass's rows of the source."""
+        return [(self.pooling.source, *self.pooling.pass_rows)]
+
     def rows(self, start: int, stop: int) -> Tensor:
         return self.pooling.pooled(self.index)[:, :, max(0, start):stop]
+
+
+def run_poolings(node: RowMap) -> None:
+    """Run now every pyramid pooling ``node`` is made from: in a sharded stream each pass ends in
+    an exchange every rank must join, also a rank whose labels never read the pooled maps."""
+    for current in _graph(node)[0]:
+        if isinstance(current, _Pooled):
+            current.pooling.pooled(current.index)
 
 
 def labels_rows(logits: RowMap, head_hw: Sequence[int], crop: Sequence[int],
@@ -173,6 +203,9 @@ class ClassWindow(RowMap):
     def __init__(self, source: RowMap):
         super().__init__(source.height, source.width)
         self.source, self.window, self.num_classes = source, None, None
+
+    def reads(self, start: int, stop: int) -> List[Tuple[RowMap, int, int]]:
+        return [(self.source, start, stop)]
 
     def rows(self, start: int, stop: int) -> Tensor:
         band = self.source.rows(start, stop)

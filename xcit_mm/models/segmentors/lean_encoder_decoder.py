@@ -27,10 +27,12 @@ from mmseg.utils import OptSampleList, SampleList
 
 from ..inference.fpn_data_flow import (fpn_in_data_flow_order, uper_head_in_data_flow_order,
                                        why_not_data_flow_fpn)
-from ..inference.row_stream import (LevelByLevelBackbone, TokenMaps, check_token_folder,
+from ..inference.row_stream import (Crop, LevelByLevelBackbone, TokenMaps, check_token_folder,
                                     stream_rows, why_not_norms)
 from ..inference.scene_input import preprocessed_rows, stage_reporter, valid_pixels
-from ..inference.seg_stream import PyramidPooling, labels_rows, logits_rows, why_not_by_rows
+from ..inference.seg_stream import (PyramidPooling, labels_rows, logits_rows, run_poolings,
+                                    why_not_by_rows)
+from ..inference.sharding import Shard, SlabRows, trunk_rows_read
 from ..inference.settings import LeanSettingsMixin, SegmentorSettings
 from ..utils.ckpt_load import refuse_headless_load
 from ..utils.memory_budget import (MB, MemoryModel, MemoryPlanMixin, Plan, calibrate,
@@ -301,7 +303,8 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                       token_dir: Optional[str] = None, progress: Optional[Callable] = None,
                       confidence: bool = False,
                       valid_rows: Optional[Callable[[int, int], 'np.ndarray']] = None,
-                      mask_xca: bool = MASK_XCA) -> Iterator[tuple]:
+                      mask_xca: bool = MASK_XCA, shard: Optional[Shard] = None
+                      ) -> Iterator[tuple]:
         """An image larger than memory's labels, top to bottom: ``(start, stop, labels)``, int64
         (stop - start, W) on the CPU; with ``confidence``, ``(start, stop, labels, confidence)``,
         the confidence uint8 (stop - start, W): round(255 x the top-1 softmax probability of the
@@ -315,11 +318,21 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         all the same: the caller masks them. Under ``max_memory`` (MB) the token maps may go to
         ``token_dir``. ``progress``: see :func:`stage_reporter`.
 
+        With a ``shard`` (``xcit_mm.models.inference.sharding.Shard``), this process is one rank
+        of the image's sharded stream (docs/sharded_stream.md): every rank calls this with the
+        same arguments and gets the labels of its slab's pixel rows only (whole-image row
+        numbers; none where its slab is empty, which still takes part in the exchanges); the
+        budget and the token maps are the rank's. ``progress`` then counts the rank's rows.
+
         The model's parts, the budget and the token folder are checked here, before the image
         is read; the work runs as the labels are iterated."""
         why, name = self.why_not('stream'), type(self).__name__
         if why is not None:
             raise ValueError(f'{name}.stream_labels: cannot stream: {why}')
+        if shard is not None and 'shard' not in inspect.signature(
+                self.backbone.stream_trunk).parameters:
+            raise ValueError(f'{name}.stream_labels: {type(self.backbone).__name__} cannot stream '
+                             'a slab of the image (XCiTBackbone can): pass shard=None')
         H, W = image_hw
         device = next(self.parameters()).device
         trunk_kwargs = {}
@@ -330,17 +343,26 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                                  'mask_xca=False')
             trunk_kwargs['valid_pixels'] = partial(valid_pixels, valid_rows, W, device)
         budget = None if max_memory is None else read_budget_mb(dict(max_memory=max_memory), name)
-        plans = self._stream_plans(image_hw, held_mb=0, budget_mb=budget)
+        token_rows = None
+        if shard is not None:  # the rows the rank's labels read, then those it makes
+            slab = shard.slab(H, self.backbone.patch_size)
+            read = self._slab_trunk_rows(slab, image_hw, confidence)
+            first, stop = self.backbone.streamed_rows(slab.grid_rows, (slab.first, slab.stop),
+                                                      read)
+            trunk_kwargs.update(shard=shard, read_rows=read)
+            token_rows = stop - first
+        plans = self._stream_plans(image_hw, held_mb=0, budget_mb=budget, token_rows=token_rows)
         plan = plans[0] if budget is None else self._choose_memory_plan(
             plans, budget, f'{name} on {H}x{W} px')
-        folder = self._token_folder(image_hw, plan, token_dir, budgeted=budget is not None)
+        folder = self._token_folder(image_hw, plan, token_dir, budgeted=budget is not None,
+                                    token_rows=token_rows)
         read_pixels = partial(preprocessed_rows, self.data_preprocessor, read_rows, device)
 
         def bands() -> Iterator[tuple]:
             with self._eval_no_grad():
                 for start, stop, band in self._stream_bands(
                         read_pixels, image_hw, image_hw, (0, 0, 0, 0), image_hw, plan, folder,
-                        progress, confidence, trunk_kwargs):
+                        progress, confidence, trunk_kwargs, token_rows):
                     if confidence:
                         yield start, stop, band[0].cpu(), band[1].to(torch.uint8).cpu()
                     else:
@@ -373,25 +395,56 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         return self._set_results(data_samples, results)
 
     def _token_folder(self, image_hw: Sequence[int], plan: Plan, token_dir: Optional[str],
-                      budgeted: bool) -> Optional[str]:
+                      budgeted: bool, token_rows: Optional[int] = None) -> Optional[str]:
         """Where the token maps go (None: in memory), checked before any work: a folder with room
-        for them, not in memory (tmpfs) unless a budget counted them (the in-memory plan)."""
+        for them (``token_rows`` rows each, default all), not in memory (tmpfs) unless a budget
+        counted them (the in-memory plan)."""
         if not (self.test_settings.token_maps == 'disk' or plan.name == 'stream-disk'):
             return None
         folder = token_dir or tempfile.gettempdir()
-        check_token_folder(folder, self.backbone.token_maps_mb(image_hw)[1] * MB,
+        check_token_folder(folder, self.backbone.token_maps_mb(image_hw, token_rows)[1] * MB,
                            memory_counted=budgeted and plan.name == 'stream')
         return folder
 
+    def _labels_rows(self, trunk, image_hw, head_hw, crop, out_hw, band_mb: float,
+                     confidence: bool = False, slab=None):
+        """The labels (and confidence) of the trunk maps, as rows (one graph for the stream and
+        for working out which trunk rows a slab's labels read)."""
+        levels = [self.backbone.level_rows(trunk_map, i, image_hw)
+                  for i, trunk_map in enumerate(trunk)]
+        logits = logits_rows(levels, getattr(self, 'neck', None), self.decode_head, band_mb, slab)
+        return labels_rows(logits, head_hw, crop, out_hw, self.decode_head.align_corners,
+                           self.align_corners, self._stream_class_chunk(out_hw[1], band_mb),
+                           confidence)
+
+    def _slab_trunk_rows(self, slab, image_hw: Sequence[int],
+                         confidence: bool) -> Tuple[int, int]:
+        """The token rows (first, stop) the labels of ``slab``'s pixel rows read from the trunk
+        maps (UperNet's pooling pass over the slab's share included), from the graph on
+        placeholders of the maps' size: the rows its rank makes exactly."""
+        p = self.backbone.patch_size
+        grid = [-(-side // p) for side in image_hw]
+        trunk = [SlabRows(*grid) for _ in self.backbone.out_indices]
+        labels = self._labels_rows(trunk, image_hw, image_hw, (0, 0, 0, 0), image_hw,
+                                   STREAM_BAND_MB['cpu'], confidence, slab)
+        return trunk_rows_read(labels, *slab.pixel_rows, trunk)
+
     def _stream_bands(self, read_pixels, image_hw, head_hw, crop, out_hw, plan: Plan,
                       folder: Optional[str], progress: Optional[Callable] = None,
-                      confidence: bool = False, trunk_kwargs: Optional[dict] = None
-                      ) -> Iterator[Tuple[int, int, Tensor]]:
+                      confidence: bool = False, trunk_kwargs: Optional[dict] = None,
+                      token_rows: Optional[int] = None) -> Iterator[Tuple[int, int, Tensor]]:
         """One image: the trunk into token maps (in ``folder``, else in memory), then the labels
-        (and confidence: channel 1) in bands of the plan's size, ``progress`` told by stage."""
+        (and confidence: channel 1) in bands of the plan's size, ``progress`` told by stage.
+        With a ``shard`` in ``trunk_kwargs``, its rank's slab: the trunk's ``token_rows`` rows,
+        then the labels of the slab's pixel rows (whole-image row numbers)."""
         band_mb, report = plan.band_mb, stage_reporter(progress)
+        trunk_kwargs = trunk_kwargs or {}
+        shard = trunk_kwargs.get('shard')
+        slab = None if shard is None else shard.slab(image_hw[0], self.backbone.patch_size)
+        first, stop = (0, out_hw[0]) if slab is None else slab.pixel_rows
         layers = max(self.backbone.out_indices) + 1
-        token_rows = -(-image_hw[0] // self.backbone.patch_size)
+        if token_rows is None:
+            token_rows = -(-image_hw[0] // self.backbone.patch_size)
         trunk_total, done = layers * token_rows, [0]
 
         def layer_done() -> None:
@@ -401,17 +454,18 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         with TokenMaps(next(self.parameters()).device, folder) as maps, torch.no_grad():
             report(0, trunk_total, 'trunk')
             trunk = self.backbone.stream_trunk(read_pixels, image_hw, maps, band_mb, layer_done,
-                                               **(trunk_kwargs or {}))
-            levels = [self.backbone.level_rows(trunk_map, i, image_hw)
-                      for i, trunk_map in enumerate(trunk)]
-            logits = logits_rows(levels, getattr(self, 'neck', None), self.decode_head, band_mb)
-            labels = labels_rows(logits, head_hw, crop, out_hw, self.decode_head.align_corners,
-                                 self.align_corners, self._stream_class_chunk(out_hw[1], band_mb),
-                                 confidence)
-            report(0, out_hw[0], 'labels')
-            for start, stop, band in stream_rows(labels, band_mb):
-                yield start, stop, band[0]
-                report(stop, out_hw[0], 'labels')
+                                               **trunk_kwargs)
+            labels = self._labels_rows(trunk, image_hw, head_hw, crop, out_hw, band_mb,
+                                       confidence, slab)
+            if slab is not None:  # the slab's rows; every rank joins the poolings' exchanges
+                labels = Crop(labels, first, 0, stop - first, out_hw[1])
+            bands = stream_rows(labels, band_mb)
+            if slab is not None:
+                run_poolings(labels)
+            report(0, stop - first, 'labels')
+            for start, end, band in bands:
+                yield start + first, end + first, band[0]
+                report(end, stop - first, 'labels')
 
     def _stream_class_chunk(self, width: int, band_mb: float) -> int:
         """Classes the stream's full-resolution steps take at once: as many as keep a band of them
@@ -423,11 +477,13 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                    max(CHUNK_MULTIPLE, planes // CHUNK_MULTIPLE * CHUNK_MULTIPLE))
 
     def _stream_plans(self, image_hw: Sequence[int], held_mb: float,
-                      budget_mb: Optional[float] = None) -> List[Plan]:
-        """The stream's plans, token maps in memory then on disk: the maps, the bands' work, what
-        the caller holds, UperNet's pooled maps and ``SLACK_MB``; the bands ``test_cfg.band_mb``,
-        else the device's default, shrunk to fit ``budget_mb`` (down to the minimum)."""
-        kept, maps_mb = self.backbone.token_maps_mb(image_hw)
+                      budget_mb: Optional[float] = None,
+                      token_rows: Optional[int] = None) -> List[Plan]:
+        """The stream's plans, token maps in memory then on disk: the maps (of ``token_rows``
+        rows, a rank's, else the image's), the bands' work, what the caller holds, UperNet's
+        pooled maps and ``SLACK_MB``; the bands ``test_cfg.band_mb``, else the device's default,
+        shrunk to fit ``budget_mb`` (down to the minimum)."""
+        kept, maps_mb = self.backbone.token_maps_mb(image_hw, token_rows)
         fixed_mb = SLACK_MB + held_mb + STREAM_WORK_MB
         head = self.decode_head
         if type(head) is UPerHead:  # the pooled maps of its pyramid pooling
