@@ -126,6 +126,11 @@ def parse_args(argv=None):
                         "mmseg's inference_model does. By default they are left out, so that "
                         'the labels of the data do not depend on the size of a nodata collar. '
                         'No effect on an image without nodata, alpha or mask')
+    parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
+                        default='none', help='one scene streamed by several processes (torchrun '
+                        '--nproc-per-node N ... --launcher pytorch, or srun ... --launcher '
+                        'slurm): each streams a slab of rows, the first writes the outputs '
+                        '(segmentation configs)')
     parser.add_argument('--cfg-options', nargs='+', action=DictAction, default=None,
                         metavar='KEY=VALUE', help='override config settings, e.g. '
                         'model.test_cfg.mode=stream model.test_cfg.band_mb=64 (bands of 64 MB)')
@@ -251,11 +256,25 @@ def run(args) -> None:
     from xcit_mm.apis.utils import config_task, read_config
     cfg = read_config(args.config, args.cfg_options)
     if config_task(cfg) == 'det':
+        if args.launcher != 'none':
+            raise LargeImageError(f'--launcher {args.launcher}: a detector streams in one '
+                                  'process; drop --launcher')
         return detect(args, cfg)
     if args.score_thr is not None:
         raise LargeImageError(f'--score-thr applies to detectors; {args.config} is a '
                               f'segmentation config ({cfg.model.type}): drop --score-thr')
-    return segment(args, cfg)
+    if args.launcher == 'none':
+        return segment(args, cfg)
+    import torch.distributed as dist
+
+    from training_extras.dist_utils import distributed_session, lost_peer_message
+    with distributed_session(cfg, args.launcher):
+        args.rank, args.world_size = dist.get_rank(), dist.get_world_size()
+        try:
+            return segment(args, cfg)
+        except RuntimeError as e:  # gloo's words for a rank gone, told as such in main
+            args.peer_lost = lost_peer_message(e) is not None
+            raise
 
 
 def segment(args, cfg) -> None:
@@ -309,6 +328,24 @@ def segment(args, cfg) -> None:
         num_classes = model.decode_head.num_classes
         class_names = _dataset_meta(model, cfg, 'classes', num_classes)
         valid_rows = read_rows.valid_rows
+        shard_kwargs, slabs = {}, None
+        if args.launcher != 'none':
+            from xcit_mm.apis.large_image.slabs import SlabFiles
+            from xcit_mm.models.inference.sharding import Shard
+            shard_kwargs['shard'] = shard = Shard()
+            slabs = SlabFiles(args.out, shard.rank, shard.world_size, width, num_classes,
+                              args.confidence is not None)
+            if shard.rank > 0:  # a slab of labels for the first rank, which writes the outputs
+                try:
+                    with torch.no_grad():
+                        _keep_slab(model.stream_labels(
+                            read_rows, hw, max_memory=budget, token_dir=args.token_dir,
+                            confidence=args.confidence is not None, valid_rows=valid_rows,
+                            mask_xca=not args.include_nodata_tokens, shard=shard), slabs)
+                except BaseException:
+                    slabs.remove()
+                    raise
+                return
         masks = {}  # the current band's pixels without data, for the writer and the polygons
         rasters = [p for p in (args.out, args.confidence) if p is not None]
         polygons = None
@@ -327,7 +364,10 @@ def segment(args, cfg) -> None:
                                              progress=progress,
                                              confidence=args.confidence is not None,
                                              valid_rows=valid_rows,
-                                             mask_xca=not args.include_nodata_tokens)
+                                             mask_xca=not args.include_nodata_tokens,
+                                             **shard_kwargs)
+                if slabs is not None:
+                    stream = _with_other_slabs(stream, slabs)
                 write_label_rasters(
                     args.out, _feed(stream, polygons, valid_rows, masks, progress), hw, num_classes,
                     palette=_dataset_meta(model, cfg, 'palette', num_classes),
@@ -347,7 +387,42 @@ def segment(args, cfg) -> None:
         finally:
             if polygons is not None:
                 polygons.abort()  # nothing left to do after a close; the partial file otherwise
+            if slabs is not None:
+                slabs.remove()  # read and removed after a success; left by a failure
             bar.close()
+
+
+def _gathered_rows(rows):
+    """Every rank's kept pixel rows, in rank order, once each rank has kept its own (a
+    collective: it also waits for the slowest rank)."""
+    import torch.distributed as dist
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, tuple(rows))
+    return everyone
+
+
+def _keep_slab(stream, slabs) -> None:
+    """A rank after the first: its slab's bands into its files, then its rows told."""
+    try:
+        slabs.keep(stream)
+    finally:
+        stream.close()
+    _gathered_rows(slabs.kept_rows())
+
+
+def _with_other_slabs(stream, slabs):
+    """The first rank's bands: its own slab's as they stream, then, once every rank has kept
+    its own, the other ranks' read back from their files, so that the writers get every row of
+    the scene in order, as from one process."""
+    first = stop = None
+    try:
+        for band in stream:
+            first = band[0] if first is None else first
+            stop = band[1]
+            yield band
+    finally:
+        stream.close()
+    yield from slabs.bands(_gathered_rows((0, 0) if first is None else (first, stop)))
 
 
 def _detector_meta(model, cfg, num_classes: int):
@@ -487,9 +562,18 @@ def main(argv=None) -> int:
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             e = (f'no space left on the device ({e.filename or "token maps"}); free space or '
                  'choose another --out / --token-dir')
-        print(error_line(e), file=sys.stderr)
+        line = error_line(e)
+        if getattr(args, 'world_size', 1) > 1:  # which process of a sharded run failed
+            rank = f'rank {args.rank} of {args.world_size}'
+            if getattr(args, 'peer_lost', False):  # the failure is another rank's
+                line = (f'error: {rank}: stopped, another rank has stopped (its own error line '
+                        'names it); no output written')
+            else:
+                line = line.replace('error: ', f'error: {rank}: ', 1)
+        print(line, file=sys.stderr)
         return 1
-    print('written: ' + ', '.join(_outputs(args).values()))
+    if getattr(args, 'rank', 0) == 0:
+        print('written: ' + ', '.join(_outputs(args).values()))
     return 0
 
 

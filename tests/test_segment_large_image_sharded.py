@@ -1,0 +1,100 @@
+# Copyright (c) xcit_mm contributors. All rights reserved.
+"""tools/segment_large_image.py over several processes (``--launcher pytorch`` under torchrun,
+gloo on the CPU): the ranks stream slabs of one scene and the first writes the outputs, which a
+GIS user opens as one raster and one layer, the same as one process writes. A rank that fails
+stops the run with one line naming it and leaves no output.
+
+The model and the GeoTIFFs are test_segment_large_image's (a small XCiT Semantic FPN, random
+weights; files written by GDAL through rasterio). The expected outputs are the tool's own in one
+process, which that file checks against mmseg's ``inference_model``.
+"""
+import os
+import os.path as osp
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_segment_large_image import _corrupt_tile, _geotiff, _image, tiny, tool  # noqa: F401
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+TOOL = osp.join(ROOT, 'tools', 'segment_large_image.py')
+
+
+def _torchrun(ranks: int, args, tmp_path, port: int):
+    """The tool under torchrun, ``ranks`` processes of one thread each, on this machine."""
+    env = dict(os.environ, OMP_NUM_THREADS='1', MKL_NUM_THREADS='1',
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]))
+    return subprocess.run(
+        [sys.executable, '-m', 'torch.distributed.run', '--nproc-per-node', str(ranks),
+         '--master-addr', '127.0.0.1', '--master-port', str(port), TOOL] + list(args)
+        + ['--launcher', 'pytorch'], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=600)
+
+
+def _polygons(path):
+    """Each class's polygons, unioned: {class_id: geometry}, and the layer's CRS."""
+    import pyogrio
+    import shapely
+    meta, _, geometry, fields = pyogrio.raw.read(path)
+    classes = fields[list(meta['fields']).index('class_id')]
+    shapes = shapely.from_wkb(geometry)
+    return {int(c): shapely.union_all(shapes[classes == c]) for c in np.unique(classes)}, meta['crs']
+
+
+def test_three_ranks_write_what_one_process_writes(tool, tiny, tmp_path):  # noqa: F811
+    """A 200 x 300 GeoTIFF with a nodata corner over 3 ranks (13 token rows: slabs of 4 and 5
+    rows, thinner than the stream's margin): the labels, confidence and polygons as the tool
+    writes them in one process, placed by GDAL over the input; the ranks' files are gone."""
+    import rasterio
+    config, checkpoint, _ = tiny
+    scene = _geotiff(tmp_path / 'scene.tif', _image())
+    outputs = dict(one={}, three={})
+    for name, outs in outputs.items():
+        outs.update(labels=str(tmp_path / f'{name}.tif'), confidence=str(tmp_path / f'{name}_c.tif'),
+                    polygons=str(tmp_path / f'{name}.gpkg'))
+    args = lambda outs: [config, checkpoint, scene, '--out', outs['labels'],  # noqa: E731
+                         '--confidence', outs['confidence'], '--vector', outs['polygons']]
+    assert tool.main(args(outputs['one'])) == 0
+    run = _torchrun(3, args(outputs['three']), tmp_path, 29631)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count('written: ') == 1  # the first rank writes, and says so
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith('three')) == [
+        'three.gpkg', 'three.tif', 'three.tif.aux.xml', 'three_c.tif']
+    one, three = outputs['one'], outputs['three']
+    for kind, agree in (('labels', 0.9999), ('confidence', 0.999)):
+        with rasterio.open(one[kind]) as a, rasterio.open(three[kind]) as b, \
+                rasterio.open(scene) as src:
+            assert (b.transform, b.crs, b.shape) == (src.transform, src.crs, src.shape)
+            assert (a.nodata, a.dtypes, a.block_shapes) == (b.nodata, b.dtypes, b.block_shapes)
+            expected, got = a.read(1), b.read(1)
+            assert (expected == b.nodata).sum() > 0  # the corner without data
+            assert np.array_equal(expected == a.nodata, got == b.nodata)
+            assert (expected == got).mean() >= agree, kind
+            assert len(np.unique(expected)) > 2
+    expected, crs = _polygons(one['polygons'])
+    got, got_crs = _polygons(three['polygons'])
+    assert got_crs == crs and sorted(got) == sorted(expected)
+    total = sum(g.area for g in expected.values())
+    assert sum(expected[c].symmetric_difference(got[c]).area for c in got) <= 1e-4 * total
+
+
+def test_a_failing_rank_stops_the_run_naming_itself_and_leaves_no_output(tiny, tmp_path):  # noqa: F811,E501
+    """A tile only the second rank reads is corrupt (the bottom of a 1280-row scene: the first
+    rank's slab and margin end above it): that rank's error is one line naming it, the first
+    rank stops too, saying why, and no output nor rank file is left."""
+    import tifffile
+    config, checkpoint, _ = tiny
+    path = str(tmp_path / 'scene.tif')
+    img = np.concatenate([_image()] * 7)[:1280]
+    tifffile.imwrite(path, img, tile=(64, 64), compression='zlib', photometric='rgb')
+    _corrupt_tile(path, index=19 * 5 + 2)  # tile row 19 (rows 1216-1279), tile column 2
+    run = _torchrun(2, [config, checkpoint, path, '--out', str(tmp_path / 'labels.tif')],
+                    tmp_path, 29641)
+    assert run.returncode != 0
+    lines = [line for line in run.stderr.splitlines() if line.startswith('error: ')]
+    assert any(line.startswith('error: rank 1 of 2: ') and 'cannot be read' in line
+               for line in lines), run.stderr[-3000:]
+    assert 'error: rank 0 of 2: stopped, another rank has stopped (its own error line names ' \
+        'it); no output written' in lines  # the first rank read no corrupt tile
+    assert os.listdir(tmp_path) == ['scene.tif']

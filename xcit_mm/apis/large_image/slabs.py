@@ -1,0 +1,112 @@
+# Copyright (c) xcit_mm contributors. All rights reserved.
+"""The labels of a scene streamed by several ranks, handed to the rank that writes the outputs:
+:class:`SlabFiles`.
+
+A sharded stream (``docs/sharded_stream.md``) gives each rank the labels of its own slab of rows.
+The outputs are single files (a COG, whose overviews need every row; polygons merged across row
+bands), so one rank, the first, writes them all, from the rows in order: its own slab as it
+streams, then each other rank's, read back from a file that rank wrote beside the output. The
+writer then sees the same bands of rows as in one process, so the outputs are what one process
+writes. The files are raw rows (labels as uint8, or uint16 above 256 classes; the confidence as
+uint8 in a second file), removed once read back or when the run fails.
+"""
+import os
+import os.path as osp
+from typing import Iterator, List, Optional, Tuple
+
+import numpy as np
+
+# The rows read back at once from a rank's file: about this many bytes of labels.
+READ_BACK_BYTES = 16 << 20
+
+
+class SlabFiles:
+    """The slab files of one output (``out``): rank ``rank`` of ``world_size`` writes its
+    bands with :meth:`keep`, the first rank reads the others' back with :meth:`bands`. ``rows``:
+    each rank's (first, stop) pixel rows, once every rank has kept its own (the caller gathers
+    them; :meth:`kept_rows` is this rank's)."""
+
+    def __init__(self, out: str, rank: int, world_size: int, width: int, num_classes: int,
+                 confidence: bool):
+        self.out, self.rank, self.world_size = out, rank, world_size
+        self.width, self.confidence = width, confidence
+        self.dtype = np.uint8 if num_classes <= 256 else np.uint16
+        self._rows: Optional[Tuple[int, int]] = None
+
+    def path(self, rank: int, kind: str = 'labels') -> str:
+        """Rank ``rank``'s file of ``kind`` ('labels' or 'confidence'), beside the output (the
+        same disk, removed with the run)."""
+        return f'{self.out}.rank{rank}.{kind}.partial'
+
+    def _kinds(self) -> List[Tuple[str, type]]:
+        return [('labels', self.dtype)] + [('confidence', np.uint8)] * self.confidence
+
+    def keep(self, bands) -> None:
+        """Write this rank's bands, ``(start, stop, labels[, confidence])`` top to bottom, each
+        following the one before, to its files."""
+        first = stop = None
+        files = [open(self.path(self.rank, kind), 'wb') for kind, _ in self._kinds()]
+        try:
+            for band in bands:
+                start, end = band[:2]
+                if stop is not None and start != stop:
+                    raise RuntimeError(f'SlabFiles: rank {self.rank} gave rows {start}..{end - 1} '
+                                       f'after rows ending at {stop - 1}: bands must follow on')
+                first = start if first is None else first
+                stop = end
+                for f, (_, dtype), rows in zip(files, self._kinds(), band[2:]):
+                    f.write(np.ascontiguousarray(_numpy(rows), dtype).tobytes())
+            for f in files:
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            for f in files:
+                f.close()
+        self._rows = (0, 0) if first is None else (first, stop)
+
+    def kept_rows(self) -> Tuple[int, int]:
+        """The pixel rows this rank kept (``(0, 0)``: none)."""
+        if self._rows is None:
+            raise RuntimeError('SlabFiles.kept_rows: keep() has not run')
+        return self._rows
+
+    def bands(self, rows: List[Tuple[int, int]]) -> Iterator[tuple]:
+        """The bands of every rank after this one, in rank order, read back from their files
+        (``rows``: every rank's kept rows, indexed by rank), each file removed once read."""
+        kinds = self._kinds()
+        step = max(1, READ_BACK_BYTES // (self.width * np.dtype(self.dtype).itemsize))
+        for rank in range(self.rank + 1, self.world_size):
+            first, stop = rows[rank]
+            files = []
+            try:
+                for kind, dtype in kinds:
+                    path = self.path(rank, kind)
+                    expected = (stop - first) * self.width * np.dtype(dtype).itemsize
+                    got = osp.getsize(path) if osp.exists(path) else None
+                    if got != expected:
+                        raise RuntimeError(
+                            f'rank {rank}: its {kind} file {path} holds '
+                            f'{"no file" if got is None else f"{got} bytes"}, not the {expected} '
+                            f'bytes of rows {first}..{stop - 1}')
+                    files.append(open(path, 'rb'))
+                for start in range(first, stop, step):
+                    n = min(step, stop - start)
+                    yield (start, start + n) + tuple(
+                        np.fromfile(f, dtype, n * self.width).reshape(n, self.width)
+                        for f, (_, dtype) in zip(files, kinds))
+            finally:
+                for f in files:
+                    f.close()
+            for kind, _ in kinds:
+                os.remove(self.path(rank, kind))
+
+    def remove(self) -> None:
+        """Remove every rank's file still there (a failed or interrupted run)."""
+        for rank in range(self.world_size):
+            for kind, _ in self._kinds():
+                if osp.lexists(self.path(rank, kind)):
+                    os.remove(self.path(rank, kind))
+
+
+def _numpy(values) -> np.ndarray:
+    return values.numpy() if hasattr(values, 'numpy') else np.asarray(values)
