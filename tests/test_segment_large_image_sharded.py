@@ -98,3 +98,62 @@ def test_a_failing_rank_stops_the_run_naming_itself_and_leaves_no_output(tiny, t
     assert 'error: rank 0 of 2: stopped, another rank has stopped (its own error line names ' \
         'it); no output written' in lines  # the first rank read no corrupt tile
     assert os.listdir(tmp_path) == ['scene.tif']
+
+
+def _scenes(folder, count=4, corrupt=2):
+    """``count`` small GeoTIFFs written by GDAL in ``folder``, scene ``corrupt`` with a broken
+    tile, and a sidecar that is no scene."""
+    folder.mkdir()
+    for i in range(count):
+        _geotiff(folder / f's{i}.tif', _image(seed=i))
+    _corrupt_tile(str(folder / f's{corrupt}.tif'), index=3)
+    (folder / 's1.tif.aux.xml').write_text('<PAMDataset/>')
+    return str(folder)
+
+
+def test_many_scenes_go_on_past_a_bad_one_and_a_rerun_skips_the_written(tool, tiny, tmp_path,  # noqa: F811,E501
+                                                                          capsys):
+    """A folder of 4 scenes, one corrupt: 3 label files named after their scenes, each placed by
+    GDAL over its scene; a summary naming the bad file and exit status 1. The same scenes as a
+    pattern again: the 3 skipped, the bad one failing again."""
+    import rasterio
+    config, checkpoint, _ = tiny
+    scenes, out = _scenes(tmp_path / 'scenes'), tmp_path / 'labels'
+    out.mkdir()
+    assert tool.main([config, checkpoint, scenes, '--out', str(out)]) == 1
+    printed = capsys.readouterr()
+    assert 'scenes: 4 (3 written, 0 skipped as done, 1 failed)' in printed.out
+    failed = [line for line in printed.out.splitlines() if line.startswith('failed: ')]
+    assert len(failed) == 1 and 's2.tif' in failed[0] and 'cannot be read' in failed[0]
+    assert 'error: 1 of 4 scenes failed' in printed.err
+    assert sorted(os.listdir(out)) == sorted(f's{i}.tif{aux}' for i in (0, 1, 3)
+                                             for aux in ('', '.aux.xml'))
+    for i in (0, 1, 3):
+        with rasterio.open(out / f's{i}.tif') as dst, rasterio.open(f'{scenes}/s{i}.tif') as src:
+            assert (dst.transform, dst.crs, dst.shape) == (src.transform, src.crs, src.shape)
+    assert tool.main([config, checkpoint, f'{scenes}/s*.tif', '--out', str(out)]) == 1
+    assert 'scenes: 4 (0 written, 3 skipped as done, 1 failed)' in capsys.readouterr().out
+
+
+def test_many_scenes_shared_out_to_two_ranks(tool, tiny, tmp_path):  # noqa: F811
+    """The same folder over 2 ranks, one scene already written: each scene whole on one rank,
+    the summary once, the bad scene named, exit status non-zero; the labels equal those of one
+    process."""
+    import rasterio
+    config, checkpoint, _ = tiny
+    scenes, out = _scenes(tmp_path / 'scenes'), tmp_path / 'labels'
+    out.mkdir()
+    one = tmp_path / 'one.tif'
+    assert tool.main([config, checkpoint, f'{scenes}/s3.tif', '--out', str(one)]) == 0
+    (out / 's0.tif').write_bytes(b'written before')  # done: skipped, not read
+    run = _torchrun(2, [config, checkpoint, scenes, '--out', str(out)], tmp_path, 29672)
+    assert run.returncode != 0
+    assert run.stdout.count('scenes: 4 (2 written, 1 skipped as done, 1 failed)') == 1
+    assert [line for line in run.stderr.splitlines() if line.startswith('error: ')] == [
+        'error: rank 0 of 2: 1 of 4 scenes failed (see the lines above); a rerun skips the '
+        'scenes written'], run.stderr[-3000:]
+    assert (out / 's0.tif').read_bytes() == b'written before'
+    with rasterio.open(out / 's3.tif') as got, rasterio.open(one) as expected:
+        assert np.array_equal(got.read(), expected.read())
+    assert sorted(os.listdir(out)) == ['s0.tif', 's1.tif', 's1.tif.aux.xml', 's3.tif',
+                                       's3.tif.aux.xml']

@@ -74,12 +74,16 @@ def parse_args(argv=None):
     parser.add_argument('config', help='segmentation config (a LeanEncoderDecoder) or '
                         'detection config (a LeanMaskRCNN)')
     parser.add_argument('checkpoint', help='checkpoint file (path or URL)')
-    parser.add_argument('image', help='input image: any raster GDAL reads (GeoTIFF, COG, '
-                        'JPEG2000, VRT, PNG / JPEG, ...), or an OME-TIFF or slide TIFF')
+    parser.add_argument('image', nargs='+', help='input image: any raster GDAL reads (GeoTIFF, '
+                        'COG, JPEG2000, VRT, PNG / JPEG, ...), or an OME-TIFF or slide TIFF. '
+                        "Many scenes: several files, a folder or a quoted pattern ('tiles/*.tif'),"
+                        ' each into its own outputs in the --out (--confidence, --vector) '
+                        'folders, those already written skipped')
     parser.add_argument('--out', required=True, metavar='LABELS.tif',
                         help='output labels: a Cloud-Optimized GeoTIFF of class ids. For a '
                         "detector, its instances: the masks' polygons (.gpkg, .fgb, .geojson) "
-                        'or COCO results (.json)')
+                        'or COCO results (.json). Many scenes: a folder (SCENE.tif; a '
+                        "detector's SCENE.gpkg)")
     parser.add_argument('--confidence', default=None, metavar='PATH',
                         help='also write the top-1 softmax probability as uint8 (0-255, 0 where '
                         'there is no data) on the labels\' grid, a Cloud-Optimized GeoTIFF')
@@ -254,31 +258,122 @@ def run(args) -> None:
     (:func:`segment`), each refusing the options of the other."""
     from xcit_mm.apis.large_image import LargeImageError
     from xcit_mm.apis.utils import config_task, read_config
+    from xcit_mm.apis.large_image.scenes import is_many, list_scenes
     cfg = read_config(args.config, args.cfg_options)
-    if config_task(cfg) == 'det':
-        if args.launcher != 'none':
-            raise LargeImageError(f'--launcher {args.launcher}: a detector streams in one '
-                                  'process; drop --launcher')
-        return detect(args, cfg)
-    if args.score_thr is not None:
+    detector = config_task(cfg) == 'det'
+    args.many = is_many(args.image)
+    if args.many:
+        scenes = list_scenes(args.image)
+    else:
+        args.image = args.image[0]
+    if detector and args.launcher != 'none' and not args.many:
+        raise LargeImageError(f'--launcher {args.launcher}: a detector streams a scene in one '
+                              'process (several scenes are shared out to the processes); drop '
+                              '--launcher')
+    if not detector and args.score_thr is not None:
         raise LargeImageError(f'--score-thr applies to detectors; {args.config} is a '
                               f'segmentation config ({cfg.model.type}): drop --score-thr')
+    task = detect if detector else segment
     if args.launcher == 'none':
-        return segment(args, cfg)
+        return run_many(args, cfg, scenes, task) if args.many else task(args, cfg)
     import torch.distributed as dist
 
     from training_extras.dist_utils import distributed_session, lost_peer_message
     with distributed_session(cfg, args.launcher):
         args.rank, args.world_size = dist.get_rank(), dist.get_world_size()
         try:
-            return segment(args, cfg)
+            return run_many(args, cfg, scenes, task) if args.many else task(args, cfg)
         except RuntimeError as e:  # gloo's words for a rank gone, told as such in main
             args.peer_lost = lost_peer_message(e) is not None
             raise
 
 
-def segment(args, cfg) -> None:
-    """Check the input and outputs, build the model, stream the labels into the outputs."""
+def run_many(args, cfg, scenes, task) -> None:
+    """Each scene into its own outputs (named after it in the output folders), those already
+    written skipped; a scene that fails is a line of the summary and the others go on. Under a
+    launcher the scenes are shared out to the ranks, each scene whole on one rank; a scene whose
+    stream does not fit --max-memory in one process is then streamed by all the ranks together,
+    after the others (a failure there stops the run: the ranks' exchanges cannot go on without
+    it). The summary, printed by the first rank, ends in an error if any scene failed."""
+    import time
+
+    from xcit_mm.apis.large_image import LargeImageError
+    from xcit_mm.apis.large_image.scenes import (SceneResult, output_folder, scene_name,
+                                                 summary)
+    from xcit_mm.apis.utils import error_line
+    start, detector = time.time(), task is detect
+    folders = {option: output_folder(path, option) for option, path in _outputs(args).items()}
+    rank, world_size = getattr(args, 'rank', 0), getattr(args, 'world_size', 1)
+    models = []  # built for the first scene that runs
+
+    def scene_args(scene: str):
+        name = scene_name(scene)
+        one = copy.copy(args)
+        one.image, one.launcher, one.many = scene, 'none', False
+        one.out = osp.join(folders['--out'], name + ('.gpkg' if detector else '.tif'))
+        one.confidence = args.confidence and osp.join(folders['--confidence'], name + '.tif')
+        one.vector = args.vector and osp.join(folders['--vector'], name + '.gpkg')
+        return one
+
+    def run_scene(scene: str, sharded: bool = False) -> SceneResult:
+        one = scene_args(scene)
+        if all(osp.exists(path) for path in _outputs(one).values()):
+            return SceneResult(scene, 'skipped')
+        if not models:
+            models.append((_build_detector if detector else _build_segmentor)(cfg, args))
+        one.launcher = args.launcher if sharded else 'none'
+        began = time.time()
+        try:
+            height, width = task(one, cfg, models[0])
+        except (OSError, ValueError, RuntimeError) as e:
+            over_budget = getattr(e, 'over_budget', False)  # found before any work or exchange
+            if sharded and not over_budget:
+                raise
+            if world_size > 1 and over_budget and not (sharded or detector):
+                return SceneResult(scene, 'deferred')
+            return SceneResult(scene, 'failed', reason=error_line(e)[len('error: '):])
+        return SceneResult(scene, 'written', height * width, time.time() - began)
+
+    results = [run_scene(scene) for scene in scenes[rank::world_size]]
+    if world_size > 1:
+        import torch.distributed as dist
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, results)
+        results = [result for part in everyone for result in part]
+    deferred = [r.scene for r in results if r.status == 'deferred']
+    results = [r for r in results if r.status != 'deferred']
+    results += [run_scene(scene, sharded=True) for scene in deferred]
+    order = {scene: i for i, scene in enumerate(scenes)}
+    results.sort(key=lambda r: order[r.scene])
+    if rank == 0:
+        print('\n'.join(summary(results, time.time() - start)))
+    failed = sum(r.status == 'failed' for r in results)
+    if failed and rank == 0:
+        raise LargeImageError(f'{failed} of {len(scenes)} scenes failed (see the lines above); '
+                              'a rerun skips the scenes written')
+
+
+def _build_segmentor(cfg, args):
+    """The config's segmentor with the checkpoint's weights (checked, safely loaded) and its
+    ``dataset_meta``, on ``--device``, in eval mode."""
+    import torch
+    from mmengine.runner import load_checkpoint
+    from mmseg.apis import init_model
+
+    import xcit_mm  # noqa: F401  (LeanEncoderDecoder, safe checkpoint loading)
+    from xcit_mm.models.utils import check_checkpoint
+    # mmseg's init_model needs a checkpoint 'meta' (KeyError without one): weights loaded
+    # here, the palette and class names read by _dataset_meta
+    model = init_model(cfg, None, device='cpu')
+    checkpoint = load_checkpoint(model, check_checkpoint(args.checkpoint), map_location='cpu')
+    meta = checkpoint.get('meta') if isinstance(checkpoint, dict) else None
+    model.dataset_meta = (meta or {}).get('dataset_meta')
+    return model.to(torch.device(args.device))
+
+
+def segment(args, cfg, model=None):
+    """Check the input and outputs, build the model (unless given), stream the labels into the
+    outputs; return the scene's (height, width)."""
     _check_geo_packages(args.vector is not None)
     import torch
     from tqdm import tqdm
@@ -309,19 +404,8 @@ def segment(args, cfg) -> None:
             raise LargeImageError(f'--max-memory {args.max_memory:g} MB does not cover the '
                                   f'reader and the writers ({held_text}), let alone the model: '
                                   'raise it')
-        from mmengine.runner import load_checkpoint
-        from mmseg.apis import init_model
-
-        import xcit_mm  # noqa: F401  (LeanEncoderDecoder, safe checkpoint loading)
-        from xcit_mm.models.utils import check_checkpoint
         from xcit_mm.models.utils.memory_budget import MemoryBudgetError
-        # mmseg's init_model needs a checkpoint 'meta' (KeyError without one): weights loaded
-        # here, the palette and class names read by _dataset_meta
-        model = init_model(cfg, None, device='cpu')
-        checkpoint = load_checkpoint(model, check_checkpoint(args.checkpoint), map_location='cpu')
-        meta = checkpoint.get('meta') if isinstance(checkpoint, dict) else None
-        model.dataset_meta = (meta or {}).get('dataset_meta')
-        model.to(device)
+        model = model or _build_segmentor(cfg, args)
         if not hasattr(model, 'stream_labels'):
             raise LargeImageError(f'{type(model).__name__} cannot stream a large image; set '
                                   "model.type='LeanEncoderDecoder' in the config")
@@ -345,7 +429,7 @@ def segment(args, cfg) -> None:
                 except BaseException:
                     slabs.remove()
                     raise
-                return
+                return hw
         masks = {}  # the current band's pixels without data, for the writer and the polygons
         rasters = [p for p in (args.out, args.confidence) if p is not None]
         polygons = None
@@ -382,14 +466,18 @@ def segment(args, cfg) -> None:
                 _remove(rasters + [p + '.aux.xml' for p in rasters])
                 raise
         except MemoryBudgetError as e:  # the model's share of the budget, told as the user's
-            raise LargeImageError(f'{e} (the model\'s share of --max-memory {args.max_memory:g} '
-                                  f'MB: the reader and the writers hold {held_text})') from None
+            error = LargeImageError(f'{e} (the model\'s share of --max-memory '
+                                    f'{args.max_memory:g} MB: the reader and the writers hold '
+                                    f'{held_text})')
+            error.over_budget = True  # (several ranks may stream it together)
+            raise error from None
         finally:
             if polygons is not None:
                 polygons.abort()  # nothing left to do after a close; the partial file otherwise
             if slabs is not None:
                 slabs.remove()  # read and removed after a success; left by a failure
             bar.close()
+    return hw
 
 
 def _gathered_rows(rows):
@@ -440,11 +528,12 @@ def _detector_meta(model, cfg, num_classes: int):
     return [str(name) for name in names[:num_classes]]
 
 
-def _build_detector(cfg, checkpoint: str):
+def _build_detector(cfg, args):
     """The config's detector with the checkpoint's weights (checked, safely loaded) and its
-    ``dataset_meta``, on the CPU, in eval mode. Built as mmdet's ``init_detector`` builds it,
+    ``dataset_meta``, on ``--device``, in eval mode. Built as mmdet's ``init_detector`` builds it,
     without its warnings on stderr (the one-line contract) and without the pretrained weights
     the config's backbone names."""
+    import torch
     from mmengine.model.utils import revert_sync_batchnorm
     from mmengine.registry import init_default_scope
     from mmengine.runner import load_checkpoint
@@ -457,16 +546,17 @@ def _build_detector(cfg, checkpoint: str):
     if 'init_cfg' in model_cfg.get('backbone', {}):
         model_cfg.backbone.init_cfg = None  # the checkpoint holds the backbone's weights
     model = revert_sync_batchnorm(MODELS.build(model_cfg))
-    loaded = load_checkpoint(model, check_checkpoint(checkpoint), map_location='cpu')
+    loaded = load_checkpoint(model, check_checkpoint(args.checkpoint), map_location='cpu')
     meta = loaded.get('meta') if isinstance(loaded, dict) else None
     model.dataset_meta = {k.lower(): v for k, v in ((meta or {}).get('dataset_meta') or {}).items()}
     model.cfg = cfg
-    return model.eval()
+    return model.to(torch.device(args.device)).eval()
 
 
-def detect(args, cfg) -> None:
+def detect(args, cfg, model=None):
     """A detector's instances (``LeanMaskRCNN.stream_instances``) into ``--out``: the same input
-    as the labels (bands, scaling, nodata, memory), an :class:`InstanceWriter` as output."""
+    as the labels (bands, scaling, nodata, memory), an :class:`InstanceWriter` as output; the
+    model built unless given. Returns the scene's (height, width)."""
     from xcit_mm.apis.large_image import LargeImageError
     from xcit_mm.apis.large_image.instances import InstanceWriter, check_instances_output
     given = dict(zip(SEGMENTATION_ONLY, (args.confidence, args.vector, args.min_area,
@@ -509,7 +599,7 @@ def detect(args, cfg) -> None:
                                   f'reader and the writer ({held_text}), let alone the model: '
                                   'raise it')
         from xcit_mm.models.utils.memory_budget import MemoryBudgetError
-        model = _build_detector(cfg, args.checkpoint).to(device)
+        model = model or _build_detector(cfg, args)
         if not hasattr(model, 'stream_instances'):
             raise LargeImageError(f'{type(model).__name__} cannot stream a large image; set '
                                   "model.type='LeanMaskRCNN' in the config")
@@ -547,6 +637,7 @@ def detect(args, cfg) -> None:
             if writer is not None:
                 writer.abort()  # nothing left to do after a close; the partial file otherwise
             bar.close()
+    return hw
 
 
 def main(argv=None) -> int:
@@ -572,7 +663,7 @@ def main(argv=None) -> int:
                 line = line.replace('error: ', f'error: {rank}: ', 1)
         print(line, file=sys.stderr)
         return 1
-    if getattr(args, 'rank', 0) == 0:
+    if getattr(args, 'rank', 0) == 0 and not getattr(args, 'many', False):  # else a summary
         print('written: ' + ', '.join(_outputs(args).values()))
     return 0
 
