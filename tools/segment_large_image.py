@@ -334,7 +334,11 @@ def run_many(args, cfg, scenes, task) -> None:
             return SceneResult(scene, 'failed', reason=error_line(e)[len('error: '):])
         return SceneResult(scene, 'written', height * width, time.time() - began)
 
-    results = [run_scene(scene) for scene in scenes[rank::world_size]]
+    from tqdm import tqdm
+    mine = scenes[rank::world_size]
+    where = f' on rank {rank} of {world_size}' if world_size > 1 else ''
+    results = [run_scene(scene) for scene in tqdm(mine, desc=f'scenes{where}', unit='scene',
+                                                   disable=None, file=sys.stderr)]
     if world_size > 1:
         import torch.distributed as dist
         everyone = [None] * world_size
