@@ -191,6 +191,19 @@ def _memory_shares(source, width: int, num_classes: int, args) -> dict:
     return dict(shares, cache_mb=shares['reader'] + WRITER_CACHE_MB)
 
 
+def _model_budget(args, shares: dict, writers: str):
+    """The model's share of --max-memory (None without one): what is left once the reader and
+    ``writers`` hold their ``shares`` (MB), and those shares in words; an error naming the fix
+    when nothing is left."""
+    from xcit_mm.apis.large_image import LargeImageError
+    held_text = ', '.join(f'{k} {v:.0f}' for k, v in shares.items() if v) + ' MB'
+    budget = None if args.max_memory is None else args.max_memory - sum(shares.values())
+    if budget is not None and budget <= 0:
+        raise LargeImageError(f'--max-memory {args.max_memory:g} MB does not cover the reader '
+                              f'and {writers} ({held_text}), let alone the model: raise it')
+    return budget, held_text
+
+
 class _StreamProgress:
     """The stream's two stages on one tqdm bar, each counting its own unit from 0 to its total
     (see ``stage_reporter``): the trunk's layers over the token rows, whose rate gives the time
@@ -337,8 +350,8 @@ def run_many(args, cfg, scenes, task) -> None:
     from tqdm import tqdm
     mine = scenes[rank::world_size]
     where = f' on rank {rank} of {world_size}' if world_size > 1 else ''
-    results = [run_scene(scene) for scene in tqdm(mine, desc=f'scenes{where}', unit='scene',
-                                                   disable=None, file=sys.stderr)]
+    bar = tqdm(mine, desc=f'scenes{where}', unit='scene', disable=None, file=sys.stderr)
+    results = [run_scene(scene) for scene in bar]
     if world_size > 1:
         import torch.distributed as dist
         everyone = [None] * world_size
@@ -400,14 +413,8 @@ def segment(args, cfg, model=None):
                                args.scale_16bit)
         height, width = hw = source.height, source.width
         shares = _memory_shares(source, width, cfg.model.decode_head.num_classes, args)
-        held = shares['reader'] + shares['writer'] + shares['polygons']
-        held_text = ', '.join(f'{k} {v:.0f}' for k, v in shares.items()
-                              if k != 'cache_mb' and v) + ' MB'
-        budget = None if args.max_memory is None else args.max_memory - held
-        if budget is not None and budget <= 0:
-            raise LargeImageError(f'--max-memory {args.max_memory:g} MB does not cover the '
-                                  f'reader and the writers ({held_text}), let alone the model: '
-                                  'raise it')
+        budget, held_text = _model_budget(args, {k: v for k, v in shares.items()
+                                                 if k != 'cache_mb'}, 'the writers')
         from xcit_mm.models.utils.memory_budget import MemoryBudgetError
         model = model or _build_segmentor(cfg, args)
         if not hasattr(model, 'stream_labels'):
@@ -595,13 +602,8 @@ def detect(args, cfg, model=None):
         read_rows = model_rows(source, len(mean), args.bands, args.scale, args.rgb_from,
                                args.scale_16bit)
         height, width = hw = source.height, source.width
-        shares = dict(reader=math.ceil(source.memory_mb), instances=INSTANCES_MB)
-        held_text = ', '.join(f'{k} {v:.0f}' for k, v in shares.items()) + ' MB'
-        budget = None if args.max_memory is None else args.max_memory - sum(shares.values())
-        if budget is not None and budget <= 0:
-            raise LargeImageError(f'--max-memory {args.max_memory:g} MB does not cover the '
-                                  f'reader and the writer ({held_text}), let alone the model: '
-                                  'raise it')
+        budget, held_text = _model_budget(
+            args, dict(reader=math.ceil(source.memory_mb), instances=INSTANCES_MB), 'the writer')
         from xcit_mm.models.utils.memory_budget import MemoryBudgetError
         model = model or _build_detector(cfg, args)
         if not hasattr(model, 'stream_instances'):
