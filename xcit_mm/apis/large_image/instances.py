@@ -32,8 +32,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .errors import LargeImageError, check_output, sync_to_disk
-from .polygons import (VECTOR_DRIVERS, append_features, copy_layer, raise_if_full,
-                       remove_vector_files)
+from .polygons import (VECTOR_DRIVERS, append_features, copy_layer, queued_columns,
+                       raise_if_full, remove_vector_files)
 
 # Output formats by file extension: GDAL's OGR driver, or COCO's results JSON.
 INSTANCE_FORMATS = dict(VECTOR_DRIVERS, **{'.json': 'COCO'})
@@ -225,14 +225,10 @@ class InstanceWriter:
 
     def _write(self, append: bool) -> None:
         """Append the queued features to the GeoPackage (``append=False``: create its layer)."""
-        pending = {k: np.concatenate(v) if v else np.zeros(0, object if k == 'wkb' else float)
-                   for k, v in self._pending.items()}
-        if append and not len(pending['wkb']):
+        wkb, columns = queued_columns(self._pending, self.class_names, 'score')
+        if append and not len(wkb):
             return
-        class_ids = pending['class_id'].astype(np.int32)
-        names = np.array(self.class_names, dtype=object)[class_ids]
-        append_features(self._store, self.layer, pending['wkb'],
-                        [class_ids, names, pending['score']], _FIELDS, 'MultiPolygon',
+        append_features(self._store, self.layer, wkb, columns, _FIELDS, 'MultiPolygon',
                         self.crs_wkt, append, '--out')
         self._pending = {'wkb': [], 'class_id': [], 'score': []}
         self._pending_bytes = 0

@@ -49,6 +49,17 @@ def raise_if_full(path: str, error: Exception, option: str = '--vector') -> None
                               f'free space there or choose another {option}') from None
 
 
+def queued_columns(pending: dict, class_names, value: str):
+    """The features queued between writes (``pending``: lists of arrays under 'wkb',
+    'class_id' and ``value``) as one WKB array and their columns: class id, class name and
+    ``value``."""
+    joined = {k: np.concatenate(v) if v else np.zeros(0, object if k == 'wkb' else float)
+              for k, v in pending.items()}
+    class_ids = joined['class_id'].astype(np.int32)
+    names = np.array(class_names, dtype=object)[class_ids]
+    return joined['wkb'], [class_ids, names, joined[value]]
+
+
 def append_features(store: str, layer: str, wkb, columns: list, field_names: Sequence[str],
                     geometry_type: str, crs_wkt: Optional[str], append: bool,
                     option: str = '--vector') -> None:
@@ -371,12 +382,8 @@ class PolygonWriter:
 
     def _write(self, append: bool) -> None:
         """Append the queued polygons to the GeoPackage (``append=False``: create its layer)."""
-        pending = {k: np.concatenate(v) if v else np.zeros(0, object if k == 'wkb' else float)
-                   for k, v in self._pending.items()}
-        class_ids = pending['class_id'].astype(np.int32)
-        names = np.array(self.class_names, dtype=object)[class_ids]
-        append_features(self._store, self.layer, pending['wkb'],
-                        [class_ids, names, pending['area']], _FIELDS, 'Polygon', self.crs_wkt,
+        wkb, columns = queued_columns(self._pending, self.class_names, 'area')
+        append_features(self._store, self.layer, wkb, columns, _FIELDS, 'Polygon', self.crs_wkt,
                         append)
         self._pending = {'wkb': [], 'class_id': [], 'area': []}
         self._pending_bytes = 0
