@@ -87,10 +87,8 @@ class LeanSettings:
                 band_mb, (int, float)) or not 0 < band_mb < math.inf):
             raise ValueError(f'{owner}: test_cfg.band_mb must be a positive number of MB, e.g. '
                              f'band_mb=64 (or None); got {band_mb!r}')
-        needs_lean = (f'mode={mode!r}' if mode in cls.LEAN_MODES
-                      else 'band_mb' if band_mb is not None else None)
-        if needs_lean and not lean:
-            raise ValueError(f'{owner}: test_cfg.{needs_lean} needs the lean predict; it does '
+        if mode in cls.LEAN_MODES and not lean:  # (band_mb: only the lean modes read it)
+            raise ValueError(f'{owner}: test_cfg.mode={mode!r} needs the lean predict; it does '
                              'not combine with lean=False (remove one of them)')
         budget = (read_budget_mb(cfg, owner) if cfg.get('max_memory') is not None or (
             mode == 'auto' and not cls.AUTO_BUDGET_FROM_PROCESS) else None)
