@@ -14,7 +14,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 from test_segment_large_image import _corrupt_tile, _geotiff, _image, tiny, tool  # noqa: F401
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
@@ -39,7 +38,8 @@ def _polygons(path):
     meta, _, geometry, fields = pyogrio.raw.read(path)
     classes = fields[list(meta['fields']).index('class_id')]
     shapes = shapely.from_wkb(geometry)
-    return {int(c): shapely.union_all(shapes[classes == c]) for c in np.unique(classes)}, meta['crs']
+    unions = {int(c): shapely.union_all(shapes[classes == c]) for c in np.unique(classes)}
+    return unions, meta['crs']
 
 
 def test_three_ranks_write_what_one_process_writes(tool, tiny, tmp_path):  # noqa: F811
@@ -51,7 +51,8 @@ def test_three_ranks_write_what_one_process_writes(tool, tiny, tmp_path):  # noq
     scene = _geotiff(tmp_path / 'scene.tif', _image())
     outputs = dict(one={}, three={})
     for name, outs in outputs.items():
-        outs.update(labels=str(tmp_path / f'{name}.tif'), confidence=str(tmp_path / f'{name}_c.tif'),
+        outs.update(labels=str(tmp_path / f'{name}.tif'),
+                    confidence=str(tmp_path / f'{name}_c.tif'),
                     polygons=str(tmp_path / f'{name}.gpkg'))
     args = lambda outs: [config, checkpoint, scene, '--out', outs['labels'],  # noqa: E731
                          '--confidence', outs['confidence'], '--vector', outs['polygons']]
@@ -111,8 +112,8 @@ def _scenes(folder, count=4, corrupt=2):
     return str(folder)
 
 
-def test_many_scenes_go_on_past_a_bad_one_and_a_rerun_skips_the_written(tool, tiny, tmp_path,  # noqa: F811,E501
-                                                                          capsys):
+def test_many_scenes_go_on_past_a_bad_one_and_a_rerun_skips_the_written(
+        tool, tiny, tmp_path, capsys):  # noqa: F811
     """A folder of 4 scenes, one corrupt: 3 label files named after their scenes, each placed by
     GDAL over its scene; a summary naming the bad file and exit status 1. The same scenes as a
     pattern again: the 3 skipped, the bad one failing again."""

@@ -129,10 +129,10 @@ def _column_runs(mask: np.ndarray, x0: int, y0: int, H: int) -> Tuple[np.ndarray
 
 
 def _rle(starts: np.ndarray, ends: np.ndarray, image_hw: Sequence[int]) -> dict:
-    """COCO's compressed RLE (counts as bytes) of the whole image's mask whose True runs are ``starts``..``ends``
-    (column-major indices, in order): counts alternate zeros and ones, starting with a run of
-    zeros (maybe empty); a run reaching a column's last row and one starting the next column's
-    first row are one run."""
+    """COCO's compressed RLE (counts as bytes) of the whole image's mask whose True runs are
+    ``starts``..``ends`` (column-major indices, in order): counts alternate zeros and ones,
+    starting with a run of zeros (maybe empty); a run reaching a column's last row and one
+    starting the next column's first row are one run."""
     import pycocotools.mask as mask_utils
     H, W = (int(v) for v in image_hw)
     if len(starts) > 1:

@@ -35,7 +35,7 @@ from ..utils.ckpt_load import refuse_headless_load
 from ..utils.memory_budget import (MB, MemoryModel, MemoryPlanMixin, Plan, calibrate,
                                    measure_peak_growth_mb, read_budget_mb, release_free_heap)
 from . import tiled_inference as tiling
-from .box_masks import box_mask_rle, paste_in_box
+from .box_masks import box_mask_rle
 
 # The stream's bands of rows (MB) when test_cfg.band_mb gives none (band_mb is read by the stream
 # alone, as the segmentor's): the segmentor's CPU default; the bands' work is counted as this many
@@ -330,7 +330,7 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         """The instances of an image larger than memory, a row of cores at a time (each object
         once): ``InstanceData`` with ``bboxes`` (x1, y1, x2, y2 in the
         image's pixels), ``scores``, ``labels`` and ``mask_logits`` (N, side, side), the mask
-        head's logits of each one's class over its box (:func:`paste_in_box` makes the mask).
+        head's logits of each one's class over its box (``box_masks.paste_in_box`` makes the mask).
 
         ``read_rows(a, b)``: rows a..b-1 as mmcv reads them ((b - a, W, C), BGR), preprocessed
         here as the model's data preprocessor would. ``valid_rows(a, b)``: which of them hold data
