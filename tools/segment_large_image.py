@@ -9,6 +9,8 @@ memory: the image is read by windows of rows, the XCiT segmentor streams it
         [--include-nodata-tokens] [--cfg-options KEY=VALUE ...]
     python tools/segment_large_image.py DETECTOR_CONFIG CHECKPOINT IMAGE \\
         --out INSTANCES.{gpkg,fgb,geojson,json} [--score-thr T] [input and memory options]
+    python tools/segment_large_image.py CONFIG CHECKPOINT 'tiles/*.tif' --out LABELS_DIR [...]
+    torchrun --nproc-per-node N tools/segment_large_image.py ... --launcher pytorch
 
 IMAGE: any raster GDAL reads (GeoTIFF, BigTIFF, COG, JPEG2000, a VRT mosaic, PNG / JPEG with a
 world file, ...), or an OME-TIFF or slide TIFF (level 0, through tifffile), read by windows of
@@ -29,6 +31,11 @@ With a detector's config (a LeanMaskRCNN: the config's model type decides), the 
 streams its instances (``LeanMaskRCNN.stream_instances``) into --out: polygons of the instances'
 masks (fields class_id, class_name, score) in the input's CRS for .gpkg, .fgb or .geojson, or
 COCO results (RLE masks, pixel coordinates) for .json; see docs/large_image_tool.md, Detectors.
+
+Many scenes (several files, a folder or a pattern) go into output folders, one file per scene
+named after it, those already written skipped. Under a launcher (torchrun, srun) the processes
+stream one scene together, each a slab of its rows, the first writing the outputs, or share many
+scenes out; see docs/large_image_tool.md and docs/sharded_stream.md.
 """
 import argparse
 import copy
