@@ -99,11 +99,11 @@ class BackboneLevels:
 
 
 def top_down_sums(levels: BackboneLevels, lateral_convs, fpn_convs, add: Callable,
-                  upper: Tensor, outs: list, bottom: int, last_conv: int) -> Tensor:
+                  upper: Tensor, outs: list, last_conv: int) -> Tensor:
     """The top-down pass of an FPN (mmdet's, mmseg's, UPerHead's) below level ``len(outs) - 1``'s
     lateral sum ``upper``: each level's lateral ``add``-ed to the sum above, whose FPN conv
-    (up to level ``last_conv``) then runs and frees it. Returns level ``bottom``'s sum."""
-    for i in range(len(outs) - 2, bottom - 1, -1):
+    (up to level ``last_conv``) then runs and frees it. Returns level 0's sum."""
+    for i in range(len(outs) - 2, -1, -1):
         lat = add(lateral_convs[i](levels.pop(i)), upper)
         if i + 1 <= last_conv:  # the level above has given its top-down term
             outs[i + 1] = fpn_convs[i + 1](upper)
@@ -119,7 +119,7 @@ def fpn_in_data_flow_order(backbone, neck, inputs: Tensor) -> List[Tensor]:
     outs = [None] * n
     top = top_down_sums(levels, neck.lateral_convs, neck.fpn_convs,
                         lambda lat, up: add_top_down_(lat, up, neck.upsample_cfg),
-                        neck.lateral_convs[n - 1](levels.pop(n - 1)), outs, 0, n - 1)
+                        neck.lateral_convs[n - 1](levels.pop(n - 1)), outs, n - 1)
     # level 0's lateral sum; level 1's went before this largest conv
     outs[0] = neck.fpn_convs[0](top)
     return outs
@@ -169,7 +169,7 @@ def uper_head_in_data_flow_order(backbone, head, inputs: Tensor) -> Tensor:
     outs[n - 1] = head.psp_forward([levels.pop(n - 1)])  # laterals[n - 1]
     bottom = top_down_sums(levels, head.lateral_convs, head.fpn_convs,
                            lambda lat, upper: add_as_stock(lat, up(upper, lat.shape[2:])),
-                           outs[n - 1], outs, 0, n - 2)
+                           outs[n - 1], outs, n - 2)
     outs[0] = head.fpn_convs[0](bottom)
     del bottom
     size = outs[0].shape[2:]
