@@ -326,22 +326,22 @@ def run_many(args, cfg, scenes, task) -> None:
     rank, world_size = getattr(args, 'rank', 0), getattr(args, 'world_size', 1)
     models = []  # built for the first scene that runs
 
-    def scene_args(scene: str):
+    def scene_args(scene: str, sharded: bool):
         name = scene_name(scene)
         one = copy.copy(args)
-        one.image, one.launcher, one.many = scene, 'none', False
+        one.image, one.many = scene, False
+        one.launcher = args.launcher if sharded else 'none'
         one.out = osp.join(folders['--out'], name + ('.gpkg' if detector else '.tif'))
         one.confidence = args.confidence and osp.join(folders['--confidence'], name + '.tif')
         one.vector = args.vector and osp.join(folders['--vector'], name + '.gpkg')
         return one
 
     def run_scene(scene: str, sharded: bool = False) -> SceneResult:
-        one = scene_args(scene)
+        one = scene_args(scene, sharded)
         if all(osp.exists(path) for path in _outputs(one).values()):
             return SceneResult(scene, 'skipped')
         if not models:
             models.append((_build_detector if detector else _build_segmentor)(cfg, args))
-        one.launcher = args.launcher if sharded else 'none'
         began = time.time()
         try:
             height, width = task(one, cfg, models[0])
@@ -360,10 +360,7 @@ def run_many(args, cfg, scenes, task) -> None:
     bar = tqdm(mine, desc=f'scenes{where}', unit='scene', disable=None, file=sys.stderr)
     results = [run_scene(scene) for scene in bar]
     if world_size > 1:
-        import torch.distributed as dist
-        everyone = [None] * world_size
-        dist.all_gather_object(everyone, results)
-        results = [result for part in everyone for result in part]
+        results = [result for part in _gathered(results) for result in part]
     deferred = [r.scene for r in results if r.status == 'deferred']
     results = [r for r in results if r.status != 'deferred']
     results += [run_scene(scene, sharded=True) for scene in deferred]
@@ -430,20 +427,20 @@ def segment(args, cfg, model=None):
         num_classes = model.decode_head.num_classes
         class_names = _dataset_meta(model, cfg, 'classes', num_classes)
         valid_rows = read_rows.valid_rows
-        shard_kwargs, slabs = {}, None
+        stream_kwargs = dict(max_memory=budget, token_dir=args.token_dir,
+                             confidence=args.confidence is not None, valid_rows=valid_rows,
+                             mask_xca=not args.include_nodata_tokens)
+        slabs = None
         if args.launcher != 'none':
             from xcit_mm.apis.large_image.slabs import SlabFiles
             from xcit_mm.models.inference.sharding import Shard
-            shard_kwargs['shard'] = shard = Shard()
+            stream_kwargs['shard'] = shard = Shard()
             slabs = SlabFiles(args.out, shard.rank, shard.world_size, width, num_classes,
                               args.confidence is not None)
             if shard.rank > 0:  # a slab of labels for the first rank, which writes the outputs
                 try:
                     with torch.no_grad():
-                        _keep_slab(model.stream_labels(
-                            read_rows, hw, max_memory=budget, token_dir=args.token_dir,
-                            confidence=args.confidence is not None, valid_rows=valid_rows,
-                            mask_xca=not args.include_nodata_tokens, shard=shard), slabs)
+                        _keep_slab(model.stream_labels(read_rows, hw, **stream_kwargs), slabs)
                 except BaseException:
                     slabs.remove()
                     raise
@@ -461,13 +458,7 @@ def segment(args, cfg, model=None):
                     crs=source.crs, transform=source.transform,
                     min_area=args.min_area or 0.0, simplify=args.simplify or 0.0, height=height)
             with torch.no_grad():
-                stream = model.stream_labels(read_rows, hw, max_memory=budget,
-                                             token_dir=args.token_dir,
-                                             progress=progress,
-                                             confidence=args.confidence is not None,
-                                             valid_rows=valid_rows,
-                                             mask_xca=not args.include_nodata_tokens,
-                                             **shard_kwargs)
+                stream = model.stream_labels(read_rows, hw, progress=progress, **stream_kwargs)
                 if slabs is not None:
                     stream = _with_other_slabs(stream, slabs)
                 write_label_rasters(
@@ -498,12 +489,11 @@ def segment(args, cfg, model=None):
     return hw
 
 
-def _gathered_rows(rows):
-    """Every rank's kept pixel rows, in rank order, once each rank has kept its own (a
-    collective: it also waits for the slowest rank)."""
+def _gathered(value) -> list:
+    """Every rank's ``value``, in rank order (a collective: it waits for the slowest rank)."""
     import torch.distributed as dist
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, tuple(rows))
+    dist.all_gather_object(everyone, value)
     return everyone
 
 
@@ -513,7 +503,7 @@ def _keep_slab(stream, slabs) -> None:
         slabs.keep(stream)
     finally:
         stream.close()
-    _gathered_rows(slabs.kept_rows())
+    _gathered(slabs.kept_rows())  # told once every rank has kept its own
 
 
 def _with_other_slabs(stream, slabs):
@@ -528,7 +518,7 @@ def _with_other_slabs(stream, slabs):
             yield band
     finally:
         stream.close()
-    yield from slabs.bands(_gathered_rows((0, 0) if first is None else (first, stop)))
+    yield from slabs.bands(_gathered((0, 0) if first is None else (first, stop)))
 
 
 def _detector_meta(model, cfg, num_classes: int):

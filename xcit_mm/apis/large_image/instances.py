@@ -34,6 +34,7 @@ import numpy as np
 from .errors import LargeImageError, check_output, sync_to_disk
 from .polygons import (VECTOR_DRIVERS, append_features, copy_layer, queued_columns,
                        raise_if_full, remove_vector_files)
+from .writer import as_numpy
 
 # Output formats by file extension: GDAL's OGR driver, or COCO's results JSON.
 INSTANCE_FORMATS = dict(VECTOR_DRIVERS, **{'.json': 'COCO'})
@@ -123,12 +124,12 @@ class InstanceWriter:
         """Write one piece of the stream (any number of instances, each written once)."""
         if self._closed:
             raise RuntimeError('InstanceWriter.add after close')
-        scores = _numpy(instances.scores).astype(np.float64)
+        scores = as_numpy(instances.scores).astype(np.float64)
         keep = np.flatnonzero(scores >= self.score_thr)
         if not len(keep):
             return
-        bboxes = _numpy(instances.bboxes).astype(np.float64)[keep]
-        labels = _numpy(instances.labels).astype(np.int64)[keep]
+        bboxes = as_numpy(instances.bboxes).astype(np.float64)[keep]
+        labels = as_numpy(instances.labels).astype(np.int64)[keep]
         if len(labels) and (labels.min() < 0 or labels.max() >= len(self.class_names)):
             raise ValueError(f'class ids {labels.min()} to {labels.max()}, but '
                              f'{len(self.class_names)} class names')
@@ -278,10 +279,6 @@ class InstanceWriter:
             self.close()
         else:
             self.abort()
-
-
-def _numpy(values) -> np.ndarray:
-    return values.detach().cpu().numpy() if hasattr(values, 'detach') else np.asarray(values)
 
 
 def _outline(mask: np.ndarray, x0: int, y0: int):

@@ -16,6 +16,8 @@ from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 
+from .writer import as_numpy
+
 # The rows read back at once from a rank's file: about this many bytes of labels.
 READ_BACK_BYTES = 16 << 20
 
@@ -55,7 +57,7 @@ class SlabFiles:
                 first = start if first is None else first
                 stop = end
                 for f, (_, dtype), rows in zip(files, self._kinds(), band[2:]):
-                    f.write(np.ascontiguousarray(_numpy(rows), dtype).tobytes())
+                    f.write(np.ascontiguousarray(as_numpy(rows), dtype).tobytes())
             for f in files:
                 f.flush()
                 os.fsync(f.fileno())
@@ -106,7 +108,3 @@ class SlabFiles:
             for kind, _ in self._kinds():
                 if osp.lexists(self.path(rank, kind)):
                     os.remove(self.path(rank, kind))
-
-
-def _numpy(values) -> np.ndarray:
-    return values.numpy() if hasattr(values, 'numpy') else np.asarray(values)

@@ -28,11 +28,11 @@ def _checked_bands(bands: Iterable[tuple], hw: Tuple[int, int], with_confidence:
         start, stop, labels, *rest = band
         if start != y or not start < stop <= height:
             raise RuntimeError(f'label bands out of order: rows [{start}, {stop}) after row {y}')
-        labels = _numpy(labels)
+        labels = as_numpy(labels)
         if labels.shape != (stop - start, width):
             raise RuntimeError(f'label band [{start}, {stop}) has shape {labels.shape}, '
                                f'expected {(stop - start, width)}')
-        confidence = _numpy(rest[0]) if rest else None
+        confidence = as_numpy(rest[0]) if rest else None
         if with_confidence != (confidence is not None):
             raise RuntimeError(
                 f'label band [{start}, {stop}) has {len(band)} items; expected '
@@ -48,8 +48,10 @@ def _checked_bands(bands: Iterable[tuple], hw: Tuple[int, int], with_confidence:
         raise RuntimeError(f'the label bands stopped at row {y} of {height}')
 
 
-def _numpy(rows) -> np.ndarray:
-    return rows.numpy() if hasattr(rows, 'numpy') else np.asarray(rows)
+def as_numpy(values) -> np.ndarray:
+    """A tensor (on any device) or an array-like as a numpy array: the stream's bands are
+    tensors, a caller's may be arrays."""
+    return values.detach().cpu().numpy() if hasattr(values, 'detach') else np.asarray(values)
 
 
 @dataclass
