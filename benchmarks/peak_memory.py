@@ -30,7 +30,7 @@ TASKS = ('segmentor', 'detector')
 BACKBONES = ('xcit', 'swin', 'vit', 'uper')
 # a series' order; default: the config's test_cfg as it is (the segmentor then chooses its plan
 # within the memory the process may use); bands: report only (REPORT_ONLY)
-PATHS = ('bands', 'lean', 'stream', 'stream-disk', 'stock', 'auto', 'default')
+PATHS = ('bands', 'lean', 'stream', 'stream-disk', 'tiles', 'stock', 'auto', 'default')
 # paths whose rows the artifacts keep and --report shows, but which no longer run: both models'
 # band paths (band_mb with mode='whole') went into the stream, band_mb now its band size
 REPORT_ONLY = {'bands': "both models' band paths went into the stream (test_cfg.mode='stream', "
@@ -38,7 +38,7 @@ REPORT_ONLY = {'bands': "both models' band paths went into the stream (test_cfg.
                         'docs/results stay as measured, and --report still shows them'}
 STREAMS = {'stream': 'memory', 'stream-disk': 'disk'}  # path: test_cfg.token_maps
 # a path's model.test_cfg (auto: no limit while the warm-up calibrates; a point sets its budget)
-TEST_CFGS = dict(auto=dict(mode='auto', max_memory=10**9), **{
+TEST_CFGS = dict(auto=dict(mode='auto', max_memory=10**9), tiles=dict(mode='tiles'), **{
     path: dict(mode='stream', token_maps=maps) for path, maps in STREAMS.items()})
 PIPELINES = ('full', 'paper', 'network')
 SIZES = (1024, 2048, 4096, 8192)
@@ -51,9 +51,10 @@ CONFIGS = {
     ('detector', 'swin'): 'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_ms-crop-3x_coco.py',
     ('detector', 'vit'): 'configs/benchmark/mask_rcnn_vit_s16_coco.py',
 }
-# the series that have a path beyond lean and stock (bands: none, REPORT_ONLY)
+# the series that have a path beyond lean and stock (bands: none, REPORT_ONLY; tiles: the
+# detector's mode='tiles', the whole network per tile, as the stream's reference for time)
 ONLY = {'auto': {('segmentor', 'xcit'), ('detector', 'xcit')}, 'bands': set(),
-        'default': {('segmentor', 'xcit')},
+        'default': {('segmentor', 'xcit')}, 'tiles': {('detector', 'xcit')},
         **dict.fromkeys(STREAMS, {('segmentor', 'xcit'), ('segmentor', 'uper'),
                                   ('detector', 'xcit')})}
 DOORS = {'segmentor': 'mmseg.apis.inference_model', 'detector': 'mmdet.apis.inference_detector'}
@@ -62,7 +63,7 @@ LABELS = {'xcit': 'XCiT-S12/16', 'swin': 'Swin-T', 'vit': 'ViT-S/16', 'uper': 'U
 # the CSV's columns: those that some row has, and the note
 COLUMNS = ['task', 'backbone', 'path', 'size', 'pipeline', 'device', 'max_memory', 'band_mb',
            'plan', 'detail', 'estimate_mb', 'status', 'peak_growth_mb', 'predict_peak_growth_mb',
-           'max_reserved_mb', 'time_s', 'error_pct', 'digest', 'note']
+           'max_reserved_mb', 'time_s', 'cpu_s', 'error_pct', 'digest', 'note']
 # Mask R-CNN's parts whose peaks --parts reports: label=attribute path.method
 PARTS = [p.partition('=')[::2] for p in (
     'data_preprocessor=data_preprocessor.forward backbone=backbone.forward '
@@ -173,7 +174,9 @@ def measure_point(model, infer, point: dict, spec: dict) -> dict:
         call = hooked(call, before=lambda: setattr(meter, 'base', rss_mb()))
     try:
         with torch.no_grad():
+            cpu_start = time.process_time()  # CPU seconds: comparable on a shared machine
             result, growth, base, seconds = measure(call, device)
+            cpu_seconds = time.process_time() - cpu_start
             row = dict(status='ok', peak_growth_mb=round(max(growth, meter.peak if meter else 0)),
                        base_mb=round(base), type=type(model).__name__,
                        threads=torch.get_num_threads(), **output_digest(task, result))
@@ -192,6 +195,8 @@ def measure_point(model, infer, point: dict, spec: dict) -> dict:
     except Exception as e:  # noqa: BLE001
         return dict(status='error', note=f'{type(e).__name__}: {str(e).strip()[:300]}')
     row['time_s'] = round(sum(times) / len(times), 3)
+    row['cpu_s'] = round(cpu_seconds, 1)  # the first call's, all threads (wall time x threads
+    # on an idle machine; less where other jobs take the cores)
     if len(times) > 1:
         row['times_s'] = [round(t, 3) for t in times]
     if meter:
@@ -447,20 +452,22 @@ def agreement(rows: list) -> str:
 
 
 def per_megapixel(grid: list, series: list) -> list:
-    """A table of time per megapixel, a column per series, and the stream's over the bands'."""
+    """A table of time per megapixel, a column per series, and each stream's over the bands' and
+    the tiles' (the paths it replaces or competes with) where the artifact has them."""
     def rate(row):
         return row['time_s'] / (row['size'] ** 2 / 2**20) if row and row['status'] == 'ok' else None
 
-    pairs = [(b, p) for b, p in series if p in STREAMS and (b, 'bands') in series]
+    pairs = [(b, p, ref) for b, p in series if p in STREAMS
+             for ref in ('bands', 'tiles') if (b, ref) in series]
     rows = []
     for size in sorted({r['size'] for r in grid}):
         at = {(r['backbone'], r['path']): rate(r) for r in grid if r['size'] == size}
-        ratios = [at.get(s) and at.get((s[0], 'bands')) and at[s] / at[(s[0], 'bands')]
-                  for s in pairs]
+        ratios = [at.get((b, p)) and at.get((b, ref)) and at[b, p] / at[b, ref]
+                  for b, p, ref in pairs]
         rows.append([f'{size}²'] + [f'{v:.3g}' if v else ''
                                     for v in [at.get(s) for s in series] + ratios])
     header = (['image'] + [f'{LABELS[b]} {p}' for b, p in series]
-              + [f'{p} / bands' for _, p in pairs])
+              + [f'{p} / {ref}' for _, p, ref in pairs])
     return ['Time per megapixel (s / Mpx, 1 Mpx = 2^20 px):', '', md_table(header, rows), '']
 
 
@@ -468,7 +475,8 @@ def markdown(artifact: dict) -> str:
     """A table per task (a row per size, a column per series), agreement, budgets, the machine."""
     rows, meta = artifact['rows'], artifact.get('meta', {})
     cuda = any('max_reserved_mb' in r for r in rows)
-    paths = (('lean', 'stock') if cuda else ('stock', 'lean', 'bands')) + ('stream', 'stream-disk')
+    paths = (('lean', 'stock') if cuda else ('stock', 'lean', 'bands')) + (
+        'stream', 'stream-disk', 'tiles')
     lines = []
     for task in TASKS:
         grid = [r for r in rows if r['task'] == task and r['path'] != 'auto']
@@ -526,7 +534,8 @@ def plot(artifact: dict, png: str) -> None:
               'stock': dict(linestyle='--', linewidth=1.4),
               'bands': dict(linestyle='-.', linewidth=1.8),
               'stream': dict(linestyle='-', linewidth=1.4, marker='s'),
-              'stream-disk': dict(linestyle=':', linewidth=1.8, marker='D')}
+              'stream-disk': dict(linestyle=':', linewidth=1.8, marker='D'),
+              'tiles': dict(linestyle=(0, (5, 1, 1, 1)), linewidth=1.4, marker='^')}
     tasks = [t for t in TASKS if any(r['task'] == t for r in rows)]
     sizes = sorted({r['size'] for r in rows})
     fig, axes = plt.subplots(len(tasks), 2, figsize=(9, 3.5 * len(tasks) + 0.7), squeeze=False)
@@ -589,7 +598,8 @@ def make_parser() -> argparse.ArgumentParser:
     add('--tasks', nargs='+', choices=TASKS, default=list(TASKS))
     add('--backbones', nargs='+', choices=BACKBONES, default=['xcit', 'swin', 'vit'])
     add('--paths', nargs='+', choices=PATHS, default=['stock', 'lean'],
-        help='auto: XCiT only; bands: report only (went into the stream)')
+        help='auto: XCiT only; tiles: the XCiT detector only; bands: report only (went into '
+             'the stream)')
     add('--sizes', nargs='+', type=int, default=list(SIZES), help='multiples of 32, >= 64')
     add('--skip', nargs='+', default=[], metavar='PATH:SIZE', help='points not to run')
     add('--budgets', nargs='+', default=[], metavar='SIZE:MB[:BAND_MB]', help='auto: max_memory')
@@ -598,7 +608,7 @@ def make_parser() -> argparse.ArgumentParser:
     add('--config', action='append', metavar='TASK:BACKBONE=PATH', help='another config')
     add('--parts', action='store_true', help="Mask R-CNN: the peak of each part too (CPU)")
     add('--mask-format', choices=('bitmap', 'rle'),
-        help="Mask R-CNN's test_cfg.mask_format (stream, stream-disk and auto paths)")
+        help="Mask R-CNN's test_cfg.mask_format (stream, stream-disk, tiles and auto paths)")
     add('--device', default='cpu', help='cpu, cuda or cuda:N')
     add('--warmup', type=int, default=64, help='warm-up image size (px)')
     add('--repeat-below-s', type=float, default=0.0, help='time a shorter call twice (mean)')
@@ -631,9 +641,9 @@ def parse_args(parser, argv):
     if 'auto' in args.paths and not args.budgets:
         parser.error('--paths auto needs --budgets')
     if args.mask_format and (args.tasks != ['detector'] or set(args.paths) - {
-            'stream', 'stream-disk', 'auto'}):
+            'stream', 'stream-disk', 'tiles', 'auto'}):
         parser.error('--mask-format: --tasks detector and --paths among stream, stream-disk, '
-                     'auto (the modes that read test_cfg.mask_format)')
+                     'tiles, auto (the modes that read test_cfg.mask_format)')
     if args.pipeline == 'network' and args.tasks != ['segmentor']:
         parser.error('--pipeline network: --tasks segmentor only')
     try:

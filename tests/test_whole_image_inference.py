@@ -333,7 +333,7 @@ def test_each_path_builds_the_model_the_cpu_page_names():
     """The CPU page's table names each path's model; its bands rows (report only) name the
     ``band_mb`` they were measured with and say that the path went into the stream, which no
     longer takes band_mb with mode='whole'; the stream paths keep their token maps in memory or
-    on disk (``test_cfg.token_maps``)."""
+    on disk (``test_cfg.token_maps``); the detector's tiles path is ``mode='tiles'``."""
     with open(osp.join(ROOT, 'docs', 'benchmark_high_resolution.md')) as f:
         table = {line.split('|')[1].strip(): line.split('|')[2:4] for line in f
                  if line.startswith('| stock / lean |') or line.startswith('| bands |')}
@@ -348,6 +348,10 @@ def test_each_path_builds_the_model_the_cpu_page_names():
         test_cfg = pm.build_cfg(dict(point, task='segmentor', path=path,
                                      config=pm.CONFIGS[('segmentor', 'xcit')])).model.test_cfg
         assert (test_cfg.mode, test_cfg.token_maps) == ('stream', maps)
+    tiles = pm.build_cfg(dict(point, task='detector', path='tiles', mask_format='rle',
+                              config=pm.CONFIGS[('detector', 'xcit')])).model
+    assert (tiles.type, tiles.test_cfg.mode, tiles.test_cfg.mask_format) == (
+        'LeanMaskRCNN', 'tiles', 'rle')
 
 
 def _artifact(tmp_path) -> str:
@@ -495,10 +499,11 @@ def test_script_runs_a_point_in_a_fresh_process_and_writes_the_artifact(script_r
     with open(out_dir / 'run.csv') as f:
         (row,) = list(csv.DictReader(f))
     assert list(row) == ['task', 'backbone', 'path', 'size', 'status', 'peak_growth_mb',
-                         'time_s', 'digest', 'note']
+                         'time_s', 'cpu_s', 'digest', 'note']
     assert (row['task'], row['backbone'], row['path'], row['size'], row['status']) == \
         ('segmentor', 'xcit', 'lean', '64', 'ok')
     assert int(row['peak_growth_mb']) > 0 and len(row['digest']) == 16
+    assert 0 < float(row['cpu_s']) < 10 * float(row['time_s']) + 1  # the call's CPU seconds
     with open(out_dir / 'run.json') as f:
         artifact = json.load(f)
     (row,) = artifact['rows']
