@@ -163,6 +163,37 @@ def test_a_cores_rois_read_the_scenes_features_through_its_window(lean, core):
     assert torch.allclose(got.mask_logits, masks[torch.arange(len(got)), got.labels], atol=1e-4)
 
 
+@pytest.mark.parametrize('core', [c for c in CORES if c[0][0] >= 128])
+def test_a_moved_windows_rois_read_the_scenes_features_over_the_whole_width(lean, core):
+    """A window moved down the scene (its top 64 or 128 px below the scene's), and RoIs inside
+    its rows reaching sideways far past the core and the margin, some across the whole scene:
+    the RoI heads of the core, shifted by the window's top, against stock on the whole maps."""
+    image, meta = _image(), _meta(HW, HW, HW)
+    _stream(lean, tile_size=64, feature_margin=64)
+    head = lean.roi_head
+    head.test_cfg.score_thr = 0.0  # every class of every RoI
+    (y0, y1), (x0, x1) = core
+    with torch.no_grad():
+        feats = lean._lean_extract_feat(image)
+        window = FeatureWindow([TensorRows(f) for f in feats], lean._stream_strides(), 64)
+        window.move(*det_stream.window_rows(core[0], 64, HW[0]))
+        assert window.top > 0
+        # inside the rows held, a cell of the coarsest RoI level below the window's top edge
+        top = window.top + 32
+        boxes = torch.tensor([[0., top, HW[1], top + 40], [max(0, x0 - 150), y0, x1 + 150, y1],
+                              [x0, top + 10, HW[1] - 5, HW[0] - 2]])
+        proposals = InstanceData(bboxes=boxes, scores=torch.ones(3))
+        expected = head.predict_bbox(tuple(feats), [meta], [proposals], head.test_cfg)[0]
+        masks = head._mask_forward(tuple(feats), bbox2roi([expected.bboxes]))['mask_preds']
+        got = lean._core_roi(window, core, proposals, meta)
+    _whole(lean)
+    head.test_cfg.score_thr = 0.3
+    assert len(got) == len(expected) >= 3
+    assert torch.equal(got.labels, expected.labels)
+    assert torch.allclose(got.bboxes, expected.bboxes, atol=1e-4)
+    assert torch.allclose(got.mask_logits, masks[torch.arange(len(got)), got.labels], atol=1e-4)
+
+
 def test_one_core_covering_the_image_detects_as_the_whole_image(lean):
     """Through predict: the issue's criterion, the differences being the features' rounding."""
     image, metas = _image(), [_meta(HW, HW, HW)]

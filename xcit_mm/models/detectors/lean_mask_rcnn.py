@@ -372,8 +372,7 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
 
     def _stream_plans(self, image_hw: Sequence[int]) -> List[Plan]:
         """The stream's plans, token maps in memory then on disk (docs/lean_detection.md): the
-        maps, the window of feature rows, a core's RoI feature copies, the bands' work and the
-        RoI heads' fixed part."""
+        maps, the window of feature rows, the bands' work and the RoI heads' fixed part."""
         settings, backbone, neck = self.test_settings, self.backbone, self.neck
         H, W = image_hw
         kept, maps_mb = backbone.token_maps_mb(image_hw)
@@ -383,14 +382,11 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         window_mb = det_stream.window_mb(W, rows, neck.out_channels, strides)
         # moving down, the rows both windows share are copied aside while the new one fills
         overlap_mb = det_stream.window_mb(W, min(H, 2 * margin), neck.out_channels, strides)
-        roi_strides = self.roi_head.bbox_roi_extractor.featmap_strides
-        copies_mb = det_stream.window_mb(min(W, settings.tile_size[1] + 2 * margin), rows,
-                                         neck.out_channels, roi_strides)
         band_mb = settings.band_mb or STREAM_BAND_MB
         num_proposals, num_dets = self._max_boxes()
         roi_mb = (num_proposals * neck.out_channels * 7 * 7 * 4 * 3
                   + num_dets * neck.out_channels * 28 * 28 * 4 * 3) / MB
-        rest = (window_mb + overlap_mb + copies_mb + STREAM_WORK_BANDS * band_mb + roi_mb
+        rest = (window_mb + overlap_mb + STREAM_WORK_BANDS * band_mb + roi_mb
                 + STREAM_SLACK_MB)
         detail = (f'{kept} token maps of {maps_mb / kept:.0f} MB {{}}, windows of {rows} rows: '
                   f'{window_mb:.0f} MB')
@@ -501,21 +497,18 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
 
     def _core_roi(self, window: FeatureWindow, core, proposals: InstanceData,
                   meta: dict) -> InstanceData:
-        """The RoI heads on a core's proposals, reading the window's features from the
-        ``feature_margin`` left of the core to that right of it (and all the rows it holds)."""
+        """The RoI heads on a core's proposals, reading the window's features: all the rows it
+        holds (``feature_margin`` above and below the core) over the scene's whole width, so a
+        box reaching sideways past the core reads the scene's features, not a crop's edge.
+
+        The window's tensors are used as they are: mmcv's CPU RoIAlign reads a map's raw memory
+        as contiguous NCHW, which they are, and its cost is per RoI, not per pixel of the map,
+        so reading the whole width needs no copy and no more time."""
         head = self.roi_head
-        (_, _), (x0, x1) = core
-        # the RoI heads' window: the rows held, the core's columns and the margin each side
-        left = max(0, x0 - self.test_settings.feature_margin)
-        right = min(window.levels[0].width * self._stream_strides()[0],
-                    x1 + self.test_settings.feature_margin)
-        # copies in NCHW: mmcv's CPU RoIAlign reads a map's raw memory as contiguous NCHW
-        feats = tuple(
-            window.crop(level, (0, math.inf), det_stream.cells(
-                left, right, stride, window.levels[level].width)).contiguous()
-            for level, stride in enumerate(head.bbox_roi_extractor.featmap_strides))
+        feats = tuple(window.held[level].contiguous()  # a no-op: each is one tensor already
+                      for level in range(len(head.bbox_roi_extractor.featmap_strides)))
         rois = bbox2roi([proposals.bboxes])
-        shift = rois.new_tensor([0, left, window.top, left, window.top])
+        shift = rois.new_tensor([0, 0, window.top, 0, window.top])
         if rois.shape[0] == 0:
             dets = InstanceData(bboxes=rois.new_zeros((0, 4)), scores=rois.new_zeros((0, )),
                                 labels=rois.new_zeros((0, ), dtype=torch.long))

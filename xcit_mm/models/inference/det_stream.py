@@ -5,8 +5,9 @@ their heads read, and the merge of their detections.
 The XCiT trunk streams over the whole scene (:mod:`.row_stream`), so every feature map is the
 scene's, not a tile's. The scene is cut into *cores*, tiles that do not overlap. Each core's RPN
 proposes from the anchors whose centres lie in it (each anchor belongs to one core), and its RoI
-heads read the scene's feature maps in a window reaching ``margin`` pixels beyond the core, so
-that a box leaving the core is still seen whole, on the features the whole image would give it.
+heads read the scene's feature maps in a window of rows reaching ``margin`` pixels above and below
+the core, over the whole width, so that a box leaving the core is still seen whole, on the
+features the whole image would give it.
 An object near a core's edge may be proposed by the anchors of both cores: the whole image's
 class-wise NMS, applied across the cores (:class:`CoreRowMerge`), keeps it once. Nothing is cut,
 so no fragments need merging.

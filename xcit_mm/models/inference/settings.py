@@ -154,8 +154,9 @@ class DetectorSettings(LeanSettings):
             raise ValueError(
                 f'{owner}: test_cfg.feature_margin must be an int of network-scale pixels, a '
                 f'multiple of {FEATURE_MARGIN_STEP} (the coarsest FPN stride), at least 0: how '
-                'far beyond its tile the RoI heads read the scene\'s features; objects up to twice '
-                f'it are detected as on the whole image, e.g. feature_margin=256; got {margin!r}')
+                'far above and below its tile the RoI heads read the scene\'s features; objects up '
+                f'to twice it tall are detected as on the whole image, e.g. feature_margin=256; '
+                f'got {margin!r}')
         return dict(tile_size=(int(pair[0]), int(pair[1])), tile_overlap=int(overlap),
                     feature_margin=margin, mask_format=_mask_format(cfg, owner),
                     **_token_keys(cfg, owner))
