@@ -50,8 +50,10 @@ def _whole(model):
     return model
 
 
-def _windows_of(model, image, cores, margin):
-    """The window of each row of cores, and the whole forward's levels."""
+def _windows_of(model, image, cores, margin, tallest=False):
+    """The window of each row of cores, and the whole forward's levels; with ``tallest``, each
+    as tall as the tallest (as the stream moves them: one buffer, the shared rows moved in
+    place), else as tall as its cores and margins (the first shorter: a new buffer once)."""
     with torch.no_grad():
         whole = model._lean_extract_feat(image)
         with TokenMaps(torch.device('cpu')) as maps:
@@ -59,15 +61,18 @@ def _windows_of(model, image, cores, margin):
             levels = [model.backbone.level_rows(t, i, HW) for i, t in enumerate(trunk)]
             window = FeatureWindow(fpn_rows(levels, model.neck, 1), model._stream_strides(),
                                    band_mb=0.01)  # bands of one cell row of P6: many bands
-            for rows in det_stream.core_edges(HW[0], cores):
-                window.move(*det_stream.window_rows(rows, margin, HW[0]))
+            edges = det_stream.core_edges(HW[0], cores)
+            rows_tall = max(b - a for a, b in edges) + 2 * margin if tallest else 0
+            for rows in edges:
+                window.move(*det_stream.window_rows(rows, margin, HW[0], rows_tall))
                 yield window, whole
 
 
-@pytest.mark.parametrize('cores, margin', [(64, 64), (128, 0), (1024, 64)])
-def test_each_window_holds_the_whole_images_features_cropped(lean, cores, margin):
+@pytest.mark.parametrize('cores, margin, tallest', [
+    (64, 64, False), (64, 64, True), (128, 0, False), (1024, 64, False)])
+def test_each_window_holds_the_whole_images_features_cropped(lean, cores, margin, tallest):
     moves = 0
-    for window, whole in _windows_of(lean, _image(), cores, margin):
+    for window, whole in _windows_of(lean, _image(), cores, margin, tallest):
         moves += 1
         for level, (held, full) in enumerate(zip(window.held, whole)):
             stride = lean._stream_strides()[level]

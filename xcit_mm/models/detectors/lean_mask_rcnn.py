@@ -377,16 +377,15 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         H, W = image_hw
         kept, maps_mb = backbone.token_maps_mb(image_hw)
         margin = max(settings.feature_margin, det_stream.ALIGN)
-        rows = min(H, settings.tile_size[0] + 2 * margin)
+        tallest = max(b - a for a, b in det_stream.core_edges(H, settings.tile_size[0]))
+        rows = min(H, tallest + 2 * margin)  # every window, moved in one buffer
         strides = self._stream_strides()
         window_mb = det_stream.window_mb(W, rows, neck.out_channels, strides)
-        # moving down, the rows both windows share are copied aside while the new one fills
-        overlap_mb = det_stream.window_mb(W, min(H, 2 * margin), neck.out_channels, strides)
         band_mb = settings.band_mb or STREAM_BAND_MB
         num_proposals, num_dets = self._max_boxes()
         roi_mb = (num_proposals * neck.out_channels * 7 * 7 * 4 * 3
                   + num_dets * neck.out_channels * 28 * 28 * 4 * 3) / MB
-        rest = (window_mb + overlap_mb + STREAM_WORK_BANDS * band_mb + roi_mb
+        rest = (window_mb + STREAM_WORK_BANDS * band_mb + roi_mb
                 + STREAM_SLACK_MB)
         detail = (f'{kept} token maps of {maps_mb / kept:.0f} MB {{}}, windows of {rows} rows: '
                   f'{window_mb:.0f} MB')
@@ -455,10 +454,11 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
             total = len(core_rows) * len(core_cols)
             report(0, total, 'cores')
             merge = det_stream.CoreRowMerge(self.roi_head.test_cfg.nms, settings.feature_margin)
+            # at least a cell of every level above and below: the RPN conv's context
+            margin = max(settings.feature_margin, det_stream.ALIGN)
+            tallest = max(b - a for a, b in core_rows) + 2 * margin
             for i, rows in enumerate(core_rows):
-                # at least a cell of every level above and below: the RPN conv's context
-                window.move(*det_stream.window_rows(
-                    rows, max(settings.feature_margin, det_stream.ALIGN), H))
+                window.move(*det_stream.window_rows(rows, margin, H, tallest))
                 row = []
                 for j, cols in enumerate(core_cols):
                     row.append(self._core_detections(window, (rows, cols), meta))

@@ -14,7 +14,7 @@ so no fragments need merging.
 
 The window holds whole rows of every FPN level (the level maps are made by rows), from
 ``margin`` above a row of cores to ``margin`` below it; moving down to the next row of cores
-keeps the rows both windows share and makes only the new ones."""
+keeps the rows both windows share, moved in place, and makes only the new ones."""
 import math
 from typing import List, Optional, Sequence, Tuple
 
@@ -79,29 +79,29 @@ class CoreRowMerge:
 class FeatureWindow:
     """Rows ``[top, bottom)`` (network pixels) of every level of ``levels`` (row maps of strides
     ``strides``), whole width, held as tensors; :meth:`move` slides it down the scene, making the
-    new rows in bands of about ``band_mb`` of the finest level."""
+    new rows in bands of about ``band_mb`` of the finest level.
+
+    Each level's rows live in one buffer that the window keeps while it moves: the rows two
+    windows share are moved to the buffer's front in place, so the window never holds a second
+    copy of them (the scene's windows after the first are no taller than it, see
+    :func:`window_rows`)."""
 
     def __init__(self, levels: Sequence[RowMap], strides: Sequence[int], band_mb: float):
         self.levels, self.strides, self.band_mb = list(levels), list(strides), band_mb
         self.top = self.bottom = 0
-        self.held: List[Tensor] = [None] * len(self.levels)
+        self.held: List[Tensor] = [None] * len(self.levels)  # views of the buffers, NCHW
+        self.buffers: List[Tensor] = [None] * len(self.levels)  # flat, one per level
         self.first: List[int] = [0] * len(self.levels)  # each level's first row held
 
     def move(self, top: int, bottom: int) -> None:
         """Hold pixel rows ``[top, bottom)`` (``top`` not above the current top): the rows held
         already are kept, the others made band by band, every level's rows of a band together
-        (they share the maps of the top-down path), each written into the window's new tensor as
-        it comes (never a second copy of the window)."""
+        (they share the maps of the top-down path), each written into the window's tensor as
+        it comes."""
         spans = [cells(top, bottom, s, level.height)
                  for s, level in zip(self.strides, self.levels)]
-        kept = []
-        for i, (a, b) in enumerate(spans):  # the rows both windows share, before the old goes
-            old, first = self.held[i], self.first[i]
-            self.held[i] = None
-            keep = old is not None and first <= a < first + old.shape[2]
-            kept.append(old[:, :, a - first:b - first].clone() if keep else None)
-            del old
-        cursors = [a + (0 if part is None else part.shape[2]) for (a, _), part in zip(spans, kept)]
+        kept = [None] * len(self.levels)
+        cursors = [a + self._keep_shared(i, a, b, kept) for i, (a, b) in enumerate(spans)]
         pixel = min(c * s for c, s in zip(cursors, self.strides))
         while True:
             for i, (level, s) in enumerate(zip(self.levels, self.strides)):
@@ -110,8 +110,10 @@ class FeatureWindow:
                 if stop <= cursors[i]:
                     continue
                 rows = level.rows(cursors[i], stop)
-                if self.held[i] is None:  # the window's tensor, filled as the bands come
-                    self.held[i] = rows.new_empty(rows.shape[:2] + (b - a, rows.shape[3]))
+                if self.held[i] is None:  # a new buffer, filled as the bands come
+                    shape = rows.shape[:2] + (b - a, rows.shape[3])
+                    self.buffers[i] = rows.new_empty(math.prod(shape))
+                    self.held[i] = self.buffers[i].view(shape)
                     if kept[i] is not None:
                         self.held[i][:, :, :kept[i].shape[2]] = kept[i]
                         kept[i] = None
@@ -121,11 +123,36 @@ class FeatureWindow:
             if all(c >= b for c, (_, b) in zip(cursors, spans)):
                 break
             pixel += self._band_pixels()
-        for i, part in enumerate(kept):  # a level whose rows were all held already
-            if part is not None:
-                self.held[i] = part
         self.first = [a for a, _ in spans]
         self.top, self.bottom = top, bottom
+
+    def _keep_shared(self, i: int, a: int, b: int, kept: List[Optional[Tensor]]) -> int:
+        """Make level ``i`` ready to hold its cells ``[a, b)`` and return how many of them, from
+        ``a`` on, it holds already. Where they fit the buffer's place for the rows held now, they
+        are moved to its front in place, one (image, channel) plane after another in order: a
+        plane's new place ends before the old place of every later plane (the new window is no
+        taller), so no plane is overwritten before it has moved; each move copies the plane's
+        rows aside first, as its old and new places may overlap. A taller window puts them aside
+        in ``kept`` and gets a new buffer at its first band."""
+        old, first, buffer = self.held[i], self.first[i], self.buffers[i]
+        self.held[i] = None
+        if old is None:
+            return 0
+        held_rows = old.shape[2]
+        keep = min(b, first + held_rows) - a if first <= a < first + held_rows else 0
+        if b - a > held_rows:
+            if keep:
+                kept[i] = old[:, :, a - first:a - first + keep].clone()
+            self.buffers[i] = None
+            return keep
+        planes, width, rows = old.shape[0] * old.shape[1], old.shape[3], b - a
+        for p in range(planes if keep else 0):
+            source = (p * held_rows + a - first) * width
+            buffer[p * rows * width:(p * rows + keep) * width] = \
+                buffer[source:source + keep * width].clone()
+        self.held[i] = buffer[:planes * rows * width].view(old.shape[0], old.shape[1], rows,
+                                                           width)
+        return keep
 
     def _band_pixels(self) -> int:
         """Pixel rows of the next band: :data:`ALIGN` until a band has been made, then as many
@@ -145,13 +172,18 @@ class FeatureWindow:
         return held[:, :, r0 - first:r1 - first, max(0, cols[0]):cols[1]]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.held if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.buffers if t is not None)
 
 
-def window_rows(core_rows: Tuple[int, int], margin: int, height: int) -> Tuple[int, int]:
+def window_rows(core_rows: Tuple[int, int], margin: int, height: int,
+                rows: int = 0) -> Tuple[int, int]:
     """The pixel rows of a window ``margin`` beyond a row of cores (``margin`` a multiple of
-    :data:`ALIGN`, so that the window starts on a cell of every level)."""
-    return max(0, core_rows[0] - margin), min(height, core_rows[1] + margin)
+    :data:`ALIGN`, so that the window starts on a cell of every level), at least ``rows`` tall
+    where the scene allows: the stream asks for the height of its tallest window, so that the
+    first window is as tall as the later ones and :class:`FeatureWindow` moves them all in one
+    buffer."""
+    top = max(0, core_rows[0] - margin)
+    return top, min(height, max(core_rows[1] + margin, top + rows))
 
 
 def window_mb(width: int, rows: int, channels: int, strides: Sequence[int],
