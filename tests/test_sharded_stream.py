@@ -19,11 +19,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from mmengine.config import ConfigDict
+from mmengine.structures import InstanceData
 from mmengine.registry import init_default_scope
 from mmseg.models.data_preprocessor import SegDataPreProcessor
 from mmseg.registry import MODELS
 
 import xcit_mm  # noqa: F401  (registers XCiTBackbone and LeanEncoderDecoder)
+from test_lean_detection import _pair
 from test_lean_segmentation import BACKBONE, SEM_FPN, UPERNET, spread_statistics_and_logits
 from xcit_mm.models.inference.row_stream import (Crop, Local, TensorRows, TokenMaps, materialize,
                                                  module_rows)
@@ -112,6 +114,31 @@ def _labels(model, index, shard=None):
     return out, asked
 
 
+# Mask R-CNN (test_lean_detection's small model): a scene of 3 rows of 64 px cores (the last
+# 72 px), so that 2 ranks run 2 and 1 rows, and 3 ranks one each.
+DETECTOR_HW = (200, 328)
+DETECTOR_CFG = dict(mode='stream', tile_size=64, feature_margin=64, band_mb=BAND_MB)
+
+
+def _detector():
+    """The detector in eval mode, the same on every process (seeded), with clearer winners than
+    its random heads give."""
+    model = _pair()[1]
+    with torch.no_grad():
+        model.rpn_head.rpn_cls.weight.mul_(20)
+        model.roi_head.bbox_head.fc_cls.weight.mul_(20)
+    model.test_cfg.rcnn.score_thr = 0.3
+    model.test_cfg.update(DETECTOR_CFG)
+    return model
+
+
+def _instances(model, shard=None):
+    """``stream_instances`` of a random uint8 scene: one process's merged instances, or a rank's
+    rows of cores (not merged)."""
+    img = np.random.RandomState(5).randint(0, 255, DETECTOR_HW + (3, ), dtype=np.uint8)
+    return list(model.stream_instances(lambda a, b: img[a:b], DETECTOR_HW, shard=shard))
+
+
 def _slab_maps(model, x, shard):
     """This rank's token rows of the last trunk map and its share of the logits' rows, made by
     the sharded trunk and the row maps of the logits (the rows they read worked out as
@@ -159,7 +186,10 @@ def _rank(rank, world, folder):
                 result['maps'] = _slab_maps(model, _inputs(model, _image(index)), shard)
                 result['maps_exchanges'] = list(shard.exchanges)
             results.append(result)
-        torch.save(results, os.path.join(folder, f'rank{rank}_of{world}.pt'))
+        shard = Shard()
+        detector = dict(rows=_instances(_detector(), shard), exchanges=list(shard.exchanges))
+        torch.save(dict(cases=results, detector=detector),
+                   os.path.join(folder, f'rank{rank}_of{world}.pt'))
     finally:
         torch.distributed.destroy_process_group()
 
@@ -185,7 +215,7 @@ def one_process(tmp_path_factory):
                 case['tokens'] = model.backbone.forward_trunk(x)[-1]
                 case['logits'] = model._network_forward(x)
         expected.append(case)
-    return folder, expected
+    return folder, dict(cases=expected, detector=_instances(_detector()))
 
 
 @pytest.mark.parametrize('world', [2, 3])
@@ -197,8 +227,10 @@ def test_ranks_make_what_one_process_makes(world, one_process):
     # importlib import mode gives it a name no other process can import
     import test_sharded_stream
     mp.spawn(test_sharded_stream._rank, args=(world, str(folder)), nprocs=world, join=True)
-    ranks = ([torch.load(folder / f'rank{rank}_of{world}.pt', weights_only=False)
-              for rank in range(world)], expected)
+    loaded = [torch.load(folder / f'rank{rank}_of{world}.pt', weights_only=False)
+              for rank in range(world)]
+    ranks = ([r['cases'] for r in loaded], expected['cases'])
+    check_detections([r['detector'] for r in loaded], expected['detector'])
     check_labels(ranks)
     check_pixel_rows_read(ranks)
     check_trunk_and_logits(ranks)
@@ -214,6 +246,26 @@ def _joined(parts):
         return None, None, None
     return (torch.cat([p[2] for p in parts]), torch.cat([p[3] for p in parts]),
             (rows[0][0], rows[-1][1]))
+
+
+def check_detections(ranks, expected):
+    """Mask R-CNN: each rank ran the rows of cores whose top lies in its slab (every rank some
+    here), and every rank's rows merged in rank order (``merge_core_rows``) are the instances of
+    one process: the same classes, boxes and scores up to float rounding, the same mask logits;
+    the ranks' exchanges are the trunk's (a check, then one per XCA layer)."""
+    model = _detector()
+    rows = [row for rank in ranks for row in rank['rows']]
+    assert all(rank['rows'] for rank in ranks) and len(rows) == 3
+    got = InstanceData.cat(list(model.merge_core_rows(rows)))
+    want = InstanceData.cat(expected)
+    assert len(got) == len(want) > 5
+    assert torch.equal(got.labels, want.labels)
+    assert (got.bboxes - want.bboxes).abs().max() < 1e-3
+    assert (got.scores - want.scores).abs().max() < 1e-4
+    assert (got.mask_logits - want.mask_logits).abs().max() < 1e-3
+    for rank in ranks:
+        assert [what for what, _ in rank['exchanges']] == ['stream check'] + ['XCA sums'] * len(
+            model.backbone.layers)
 
 
 def check_labels(ranks):

@@ -6,7 +6,7 @@ the stream, tiles, ``mode='auto'`` and the keys: ``docs/lean_detection.md``. Tra
 import math
 import tempfile
 from functools import partial
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ from ..inference.row_stream import (LevelByLevelBackbone, NotRowLocal, TensorRow
                                     check_token_folder, conv_halo, why_not_norms)
 from ..inference.scene_input import preprocessed_rows, stage_reporter, valid_pixels
 from ..inference.settings import DetectorSettings, LeanSettingsMixin
+from ..inference.sharding import EMPTY, Shard, SlabRows, trunk_rows_read
 from ..utils.ckpt_load import refuse_headless_load
 from ..utils.memory_budget import (MB, MemoryModel, MemoryPlanMixin, Plan, calibrate,
                                    measure_peak_growth_mb, read_budget_mb, release_free_heap)
@@ -325,8 +326,8 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
     def stream_instances(self, read_rows: Callable[[int, int], 'np.ndarray'],
                          image_hw: Tuple[int, int], max_memory: Optional[float] = None,
                          token_dir: Optional[str] = None, progress: Optional[Callable] = None,
-                         valid_rows: Optional[Callable[[int, int], 'np.ndarray']] = None
-                         ) -> Iterator[InstanceData]:
+                         valid_rows: Optional[Callable[[int, int], 'np.ndarray']] = None,
+                         shard: Optional[Shard] = None) -> Iterator[InstanceData]:
         """The instances of an image larger than memory, a row of cores at a time (each object
         once): ``InstanceData`` with ``bboxes`` (x1, y1, x2, y2 in the
         image's pixels), ``scores``, ``labels`` and ``mask_logits`` (N, side, side), the mask
@@ -338,6 +339,12 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         (MB) the token maps go to ``token_dir`` where memory would not hold them. ``progress``:
         as ``LeanEncoderDecoder.stream_labels``' (stages 'trunk', then 'cores').
 
+        With a ``shard`` (``xcit_mm.models.inference.sharding.Shard``), this process is one rank
+        of the scene's sharded stream (docs/sharded_stream.md): every rank calls this with the
+        same scene, the trunk is shared out as the segmentor's, and each rank yields its rows of
+        cores *not merged* (:meth:`stream_cores`); :meth:`merge_core_rows` over every rank's
+        rows, in rank order, gives what one process yields.
+
         The parts, the budget and the token folder are checked here, before the image is read;
         the work runs as the instances are iterated."""
         name = type(self).__name__
@@ -345,12 +352,19 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         if why is not None:
             raise ValueError(f'{name}.stream_instances: cannot stream: {why}')
         device = next(self.parameters()).device
+        token_rows = None  # a rank's token maps hold its share of the rows
+        if shard is not None:
+            owned = shard.token_rows(-(-image_hw[0] // self.backbone.patch_size))
+            first, stop = self.backbone.streamed_rows(
+                -(-image_hw[0] // self.backbone.patch_size), owned,
+                self._rank_core_rows(shard, image_hw)[1])
+            token_rows = stop - first
         plan = 'stream'  # no budget: the token maps in memory, unless test_cfg says disk
         if max_memory is not None:
             budget = read_budget_mb(dict(max_memory=max_memory), name)
-            plan = self._choose_memory_plan(self._stream_plans(image_hw), budget,
+            plan = self._choose_memory_plan(self._stream_plans(image_hw, token_rows), budget,
                                             f'{name} on {image_hw[0]}x{image_hw[1]} px').name
-        folder = self._token_folder(image_hw, plan, token_dir)
+        folder = self._token_folder(image_hw, plan, token_dir, token_rows)
         read_pixels = partial(preprocessed_rows, self.data_preprocessor, read_rows, device)
         valid = (None if valid_rows is None else
                  partial(valid_pixels, valid_rows, image_hw[1], device))
@@ -362,20 +376,23 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
             was_training = self.training
             self.eval()
             try:
-                for dets in self.stream_cores(read_pixels, image_hw, meta, folder, progress,
-                                              valid):
+                rows = self.stream_cores(read_pixels, image_hw, meta, folder, progress, valid,
+                                         shard)
+                for dets in rows if shard is not None else self.merge_core_rows(rows):
                     yield dets.cpu()
             finally:
                 self.train(was_training)
 
         return instances()
 
-    def _stream_plans(self, image_hw: Sequence[int]) -> List[Plan]:
+    def _stream_plans(self, image_hw: Sequence[int],
+                      token_rows: Optional[int] = None) -> List[Plan]:
         """The stream's plans, token maps in memory then on disk (docs/lean_detection.md): the
-        maps, the window of feature rows, the bands' work and the RoI heads' fixed part."""
+        maps (``token_rows`` rows each, a rank's share; default all), the window of feature
+        rows, the bands' work and the RoI heads' fixed part."""
         settings, backbone, neck = self.test_settings, self.backbone, self.neck
         H, W = image_hw
-        kept, maps_mb = backbone.token_maps_mb(image_hw)
+        kept, maps_mb = backbone.token_maps_mb(image_hw, token_rows)
         margin = max(settings.feature_margin, det_stream.ALIGN)
         tallest = max(b - a for a, b in det_stream.core_edges(H, settings.tile_size[0]))
         rows = min(H, tallest + 2 * margin)  # every window, moved in one buffer
@@ -393,7 +410,8 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
                 Plan('stream-disk', rest, '(' + detail.format('on disk') + ')')]
 
     def _token_folder(self, image_hw: Sequence[int], plan: str,
-                      token_dir: Optional[str] = None) -> Optional[str]:
+                      token_dir: Optional[str] = None,
+                      token_rows: Optional[int] = None) -> Optional[str]:
         """Where the stream's token maps go: None (memory) unless ``test_cfg.token_maps`` is
         'disk' or the plan is the disk one; else ``token_dir``, ``test_cfg.token_dir`` or the
         temporary folder, checked for room and refused on tmpfs (memory the budget does not
@@ -402,7 +420,7 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         if not (plan == 'stream-disk' or settings.token_maps == 'disk'):
             return None
         folder = token_dir or settings.token_dir or tempfile.gettempdir()
-        plans = self._stream_plans(image_hw)
+        plans = self._stream_plans(image_hw, token_rows)
         check_token_folder(folder, (plans[0].estimate_mb - plans[1].estimate_mb) * MB)
         return folder
 
@@ -411,23 +429,27 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         """One preprocessed image (1, C, H, W) by :meth:`stream_cores`, all its detections
         (network coordinates, each with its class's mask logits), best scored first; the token
         maps in ``folder`` if given, else in memory."""
-        dets = InstanceData.cat(list(self.stream_cores(
-            lambda a, b: image[:, :, a:b], tuple(image.shape[2:]), meta, folder)))
+        dets = InstanceData.cat(list(self.merge_core_rows(self.stream_cores(
+            lambda a, b: image[:, :, a:b], tuple(image.shape[2:]), meta, folder))))
         return dets[dets.scores.argsort(descending=True, stable=True)]
 
     @torch.no_grad()
     def stream_cores(self, read_pixels: Callable[[int, int], Tensor], image_hw: Tuple[int, int],
                      meta: dict, folder: Optional[str] = None,
                      progress: Optional[Callable] = None,
-                     valid: Optional[Callable[[int, int], Tensor]] = None
-                     ) -> Iterator[InstanceData]:
+                     valid: Optional[Callable[[int, int], Tensor]] = None,
+                     shard: Optional[Shard] = None) -> Iterator[InstanceData]:
         """The detections of a scene read by ``read_pixels(a, b)`` (preprocessed rows a..b-1 of
-        the network input, (1, C, b - a, W)), one row of cores after another
+        the network input, (1, C, b - a, W)), one row of cores after another, not yet merged
         (docs/lean_detection.md): the trunk streamed over the whole scene into token maps (in
         ``folder`` if given, else in memory), then for each core its proposals, detections and
-        mask logits on the scene's own features, and after each row of cores the detections no
-        later core can duplicate (:class:`~..inference.det_stream.CoreRowMerge`). ``meta``: the
-        image's (``img_shape`` clips the boxes)."""
+        mask logits on the scene's own features. Each row of cores comes as one
+        ``InstanceData`` whose ``next_top`` (metainfo) is the next row's top pixel row (None for
+        the last); :meth:`merge_core_rows` keeps each object once. ``meta``: the image's
+        (``img_shape`` clips the boxes).
+
+        With a ``shard``, the rows of cores whose top lies in this rank's slab, on the trunk
+        sharded as the segmentor's (the rows their windows read made exactly)."""
         settings, backbone, neck = self.test_settings, self.backbone, self.neck
         band_mb = settings.band_mb or STREAM_BAND_MB
         H, W = image_hw
@@ -440,31 +462,82 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
             done[0] += token_rows
             report(done[0], layers * token_rows, 'trunk')
 
-        core_rows = det_stream.core_edges(H, settings.tile_size[0])
+        all_rows, windows = self._core_rows_and_windows(image_hw)
         core_cols = det_stream.core_edges(W, settings.tile_size[1])
+        mine = range(len(all_rows))
+        trunk_kwargs = {} if valid is None else dict(valid_pixels=valid)
+        if shard is not None:
+            mine, read = self._rank_core_rows(shard, image_hw)
+            trunk_kwargs.update(shard=shard, read_rows=read)
         with TokenMaps(next(self.parameters()).device, folder) as maps:
             report(0, layers * token_rows, 'trunk')
             trunk = backbone.stream_trunk(read_pixels, image_hw, maps, band_mb, layer_done,
-                                          **({} if valid is None else dict(valid_pixels=valid)))
+                                          **trunk_kwargs)
             levels = [backbone.level_rows(trunk_map, i, image_hw)
                       for i, trunk_map in enumerate(trunk)]
             window = FeatureWindow(fpn_rows(levels, neck, neck.num_outs - len(levels)),
                                    self._stream_strides(), band_mb)
             del trunk, levels
-            total = len(core_rows) * len(core_cols)
+            total = len(mine) * len(core_cols)
             report(0, total, 'cores')
-            merge = det_stream.CoreRowMerge(self.roi_head.test_cfg.nms, settings.feature_margin)
-            # at least a cell of every level above and below: the RPN conv's context
-            margin = max(settings.feature_margin, det_stream.ALIGN)
-            tallest = max(b - a for a, b in core_rows) + 2 * margin
-            for i, rows in enumerate(core_rows):
-                window.move(*det_stream.window_rows(rows, margin, H, tallest))
+            for done_rows, i in enumerate(mine):
+                window.move(*windows[i])
                 row = []
                 for j, cols in enumerate(core_cols):
-                    row.append(self._core_detections(window, (rows, cols), meta))
-                    report(i * len(core_cols) + j + 1, total, 'cores')
-                next_top = core_rows[i + 1][0] if i + 1 < len(core_rows) else None
-                yield merge.add_row(InstanceData.cat(row), next_top)
+                    row.append(self._core_detections(window, (all_rows[i], cols), meta))
+                    report(done_rows * len(core_cols) + j + 1, total, 'cores')
+                dets = InstanceData.cat(row)
+                dets.set_metainfo(dict(
+                    next_top=all_rows[i + 1][0] if i + 1 < len(all_rows) else None))
+                yield dets
+
+    def merge_core_rows(self, rows: Iterable[InstanceData]) -> Iterator[InstanceData]:
+        """The rows of cores of :meth:`stream_cores`, in the scene's order (from one process, or
+        every rank's in rank order), through the whole image's class-wise NMS across the cores
+        (:class:`~..inference.det_stream.CoreRowMerge`): after each row, the detections no later
+        core can duplicate."""
+        merge = det_stream.CoreRowMerge(self.roi_head.test_cfg.nms,
+                                        self.test_settings.feature_margin)
+        for row in rows:
+            yield merge.add_row(row, row.metainfo['next_top'])
+
+    def _core_rows_and_windows(self, image_hw: Sequence[int]):
+        """The rows of cores (pixel rows (top, bottom)) and the window of each, all as tall as
+        the tallest, with at least a cell of every level above and below each row of cores (the
+        RPN conv's context)."""
+        settings, H = self.test_settings, image_hw[0]
+        core_rows = det_stream.core_edges(H, settings.tile_size[0])
+        margin = max(settings.feature_margin, det_stream.ALIGN)
+        tallest = max(b - a for a, b in core_rows) + 2 * margin
+        return core_rows, [det_stream.window_rows(rows, margin, H, tallest)
+                           for rows in core_rows]
+
+    def _rank_core_rows(self, shard: Shard, image_hw: Sequence[int]):
+        """The rows of cores (indices) that this rank runs: those whose top pixel row lies in
+        its slab, so that the token rows it makes are mostly its own; and the token rows their
+        windows read."""
+        first, stop = shard.slab(image_hw[0], self.backbone.patch_size).pixel_rows
+        core_rows, windows = self._core_rows_and_windows(image_hw)
+        mine = [i for i, (top, _) in enumerate(core_rows) if first <= top < stop]
+        if not mine:
+            return mine, EMPTY
+        return mine, self._window_trunk_rows(image_hw, windows[mine[0]][0], windows[mine[-1]][1])
+
+    def _window_trunk_rows(self, image_hw: Sequence[int], top: int, bottom: int):
+        """The token rows of the trunk maps that every FPN level's rows under pixel rows
+        ``[top, bottom)`` are made from (as the windows there read them), one span."""
+        p = self.backbone.patch_size
+        grid = [-(-side // p) for side in image_hw]
+        placeholders = [SlabRows(*grid) for _ in self.backbone.out_indices]
+        levels = [self.backbone.level_rows(m, i, image_hw) for i, m in enumerate(placeholders)]
+        outs = fpn_rows(levels, self.neck, self.neck.num_outs - len(levels))
+        spans = [trunk_rows_read(level, *det_stream.cells(top, bottom, stride, level.height),
+                                 placeholders)
+                 for level, stride in zip(outs, self._stream_strides())]
+        spans = [span for span in spans if span != EMPTY]
+        if not spans:
+            return EMPTY
+        return min(a for a, _ in spans), max(b for _, b in spans)
 
     def _core_detections(self, window: FeatureWindow, core, meta: dict) -> InstanceData:
         """One core's detections: its anchors' proposals, the RoI heads on the window's features
