@@ -14,6 +14,9 @@ import subprocess
 import sys
 
 import numpy as np
+from test_large_image_instances import _geotiff as _detector_geotiff
+from test_large_image_instances import _scene as _detector_scene
+from test_large_image_instances import tiny as tiny_detector  # noqa: F401
 from test_segment_large_image import _corrupt_tile, _geotiff, _image, tiny, tool  # noqa: F401
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
@@ -78,6 +81,35 @@ def test_three_ranks_write_what_one_process_writes(tool, tiny, tmp_path):  # noq
     assert got_crs == crs and sorted(got) == sorted(expected)
     total = sum(g.area for g in expected.values())
     assert sum(expected[c].symmetric_difference(got[c]).area for c in got) <= 1e-4 * total
+
+
+def test_two_ranks_write_the_instances_one_process_writes(tool, tiny_detector, tmp_path):  # noqa: F811,E501
+    """Mask R-CNN (test_large_image_instances' tiny detector, cores of 128 px on a 200 x 300
+    GeoTIFF with a nodata collar: two rows of cores, one a rank): the first rank merges every
+    rank's rows of cores as one process merges its own and writes the GeoPackage, which holds
+    one process's instances (classes, scores, mask polygons) in the input's CRS; no rank file
+    is left."""
+    import pyogrio
+    import shapely
+    config, checkpoint, _ = tiny_detector
+    scene = _detector_geotiff(tmp_path / 'scene.tif', _detector_scene()[0])
+    one, two = str(tmp_path / 'one.gpkg'), str(tmp_path / 'two.gpkg')
+    assert tool.main([config, checkpoint, scene, '--out', one]) == 0
+    run = _torchrun(2, [config, checkpoint, scene, '--out', two], tmp_path, 29655)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count('written: ') == 1
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith('two')) == ['two.gpkg']
+    (meta, _, want_geometry, want), (got_meta, _, got_geometry, got) = (
+        pyogrio.raw.read(path) for path in (one, two))
+    assert got_meta['crs'] == meta['crs'] == 'EPSG:32633'
+    fields = list(meta['fields'])
+    classes, scores = fields.index('class_id'), fields.index('score')
+    assert len(got[classes]) == len(want[classes]) > 3
+    assert np.array_equal(got[classes], want[classes])
+    assert np.abs(got[scores] - want[scores]).max() < 1e-4
+    want_shapes, got_shapes = shapely.from_wkb(want_geometry), shapely.from_wkb(got_geometry)
+    differ = shapely.area(shapely.symmetric_difference(want_shapes, got_shapes)).sum()
+    assert differ <= 1e-3 * shapely.area(want_shapes).sum()
 
 
 def test_a_failing_rank_stops_the_run_naming_itself_and_leaves_no_output(tiny, tmp_path):  # noqa: F811,E501

@@ -286,10 +286,6 @@ def run(args) -> None:
         scenes = list_scenes(args.image)
     else:
         args.image = args.image[0]
-    if detector and args.launcher != 'none' and not args.many:
-        raise LargeImageError(f'--launcher {args.launcher}: a detector streams a scene in one '
-                              'process (several scenes are shared out to the processes); drop '
-                              '--launcher')
     if not detector and args.score_thr is not None:
         raise LargeImageError(f'--score-thr applies to detectors; {args.config} is a '
                               f'segmentation config ({cfg.model.type}): drop --score-thr')
@@ -349,7 +345,7 @@ def run_many(args, cfg, scenes, task) -> None:
             over_budget = getattr(e, 'over_budget', False)  # found before any work or exchange
             if sharded and not over_budget:
                 raise
-            if world_size > 1 and over_budget and not (sharded or detector):
+            if world_size > 1 and over_budget and not sharded:
                 return SceneResult(scene, 'deferred')
             return SceneResult(scene, 'failed', reason=error_line(e)[len('error: '):])
         return SceneResult(scene, 'written', height * width, time.time() - began)
@@ -609,6 +605,23 @@ def detect(args, cfg, model=None):
         num_classes = model.roi_head.bbox_head.num_classes
         rcnn_cfg = (model.test_cfg or {}).get('rcnn') or {}
         valid_rows = read_rows.valid_rows
+        # the tokens of pixels without data left out of XCA's sums unless asked for; the masks
+        # lose those pixels either way
+        stream_kwargs = dict(max_memory=budget, token_dir=args.token_dir,
+                             valid_rows=None if args.include_nodata_tokens else valid_rows)
+        rows_files = None
+        if args.launcher != 'none':
+            from xcit_mm.apis.large_image.slabs import CoreRowFiles
+            from xcit_mm.models.inference.sharding import Shard
+            stream_kwargs['shard'] = shard = Shard()
+            rows_files = CoreRowFiles(args.out, shard.rank, shard.world_size)
+            if shard.rank > 0:  # its rows of cores for the first rank, which merges and writes
+                try:
+                    _keep_core_rows(model, read_rows, hw, stream_kwargs, rows_files)
+                except BaseException:
+                    rows_files.remove()
+                    raise
+                return hw
         name = f'{osp.basename(args.image)} ({height} x {width})'
         bar = tqdm(desc=name, disable=None, file=sys.stderr)
         progress = _StreamProgress(bar, name, last_step='writing the file')
@@ -620,27 +633,55 @@ def detect(args, cfg, model=None):
                                     mask_threshold=rcnn_cfg.get('mask_thr_binary', 0.5),
                                     valid_rows=valid_rows)
             with torch.no_grad():
-                # the tokens of pixels without data left out of XCA's sums unless asked for;
-                # the masks lose those pixels either way
-                stream = model.stream_instances(
-                    read_rows, hw, max_memory=budget, token_dir=args.token_dir,
-                    progress=progress,
-                    valid_rows=None if args.include_nodata_tokens else valid_rows)
+                stream = model.stream_instances(read_rows, hw, progress=progress,
+                                                **stream_kwargs)
                 try:
-                    for instances in stream:
-                        writer.add(instances)
+                    instances = stream if rows_files is None else model.merge_core_rows(
+                        _with_other_core_rows(stream, rows_files))
+                    for part in instances:
+                        writer.add(part)
                 finally:
                     stream.close()  # its token maps go at once, not when collected
             progress.writing()
             writer.close()
         except MemoryBudgetError as e:  # the model's share of the budget, told as the user's
-            raise LargeImageError(f'{e} (the model\'s share of --max-memory {args.max_memory:g} '
-                                  f'MB: the reader and the writer hold {held_text})') from None
+            error = LargeImageError(f'{e} (the model\'s share of --max-memory '
+                                    f'{args.max_memory:g} MB: the reader and the writer hold '
+                                    f'{held_text})')
+            error.over_budget = True  # (several ranks may stream it together)
+            raise error from None
         finally:
             if writer is not None:
                 writer.abort()  # nothing left to do after a close; the partial file otherwise
+            if rows_files is not None:
+                rows_files.remove()  # read and removed after a success; left by a failure
             bar.close()
     return hw
+
+
+def _keep_core_rows(model, read_rows, hw, stream_kwargs, rows_files) -> None:
+    """A rank after the first: its rows of cores into its file, then how many told."""
+    import torch
+    with torch.no_grad():
+        stream = model.stream_instances(read_rows, hw, **stream_kwargs)
+        try:
+            rows_files.keep(stream)
+        finally:
+            stream.close()
+    _gathered(rows_files.kept_count())  # told once every rank has kept its own
+
+
+def _with_other_core_rows(stream, rows_files):
+    """The first rank's rows of cores as they stream, then, once every rank has kept its own,
+    the other ranks' read back from their files: every row of the scene in order."""
+    count = 0
+    try:
+        for row in stream:
+            count += 1
+            yield row
+    finally:
+        stream.close()
+    yield from rows_files.rows(_gathered(count))
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,6 @@
 # Copyright (c) xcit_mm contributors. All rights reserved.
-"""The labels of a scene streamed by several ranks, handed to the rank that writes the outputs:
-:class:`SlabFiles`.
+"""The labels or instances of a scene streamed by several ranks, handed to the rank that writes
+the outputs: :class:`SlabFiles` (labels), :class:`CoreRowFiles` (a detector's rows of cores).
 
 A sharded stream (``docs/sharded_stream.md``) gives each rank the labels of its own slab of rows.
 The outputs are single files (a COG, whose overviews need every row; polygons merged across row
@@ -9,10 +9,14 @@ streams, then each other rank's, read back from a file that rank wrote beside th
 writer then sees the same bands of rows as in one process, so the outputs are what one process
 writes. The files are raw rows (labels as uint8, or uint16 above 256 classes; the confidence as
 uint8 in a second file), removed once read back or when the run fails.
+
+A detector's ranks hand over their rows of cores before the merge (``LeanMaskRCNN.stream_instances``
+with a shard): the first rank merges every rank's rows in rank order, as one process merges its
+own, so the instances are one process's too.
 """
 import os
 import os.path as osp
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -108,3 +112,65 @@ class SlabFiles:
             for kind, _ in self._kinds():
                 if osp.lexists(self.path(rank, kind)):
                     os.remove(self.path(rank, kind))
+
+
+class CoreRowFiles:
+    """The rows of cores of one detector output (``out``), not yet merged: rank ``rank`` of
+    ``world_size`` writes its rows with :meth:`keep`, the first rank reads the others' back with
+    :meth:`rows`. Each row is its detections' arrays (boxes, scores, classes, mask logits) and
+    the next row's top, saved as ``.npy`` arrays one after another (read without pickle)."""
+
+    FIELDS = ('bboxes', 'scores', 'labels', 'mask_logits')
+
+    def __init__(self, out: str, rank: int, world_size: int):
+        self.out, self.rank, self.world_size = out, rank, world_size
+        self._count: Optional[int] = None
+
+    def path(self, rank: int) -> str:
+        """Rank ``rank``'s file, beside the output (the same disk, removed with the run)."""
+        return f'{self.out}.rank{rank}.cores.partial'
+
+    def keep(self, rows: Iterable) -> None:
+        """Write this rank's rows of cores (``InstanceData`` with the :attr:`FIELDS` and a
+        ``next_top`` in its metainfo), top to bottom."""
+        count = 0
+        with open(self.path(self.rank), 'wb') as f:
+            for row in rows:
+                next_top = row.metainfo['next_top']
+                np.save(f, np.array([-1 if next_top is None else next_top], np.int64))
+                for field in self.FIELDS:
+                    np.save(f, as_numpy(row.get(field)))
+                count += 1
+            f.flush()
+            os.fsync(f.fileno())
+        self._count = count
+
+    def kept_count(self) -> int:
+        """How many rows this rank kept."""
+        if self._count is None:
+            raise RuntimeError('CoreRowFiles.kept_count: keep() has not run')
+        return self._count
+
+    def rows(self, counts: List[int]) -> Iterator:
+        """The rows of every rank after this one, in rank order, read back from their files
+        (``counts``: how many each rank kept, indexed by rank), each file removed once read."""
+        import torch
+        from mmengine.structures import InstanceData
+        for rank in range(self.rank + 1, self.world_size):
+            path = self.path(rank)
+            if not osp.exists(path):
+                raise RuntimeError(f'rank {rank}: its rows of cores {path} are not there')
+            with open(path, 'rb') as f:
+                for _ in range(counts[rank]):
+                    next_top = int(np.load(f, allow_pickle=False)[0])
+                    row = InstanceData(metainfo=dict(next_top=None if next_top < 0 else next_top))
+                    for field in self.FIELDS:
+                        setattr(row, field, torch.from_numpy(np.load(f, allow_pickle=False)))
+                    yield row
+            os.remove(path)
+
+    def remove(self) -> None:
+        """Remove every rank's file still there (a failed or interrupted run)."""
+        for rank in range(self.world_size):
+            if osp.lexists(self.path(rank)):
+                os.remove(self.path(rank))
