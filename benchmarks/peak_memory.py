@@ -594,7 +594,8 @@ def make_parser() -> argparse.ArgumentParser:
     add = p.add_argument
     add('--report', metavar='JSON', help='print the tables of an artifact and draw its plot')
     add('--png', help='where --report draws (default: the JSON path, .png)')
-    add('--also', metavar='JSON', help="--report: draw this artifact's stream rows (ok) too")
+    add('--also', metavar='JSON', nargs='+', default=[],
+        help="--report: draw these artifacts' stream and tiles rows (ok) too")
     add('--tasks', nargs='+', choices=TASKS, default=list(TASKS))
     add('--backbones', nargs='+', choices=BACKBONES, default=['xcit', 'swin', 'vit'])
     add('--paths', nargs='+', choices=PATHS, default=['stock', 'lean'],
@@ -682,10 +683,11 @@ def main(argv=None):
     if args.report:
         try:
             artifact = load_artifact(args.report)
-            also = load_artifact(args.also)['rows'] if args.also else []
+            also = [row for path in args.also for row in load_artifact(path)['rows']]
         except ValueError as e:
             parser.error(str(e))
-        also = [r for r in also if r['path'] in STREAMS and r['status'] == 'ok']
+        also = [r for r in also if (r['path'] in STREAMS or r['path'] == 'tiles')
+                and r['status'] == 'ok']
         plot(dict(artifact, rows=artifact['rows'] + also),
              args.png or osp.splitext(args.report)[0] + '.png')
         print(markdown(artifact), end='')
