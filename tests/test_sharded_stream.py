@@ -4,8 +4,8 @@ processes (gloo), against one process.
 Each world size (2 and 3 ranks) is spawned once; every rank runs the world's cases (2 ranks all
 of them, 3 ranks those whose splits need 3) and Mask R-CNN's stream, saves what it made, and the
 tests compare it with what one process makes of the same image (``stream_labels`` without a
-shard, the whole forward's trunk and logits; one process's instances). Models: Semantic FPN and UperNet, p16 and
-p8, with LayerNorms, layer scales, temperatures and BN statistics randomised. Heights split
+shard, the whole forward's trunk and logits; one process's instances). Models: Semantic FPN and
+UperNet, p16 and p8, with LayerNorms, layer scales, temperatures and BN statistics randomised. Heights split
 unevenly over the ranks, slabs are thinner than the margin, and a rank of one case owns no row.
 The ranks add their sums in another order than one process adds its bands, so values agree up to
 float rounding: measured here below 2e-6 on maps of order 1 (tolerance 1e-4, as
@@ -41,11 +41,12 @@ BAND_MB = 0.02  # many bands in every map
 # column, or None). 13, 25, 3, 2 and 40 token rows: uneven over 2 and 3 ranks; 3 rows give
 # slabs of one row, thinner than the margin; 2 rows leave rank 0 of 3 without one; 40 rows are
 # more than a slab, its margin and the rows its labels read; the collar leaves rank 0 of 3
-# without a valid token, so that its position frame comes from the others'.
+# without a valid token, so that its position frame comes from the others', and UperNet's
+# pooling counts the cells with data across the ranks.
 CASES = [(heads, patch, (200, 96), None) for heads in HEADS for patch in (16, 8)] + [
     ('upernet', 16, (45, 64), None), ('sem_fpn', 16, (32, 64), None),
     ('upernet', 16, (32, 64), None), ('sem_fpn', 16, (640, 48), None),
-    ('sem_fpn', 16, (160, 96), (56, 20))]
+    ('upernet', 16, (160, 96), (56, 20))]
 TALL = 7
 # the cases whose trunk and logits are compared too
 MAPS_CASES = range(4)
@@ -355,7 +356,7 @@ def check_bytes_sent(ranks):
     (6 int64), the valid token rows and columns where there is a mask (float32 of the grid's
     rows and columns), per layer XCA's sums (per head a d x d product and two d-vectors of
     squared norms, float32), and for UperNet the pooled sums (float64, channels x s x s per
-    scale); no row of any map."""
+    scale, and with a mask each bin's count of cells with data); no row of any map."""
     results, expected, indices = ranks
     for index in indices:
         case = expected[index]
@@ -366,10 +367,10 @@ def check_bytes_sent(ranks):
         if collar is not None:
             want.append(('valid token rows and columns', 4 * (-(-H // p) + -(-W // p))))
         want += [('XCA sums', 4 * (h * d * d + 2 * h * d))] * (max(backbone.out_indices) + 1)
-        if heads == 'upernet':
+        if heads == 'upernet':  # with a mask, each bin's count of cells with data too
             ppm = case['model'].decode_head.psp_modules
-            want.append(('pyramid pooling sums', 8 * ppm.in_channels * sum(
-                s * s for s in ppm.pool_scales)))
+            want.append(('pyramid pooling sums', 8 * (ppm.in_channels + (collar is not None))
+                         * sum(s * s for s in ppm.pool_scales)))
         for result in (r[index] for r in results):
             assert result['exchanges'] == want, index
 

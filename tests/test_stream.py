@@ -27,7 +27,8 @@ from test_lean_segmentation import (BACKBONE, SEM_FPN, UPERNET, _meta, _predict,
                                     spread_statistics_and_logits)
 from xcit_mm.models.inference.row_stream import (MB, Combine, Local, Resize, RowMap, TensorRows,
                                                  TokenMaps, materialize, module_rows, stream_rows)
-from xcit_mm.models.inference.seg_stream import labels_rows, logits_rows
+from xcit_mm.models.inference.seg_stream import (PyramidPooling, labels_rows, logits_rows,
+                                                 valid_cells_of)
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 
@@ -524,6 +525,32 @@ def test_a_nodata_collar_leaves_the_labels_of_the_valid_part_alone():
     with pytest.raises(ValueError, match='cannot leave masked tokens out of its attention: pass '
                        'mask_xca=False'):
         model.stream_labels(_never_read, (512, 512), valid_rows=lambda a, b: mask[a:b])
+
+
+def test_the_pyramid_pooling_of_a_scene_with_a_collar_averages_its_cells_with_data():
+    """UperNet's pooling with ``valid_cells`` (as ``stream_labels`` gives it with a mask and
+    ``mask_xca``), over many bands: each pool is the average of the cells with data (torch's
+    adaptive average pool of the masked map over that of the mask), zeros where a bin has none,
+    through the branch's conv as stock runs it. The cells come from the pixels as XCA's tokens
+    do: a cell with any valid pixel holds data."""
+    model = _model(UPERNET)
+    ppm = model.decode_head.psp_modules
+    x = torch.randn(1, ppm.in_channels, 13, 11, generator=torch.Generator().manual_seed(3))
+    pixels = torch.zeros(13 * 32 - 20, 11 * 32 - 5, dtype=torch.bool)  # the last cells partial
+    pixels[5 * 32 - 1:, 4 * 32:] = True  # row 4's last pixel row valid: row 4 holds data
+    valid = valid_cells_of(lambda a, b: pixels[a:b], tuple(pixels.shape), 32)
+    assert valid(0, 13)[4:, 4:].all() and not valid(0, 13)[:4].any()
+    assert not valid(0, 13)[:, :4].any()
+    pooling = PyramidPooling(TensorRows(x), ppm, band_mb=0.001, valid_cells=valid)
+    mask = valid(0, 13)[None, None].float()
+    with torch.no_grad():
+        for i, (scale, branch) in enumerate(zip(ppm.pool_scales, ppm)):
+            count = torch.nn.functional.adaptive_avg_pool2d(mask, scale)
+            mean = torch.nn.functional.adaptive_avg_pool2d(x * mask, scale) / count.clamp(1e-9)
+            if scale == 6:
+                assert (count == 0).any()  # bins of the collar alone: zeros
+            torch.testing.assert_close(pooling.pooled(i), branch[1:](mean * (count > 0)),
+                                       rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize('heads', [SEM_FPN, UPERNET], ids=['sem_fpn', 'upernet'])

@@ -133,9 +133,10 @@ def parse_args(argv=None):
                         '(MAX default 65535)')
     parser.add_argument('--include-nodata-tokens', action='store_true',
                         help='let the tokens of pixels without data (nodata, alpha, mask) into '
-                        "XCA's sums over the whole image, as segmenting the whole image with "
-                        "mmseg's inference_model does. By default they are left out, so that "
-                        'the labels of the data do not depend on the size of a nodata collar. '
+                        "XCA's sums over the whole image (and UperNet's pooling), as segmenting "
+                        "the whole image with mmseg's inference_model does. By default they are "
+                        'left out, so that the labels of the data do not depend on the size of a '
+                        'nodata collar. '
                         'No effect on an image without nodata, alpha or mask')
     parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
                         default='none', help='one scene streamed by several processes (torchrun '

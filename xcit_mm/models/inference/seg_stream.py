@@ -4,7 +4,7 @@ does it (``docs/gigapixel.md``). No map is ever whole: UperNet's pyramid pooling
 band by band, and the full-resolution steps run a chunk of classes at a time into a running
 argmax (and softmax, for a confidence). The checks that a model's parts allow all this, before
 any work, are here too."""
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -41,13 +41,15 @@ def _branch_rows(branch, source: RowMap) -> RowMap:
 
 
 def logits_rows(levels: Sequence[RowMap], neck, head, band_mb: float = POOL_BAND_MB,
-                slab=None) -> RowMap:
+                slab=None, valid_cells: Optional[Callable[[int, int], Tensor]] = None) -> RowMap:
     """The head's logits of the backbone's level maps, by rows: Semantic FPN
     (``FPNHead.forward(FPN.forward(levels))``) or UperNet (its pyramid pooling's pass over the
     coarsest level in bands of ``band_mb``; with a ``slab`` of a sharded stream
-    (``sharding.Slab``), over the slab's rows, the pools then added up across the ranks)."""
+    (``sharding.Slab``), over the slab's rows, the pools then added up across the ranks; with
+    ``valid_cells``, over the coarsest level's cells that hold data only, see
+    :class:`PyramidPooling`)."""
     if type(head) is UPerHead:
-        return _upernet_rows(levels, head, band_mb, slab)
+        return _upernet_rows(levels, head, band_mb, slab, valid_cells)
     outs = fpn_rows(levels, neck)
     output = _branch_rows(head.scale_heads[0], outs[0])
     for i in range(1, len(head.feature_strides)):
@@ -56,12 +58,13 @@ def logits_rows(levels: Sequence[RowMap], neck, head, band_mb: float = POOL_BAND
     return Local(head.cls_seg, output)
 
 
-def _upernet_rows(levels: Sequence[RowMap], head: UPerHead, band_mb: float, slab=None) -> RowMap:
+def _upernet_rows(levels: Sequence[RowMap], head: UPerHead, band_mb: float, slab=None,
+                  valid_cells: Optional[Callable[[int, int], Tensor]] = None) -> RowMap:
     """``UPerHead.forward(levels)`` by rows, its ``psp_forward`` included: the pooled maps of
     :class:`PyramidPooling`, each resized to the coarsest level as rows, concatenated with it
     and the bottleneck conv, all by rows."""
     top = levels[-1]
-    pooling = PyramidPooling(top, head.psp_modules, band_mb, slab)
+    pooling = PyramidPooling(top, head.psp_modules, band_mb, slab, valid_cells)
     psp = [top] + [Resize(pooled, (top.height, top.width), 'bilinear',
                           head.psp_modules.align_corners) for pooled in pooling.maps]
     lateral = [module_rows(conv, level) for conv, level in zip(head.lateral_convs, levels)]
@@ -97,15 +100,22 @@ class PyramidPooling:
     With a ``slab`` (``sharding.Slab``), the pass covers the slab's share of the source's rows
     (``slab.rows_of``: the ranks' shares tile the map) and the sums and counts are added up
     across the ranks (``slab.combine``), so that every rank pools the whole map: the pass then
-    runs on every rank, which :func:`run_poolings` makes sure of before any rank's labels."""
+    runs on every rank, which :func:`run_poolings` makes sure of before any rank's labels.
 
-    def __init__(self, source: RowMap, ppm, band_mb: float, slab=None):
+    With ``valid_cells(a, b)`` (a bool (b - a, width) tensor of the source's rows a..b-1), each
+    pool averages the cells that hold data only, as XCA's sums leave out the tokens without
+    data: a nodata collar then does not pull the pooled context of the data towards what the
+    model makes of empty pixels. A bin without any such cell pools to zeros."""
+
+    def __init__(self, source: RowMap, ppm, band_mb: float, slab=None,
+                 valid_cells: Optional[Callable[[int, int], Tensor]] = None):
         for branch in ppm:
             if not (isinstance(branch, nn.Sequential)
                     and type(branch[0]) is nn.AdaptiveAvgPool2d):
                 raise NotRowLocal(f'{type(ppm).__name__}: a branch that is not an adaptive '
                                   'average pool then modules of the pooled map')
         self.source, self.ppm, self.band_mb, self.slab = source, ppm, band_mb, slab
+        self.valid_cells = valid_cells
         self.pass_rows = (0, source.height) if slab is None else slab.rows_of(source.height)
         self.scales = [_pair(branch[0].output_size) for branch in ppm]
         if any(None in scale for scale in self.scales):
@@ -129,30 +139,64 @@ class PyramidPooling:
         height, width = self.source.height, self.source.width
         rows = [_adaptive_bins(height, s).double() for s, _ in self.scales]
         cols = [_adaptive_bins(width, s) for _, s in self.scales]
-        sums, dtype = [0.] * len(self.scales), None
+        count = len(self.scales)
+        sums, counts, dtype = [0.] * count, [0.] * count, None
         first, stop = self.pass_rows
         source = self.source if (first, stop) == (0, height) else Crop(
             self.source, first, 0, stop - first, width)
         for start, stop, band in measured_bands(source, self.band_mb):
             start, stop, dtype = start + first, stop + first, band.dtype
+            valid = None
+            if self.valid_cells is not None:  # cells without data add nothing, count nothing
+                valid = self.valid_cells(start, stop).to(band)
+                band = band * valid
             for i, (row_bins, col_bins) in enumerate(zip(rows, cols)):
                 # each band row's column-bin sums (float32, as torch's pool adds), then the rows
                 by_columns = torch.matmul(band, col_bins.t().to(band)).double()
-                sums[i] = sums[i] + torch.einsum(
-                    'ir,bcrj->bcij', row_bins[:, start:stop].to(band.device), by_columns)
+                band_bins = row_bins[:, start:stop].to(band.device)
+                sums[i] = sums[i] + torch.einsum('ir,bcrj->bcij', band_bins, by_columns)
+                if valid is not None:
+                    counts[i] = counts[i] + band_bins @ (valid @ col_bins.t().to(band)).double()
             del band
+        device = next(self.ppm.parameters()).device
         if self.slab is not None:  # a rank whose share has no rows adds zeros
-            device = next(self.ppm.parameters()).device
             dtype = dtype or next(self.ppm.parameters()).dtype
-            sums = self.slab.combine([
-                torch.zeros(1, self.ppm.in_channels, *scale, dtype=torch.float64, device=device)
-                if isinstance(total, float) else total
-                for total, scale in zip(sums, self.scales)], 'pyramid pooling sums')
+            zeros = [torch.zeros(1, self.ppm.in_channels, *scale, dtype=torch.float64,
+                                 device=device) for scale in self.scales]
+            sums = [z if isinstance(total, float) else total for z, total in zip(zeros, sums)]
+            if self.valid_cells is not None:
+                sums += [z[0, 0] if isinstance(total, float) else total
+                         for z, total in zip(zeros, counts)]
+            sums = self.slab.combine(sums, 'pyramid pooling sums')
+            sums, counts = sums[:count], sums[count:] or counts
         outs = []
-        for branch, total, row_bins, col_bins in zip(self.ppm, sums, rows, cols):
-            count = row_bins.sum(1)[:, None] * col_bins.double().sum(1)[None]
-            outs.append(branch[1:]((total / count.to(total.device)).to(dtype)))
+        for branch, total, row_bins, col_bins, cells in zip(self.ppm, sums, rows, cols, counts):
+            if self.valid_cells is None:  # every cell of each bin
+                cells = row_bins.sum(1)[:, None] * col_bins.double().sum(1)[None]
+            elif isinstance(cells, float):  # no rows at all
+                cells = torch.zeros(total.shape[2:], dtype=torch.float64)
+            cells = cells.to(total.device)
+            mean = total / cells.clamp(min=1)  # a bin without data: zeros
+            outs.append(branch[1:](mean.to(dtype)))
         return outs
+
+
+def valid_cells_of(valid_pixels: Callable[[int, int], Tensor], image_hw: Sequence[int],
+                   stride: int) -> Callable[[int, int], Tensor]:
+    """``valid_cells(a, b)`` of a map of ``stride`` over the image (cells of stride x stride
+    pixels, as ``ceil(H / stride)`` rows) from ``valid_pixels(start, stop)`` (a bool
+    (stop - start, W) tensor of the image's pixel rows): a cell holds data if any of its pixels
+    does, as a token does for XCA's sums."""
+    H, W = image_hw
+    columns = -(-W // stride)
+
+    def valid_cells(a: int, b: int) -> Tensor:
+        pixels = valid_pixels(a * stride, min(H, b * stride))
+        padded = pixels.new_zeros(((b - a) * stride, columns * stride))
+        padded[:pixels.shape[0], :W] = pixels
+        return padded.view(b - a, stride, columns, stride).any(3).any(1)
+
+    return valid_cells
 
 
 class _Pooled(RowMap):

@@ -31,7 +31,7 @@ from ..inference.row_stream import (Crop, LevelByLevelBackbone, TokenMaps, check
                                     stream_rows, why_not_norms)
 from ..inference.scene_input import preprocessed_rows, stage_reporter, valid_pixels
 from ..inference.seg_stream import (PyramidPooling, labels_rows, logits_rows, run_poolings,
-                                    why_not_by_rows)
+                                    valid_cells_of, why_not_by_rows)
 from ..inference.sharding import Shard, SlabRows, trunk_rows_read
 from ..inference.settings import LeanSettingsMixin, SegmentorSettings
 from ..utils.ckpt_load import refuse_headless_load
@@ -313,8 +313,9 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         ``read_rows(a, b)``: rows a..b-1 as mmcv reads them ((b - a, W, C) uint8, BGR),
         normalised here. ``valid_rows(a, b)``: which of those pixels hold data, a bool (b - a, W)
         array (False: nodata, alpha or mask); with ``mask_xca`` the tokens whose patch holds no
-        valid pixel are left out of XCA's sums over the image, so that the labels of the data do
-        not depend on the size of a nodata collar. The labels of invalid pixels are the model's
+        valid pixel are left out of XCA's sums over the image (and UperNet's pools average the
+        cells with data only), so that the labels of the data do not depend on the size of a
+        nodata collar. The labels of invalid pixels are the model's
         all the same: the caller masks them. Under ``max_memory`` (MB) the token maps may go to
         ``token_dir``. ``progress``: see :func:`stage_reporter`.
 
@@ -407,12 +408,17 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         return folder
 
     def _labels_rows(self, trunk, image_hw, head_hw, crop, out_hw, band_mb: float,
-                     confidence: bool = False, slab=None):
+                     confidence: bool = False, slab=None, valid_pixels=None):
         """The labels (and confidence) of the trunk maps, as rows (one graph for the stream and
-        for working out which trunk rows a slab's labels read)."""
+        for working out which trunk rows a slab's labels read); with ``valid_pixels`` (the
+        trunk's, pixel rows in), UperNet's pooling averages the coarsest level's cells that
+        hold data only."""
         levels = [self.backbone.level_rows(trunk_map, i, image_hw)
                   for i, trunk_map in enumerate(trunk)]
-        logits = logits_rows(levels, getattr(self, 'neck', None), self.decode_head, band_mb, slab)
+        valid_cells = None if valid_pixels is None else valid_cells_of(
+            valid_pixels, image_hw, self.backbone.strides[len(levels) - 1])
+        logits = logits_rows(levels, getattr(self, 'neck', None), self.decode_head, band_mb, slab,
+                             valid_cells)
         return labels_rows(logits, head_hw, crop, out_hw, self.decode_head.align_corners,
                            self.align_corners, self._stream_class_chunk(out_hw[1], band_mb),
                            confidence)
@@ -456,7 +462,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
             trunk = self.backbone.stream_trunk(read_pixels, image_hw, maps, band_mb, layer_done,
                                                **trunk_kwargs)
             labels = self._labels_rows(trunk, image_hw, head_hw, crop, out_hw, band_mb,
-                                       confidence, slab)
+                                       confidence, slab, trunk_kwargs.get('valid_pixels'))
             if slab is not None:  # the slab's rows; every rank joins the poolings' exchanges
                 labels = Crop(labels, first, 0, stop - first, out_hw[1])
             bands = stream_rows(labels, band_mb)
