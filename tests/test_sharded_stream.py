@@ -5,8 +5,9 @@ Each world size (2 and 3 ranks) is spawned once; every rank runs the world's cas
 of them, 3 ranks those whose splits need 3) and Mask R-CNN's stream, saves what it made, and the
 tests compare it with what one process makes of the same image (``stream_labels`` without a
 shard, the whole forward's trunk and logits; one process's instances). Models: Semantic FPN and
-UperNet, p16 and p8, with LayerNorms, layer scales, temperatures and BN statistics randomised. Heights split
-unevenly over the ranks, slabs are thinner than the margin, and a rank of one case owns no row.
+UperNet, p16 and p8, with LayerNorms, layer scales, temperatures and BN statistics randomised.
+Heights split unevenly over the ranks, slabs are thinner than the margin, and a rank of one case
+owns no row.
 The ranks add their sums in another order than one process adds its bands, so values agree up to
 float rounding: measured here below 2e-6 on maps of order 1 (tolerance 1e-4, as
 tests/test_stream.py); the labels are equal on every case.
