@@ -2,8 +2,8 @@
 one fresh process a run.
 
     python benchmarks/large_image_tool.py [--config CONFIG] (--size S | --shape H W) \
-        [--mosaic N] [--vector .gpkg] [--confidence] --budgets none 3000 [--update] \
-        --out docs/results/large_image_tool_goals.json
+        [--mosaic N] [--vector .gpkg] [--confidence] [--score-thr T] --budgets none 3000 \
+        [--update] --out docs/results/large_image_tool_goals.json
 
 The input, made once in ``--work-dir`` and written tile by tile (never whole): an H x W tiled RGB
 BigTIFF, or with ``--mosaic N`` a VRT of N x N tiled GeoTIFFs written by GDAL (through rasterio),
@@ -203,7 +203,7 @@ def point(row: dict) -> tuple:
     size = row.get('size')
     return (row.get('config', osp.basename(CONFIG)), row.get('height', size),
             row.get('width', size), row.get('mosaic'), row.get('vector'),
-            bool(row.get('confidence')), row['max_memory'])
+            bool(row.get('confidence')), row.get('score_thr'), row['max_memory'])
 
 
 def earlier_rows(path: str, again: set, command: str) -> tuple:
@@ -238,6 +238,8 @@ def measure(args, image: str, checkpoint: str, budget, name: str) -> dict:
         cmd += ['--vector', outputs[-1]]
     if budget is not None:
         cmd += ['--max-memory', str(budget)]
+    if args.score_thr is not None:
+        cmd += ['--score-thr', str(args.score_thr)]
     for path in outputs:  # a failed run must not show an earlier run's outputs
         if osp.exists(path):
             os.remove(path)
@@ -261,6 +263,9 @@ def main(argv=None):
     p.add_argument('--vector', default=None, metavar='SUFFIX',
                    help="also the tool's polygons, e.g. .gpkg")
     p.add_argument('--confidence', action='store_true', help="also the tool's confidence")
+    p.add_argument('--score-thr', type=float, default=None, metavar='T',
+                   help="a detector's --score-thr (default: the tool's); random weights score "
+                   'no instance above the default, 0 writes every detection')
     p.add_argument('--budgets', nargs='+', type=budget_mb, default=[None, 3000.0],
                    help="--max-memory of each run ('none': no budget)")
     p.add_argument('--threads', type=int, default=None,
@@ -282,6 +287,8 @@ def main(argv=None):
     checkpoint = osp.join(args.work_dir, osp.splitext(config)[0] + '_random.pth')
     from mmengine.config import Config
     args.detector = Config.fromfile(osp.join(ROOT, args.config)).model.type == 'LeanMaskRCNN'
+    if args.score_thr is not None and not args.detector:
+        p.error('--score-thr: a detector config only (the tool refuses it for segmentation)')
     if not osp.exists(checkpoint):  # the tool takes the config's palette and class names
         import torch
         build = random_detector if args.detector else random_segmentor
@@ -291,12 +298,14 @@ def main(argv=None):
     floor_image = make_input(args.work_dir, FLOOR, FLOOR, args.mosaic)
     options = [f'mosaic{args.mosaic}'] * bool(args.mosaic) + ['confidence'] * args.confidence
     options += [f'vector-{args.vector.lstrip(".")}'] if args.vector else []
+    options += [f'score{args.score_thr:g}'] if args.score_thr is not None else []
     tag = '_'.join([osp.splitext(config)[0]] + options)
     floor = measure(args, floor_image, checkpoint, None, f'labels_{tag}_{FLOOR}')
     if floor['returncode']:
         raise SystemExit(f'the floor run failed: {floor}')
     described = dict(config=config, height=height, width=width, mosaic=args.mosaic,
                      vector=args.vector, confidence=args.confidence,
+                     **({} if args.score_thr is None else dict(score_thr=args.score_thr)),
                      input=(f'VRT of {args.mosaic} x {args.mosaic} GeoTIFFs' if args.mosaic
                             else 'tiled BigTIFF'))
     again = {point(dict(described, max_memory=budget)) for budget in args.budgets}
