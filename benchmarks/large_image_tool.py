@@ -238,8 +238,9 @@ def measure(args, image: str, checkpoint: str, budget, name: str) -> dict:
         cmd += ['--vector', outputs[-1]]
     if budget is not None:
         cmd += ['--max-memory', str(budget)]
-    if args.score_thr is not None:
-        cmd += ['--score-thr', str(args.score_thr)]
+    if args.score_thr is not None:  # the model's own threshold too, else it keeps fewer
+        cmd += ['--score-thr', str(args.score_thr),
+                '--cfg-options', f'model.test_cfg.rcnn.score_thr={args.score_thr}']
     for path in outputs:  # a failed run must not show an earlier run's outputs
         if osp.exists(path):
             os.remove(path)
@@ -264,8 +265,9 @@ def main(argv=None):
                    help="also the tool's polygons, e.g. .gpkg")
     p.add_argument('--confidence', action='store_true', help="also the tool's confidence")
     p.add_argument('--score-thr', type=float, default=None, metavar='T',
-                   help="a detector's --score-thr (default: the tool's); random weights score "
-                   'no instance above the default, 0 writes every detection')
+                   help="a detector's --score-thr and its config's rcnn.score_thr (default: "
+                   "the tool's and the config's); random weights score no instance above the "
+                   'defaults, 0 writes every detection')
     p.add_argument('--budgets', nargs='+', type=budget_mb, default=[None, 3000.0],
                    help="--max-memory of each run ('none': no budget)")
     p.add_argument('--threads', type=int, default=None,
