@@ -437,7 +437,7 @@ def segment(args, cfg, model=None):
             if shard.rank > 0:  # a slab of labels for the first rank, which writes the outputs
                 try:
                     with torch.no_grad():
-                        _keep_slab(model.stream_labels(read_rows, hw, **stream_kwargs), slabs)
+                        _keep_share(model.stream_labels(read_rows, hw, **stream_kwargs), slabs)
                 except BaseException:
                     slabs.remove()
                     raise
@@ -457,7 +457,7 @@ def segment(args, cfg, model=None):
             with torch.no_grad():
                 stream = model.stream_labels(read_rows, hw, progress=progress, **stream_kwargs)
                 if slabs is not None:
-                    stream = _with_other_slabs(stream, slabs)
+                    stream = _with_other_shares(stream, slabs)
                 write_label_rasters(
                     args.out, _feed(stream, polygons, valid_rows, masks, progress), hw, num_classes,
                     palette=_dataset_meta(model, cfg, 'palette', num_classes),
@@ -494,28 +494,28 @@ def _gathered(value) -> list:
     return everyone
 
 
-def _keep_slab(stream, slabs) -> None:
-    """A rank after the first: its slab's bands into its files, then its rows told."""
+def _keep_share(stream, files) -> None:
+    """A rank after the first: its share of the scene (a segmentor's bands, a detector's rows of
+    cores) into its files (``slabs.SlabFiles``, ``slabs.CoreRowFiles``), then what it kept told,
+    once every rank has kept its own."""
     try:
-        slabs.keep(stream)
+        files.keep(stream)
     finally:
         stream.close()
-    _gathered(slabs.kept_rows())  # told once every rank has kept its own
+    _gathered(files.told())
 
 
-def _with_other_slabs(stream, slabs):
-    """The first rank's bands: its own slab's as they stream, then, once every rank has kept
-    its own, the other ranks' read back from their files, so that the writers get every row of
-    the scene in order, as from one process."""
-    first = stop = None
+def _with_other_shares(stream, files):
+    """The first rank's share as it streams, then, once every rank has kept its own, the other
+    ranks' read back from their files, so that the writers get the whole scene in order, as from
+    one process."""
     try:
-        for band in stream:
-            first = band[0] if first is None else first
-            stop = band[1]
-            yield band
+        for item in stream:
+            files.note(item)
+            yield item
     finally:
         stream.close()
-    yield from slabs.bands(_gathered((0, 0) if first is None else (first, stop)))
+    yield from files.others(_gathered(files.told()))
 
 
 def _detector_meta(model, cfg, num_classes: int):
@@ -618,7 +618,9 @@ def detect(args, cfg, model=None):
             rows_files = CoreRowFiles(args.out, shard.rank, shard.world_size)
             if shard.rank > 0:  # its rows of cores for the first rank, which merges and writes
                 try:
-                    _keep_core_rows(model, read_rows, hw, stream_kwargs, rows_files)
+                    with torch.no_grad():
+                        _keep_share(model.stream_instances(read_rows, hw, **stream_kwargs),
+                                    rows_files)
                 except BaseException:
                     rows_files.remove()
                     raise
@@ -638,7 +640,7 @@ def detect(args, cfg, model=None):
                                                 **stream_kwargs)
                 try:
                     instances = stream if rows_files is None else model.merge_core_rows(
-                        _with_other_core_rows(stream, rows_files))
+                        _with_other_shares(stream, rows_files))
                     for part in instances:
                         writer.add(part)
                 finally:
@@ -658,31 +660,6 @@ def detect(args, cfg, model=None):
                 rows_files.remove()  # read and removed after a success; left by a failure
             bar.close()
     return hw
-
-
-def _keep_core_rows(model, read_rows, hw, stream_kwargs, rows_files) -> None:
-    """A rank after the first: its rows of cores into its file, then how many told."""
-    import torch
-    with torch.no_grad():
-        stream = model.stream_instances(read_rows, hw, **stream_kwargs)
-        try:
-            rows_files.keep(stream)
-        finally:
-            stream.close()
-    _gathered(rows_files.kept_count())  # told once every rank has kept its own
-
-
-def _with_other_core_rows(stream, rows_files):
-    """The first rank's rows of cores as they stream, then, once every rank has kept its own,
-    the other ranks' read back from their files: every row of the scene in order."""
-    count = 0
-    try:
-        for row in stream:
-            count += 1
-            yield row
-    finally:
-        stream.close()
-    yield from rows_files.rows(_gathered(count))
 
 
 def main(argv=None) -> int:

@@ -28,9 +28,9 @@ READ_BACK_BYTES = 16 << 20
 
 class SlabFiles:
     """The slab files of one output (``out``): rank ``rank`` of ``world_size`` writes its
-    bands with :meth:`keep`, the first rank reads the others' back with :meth:`bands`. ``rows``:
-    each rank's (first, stop) pixel rows, once every rank has kept its own (the caller gathers
-    them; :meth:`kept_rows` is this rank's)."""
+    bands with :meth:`keep`, the first rank notes its own as they pass (:meth:`note`) and reads
+    the others' back with :meth:`others`, given what every rank :meth:`told` (its (first, stop)
+    pixel rows; the caller gathers them once every rank has kept its own)."""
 
     def __init__(self, out: str, rank: int, world_size: int, width: int, num_classes: int,
                  confidence: bool):
@@ -47,19 +47,25 @@ class SlabFiles:
     def _kinds(self) -> List[Tuple[str, type]]:
         return [('labels', self.dtype)] + [('confidence', np.uint8)] * self.confidence
 
+    def note(self, band) -> None:
+        """One band of this rank's, ``(start, stop, ...)``, each following the one before."""
+        start, end = band[:2]
+        if self._rows is not None and start != self._rows[1]:
+            raise RuntimeError(f'SlabFiles: rank {self.rank} gave rows {start}..{end - 1} after '
+                               f'rows ending at {self._rows[1] - 1}: bands must follow on')
+        self._rows = (start if self._rows is None else self._rows[0], end)
+
+    def told(self) -> Tuple[int, int]:
+        """The pixel rows this rank's bands covered (``(0, 0)``: none)."""
+        return self._rows or (0, 0)
+
     def keep(self, bands) -> None:
         """Write this rank's bands, ``(start, stop, labels[, confidence])`` top to bottom, each
         following the one before, to its files."""
-        first = stop = None
         files = [open(self.path(self.rank, kind), 'wb') for kind, _ in self._kinds()]
         try:
             for band in bands:
-                start, end = band[:2]
-                if stop is not None and start != stop:
-                    raise RuntimeError(f'SlabFiles: rank {self.rank} gave rows {start}..{end - 1} '
-                                       f'after rows ending at {stop - 1}: bands must follow on')
-                first = start if first is None else first
-                stop = end
+                self.note(band)
                 for f, (_, dtype), rows in zip(files, self._kinds(), band[2:]):
                     f.write(np.ascontiguousarray(as_numpy(rows), dtype).tobytes())
             for f in files:
@@ -68,15 +74,8 @@ class SlabFiles:
         finally:
             for f in files:
                 f.close()
-        self._rows = (0, 0) if first is None else (first, stop)
 
-    def kept_rows(self) -> Tuple[int, int]:
-        """The pixel rows this rank kept (``(0, 0)``: none)."""
-        if self._rows is None:
-            raise RuntimeError('SlabFiles.kept_rows: keep() has not run')
-        return self._rows
-
-    def bands(self, rows: List[Tuple[int, int]]) -> Iterator[tuple]:
+    def others(self, rows: List[Tuple[int, int]]) -> Iterator[tuple]:
         """The bands of every rank after this one, in rank order, read back from their files
         (``rows``: every rank's kept rows, indexed by rank), each file removed once read."""
         kinds = self._kinds()
@@ -115,16 +114,16 @@ class SlabFiles:
 
 
 class CoreRowFiles:
-    """The rows of cores of one detector output (``out``), not yet merged: rank ``rank`` of
-    ``world_size`` writes its rows with :meth:`keep`, the first rank reads the others' back with
-    :meth:`rows`. Each row is its detections' arrays (boxes, scores, classes, mask logits) and
+    """The rows of cores of one detector output (``out``), not yet merged, handed over as
+    :class:`SlabFiles` hands bands over (:meth:`keep`, :meth:`note`, :meth:`told`: how many rows,
+    :meth:`others`). Each row is its detections' arrays (boxes, scores, classes, mask logits) and
     the next row's top, saved as ``.npy`` arrays one after another (read without pickle)."""
 
     FIELDS = ('bboxes', 'scores', 'labels', 'mask_logits')
 
     def __init__(self, out: str, rank: int, world_size: int):
         self.out, self.rank, self.world_size = out, rank, world_size
-        self._count: Optional[int] = None
+        self._count = 0
 
     def path(self, rank: int) -> str:
         """Rank ``rank``'s file, beside the output (the same disk, removed with the run)."""
@@ -133,25 +132,25 @@ class CoreRowFiles:
     def keep(self, rows: Iterable) -> None:
         """Write this rank's rows of cores (``InstanceData`` with the :attr:`FIELDS` and a
         ``next_top`` in its metainfo), top to bottom."""
-        count = 0
         with open(self.path(self.rank), 'wb') as f:
             for row in rows:
+                self.note(row)
                 next_top = row.metainfo['next_top']
                 np.save(f, np.array([-1 if next_top is None else next_top], np.int64))
                 for field in self.FIELDS:
                     np.save(f, as_numpy(row.get(field)))
-                count += 1
             f.flush()
             os.fsync(f.fileno())
-        self._count = count
 
-    def kept_count(self) -> int:
-        """How many rows this rank kept."""
-        if self._count is None:
-            raise RuntimeError('CoreRowFiles.kept_count: keep() has not run')
+    def note(self, row) -> None:
+        """One row of cores of this rank's."""
+        self._count += 1
+
+    def told(self) -> int:
+        """How many rows of cores this rank gave."""
         return self._count
 
-    def rows(self, counts: List[int]) -> Iterator:
+    def others(self, counts: List[int]) -> Iterator:
         """The rows of every rank after this one, in rank order, read back from their files
         (``counts``: how many each rank kept, indexed by rank), each file removed once read."""
         import torch
