@@ -1,8 +1,8 @@
 # Copyright (c) xcit_mm contributors. All rights reserved.
 """tools/segment_large_image.py over several processes (``--launcher pytorch`` under torchrun,
-gloo on the CPU): the ranks stream slabs of one scene and the first writes the outputs, which a
-GIS user opens as one raster and one layer, the same as one process writes. A rank that fails
-stops the run with one line naming it and leaves no output.
+``--launcher slurm`` under srun; gloo on the CPU): the ranks stream slabs of one scene and the
+first writes the outputs, which a GIS user opens as one raster and one layer, the same as one
+process writes. A rank that fails stops the run with one line naming it and leaves no output.
 
 The model and the GeoTIFFs are test_segment_large_image's (a small XCiT Semantic FPN, random
 weights; files written by GDAL through rasterio). The expected outputs are the tool's own in one
@@ -32,6 +32,28 @@ def _torchrun(ranks: int, args, tmp_path, port: int):
          '--master-addr', '127.0.0.1', '--master-port', str(port), TOOL] + list(args)
         + ['--launcher', 'pytorch'], cwd=tmp_path, env=env, capture_output=True, text=True,
         timeout=600)
+
+
+def _srun(ranks: int, args, tmp_path, port: int):
+    """The tool as ``srun --ntasks N python tools/segment_large_image.py ... --launcher slurm``
+    runs it, with test_reliability's stand-ins for srun and scontrol (no cluster here): each
+    task gets slurm's variables, and the tool takes its rank, the world size and the master's
+    address from them, as mmengine's slurm launcher does."""
+    from test_reliability import _FAKE_SCONTROL, _FAKE_SRUN
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (('srun', _FAKE_SRUN.format(python=sys.executable)),
+                       ('scontrol', _FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = dict(os.environ, OMP_NUM_THREADS='1', MKL_NUM_THREADS='1', MASTER_PORT=str(port),
+               PATH=f'{bin_dir}:{os.environ["PATH"]}', FAKE_SRUN_RECORD=str(tmp_path / 'srun.json'),
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]))
+    for key in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR'):
+        env.pop(key, None)
+    return subprocess.run(['srun', '--ntasks', str(ranks), sys.executable, TOOL] + list(args)
+                          + ['--launcher', 'slurm'], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
 
 
 def _polygons(path):
@@ -83,19 +105,19 @@ def test_three_ranks_write_what_one_process_writes(tool, tiny, tmp_path):  # noq
     assert sum(expected[c].symmetric_difference(got[c]).area for c in got) <= 1e-4 * total
 
 
-def test_two_ranks_write_the_instances_one_process_writes(tool, tiny_detector, tmp_path):  # noqa: F811,E501
+def test_two_slurm_tasks_write_the_instances_one_process_writes(tool, tiny_detector, tmp_path):  # noqa: F811,E501
     """Mask R-CNN (test_large_image_instances' tiny detector, cores of 128 px on a 200 x 300
-    GeoTIFF with a nodata collar: two rows of cores, one a rank): the first rank merges every
-    rank's rows of cores as one process merges its own and writes the GeoPackage, which holds
-    one process's instances (classes, scores, mask polygons) in the input's CRS; no rank file
-    is left."""
+    GeoTIFF with a nodata collar: two rows of cores, one a rank), under srun (``--launcher
+    slurm``; the segmentor's runs above use torchrun): the first rank merges every rank's rows
+    of cores as one process merges its own and writes the GeoPackage, which holds one process's
+    instances (classes, scores, mask polygons) in the input's CRS; no rank file is left."""
     import pyogrio
     import shapely
     config, checkpoint, _ = tiny_detector
     scene = _detector_geotiff(tmp_path / 'scene.tif', _detector_scene()[0])
     one, two = str(tmp_path / 'one.gpkg'), str(tmp_path / 'two.gpkg')
     assert tool.main([config, checkpoint, scene, '--out', one]) == 0
-    run = _torchrun(2, [config, checkpoint, scene, '--out', two], tmp_path, 29655)
+    run = _srun(2, [config, checkpoint, scene, '--out', two], tmp_path, 29655)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count('written: ') == 1
     assert sorted(f for f in os.listdir(tmp_path) if f.startswith('two')) == ['two.gpkg']
