@@ -451,11 +451,13 @@ def agreement(rows: list) -> str:
     return '. '.join(texts) + '.' if texts else ''
 
 
-def per_megapixel(grid: list, series: list) -> list:
-    """A table of time per megapixel, a column per series, and each stream's over the bands' and
-    the tiles' (the paths it replaces or competes with) where the artifact has them."""
+def per_megapixel(grid: list, series: list, key: str = 'time_s') -> list:
+    """A table of ``key`` (a call's seconds: wall ``time_s``, or ``cpu_s``) per megapixel, a
+    column per series, and each stream's over the bands' and the tiles' (the paths it replaces or
+    competes with) where the artifact has them."""
     def rate(row):
-        return row['time_s'] / (row['size'] ** 2 / 2**20) if row and row['status'] == 'ok' else None
+        ok = row and row['status'] == 'ok' and row.get(key) is not None
+        return row[key] / (row['size'] ** 2 / 2**20) if ok else None
 
     pairs = [(b, p, ref) for b, p in series if p in STREAMS
              for ref in ('bands', 'tiles') if (b, ref) in series]
@@ -468,7 +470,8 @@ def per_megapixel(grid: list, series: list) -> list:
                                     for v in [at.get(s) for s in series] + ratios])
     header = (['image'] + [f'{LABELS[b]} {p}' for b, p in series]
               + [f'{p} / {ref}' for _, p, ref in pairs])
-    return ['Time per megapixel (s / Mpx, 1 Mpx = 2^20 px):', '', md_table(header, rows), '']
+    what = 'Time' if key == 'time_s' else 'CPU seconds (all threads; fairer on a shared machine)'
+    return [f'{what} per megapixel (s / Mpx, 1 Mpx = 2^20 px):', '', md_table(header, rows), '']
 
 
 def markdown(artifact: dict) -> str:
@@ -497,6 +500,8 @@ def markdown(artifact: dict) -> str:
         lines += ['', text, ''] if text else ['']
         if not any(r['path'] == 'stock' for r in grid):  # the stream's artifacts
             lines += per_megapixel(grid, series)
+            if all(r.get('cpu_s') is not None for r in grid if r['status'] == 'ok'):
+                lines += per_megapixel(grid, series, 'cpu_s')
     budget = [r for r in rows if r['path'] == 'auto']
     if budget:
         tasks = len({r['task'] for r in budget}) > 1  # which model, where both are there
