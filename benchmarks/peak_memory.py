@@ -585,10 +585,14 @@ def plot(artifact: dict, png: str) -> None:
         handles.append(Line2D([], [], color='black', marker='v', linestyle='none',
                               label="mode='auto': peak (v) under max_memory (-)"))
     fig.legend(handles=handles, loc='lower center', ncol=4, fontsize=8, frameon=False)
+    threads = {r.get('threads') for r in rows if r.get('threads')} or {meta.get('threads', '?')}
     fig.suptitle('Whole-image inference at full resolution, '
                  + (info.get('device_name') if cuda else meta.get('cpu', 'CPU'))
-                 + ('' if cuda else f", {meta.get('threads', '?')} threads"), fontsize=11)
-    fig.tight_layout(rect=(0, 0.8 / fig.get_figheight(), 1, 0.97))
+                 + ('' if cuda else f", {meta.get('threads', '?')} threads"
+                    + (f"\n(rows of {' and '.join(map(str, sorted(threads)))} threads: times "
+                       'not comparable across them)' if len(threads) > 1 else '')),
+                 fontsize=11)
+    fig.tight_layout(rect=(0, 0.8 / fig.get_figheight(), 1, 0.97 if len(threads) < 2 else 0.95))
     fig.savefig(png, dpi=100)
     plt.close(fig)
 
