@@ -12,9 +12,10 @@ from ..utils.memory_budget import MemoryModel, read_budget_mb, read_memory_model
 # object (network pixels) still seen whole in some tile.
 DEFAULT_TILE_SIZE = (1024, 1024)
 DEFAULT_TILE_OVERLAP = 256
-# How far (network pixels) beyond its core the stream's RoI heads read the scene's features: an
-# object whose box reaches at most this far beyond the core gets the whole image's features (any
-# object up to twice it, from the core holding its centre); a multiple of the coarsest FPN
+# How far (network pixels) above and below its core the stream's RoI heads read the scene's
+# features (sideways they read the whole width): an object whose box reaches at most this far
+# above or below the core gets the whole image's features (any object up to twice it tall, from
+# the core holding its centre); a multiple of the coarsest FPN
 # stride, so that windows start on a whole cell of every level. The window of feature rows grows
 # with it (cores of 1024 rows and 256 each side: 1536 rows, all levels, the image's width).
 DEFAULT_FEATURE_MARGIN = 256
