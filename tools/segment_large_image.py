@@ -435,12 +435,7 @@ def segment(args, cfg, model=None):
             slabs = SlabFiles(args.out, shard.rank, shard.world_size, width, num_classes,
                               args.confidence is not None)
             if shard.rank > 0:  # a slab of labels for the first rank, which writes the outputs
-                try:
-                    with torch.no_grad():
-                        _keep_share(model.stream_labels(read_rows, hw, **stream_kwargs), slabs)
-                except BaseException:
-                    slabs.remove()
-                    raise
+                _keep_share(lambda: model.stream_labels(read_rows, hw, **stream_kwargs), slabs)
                 return hw
         masks = {}  # the current band's pixels without data, for the writer and the polygons
         rasters = [p for p in (args.out, args.confidence) if p is not None]
@@ -494,14 +489,21 @@ def _gathered(value) -> list:
     return everyone
 
 
-def _keep_share(stream, files) -> None:
-    """A rank after the first: its share of the scene (a segmentor's bands, a detector's rows of
-    cores) into its files (``slabs.SlabFiles``, ``slabs.CoreRowFiles``), then what it kept told,
-    once every rank has kept its own."""
+def _keep_share(make_stream, files) -> None:
+    """A rank after the first: its share of the scene (``make_stream()``: a segmentor's bands, a
+    detector's rows of cores) into its files (``slabs.SlabFiles``, ``slabs.CoreRowFiles``), then
+    what it kept told, once every rank has kept its own; the files removed if it fails."""
+    import torch
     try:
-        files.keep(stream)
-    finally:
-        stream.close()
+        with torch.no_grad():
+            stream = make_stream()
+            try:
+                files.keep(stream)
+            finally:
+                stream.close()
+    except BaseException:
+        files.remove()
+        raise
     _gathered(files.told())
 
 
@@ -617,13 +619,8 @@ def detect(args, cfg, model=None):
             stream_kwargs['shard'] = shard = Shard()
             rows_files = CoreRowFiles(args.out, shard.rank, shard.world_size)
             if shard.rank > 0:  # its rows of cores for the first rank, which merges and writes
-                try:
-                    with torch.no_grad():
-                        _keep_share(model.stream_instances(read_rows, hw, **stream_kwargs),
-                                    rows_files)
-                except BaseException:
-                    rows_files.remove()
-                    raise
+                _keep_share(lambda: model.stream_instances(read_rows, hw, **stream_kwargs),
+                            rows_files)
                 return hw
         name = f'{osp.basename(args.image)} ({height} x {width})'
         bar = tqdm(desc=name, disable=None, file=sys.stderr)

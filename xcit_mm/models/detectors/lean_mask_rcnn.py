@@ -354,10 +354,9 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         device = next(self.parameters()).device
         token_rows = None  # a rank's token maps hold its share of the rows
         if shard is not None:
-            owned = shard.token_rows(-(-image_hw[0] // self.backbone.patch_size))
-            first, stop = self.backbone.streamed_rows(
-                -(-image_hw[0] // self.backbone.patch_size), owned,
-                self._rank_core_rows(shard, image_hw)[1])
+            slab = shard.slab(image_hw[0], self.backbone.patch_size)
+            first, stop = self.backbone.streamed_rows(slab.grid_rows, (slab.first, slab.stop),
+                                                      self._rank_core_rows(shard, image_hw)[1])
             token_rows = stop - first
         plan = 'stream'  # no budget: the token maps in memory, unless test_cfg says disk
         if max_memory is not None:
@@ -393,9 +392,7 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         settings, backbone, neck = self.test_settings, self.backbone, self.neck
         H, W = image_hw
         kept, maps_mb = backbone.token_maps_mb(image_hw, token_rows)
-        margin = max(settings.feature_margin, det_stream.ALIGN)
-        tallest = max(b - a for a, b in det_stream.core_edges(H, settings.tile_size[0]))
-        rows = min(H, tallest + 2 * margin)  # every window, moved in one buffer
+        rows = max(b - a for a, b in self._core_rows_and_windows(image_hw)[1])  # one buffer
         strides = self._stream_strides()
         window_mb = det_stream.window_mb(W, rows, neck.out_channels, strides)
         band_mb = settings.band_mb or STREAM_BAND_MB

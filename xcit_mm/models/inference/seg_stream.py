@@ -158,8 +158,8 @@ class PyramidPooling:
                 if valid is not None:
                     counts[i] = counts[i] + band_bins @ (valid @ col_bins.t().to(band)).double()
             del band
-        device = next(self.ppm.parameters()).device
         if self.slab is not None:  # a rank whose share has no rows adds zeros
+            device = next(self.ppm.parameters()).device
             dtype = dtype or next(self.ppm.parameters()).dtype
             zeros = [torch.zeros(1, self.ppm.in_channels, *scale, dtype=torch.float64,
                                  device=device) for scale in self.scales]
@@ -173,8 +173,6 @@ class PyramidPooling:
         for branch, total, row_bins, col_bins, cells in zip(self.ppm, sums, rows, cols, counts):
             if self.valid_cells is None:  # every cell of each bin
                 cells = row_bins.sum(1)[:, None] * col_bins.double().sum(1)[None]
-            elif isinstance(cells, float):  # no rows at all
-                cells = torch.zeros(total.shape[2:], dtype=torch.float64)
             cells = cells.to(total.device)
             mean = total / cells.clamp(min=1)  # a bin without data: zeros
             outs.append(branch[1:](mean.to(dtype)))
