@@ -8,8 +8,9 @@
 Each variant is the config's own test (``Runner.test``) with ``model.test_cfg`` updated: whole,
 the stream with cores of each ``--stream SIZE:MARGIN`` (``feature_margin``; ``--band-mb`` its
 bands of rows), tiles of each ``--tiles SIZE:OVERLAP`` (network pixels). ``--figure PNG``: the
-first test image with each variant's masks. (The bands variant, band_mb with the whole path, went
-into the stream with the path itself.)
+first test image with each variant's masks. ``--larger-than PX``: box and mask AP again over the
+objects whose box is wider or taller than PX (the tile), the others made ignore regions. (The
+bands variant, band_mb with the whole path, went into the stream with the path itself.)
 """
 import argparse
 import json
@@ -56,6 +57,39 @@ def stream(value: str) -> tuple:
     return int(size), int(margin)
 
 
+def larger_objects_ap(ann_file: str, result_prefix: str, size: int) -> dict:
+    """Box and mask AP over the objects whose box is wider or taller than ``size`` px.
+
+    pycocotools' ``COCOeval`` on the test's own detections (CocoMetric's result files), with every
+    other object made an ignore region (``iscrowd``), as COCO treats crowds: a detection that
+    matches one of them counts neither as right nor as wrong, so the AP is that of the large
+    objects alone.
+    """
+    from mmdet.datasets.api_wrappers import COCO, COCOeval
+    with open(ann_file) as f:
+        dataset = json.load(f)
+    larger = 0
+    for ann in dataset['annotations']:
+        if max(ann['bbox'][2:]) > size:
+            larger += 1
+        else:
+            ann['iscrowd'] = 1
+    if not larger:
+        raise SystemExit(f'--larger-than {size}: no object of {ann_file} is larger than that')
+    truth = COCO()
+    truth.dataset = dataset
+    truth.createIndex()
+    row = {f'larger_{size}/objects': larger}
+    for kind in ('bbox', 'segm'):
+        evaluation = COCOeval(truth, truth.loadRes(f'{result_prefix}.{kind}.json'), kind)
+        evaluation.evaluate()
+        evaluation.accumulate()
+        evaluation.summarize()
+        row[f'larger_{size}/{kind}_mAP'] = round(float(evaluation.stats[0]), 4)
+        row[f'larger_{size}/{kind}_mAP_50'] = round(float(evaluation.stats[1]), 4)
+    return row
+
+
 def draw_figure(path: str, image_path: str, masks: dict) -> None:
     """The image, then each variant's masks over it (one colour an instance)."""
     import matplotlib
@@ -90,9 +124,13 @@ def main(argv=None):
                         help='SIZE:OVERLAP of each tiles variant (network pixels)')
     parser.add_argument('--stream', nargs='*', type=stream, default=[],
                         help='SIZE:MARGIN of each stream variant (cores, feature_margin)')
+    parser.add_argument('--larger-than', type=int, metavar='PX',
+                        help='also AP over the objects whose box is wider or taller than PX')
     parser.add_argument('--figure', help='PNG: the first test image with each variant\'s masks')
     parser.add_argument('--out', help='artifact path without extension (.json, .csv)')
     args = parser.parse_args(argv)
+    if args.larger_than is not None and args.larger_than <= 0:
+        parser.error(f'--larger-than must be a positive size in pixels, got {args.larger_than}')
     if args.band_mb is not None and not args.stream:
         parser.error("--band-mb sets the stream's bands (band_mb is read by mode='stream' "
                      'alone): give --stream SIZE:MARGIN too')
@@ -104,10 +142,12 @@ def main(argv=None):
     rows = []
     with tempfile.TemporaryDirectory() as work_dir:
         figure = {}
-        for name, update in variants(args.band_mb, args.tiles, args.stream):
+        for index, (name, update) in enumerate(variants(args.band_mb, args.tiles, args.stream)):
             start = time.perf_counter()
             cfg = Config.fromfile(args.config)  # the config's own test, test_cfg updated
             cfg.model.test_cfg.update(update)
+            result_prefix = osp.join(work_dir, f'variant{index}')
+            cfg.test_evaluator.outfile_prefix = result_prefix  # kept for --larger-than
             cfg.update(load_from=args.checkpoint, work_dir=work_dir, resume=False)
             runner = Runner.from_cfg(cfg)
             metrics = runner.test()
@@ -121,13 +161,17 @@ def main(argv=None):
             row = dict(variant=name, test_cfg=json.dumps(update),
                        time_s=round(time.perf_counter() - start, 1),
                        **{k: round(float(v), 4) for k, v in metrics.items()})
+            if args.larger_than:
+                row.update(larger_objects_ap(cfg.test_evaluator.ann_file, result_prefix,
+                                             args.larger_than))
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.figure:
         draw_figure(args.figure, image_path, figure)
     if args.out:
         write_artifact(args.out, dict(run_metadata(), config=args.config,
-                                      checkpoint=args.checkpoint), rows, COLUMNS)
+                                      checkpoint=args.checkpoint), rows,
+                       COLUMNS + [k for k in rows[0] if k.startswith('larger_')])
 
 
 if __name__ == '__main__':
