@@ -274,6 +274,39 @@ def test_default_runs_whole_bit_identical_measuring_nothing_per_size(available_m
     assert 'MemAvailable in ' in chosen[0] and f'within {10**5} MB' in chosen[0], chosen[0]
 
 
+def test_default_runs_small_images_whole_without_calibrating(available_mb, log_lines,
+                                                             monkeypatch):
+    """The default (no max_memory, no memory_model) runs a batch of no more pixels than the
+    calibration's largest forward whole without calibrating (stock's labels, nothing measured,
+    logged as not calibrated), unless the post-processing counted from its shapes passes the
+    memory available; a larger batch calibrates, once."""
+    from xcit_mm.models.segmentors import lean_encoder_decoder as module
+    calls, calibrate = [], module.calibrate
+    monkeypatch.setattr(module, 'calibrate',
+                        lambda *args, **kwargs: calls.append(args[1]) or calibrate(*args, **kwargs))
+    monkeypatch.setattr(module, 'CALIBRATION_SIZES', ((32, 32), (48, 48), (64, 64)))
+    monkeypatch.setattr(module, 'CALIBRATION_PIXELS', 64 * 64)
+    available_mb(10**5)
+    stock, lean = _pair(SEM_FPN, keep_seg_logits=True)
+    default = _without_mode(lean, keep_seg_logits=True)
+    torch.manual_seed(8)
+    small = torch.randn(1, 3, 48, 80)  # 3840 px
+    metas = [_meta((48, 80), (96, 160))]
+    _assert_same(_predict(stock, small, metas), _predict(default, small, metas))
+    assert default.last_memory_plan.name == 'whole' and calls == []
+    assert default.calibrated_memory_model is None
+    assert any('whole, not calibrated' in m for m in log_lines), log_lines
+    post_mb = default._post_bound_mb(small, _samples(metas))
+    needed = module.INPUT_BYTES * small.numel() / module.MB + module.MARGIN * post_mb
+    assert default._whole_without_calibrating(small, _samples(metas), needed)
+    assert not default._whole_without_calibrating(small, _samples(metas), needed - 0.01)
+    larger = torch.randn(1, 3, 64, 80)  # 5120 px
+    for _ in range(2):
+        _predict(default, larger, [_meta((64, 80), (64, 80))])
+    assert calls == [module.CALIBRATION_SIZES]
+    assert not default._whole_without_calibrating(small, _samples(metas), 10**5)  # line known
+
+
 def test_default_streams_when_little_memory_is_available(available_mb, log_lines):
     """The default where whole does not fit the memory available: the stream (labels as stock's
     whole up to float rounding), logged once with the estimates and where the budget came from."""

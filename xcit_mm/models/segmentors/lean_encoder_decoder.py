@@ -49,6 +49,7 @@ MIN_STREAM_BAND_MB = 32
 # Square sizes at which the network's peak is measured (mode='auto'): cheap, and spread enough
 # that a size whose peak sits off the line moves the fitted slope little.
 CALIBRATION_SIZES = ((256, 256), (512, 512), (896, 896))
+CALIBRATION_PIXELS = max(h * w for h, w in CALIBRATION_SIZES)
 # The longer side (and half of it) at which the post-processing is measured: far below any budget.
 POST_CALIBRATION_SIDE = 384
 MARGIN = 1.05  # both lines are extrapolated far beyond the sizes measured
@@ -675,8 +676,11 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         """``mode='auto'``'s plan within ``max_memory``, else within the memory the process may
         use (read at each call: it moves). Whole where ``_whole_bound_mb`` fits, which measures
         nothing per image size (a test set of many sizes pays only the first call's calibration);
-        else the first of ``memory_plans`` that fits. Nothing to plan within (neither a setting
-        nor a readable limit): whole, as before the choice, with a warning."""
+        else the first of ``memory_plans`` that fits. Without ``max_memory``, a batch no larger
+        than the calibration's own forwards runs whole before any calibration
+        (``_whole_without_calibrating``), so an ordinary image pays nothing for the planning.
+        Nothing to plan within (neither a setting nor a readable limit): whole, as before the
+        choice, with a warning."""
         settings = self.test_settings
         B, _, H, W = inputs.shape
         what = f'{type(self).__name__} on {B} x {H}x{W} px'
@@ -691,13 +695,22 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                     level=logging.WARNING)
                 return Plan('whole', math.inf, '(no budget)')
             budget, source = found
+        within = (f'max_memory={budget:.0f} MB' if source is None else
+                  f'{budget:.0f} MB, the memory this process may use ({source}; '
+                  'test_cfg.max_memory sets a budget)')
+        if source is not None and self._whole_without_calibrating(inputs, data_samples, budget):
+            self._log_decision(
+                ('whole unmeasured', source),
+                f'{what}: whole, not calibrated: no larger than the largest forward a calibration '
+                f'runs ({CALIBRATION_PIXELS} px), with the post-processing counted from its '
+                f'shapes, within {within}')
+            self.last_memory_plan = Plan('whole', math.nan, f'({H}x{W} px, not calibrated)')
+            self.last_memory_plans, self._last_budget = (self.last_memory_plan, ), None
+            return self.last_memory_plan
         bound = self._whole_bound_mb(inputs, data_samples)
         if bound > budget:
             return self._choose_memory_plan(
                 self.memory_plans(inputs, data_samples, budget_mb=budget), budget, what, source)
-        within = (f'max_memory={budget:.0f} MB' if source is None else
-                  f'{budget:.0f} MB, the memory this process may use ({source}; '
-                  'test_cfg.max_memory sets a budget)')
         self._log_decision(None if source is None else ('whole', source),
                            f'{what}: whole, its peak at most {bound:.0f} MB (the network\'s line '
                            f'and the post-processing counted from its shapes), within {within}')
@@ -705,6 +718,20 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         # the listing is the bound's one plan; no budget kept, so no later listing reuses it
         self.last_memory_plans, self._last_budget = (self.last_memory_plan, ), None
         return self.last_memory_plan
+
+    def _whole_without_calibrating(self, inputs: Tensor, data_samples: OptSampleList,
+                                   budget_mb: float) -> bool:
+        """Whether the default (no ``max_memory``) may run this batch whole with the network's
+        line not yet known: a batch of no more pixels than the largest forward a calibration runs
+        peaks no higher in the network than that forward would, so calibrating first would only
+        cost time (several forwards, each larger than the image); the post-processing, which
+        grows with the original shapes rather than the network's input, still has to fit."""
+        B, _, H, W = inputs.shape
+        if (B * H * W > CALIBRATION_PIXELS or self.test_settings.memory_model is not None
+                or self.calibrated_memory_model is not None):
+            return False
+        post_mb = self._post_bound_mb(inputs, data_samples)
+        return INPUT_BYTES * inputs.numel() / MB + MARGIN * post_mb <= budget_mb
 
     def _whole_bound_mb(self, inputs: Tensor, data_samples: OptSampleList) -> float:
         """At least whole's estimate in ``memory_plans`` without measuring at this geometry: the
@@ -714,6 +741,14 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         summed, though not all live at once), so that whole admitted here is whole that
         ``memory_plans`` would choose (``tests/test_segmentation_memory_budget.py`` checks the
         count against the measured post-processing)."""
+        B, _, H, W = inputs.shape
+        network = self.network_memory_model(inputs).estimate_mb(B * H * W)
+        post_mb = self._post_bound_mb(inputs, data_samples)
+        return INPUT_BYTES * inputs.numel() / MB + MARGIN * max(network, post_mb)
+
+    def _post_bound_mb(self, inputs: Tensor, data_samples: OptSampleList) -> float:
+        """The whole path's post-processing (MB) counted from its tensors' shapes, with
+        ``SLACK_MB``: what :meth:`_whole_bound_mb` adds to the network's line."""
         B, _, H, W = inputs.shape
         metas = self._metas(data_samples, B)
         head_hw = self._head_resize_size(inputs, data_samples)
@@ -727,8 +762,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                                + POST_CHUNK_COPIES * width * largest)
                 + sum(planes) * (POST_ARGMAX_KEPT_BYTES + kept)
                 + largest * POST_ARGMAX_STEP_BYTES)
-        network = self.network_memory_model(inputs).estimate_mb(B * H * W)
-        return INPUT_BYTES * inputs.numel() / MB + MARGIN * max(network, post / MB + SLACK_MB)
+        return post / MB + SLACK_MB
 
     def _post_mb(self, inputs: Tensor, metas: List[Optional[dict]], head_hw: Sequence[int],
                  windows: Optional[list] = None) -> float:
