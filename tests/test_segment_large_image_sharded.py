@@ -34,6 +34,25 @@ def _torchrun(ranks: int, args, tmp_path, port: int):
         timeout=600)
 
 
+def _torchrun_on_machines(ranks_per_machine, args, tmp_path, port: int):
+    """The tool as torchrun starts it on several machines (one torchrun a machine, meeting at
+    torchrun's c10d rendezvous, each with its own number of processes), here all on this one:
+    ranks and local ranks differ, as across machines. Returns the machines' runs."""
+    env = dict(os.environ, OMP_NUM_THREADS='1', MKL_NUM_THREADS='1',
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]))
+    machines = [subprocess.Popen(
+        [sys.executable, '-m', 'torch.distributed.run', '--nnodes', str(len(ranks_per_machine)),
+         '--nproc-per-node', str(ranks), '--rdzv-backend', 'c10d',
+         '--rdzv-endpoint', f'127.0.0.1:{port}', '--rdzv-id', 'scene', TOOL] + list(args)
+        + ['--launcher', 'pytorch'], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for ranks in ranks_per_machine]
+    runs = []
+    for machine in machines:
+        stdout, stderr = machine.communicate(timeout=600)
+        runs.append(subprocess.CompletedProcess(machine.args, machine.returncode, stdout, stderr))
+    return runs
+
+
 def _srun(ranks: int, args, tmp_path, port: int):
     """The tool as ``srun --ntasks N python tools/segment_large_image.py ... --launcher slurm``
     runs it, with test_reliability's stand-ins for srun and scontrol (no cluster here): each
@@ -68,9 +87,10 @@ def _polygons(path):
 
 
 def test_three_ranks_write_what_one_process_writes(tool, tiny, tmp_path):  # noqa: F811
-    """A 200 x 300 GeoTIFF with a nodata corner over 3 ranks (13 token rows: slabs of 4 and 5
-    rows, thinner than the stream's margin): the labels, confidence and polygons as the tool
-    writes them in one process, placed by GDAL over the input; the ranks' files are gone."""
+    """A 200 x 300 GeoTIFF with a nodata corner over 3 ranks on two "machines" (two torchruns
+    of 2 and 1 processes at one rendezvous; 13 token rows: slabs of 4 and 5 rows, thinner than
+    the stream's margin): the labels, confidence and polygons as the tool writes them in one
+    process, placed by GDAL over the input; the ranks' files are gone."""
     import rasterio
     config, checkpoint, _ = tiny
     scene = _geotiff(tmp_path / 'scene.tif', _image())
@@ -82,9 +102,10 @@ def test_three_ranks_write_what_one_process_writes(tool, tiny, tmp_path):  # noq
     args = lambda outs: [config, checkpoint, scene, '--out', outs['labels'],  # noqa: E731
                          '--confidence', outs['confidence'], '--vector', outs['polygons']]
     assert tool.main(args(outputs['one'])) == 0
-    run = _torchrun(3, args(outputs['three']), tmp_path, 29631)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count('written: ') == 1  # the first rank writes, and says so
+    runs = _torchrun_on_machines([2, 1], args(outputs['three']), tmp_path, 29631)
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert sum(run.stdout.count('written: ') for run in runs) == 1  # rank 0 writes, says so
     assert sorted(f for f in os.listdir(tmp_path) if f.startswith('three')) == [
         'three.gpkg', 'three.tif', 'three.tif.aux.xml', 'three_c.tif']
     one, three = outputs['one'], outputs['three']
@@ -212,3 +233,28 @@ def test_many_scenes_shared_out_to_two_ranks(tool, tiny, tmp_path):  # noqa: F81
         assert np.array_equal(got.read(), expected.read())
     assert sorted(os.listdir(out)) == ['s0.tif', 's1.tif', 's1.tif.aux.xml', 's3.tif',
                                        's3.tif.aux.xml']
+
+
+def test_ranks_that_cannot_see_the_first_ranks_folder_are_refused_before_any_work(tmp_path):
+    """On several machines the ranks hand their rows over through files beside --out: where the
+    first rank cannot see another rank's files (no shared file system) the run is refused before
+    any work, naming the rank and the fix; where it can, nothing is left behind."""
+    import pytest
+
+    from xcit_mm.apis.large_image import LargeImageError
+    from xcit_mm.apis.large_image.slabs import check_folder_shared
+    out = str(tmp_path / 'labels.tif')
+    # rank 0 of 3 in a world whose other ranks wrote their marks on machines of their own
+    with pytest.raises(LargeImageError, match=r'rank 0 cannot see the files of rank 1, 2 beside '
+                       r'.*labels\.tif .*must be in a folder they all share'):
+        check_folder_shared(out, 0, 3, lambda value: [value] * 3)
+    assert os.listdir(tmp_path) == []
+    # rank 1 of 2 stops with the first rank's verdict, whatever it sees itself
+    for verdict in ([1], []):
+        answers = iter([[None, None], [verdict, []]])
+        if verdict:
+            with pytest.raises(LargeImageError, match='rank 0 cannot see the files of rank 1 '):
+                check_folder_shared(out, 1, 2, lambda value: next(answers))
+        else:
+            check_folder_shared(out, 1, 2, lambda value: next(answers))
+        assert os.listdir(tmp_path) == []

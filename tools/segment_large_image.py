@@ -429,9 +429,10 @@ def segment(args, cfg, model=None):
                              mask_xca=not args.include_nodata_tokens)
         slabs = None
         if args.launcher != 'none':
-            from xcit_mm.apis.large_image.slabs import SlabFiles
+            from xcit_mm.apis.large_image.slabs import SlabFiles, check_folder_shared
             from xcit_mm.models.inference.sharding import Shard
             stream_kwargs['shard'] = shard = Shard()
+            check_folder_shared(args.out, shard.rank, shard.world_size, _gathered)
             slabs = SlabFiles(args.out, shard.rank, shard.world_size, width, num_classes,
                               args.confidence is not None)
             if shard.rank > 0:  # a slab of labels for the first rank, which writes the outputs
@@ -614,9 +615,10 @@ def detect(args, cfg, model=None):
                              valid_rows=None if args.include_nodata_tokens else valid_rows)
         rows_files = None
         if args.launcher != 'none':
-            from xcit_mm.apis.large_image.slabs import CoreRowFiles
+            from xcit_mm.apis.large_image.slabs import CoreRowFiles, check_folder_shared
             from xcit_mm.models.inference.sharding import Shard
             stream_kwargs['shard'] = shard = Shard()
+            check_folder_shared(args.out, shard.rank, shard.world_size, _gathered)
             rows_files = CoreRowFiles(args.out, shard.rank, shard.world_size)
             if shard.rank > 0:  # its rows of cores for the first rank, which merges and writes
                 _keep_share(lambda: model.stream_instances(read_rows, hw, **stream_kwargs),

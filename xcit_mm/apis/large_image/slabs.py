@@ -20,10 +20,35 @@ from typing import Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
+from .errors import LargeImageError
 from .writer import as_numpy
 
 # The rows read back at once from a rank's file: about this many bytes of labels.
 READ_BACK_BYTES = 16 << 20
+
+
+def check_folder_shared(out: str, rank: int, world_size: int, gathered) -> None:
+    """Refuse, before any work, a run whose first rank cannot see the files the others write
+    beside ``out`` (ranks on several machines without a file system they share): the hand-over
+    would otherwise fail only once every rank has streamed its share. Every rank leaves a mark
+    file there and the first rank looks for them all. ``gathered(value)``: every rank's value in
+    rank order (a collective, called twice by every rank)."""
+    def mark(r: int) -> str:
+        return f'{out}.rank{r}.mark.partial'
+    with open(mark(rank), 'w'):
+        pass
+    try:
+        gathered(None)  # every rank has left its mark
+        unseen = [r for r in range(world_size) if not osp.exists(mark(r))] if rank == 0 else []
+        unseen = gathered(unseen)[0]
+    finally:
+        os.remove(mark(rank))
+    if unseen:
+        ranks = ', '.join(map(str, unseen))
+        raise LargeImageError(
+            f'rank 0 cannot see the files of rank {ranks} beside {out} (no {mark(unseen[0])}): '
+            'the ranks hand their rows to the first rank through files beside --out, so on '
+            'several machines --out must be in a folder they all share (NFS, Lustre, ...)')
 
 
 class SlabFiles:
