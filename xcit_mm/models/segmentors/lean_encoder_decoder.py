@@ -488,9 +488,8 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                       token_rows: Optional[int] = None) -> List[Plan]:
         """The stream's plans, token maps in memory then on disk: the maps (of ``token_rows``
         rows, a rank's, else the image's), the bands' work, what the caller holds, UperNet's
-        pooled maps and ``SLACK_MB``; the bands ``test_cfg.band_mb``, else the device's default
-        (for a rank, its share of the image's token rows of it: a rank's memory, not only its
-        maps, shrinks with its share), shrunk to fit ``budget_mb`` (down to the minimum)."""
+        pooled maps and ``SLACK_MB``; the bands ``test_cfg.band_mb``, else the device's default,
+        shrunk to fit ``budget_mb`` (down to the minimum)."""
         kept, maps_mb = self.backbone.token_maps_mb(image_hw, token_rows)
         fixed_mb = SLACK_MB + held_mb + STREAM_WORK_MB
         head = self.decode_head
@@ -500,9 +499,6 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
             fixed_mb += PyramidPooling.held_bytes(scales, head.in_channels[-1], head.channels,
                                                   -(-image_hw[1] // 32)) / MB
         default = STREAM_BAND_MB.get(next(self.parameters()).device.type, STREAM_BAND_MB['cpu'])
-        if token_rows is not None:
-            share = token_rows / -(-image_hw[0] // self.backbone.patch_size)
-            default = max(MIN_STREAM_BAND_MB, min(default, default * share))
         plans = []
         for name, where, maps in (('stream', 'in memory', maps_mb), ('stream-disk', 'on disk', 0)):
             band_mb = self.test_settings.band_mb
