@@ -5,7 +5,8 @@
     python benchmarks/tiled_detection_accuracy.py configs/shapes/mask_rcnn_xcit_shapes_coco.py \
         work_dirs/shapes_det/iter_1200.pth --out docs/results/shapes_mask_rcnn_tiles
 
-Each variant is the config's own test (``Runner.test``) with ``model.test_cfg`` updated: whole,
+Each variant is the config's own test (``Runner.test``, its peak resident-set growth measured,
+the first variant's after one run unmeasured) with ``model.test_cfg`` updated: whole,
 the stream with cores of each ``--stream SIZE:MARGIN`` (``feature_margin``; ``--band-mb`` its
 bands of rows), tiles of each ``--tiles SIZE:OVERLAP`` (network pixels). ``--figure PNG``: the
 first test image with each variant's masks. ``--larger-than PX``: box and mask AP again over the
@@ -24,7 +25,7 @@ sys.path[:0] = [ROOT, osp.join(ROOT, 'benchmarks')]  # xcit_mm of this checkout;
 from xcit_benchmark.fresh_points import run_metadata, write_artifact  # noqa: E402
 
 COLUMNS = ['variant', 'test_cfg', 'coco/bbox_mAP', 'coco/bbox_mAP_50', 'coco/segm_mAP',
-           'coco/segm_mAP_50', 'time_s']
+           'coco/segm_mAP_50', 'time_s', 'peak_growth_mb']
 
 
 def variants(band_mb, tiles: list, streams: list = ()) -> list:
@@ -139,6 +140,8 @@ def main(argv=None):
             parser.error(f'no such file: {path}')
     from mmengine.config import Config
     from mmengine.runner import Runner
+
+    from xcit_mm.models.utils.memory_budget import measure_peak_growth_mb
     rows = []
     with tempfile.TemporaryDirectory() as work_dir:
         figure = {}
@@ -150,7 +153,11 @@ def main(argv=None):
             cfg.test_evaluator.outfile_prefix = result_prefix  # kept for --larger-than
             cfg.update(load_from=args.checkpoint, work_dir=work_dir, resume=False)
             runner = Runner.from_cfg(cfg)
-            metrics = runner.test()
+            if index == 0:  # once unmeasured: generates a missing world, sets up what stays
+                runner.test()
+                start = time.perf_counter()
+            metrics = {}
+            growth_mb = measure_peak_growth_mb(lambda: metrics.update(runner.test()))
             if args.figure:  # the first test image through the same model, as the test ran it
                 from mmengine.dataset import pseudo_collate
                 sample = runner.test_dataloader.dataset[0]
@@ -160,6 +167,7 @@ def main(argv=None):
                 figure[name] = (dets.masks.cpu().numpy(), len(dets))
             row = dict(variant=name, test_cfg=json.dumps(update),
                        time_s=round(time.perf_counter() - start, 1),
+                       peak_growth_mb=round(growth_mb),
                        **{k: round(float(v), 4) for k, v in metrics.items()})
             if args.larger_than:
                 row.update(larger_objects_ap(cfg.test_evaluator.ann_file, result_prefix,
