@@ -510,3 +510,42 @@ def test_script_runs_a_point_in_a_fresh_process_and_writes_the_artifact(script_r
     assert row['config'] == config and row['out_shape'] == [1, 64, 64] and row['base_mb'] > 0
     meta = artifact['meta']
     assert meta['complete'] and meta['limit_gb'] == 8.0 and meta['device_info']['device'] == 'cpu'
+
+
+def test_tiled_accuracy_larger_than_scores_the_large_objects_alone(tmp_path):
+    """``--larger-than PX`` (``larger_objects_ap``): AP over the objects whose box is wider or
+    taller than PX, the others ignore regions: with the large object found and the small one
+    missed, AP 1 (it would be about 0.5 if the small one counted); no large object is an
+    error."""
+    import numpy as np
+    import pycocotools.mask as mask_util
+    import tiled_detection_accuracy as tda
+    boxes = {1: [10, 10, 80, 60], 2: [120, 120, 20, 20]}  # a large object, a small one
+
+    def square(box):
+        x, y, w, h = box
+        grid = np.zeros((200, 200), np.uint8, order='F')
+        grid[y:y + h, x:x + w] = 1
+        rle = mask_util.encode(grid)
+        rle['counts'] = rle['counts'].decode()
+        return rle
+
+    truth = dict(images=[dict(id=1, width=200, height=200, file_name='a.jpg')],
+                 categories=[dict(id=1, name='shape')],
+                 annotations=[dict(id=i, image_id=1, category_id=1, bbox=box, iscrowd=0,
+                                   area=box[2] * box[3], segmentation=square(box))
+                              for i, box in boxes.items()])
+    ann_file = tmp_path / 'truth.json'
+    ann_file.write_text(json.dumps(truth))
+    prefix = str(tmp_path / 'dets')
+    dets = [dict(image_id=1, category_id=1, bbox=boxes[1], score=0.6)]
+    with open(prefix + '.bbox.json', 'w') as f:
+        json.dump(dets, f)
+    with open(prefix + '.segm.json', 'w') as f:
+        json.dump([dict(d, segmentation=square(d['bbox'])) for d in dets], f)
+    row = tda.larger_objects_ap(str(ann_file), prefix, 64)
+    assert row['larger_64/objects'] == 1
+    for kind in ('bbox', 'segm'):
+        assert row[f'larger_64/{kind}_mAP'] == 1.0 and row[f'larger_64/{kind}_mAP_50'] == 1.0
+    with pytest.raises(SystemExit, match='no object of .* is larger than that'):
+        tda.larger_objects_ap(str(ann_file), prefix, 100)
