@@ -296,8 +296,7 @@ def test_default_runs_small_images_whole_without_calibrating(available_mb, log_l
     assert default.last_memory_plan.name == 'whole' and calls == []
     assert default.calibrated_memory_model is None
     assert any('whole, not calibrated' in m for m in log_lines), log_lines
-    post_mb = default._post_bound_mb(small, _samples(metas))
-    needed = module.INPUT_BYTES * small.numel() / module.MB + module.MARGIN * post_mb
+    needed = default._whole_bound_mb(small, _samples(metas), with_network=False)
     assert default._whole_without_calibrating(small, _samples(metas), needed)
     assert not default._whole_without_calibrating(small, _samples(metas), needed - 0.01)
     larger = torch.randn(1, 3, 64, 80)  # 5120 px

@@ -730,25 +730,18 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         if (B * H * W > CALIBRATION_PIXELS or self.test_settings.memory_model is not None
                 or self.calibrated_memory_model is not None):
             return False
-        post_mb = self._post_bound_mb(inputs, data_samples)
-        return INPUT_BYTES * inputs.numel() / MB + MARGIN * post_mb <= budget_mb
+        return self._whole_bound_mb(inputs, data_samples, with_network=False) <= budget_mb
 
-    def _whole_bound_mb(self, inputs: Tensor, data_samples: OptSampleList) -> float:
+    def _whole_bound_mb(self, inputs: Tensor, data_samples: OptSampleList,
+                        with_network: bool = True) -> float:
         """At least whole's estimate in ``memory_plans`` without measuring at this geometry: the
         network's line, and for the post-processing its tensors counted from their shapes (the
         head's logits, ``POST_CHUNK_COPIES`` full-size class chunks of the largest image, every
         image's running argmax and kept logits, one image's argmax update, ``SLACK_MB``; each
         summed, though not all live at once), so that whole admitted here is whole that
         ``memory_plans`` would choose (``tests/test_segmentation_memory_budget.py`` checks the
-        count against the measured post-processing)."""
-        B, _, H, W = inputs.shape
-        network = self.network_memory_model(inputs).estimate_mb(B * H * W)
-        post_mb = self._post_bound_mb(inputs, data_samples)
-        return INPUT_BYTES * inputs.numel() / MB + MARGIN * max(network, post_mb)
-
-    def _post_bound_mb(self, inputs: Tensor, data_samples: OptSampleList) -> float:
-        """The whole path's post-processing (MB) counted from its tensors' shapes, with
-        ``SLACK_MB``: what :meth:`_whole_bound_mb` adds to the network's line."""
+        count against the measured post-processing). ``with_network=False``: the post-processing
+        alone, for a batch whose network part needs no line (``_whole_without_calibrating``)."""
         B, _, H, W = inputs.shape
         metas = self._metas(data_samples, B)
         head_hw = self._head_resize_size(inputs, data_samples)
@@ -762,7 +755,9 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                                + POST_CHUNK_COPIES * width * largest)
                 + sum(planes) * (POST_ARGMAX_KEPT_BYTES + kept)
                 + largest * POST_ARGMAX_STEP_BYTES)
-        return post / MB + SLACK_MB
+        network = (self.network_memory_model(inputs).estimate_mb(B * H * W) if with_network
+                   else 0.0)
+        return INPUT_BYTES * inputs.numel() / MB + MARGIN * max(network, post / MB + SLACK_MB)
 
     def _post_mb(self, inputs: Tensor, metas: List[Optional[dict]], head_hw: Sequence[int],
                  windows: Optional[list] = None) -> float:
