@@ -23,10 +23,15 @@ ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TOOL = osp.join(ROOT, 'tools', 'segment_large_image.py')
 
 
+def _one_thread_env(**more) -> dict:
+    """The environment of the tool's processes: one torch thread each, this checkout first."""
+    return dict(os.environ, OMP_NUM_THREADS='1', MKL_NUM_THREADS='1',
+                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]), **more)
+
+
 def _torchrun(ranks: int, args, tmp_path, port: int):
     """The tool under torchrun, ``ranks`` processes of one thread each, on this machine."""
-    env = dict(os.environ, OMP_NUM_THREADS='1', MKL_NUM_THREADS='1',
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]))
+    env = _one_thread_env()
     return subprocess.run(
         [sys.executable, '-m', 'torch.distributed.run', '--nproc-per-node', str(ranks),
          '--master-addr', '127.0.0.1', '--master-port', str(port), TOOL] + list(args)
@@ -38,8 +43,7 @@ def _torchrun_on_machines(ranks_per_machine, args, tmp_path, port: int):
     """The tool as torchrun starts it on several machines (one torchrun a machine, meeting at
     torchrun's c10d rendezvous, each with its own number of processes), here all on this one:
     ranks and local ranks differ, as across machines. Returns the machines' runs."""
-    env = dict(os.environ, OMP_NUM_THREADS='1', MKL_NUM_THREADS='1',
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]))
+    env = _one_thread_env()
     machines = [subprocess.Popen(
         [sys.executable, '-m', 'torch.distributed.run', '--nnodes', str(len(ranks_per_machine)),
          '--nproc-per-node', str(ranks), '--rdzv-backend', 'c10d',
@@ -65,9 +69,8 @@ def _srun(ranks: int, args, tmp_path, port: int):
                        ('scontrol', _FAKE_SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    env = dict(os.environ, OMP_NUM_THREADS='1', MKL_NUM_THREADS='1', MASTER_PORT=str(port),
-               PATH=f'{bin_dir}:{os.environ["PATH"]}', FAKE_SRUN_RECORD=str(tmp_path / 'srun.json'),
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]))
+    env = _one_thread_env(MASTER_PORT=str(port), PATH=f'{bin_dir}:{os.environ["PATH"]}',
+                          FAKE_SRUN_RECORD=str(tmp_path / 'srun.json'))
     for key in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR'):
         env.pop(key, None)
     return subprocess.run(['srun', '--ntasks', str(ranks), sys.executable, TOOL] + list(args)
