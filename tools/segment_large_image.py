@@ -429,10 +429,8 @@ def segment(args, cfg, model=None):
                              mask_xca=not args.include_nodata_tokens)
         slabs = None
         if args.launcher != 'none':
-            from xcit_mm.apis.large_image.slabs import SlabFiles, check_folder_shared
-            from xcit_mm.models.inference.sharding import Shard
-            stream_kwargs['shard'] = shard = Shard()
-            check_folder_shared(args.out, shard.rank, shard.world_size, _gathered)
+            from xcit_mm.apis.large_image.slabs import SlabFiles
+            stream_kwargs['shard'] = shard = _open_shard(args.out)
             slabs = SlabFiles(args.out, shard.rank, shard.world_size, width, num_classes,
                               args.confidence is not None)
             if shard.rank > 0:  # a slab of labels for the first rank, which writes the outputs
@@ -480,6 +478,16 @@ def segment(args, cfg, model=None):
                 slabs.remove()  # read and removed after a success; left by a failure
             bar.close()
     return hw
+
+
+def _open_shard(out: str):
+    """This rank's share of the scene (``sharding.Shard``), once the ranks have checked that
+    they all see one folder beside ``out``: the first rank reads the others' files from it."""
+    from xcit_mm.apis.large_image.slabs import check_folder_shared
+    from xcit_mm.models.inference.sharding import Shard
+    shard = Shard()
+    check_folder_shared(out, shard.rank, shard.world_size, _gathered)
+    return shard
 
 
 def _gathered(value) -> list:
@@ -615,10 +623,8 @@ def detect(args, cfg, model=None):
                              valid_rows=None if args.include_nodata_tokens else valid_rows)
         rows_files = None
         if args.launcher != 'none':
-            from xcit_mm.apis.large_image.slabs import CoreRowFiles, check_folder_shared
-            from xcit_mm.models.inference.sharding import Shard
-            stream_kwargs['shard'] = shard = Shard()
-            check_folder_shared(args.out, shard.rank, shard.world_size, _gathered)
+            from xcit_mm.apis.large_image.slabs import CoreRowFiles
+            stream_kwargs['shard'] = shard = _open_shard(args.out)
             rows_files = CoreRowFiles(args.out, shard.rank, shard.world_size)
             if shard.rank > 0:  # its rows of cores for the first rank, which merges and writes
                 _keep_share(lambda: model.stream_instances(read_rows, hw, **stream_kwargs),
