@@ -45,7 +45,7 @@ def _stream(model, **test_cfg):
 
 
 def _whole(model):
-    for key in ('mode', 'tile_size', 'feature_margin', 'token_maps'):
+    for key in ('mode', 'tile_size', 'feature_margin', 'token_maps', 'band_mb'):
         model.test_cfg.pop(key, None)
     return model
 
@@ -128,14 +128,18 @@ def _core_proposals_from_stock(model, feats, core, meta):
                                        rpn.test_cfg)
 
 
+# A band so small that a core's RPN runs row by row and its RoI heads box by box
+PIECES_OF_ONE = 1e-4
 CORES = [((0, 64), (0, 64)), ((64, 128), (192, 256)), ((192, 200), (256, 328)),
          ((128, 192), (64, 128))]
 
 
 @pytest.mark.parametrize('core', CORES)
 def test_a_cores_proposals_are_stocks_from_the_anchors_in_the_core(lean, core):
+    """The RPN over a core in pieces of one row (a tiny band), against stock's on the whole
+    maps."""
     image, meta = _image(), _meta(HW, HW, HW)
-    _stream(lean, tile_size=64, feature_margin=64)
+    _stream(lean, tile_size=64, feature_margin=64, band_mb=PIECES_OF_ONE)
     with torch.no_grad():
         feats = lean._lean_extract_feat(image)
         expected = _core_proposals_from_stock(lean, feats, core, meta)
@@ -150,9 +154,10 @@ def test_a_cores_proposals_are_stocks_from_the_anchors_in_the_core(lean, core):
 def test_a_cores_rois_read_the_scenes_features_through_its_window(lean, core):
     """The RoI heads of a core, on RoIs shifted into its window, against stock's
     ``predict_bbox`` and mask forward on the whole maps with the same proposals: the window
-    reaches the farthest box (a margin of 192 px here)."""
+    reaches the farthest box (a margin of 192 px here). The heads take one box at a time (a
+    tiny band)."""
     image, meta = _image(), _meta(HW, HW, HW)
-    _stream(lean, tile_size=64, feature_margin=192)
+    _stream(lean, tile_size=64, feature_margin=192, band_mb=PIECES_OF_ONE)
     head = lean.roi_head
     with torch.no_grad():
         feats = lean._lean_extract_feat(image)

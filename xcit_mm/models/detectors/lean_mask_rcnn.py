@@ -28,7 +28,7 @@ from ..inference import det_stream
 from ..inference.det_stream import FeatureWindow
 from ..inference.fpn_data_flow import fpn_in_data_flow_order, fpn_rows, why_not_data_flow_fpn
 from ..inference.row_stream import (LevelByLevelBackbone, NotRowLocal, TensorRows, TokenMaps,
-                                    check_token_folder, conv_halo, why_not_norms)
+                                    band_rows_for, check_token_folder, conv_halo, why_not_norms)
 from ..inference.scene_input import preprocessed_rows, stage_reporter, valid_pixels
 from ..inference.settings import DetectorSettings, LeanSettingsMixin
 from ..inference.sharding import EMPTY, Shard, SlabRows, trunk_rows_read
@@ -44,6 +44,11 @@ from .box_masks import box_mask_rle
 STREAM_BAND_MB = 128
 STREAM_WORK_BANDS = 2.5
 STREAM_SLACK_MB = 64
+# A core's RPN runs over pieces of its rows, and its RoI heads over pieces of its boxes, each
+# piece's largest map at most this part of a band: a step holds a few maps of that size at once
+# (its input, its output, the copies the next layer makes), so that the heads of a core stay
+# well below the window of features they read.
+STREAM_PIECE_OF_BAND = 1 / 8
 
 
 @MODELS.register_module()
@@ -397,8 +402,9 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         window_mb = det_stream.window_mb(W, rows, neck.out_channels, strides)
         band_mb = settings.band_mb or STREAM_BAND_MB
         num_proposals, num_dets = self._max_boxes()
-        roi_mb = (num_proposals * neck.out_channels * 7 * 7 * 4 * 3
-                  + num_dets * neck.out_channels * 28 * 28 * 4 * 3) / MB
+        piece_mb = band_mb * STREAM_PIECE_OF_BAND  # the RoI heads' boxes go in pieces
+        roi_mb = 3 * (min(piece_mb, num_proposals * self._roi_map_bytes('bbox') / MB)
+                      + min(piece_mb, num_dets * self._roi_map_bytes('mask') / MB))
         rest = (window_mb + STREAM_WORK_BANDS * band_mb + roi_mb
                 + STREAM_SLACK_MB)
         detail = (f'{kept} token maps of {maps_mb / kept:.0f} MB {{}}, windows of {rows} rows: '
@@ -553,17 +559,50 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
             size = window.levels[level].height, window.levels[level].width
             (r0, r1) = det_stream.cells(y0, y1, stride, size[0])
             (c0, c1) = det_stream.cells(x0, x1, stride, size[1])
-            feat = window.crop(level, (r0 - halo, r1 + halo), (c0 - halo, c1 + halo))
-            top, left = r0 - max(0, r0 - halo), c0 - max(0, c0 - halo)
-            hidden = F.relu_(rpn.rpn_conv(feat))[:, :, top:top + r1 - r0, left:left + c1 - c0]
-            cls_scores.append(rpn.rpn_cls(hidden)[0])
-            bbox_preds.append(rpn.rpn_reg(hidden)[0])
-            del hidden
+            left = c0 - max(0, c0 - halo)
+            piece = self._stream_piece(4 * rpn.rpn_conv.out_channels * (c1 - c0 + 2 * halo))
+            scores, deltas = [], []
+            for a in range(r0, r1, piece):  # pieces of rows, each with its halo
+                b = min(r1, a + piece)
+                feat = window.crop(level, (a - halo, b + halo), (c0 - halo, c1 + halo))
+                top = a - max(0, a - halo)
+                hidden = F.relu_(rpn.rpn_conv(feat))[:, :, top:top + b - a, left:left + c1 - c0]
+                scores.append(rpn.rpn_cls(hidden)[0])
+                deltas.append(rpn.rpn_reg(hidden)[0])
+                del hidden
+            cls_scores.append(torch.cat(scores, dim=1))
+            bbox_preds.append(torch.cat(deltas, dim=1))
             anchors = rpn.prior_generator.single_level_grid_priors(
-                (r1 - r0, c1 - c0), level, dtype=feat.dtype, device=feat.device)
+                (r1 - r0, c1 - c0), level, dtype=cls_scores[-1].dtype,
+                device=cls_scores[-1].device)
             priors.append(anchors + anchors.new_tensor([c0 * stride, r0 * stride] * 2))
         return rpn._predict_by_feat_single(cls_scores, bbox_preds, [None] * len(priors), priors,
                                            meta, rpn.test_cfg, rescale=False)
+
+    def _stream_piece(self, item_bytes: int) -> int:
+        """How many rows or boxes of ``item_bytes`` bytes each (of a step's largest map) a core's
+        heads take at once: :data:`STREAM_PIECE_OF_BAND` of a band."""
+        band_mb = self.test_settings.band_mb or STREAM_BAND_MB
+        return band_rows_for(band_mb * STREAM_PIECE_OF_BAND, item_bytes)
+
+    def _roi_map_bytes(self, branch: str) -> int:
+        """Bytes per box of the largest map of the RoI heads' ``branch``: 'bbox', its RoI
+        features (channels x 7 x 7 for Mask R-CNN); 'mask', its upsampled map (channels x 28 x
+        28)."""
+        head = self.roi_head
+        if branch == 'bbox':
+            extractor = head.bbox_roi_extractor
+            return 4 * extractor.out_channels * extractor.roi_layers[0].output_size[0] ** 2
+        mask_head, side = head.mask_head, self._mask_shape()[1]
+        return 4 * max(mask_head.conv_out_channels, self._mask_shape()[0]) * side * side
+
+    def _in_pieces(self, forward, feats, rois: Tensor, keys: Sequence[str],
+                   roi_bytes: int) -> dict:
+        """``forward(feats, rois)``'s ``keys``, run on pieces of ``rois`` (:meth:`_stream_piece`
+        of ``roi_bytes`` each) and joined: the same values, a piece's maps at a time."""
+        piece = self._stream_piece(roi_bytes)
+        parts = [forward(feats, rois[i:i + piece]) for i in range(0, len(rois), piece)]
+        return {key: torch.cat([part[key] for part in parts]) for key in keys}
 
     def _core_roi(self, window: FeatureWindow, core, proposals: InstanceData,
                   meta: dict) -> InstanceData:
@@ -583,7 +622,8 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
             dets = InstanceData(bboxes=rois.new_zeros((0, 4)), scores=rois.new_zeros((0, )),
                                 labels=rois.new_zeros((0, ), dtype=torch.long))
         else:
-            out = head._bbox_forward(feats, rois - shift)
+            out = self._in_pieces(head._bbox_forward, feats, rois - shift,
+                                  ('cls_score', 'bbox_pred'), self._roi_map_bytes('bbox'))
             dets = head.bbox_head.predict_by_feat(
                 rois=(rois, ), cls_scores=(out['cls_score'], ), bbox_preds=(out['bbox_pred'], ),
                 batch_img_metas=[meta], rcnn_test_cfg=head.test_cfg, rescale=False)[0]
@@ -592,7 +632,8 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         if len(dets) == 0:
             dets.mask_logits = rois.new_zeros((0, side, side))
             return dets
-        mask_preds = head._mask_forward(feats, bbox2roi([dets.bboxes]) - shift)['mask_preds']
+        mask_preds = self._in_pieces(head._mask_forward, feats, bbox2roi([dets.bboxes]) - shift,
+                                     ('mask_preds', ), self._roi_map_bytes('mask'))['mask_preds']
         dets.mask_logits = mask_preds[torch.arange(len(dets)),
                                       dets.labels if mask_preds.shape[1] > 1 else 0]
         dets.scores, dets.labels = dets.scores.clone(), dets.labels.clone()
