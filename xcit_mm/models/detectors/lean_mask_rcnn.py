@@ -402,9 +402,9 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         window_mb = det_stream.window_mb(W, rows, neck.out_channels, strides)
         band_mb = settings.band_mb or STREAM_BAND_MB
         num_proposals, num_dets = self._max_boxes()
-        piece_mb = band_mb * STREAM_PIECE_OF_BAND  # the RoI heads' boxes go in pieces
-        roi_mb = 3 * (min(piece_mb, num_proposals * self._roi_map_bytes('bbox') / MB)
-                      + min(piece_mb, num_dets * self._roi_map_bytes('mask') / MB))
+        # the RoI heads at their most boxes as if whole: an upper bound of their pieces
+        roi_mb = 3 * (num_proposals * self._roi_map_bytes('bbox')
+                      + num_dets * self._roi_map_bytes('mask')) / MB
         rest = (window_mb + STREAM_WORK_BANDS * band_mb + roi_mb
                 + STREAM_SLACK_MB)
         detail = (f'{kept} token maps of {maps_mb / kept:.0f} MB {{}}, windows of {rows} rows: '
