@@ -593,8 +593,8 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         if branch == 'bbox':
             extractor = head.bbox_roi_extractor
             return 4 * extractor.out_channels * extractor.roi_layers[0].output_size[0] ** 2
-        mask_head, side = head.mask_head, self._mask_shape()[1]
-        return 4 * max(mask_head.conv_out_channels, self._mask_shape()[0]) * side * side
+        classes, side = self._mask_shape()
+        return 4 * max(head.mask_head.conv_out_channels, classes) * side * side
 
     def _in_pieces(self, forward, feats, rois: Tensor, keys: Sequence[str],
                    roi_bytes: int) -> dict:
