@@ -117,11 +117,10 @@ def test_masked_sums_are_the_sums_over_the_valid_tokens(mmpretrain_xcit, monkeyp
     valid[90, 5] = valid[3, 88] = True  # lone pixels make their tokens valid
     inputs, sums, reads = [], [], []
 
-    def spy(layer, token_map, band_rows, layer_sums, then=(), rows=None,
-            real=XCiTLayer.forward_streamed):
+    def spy(layer, token_map, band_rows, layer_sums, then=(), real=XCiTLayer.forward_streamed):
         inputs.append((layer, token_map.read(0, token_map.height).clone()))
         sums.append([s.clone() for s in layer_sums])
-        return real(layer, token_map, band_rows, layer_sums, then, rows)
+        return real(layer, token_map, band_rows, layer_sums, then)
 
     def valid_pixels(a, b):
         reads.append((a, b))

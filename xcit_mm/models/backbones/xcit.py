@@ -280,34 +280,24 @@ class XCiTLayer(nn.Module):
 
     @torch.no_grad()
     def forward_streamed(self, x: TokenMap, band_rows: int, sums: Sequence[torch.Tensor],
-                         then: Sequence[Callable[[int, torch.Tensor], None]] = (),
-                         rows: Optional[Tuple[int, int]] = None) -> None:
+                         then: Sequence[Callable[[int, torch.Tensor], None]] = ()) -> None:
         """:meth:`forward` on the token map ``x`` (H, W, C) in place, given XCA's ``sums`` over the
         whole map (:meth:`xca_sums` of its bands, added), in one pass over bands of rows: each
         band's attention residual, then its LPI and FFN residuals. LPI reads the rows up to
         ``LPI.reach`` away as attention leaves them: those above are kept from the band before,
         those below (not yet written) get their attention residual with this band and again with
         the next. Each band of finished rows goes to every ``then(start, rows)`` before it leaves
-        memory (the next layer's sums, a copy of the map), so that no pass reads the map again.
-
-        ``rows`` (first, stop): make only these rows of the map, reading ``LPI.reach`` rows each
-        side of them as context, and leave the others as they are (a rank of a sharded stream
-        skips the rows of its margin that this layer would spoil anyway)."""
+        memory (the next layer's sums, a copy of the map), so that no pass reads the map again."""
         H, W, C = x.shape
-        first, last = (0, H) if rows is None else rows
         mixing = self.attn.mixing(*sums)
         reach = self.lpi.reach
         above = None  # the rows above the band as the attention left them
-        for start, stop, _, _ in row_bands(last - first, max(reach, band_rows)):
-            start, stop = start + first, stop + first
-            lo, hi = max(0, start - reach), min(H, stop + reach)
-            # the first band also reads the rows above it; the others have them in ``above``
-            read_from = lo if above is None else start
-            made = self._attention_residual(x.read(read_from, hi).reshape(1, -1, C),
-                                            mixing=mixing).view(-1, W, C)
-            block = made if above is None else torch.cat([above, made])
-            del made
-            above = block[stop - reach - lo:stop - lo].clone()
+        for start, stop, lo, hi in row_bands(H, max(reach, band_rows), reach):
+            rows = self._attention_residual(x.read(start, hi).reshape(1, -1, C), mixing=mixing)
+            rows = rows.view(-1, W, C)
+            block = rows if above is None else torch.cat([above, rows])
+            above = rows[stop - start - reach:stop - start].clone()
+            del rows
             out = self._local_residuals(block.view(1, -1, C), (hi - lo, W),
                                         (start - lo, stop - lo)).view(-1, W, C)
             del block
@@ -315,12 +305,6 @@ class XCiTLayer(nn.Module):
             for consumer in then:
                 consumer(start, out)
             del out
-
-
-def _write_from(token_map: TokenMap, offset: int, start: int, rows: torch.Tensor) -> None:
-    """Write ``rows`` at row ``start + offset`` of ``token_map``: rows numbered in a larger map
-    of which ``token_map`` holds only a part."""
-    token_map.write(start + offset, rows)
 
 
 class _StreamedSums:
@@ -686,8 +670,7 @@ class XCiTBackbone(BaseModule):
         read, e.g. for the labels of the slab's pixel rows) from the image's pixels of those
         rows and a margin of :meth:`stream_margin` rows each side (:meth:`streamed_rows`): LPI
         reads zeros past the margin, which spoils ``LPI.reach`` more rows inside it with each
-        layer, so that with this margin all the rows asked for come out exact; each layer makes
-        only the rows still exact after it, and the copies hold those only. It returns
+        layer, so that with this margin all the rows asked for come out exact. It returns
         :class:`~xcit_mm.models.inference.sharding.SlabRows` (whole-image row numbers) that
         refuse rows outside them. The position code, and with ``valid_pixels`` (read for the
         slab's rows only) its frame, are the whole image's."""
@@ -724,38 +707,26 @@ class XCiTBackbone(BaseModule):
             del tokens
         # the FFN's hidden layer, 4 D floats a token, is a band's largest map
         band_rows = band_rows_for(band_mb, 4 * 4 * D * grid[1], at_least=2)
-        kept, exact = {}, {}
+        kept = {}
         for i, layer in enumerate(layers):
-            # the rows that come out exact (whole-image numbers): past them LPI has read zeros
-            # where the image goes on, (i + 1) x reach rows in from the edge of the rows made
-            exact[i] = self._exact_rows(first, stop_all, grid[0], i + 1)
             then = []
             if i in self.out_indices and i != last:
-                kept[i] = maps.new((exact[i][1] - exact[i][0], grid[1], D))
-                then.append(partial(_write_from, kept[i], first - exact[i][0]))
+                kept[i] = maps.new(x.shape)
+                then.append(kept[i].write)
             following = _StreamedSums(layers[i + 1], valid, first, owned) if i < last else None
             if following is not None:
                 then.append(following.add)
-            layer.forward_streamed(x, band_rows, sums.combined(shard), then,
-                                   rows=(exact[i][0] - first, exact[i][1] - first))
+            layer.forward_streamed(x, band_rows, sums.combined(shard), then)
             sums = following
             progress()
         kept[last] = x
         if shard is None:
             return [kept[i] for i in self.out_indices]
-        starts = {i: exact[i][0] for i in kept}
-        starts[last] = first  # x holds every row made, the copies their exact rows only
-        return [SlabRows(grid[0], grid[1], kept[i], starts[i], exact[i])
+        reach = self.layers[0].lpi.reach
+        return [SlabRows(grid[0], grid[1], kept[i], first,
+                         (first + reach * (i + 1) if first > 0 else 0,
+                          stop_all - reach * (i + 1) if stop_all < grid[0] else grid[0]))
                 for i in self.out_indices]
-
-    def _exact_rows(self, first: int, stop: int, grid_rows: int,
-                    layers: int) -> Tuple[int, int]:
-        """Of the token rows ``first:stop`` a sharded stream makes, those still exact after
-        ``layers`` layers: each layer's LPI spoils ``LPI.reach`` rows in from an edge of the rows
-        made where the image goes on (at the image's own edges it reads the zeros it should)."""
-        spoilt = self.layers[0].lpi.reach * layers
-        lo = first + spoilt if first > 0 else 0
-        return lo, max(lo, stop - spoilt if stop < grid_rows else grid_rows)
 
     @property
     def stream_margin(self) -> int:
