@@ -139,6 +139,44 @@ def test_nearest_resize_by_rows_is_the_calls_copy(kwargs):
     assert torch.equal(torch.cat(bands, 2), expected)
 
 
+@pytest.mark.parametrize('read_once', [False, True], ids=['kept', 'read_once'])
+@pytest.mark.parametrize('factor', [2, 4, 8])
+def test_a_bilinear_resize_by_a_factor_calls_once_a_source_row(factor, read_once):
+    """The FPN's and UperNet's resizes to stride 4, asked a row at a time (as bands of a wide
+    image are): each call also gives the rows up to its last source row, so a source row of
+    ``x`` costs one call, not ``factor``, also in a map read once; equal to the whole call up to
+    float rounding (at a factor of 8 the call on a band's rows rounds a few values otherwise)."""
+    x = torch.randn(1, 3, 11, 7, generator=torch.Generator().manual_seed(factor))
+    size = (factor * x.shape[2], factor * x.shape[3])
+    expected = torch.nn.functional.interpolate(x, size=size, mode='bilinear')
+    resized = Resize(TensorRows(x), size, 'bilinear', False)
+    resized.keeps = not read_once
+    calls, make = [], resized._make
+    resized._make = lambda start, stop: calls.append(start) or make(start, stop)
+    bands = [resized.rows(row, row + 1) for row in range(resized.height)]
+    torch.testing.assert_close(torch.cat(bands, 2), expected, rtol=1e-6, atol=1e-6)
+    assert len(calls) <= x.shape[2]
+
+
+def test_a_conv_by_rows_makes_only_the_rows_asked_for():
+    """A 3x3 ConvModule (BN, ReLU) a row at a time: its conv gets the row and a row of context
+    each side (zeros beyond the map, its padding) and makes that one row, not three (two cut
+    away); equal to the module on the whole map."""
+    conv = ConvModule(4, 5, 3, padding=1, norm_cfg=dict(type='BN')).eval()
+    conv.bn.running_mean.uniform_(-1, 1)
+    conv.bn.running_var.uniform_(0.5, 2)
+    x = torch.randn(1, 4, 9, 6, generator=torch.Generator().manual_seed(6))
+    rows_made = []
+    conv.conv.register_forward_hook(lambda module, args, out: rows_made.append(out.shape[2]))
+    with torch.no_grad():
+        expected = conv(x)
+        rows_made.clear()
+        by_rows = module_rows(conv, TensorRows(x))
+        bands = [by_rows.rows(row, row + 1) for row in range(x.shape[2])]
+    assert rows_made == [1] * x.shape[2]
+    torch.testing.assert_close(torch.cat(bands, 2), expected, rtol=1e-6, atol=1e-6)
+
+
 def test_predict_through_the_test_resize_and_padding_equals_whole():
     """The head's resize to the padded input, the padding crop and the resize to the original
     shape (a test Resize), as stock's post-processing does them."""

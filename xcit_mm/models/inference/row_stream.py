@@ -1,6 +1,7 @@
 """Whole-image inference a band of rows at a time (docs/gigapixel.md): the trunk streams layer by
 layer over :class:`TokenMap` s, every later map is a :class:`RowMap` made on demand from the rows
 of its inputs. Torch only, no task package."""
+import copy
 import errno
 import os
 import re
@@ -43,7 +44,9 @@ def band_rows_for(band_mb: float, row_bytes: int, at_least: int = 1) -> int:
 class RowMap:
     """Rows of a (B, C, height, width) map on demand (:meth:`_make`). Bands move down the image: a
     map read again keeps its rows from ``LOOKBACK`` rows above the last request and makes only
-    new ones; one read once a row (:func:`stream_rows` decides) keeps none, holding no wide band."""
+    new ones; one read once a row (:func:`stream_rows` decides) keeps none, holding no wide band,
+    but the few rows past the request a ``_make`` may give for free (they come with the rows
+    asked for), which the next band then takes."""
 
     LOOKBACK = 2  # the consumers' halos differ by less; a request above it makes its rows again
     keeps = True
@@ -67,6 +70,10 @@ class RowMap:
         if self.keeps:
             keep_from = max(first, start - self.LOOKBACK)
             self._rows, self._first = kept[:, :, keep_from - first:], keep_from
+        elif first + kept.shape[2] > stop:  # rows made ahead (see Resize) only, out of the band
+            self._rows, self._first = kept[:, :, stop - first:].clone(), stop
+        else:
+            self._rows = None
         return kept[:, :, start - first:stop - first]
 
     def forget(self) -> None:
@@ -262,6 +269,39 @@ class Local(RowMap):
         return self.fn(self.source.rows(lo, hi))[:, :, start - first:stop - first]
 
 
+class RowConv(Local):
+    """A size-keeping stride-1 conv (bare or in a ``ConvModule``) by rows, computing only the rows
+    asked for: ``conv`` runs unpadded along the rows on them and ``halo`` rows of context each
+    side, with zero rows added where those fall beyond the map (stock's padding there). A conv
+    left to pad would make ``2 x halo`` rows more a call, which are cut away: three times the work
+    where bands are one row of a wide map."""
+
+    def __init__(self, conv: nn.Module, source: RowMap, halo: int):
+        super().__init__(_without_row_padding(conv), source, halo)
+
+    def _make(self, start: int, stop: int) -> Tensor:
+        lo, hi = self._span(start, stop)
+        band = self.source.rows(lo, hi)
+        top, bottom = self.halo - (start - lo), stop + self.halo - hi
+        if top or bottom:  # the map's edges: stock's zero padding
+            band = F.pad(band, (0, 0, top, bottom))
+        return self.fn(band)
+
+
+def _without_row_padding(module: nn.Module) -> nn.Module:
+    """A shallow copy of a conv, or of a ``ConvModule`` around one, that pads columns as it does
+    but no rows, sharing its parameters and its other modules."""
+    conv = getattr(module, 'conv', module)
+    unpadded = copy.copy(conv)
+    unpadded.padding = (0, _pair(conv.padding)[1])
+    if conv is module:
+        return unpadded
+    outer = copy.copy(module)
+    outer._modules = copy.copy(module._modules)
+    outer._modules['conv'] = unpadded
+    return outer
+
+
 class Combine(RowMap):
     """``fn`` of the same rows of several maps of one size (a sum, a concatenation)."""
 
@@ -329,7 +369,10 @@ class Resize(RowMap):
             band = F.interpolate(self.source.rows(first, last),
                                  size=(f * (last - first), self.width),
                                  mode=self.mode, align_corners=self.align_corners)
-            return band[:, :, start - f * first:stop - f * first]
+            # every row before the band's last source row is the whole call's: those past stop
+            # (up to f - 1) come along for the next band, which would make them again
+            end = self.height if last == self.source.height else f * (last - 1)
+            return band[:, :, start - f * first:end - f * first]
         if self.mode == 'nearest':
             band = self.source.rows(first, last)
             band = band.index_select(2, (self.row_of[start:stop] - first).to(band.device))
@@ -403,7 +446,7 @@ def module_rows(module: nn.Module, source: RowMap) -> RowMap:
         return Local(module, source)
     halo = conv_halo(module)
     if halo is not None:
-        return Local(module, source, halo)
+        return RowConv(module, source, halo) if halo else Local(module, source)
     norm = getattr(module, 'norm_name', None) and getattr(module, module.norm_name)
     if norm is not None and not isinstance(norm, _BatchNorm):
         raise NotRowLocal(f'{type(module).__name__}: its {type(norm).__name__} normalises over '
