@@ -326,3 +326,91 @@ def test_token_maps_on_disk_give_the_same_detections_and_leave_no_file(lean, tmp
     assert len(in_memory) > 3
     for key in ('bboxes', 'scores', 'labels', 'mask_logits'):
         assert torch.equal(in_memory[key], on_disk[key]), key
+
+
+def _column_windows_of(model, image, cores, margin, per_window, folder=None):
+    """Each window over a band of core columns, for each row of cores, as the stream makes
+    them (token maps in ``folder`` if given), with the band's core columns."""
+    with torch.no_grad(), TokenMaps(torch.device('cpu'), folder) as maps:
+        trunk = model.backbone.stream_trunk(lambda a, b: image[:, :, a:b], HW, maps, 1)
+        core_cols = det_stream.core_edges(HW[1], cores)
+        bands = det_stream.column_windows(core_cols, per_window, margin, HW[1])
+        assert len(bands) == -(-len(core_cols) // per_window) > 1
+        for rows in det_stream.core_edges(HW[0], cores):
+            for band in bands:
+                window = model._window(trunk, HW, band)
+                window.move(*det_stream.window_rows(rows, margin, HW[0]))
+                yield window, [core_cols[j] for j in band.cores]
+
+
+@pytest.mark.parametrize('cores, margin, per_window, on_disk', [
+    (64, 64, 1, False), (64, 128, 2, False), (128, 64, 1, True)])
+def test_windows_over_bands_of_columns_hold_the_whole_images_features(lean, tmp_path, cores,
+                                                                      margin, per_window,
+                                                                      on_disk):
+    """Each band's window, made from its columns of the token maps alone, holds the whole
+    forward's features over its cores and ``margin`` each side, at every level."""
+    image = _image()
+    with torch.no_grad():
+        whole = lean._lean_extract_feat(image)
+    _stream(lean, tile_size=cores, feature_margin=margin)
+    windows = 0
+    for window, core_cols in _column_windows_of(lean, image, cores, margin, per_window,
+                                                str(tmp_path) if on_disk else None):
+        windows += 1
+        x0, x1 = max(0, core_cols[0][0] - margin), min(HW[1], core_cols[-1][1] + margin)
+        assert window.left <= x0 and window.left % det_stream.ALIGN == 0
+        for level, full in enumerate(whole):
+            stride = lean._stream_strides()[level]
+            rows = det_stream.cells(window.top, window.bottom, stride, full.shape[2])
+            cols = det_stream.cells(x0, x1, stride, full.shape[3])
+            held = window.crop(level, rows, cols)
+            assert window.cells_hw(level)[0] == full.shape[2]
+            assert held.shape == full[:, :, rows[0]:rows[1], cols[0]:cols[1]].shape
+            assert (held - full[:, :, rows[0]:rows[1], cols[0]:cols[1]]).abs().max() < FEATURE_TOL
+    _whole(lean)
+    assert windows > 2
+
+
+def test_windows_over_bands_of_columns_detect_as_whole_width_windows(lean):
+    """Windows of one core column each (64 px cores, a margin of 128 px) against windows of the
+    whole width: the same detections, each box within its core's window."""
+    image, meta = _image(1), _meta(HW, HW, HW)
+    _stream(lean, tile_size=64, feature_margin=128)
+    with torch.no_grad():
+        whole_width = lean.stream_detections(image, meta)
+        banded = lean.stream_detections(image, meta, window_cores=1)
+    _whole(lean)
+    assert len(banded) == len(whole_width) > 10
+    assert torch.equal(banded.labels, whole_width.labels)
+    assert (banded.bboxes - whole_width.bboxes).abs().max() < 1e-3
+    assert (banded.mask_logits - whole_width.mask_logits).abs().max() < 1e-3
+
+
+def test_a_budget_below_whole_width_windows_picks_the_widest_bands_that_fit(lean, tmp_path,
+                                                                           monkeypatch):
+    """With a budget that the whole-width windows exceed, ``stream_instances`` runs windows of
+    the most core columns whose plan fits (measured against plans asked for by window_width),
+    maps on disk, and finds what whole-width windows find."""
+    hw = (128, 640)  # a wide strip: 10 core columns
+    img = np.random.RandomState(1).randint(0, 256, hw + (3, ), np.uint8)
+    disk = {}
+    for cores in (None, 1, 2, 3):
+        _stream(lean, tile_size=64, feature_margin=64, window_width=cores and 64 * cores)
+        disk[cores] = lean._stream_plans(hw)[1].estimate_mb
+    assert disk[1] < disk[2] < disk[3] < disk[None]
+    _stream(lean, tile_size=64, feature_margin=64, window_width=None, token_dir=str(tmp_path))
+    whole_width = InstanceData.cat(list(lean.stream_instances(lambda a, b: img[a:b], hw)))
+    made, make = [], lean._window
+    monkeypatch.setattr(lean, '_window', lambda *args: made.append(args[-1]) or make(*args))
+    banded = InstanceData.cat(list(lean.stream_instances(lambda a, b: img[a:b], hw,
+                                                         max_memory=disk[2] + 0.01)))
+    plan = lean.last_memory_plan
+    lean.test_cfg.pop('token_dir')
+    _whole(lean)
+    assert (plan.name, plan.window_cores) == ('stream-disk', 2) and '5 bands' in plan.detail
+    # two rows of cores, each with 5 bands of 2 cores (128 px) and 128 px each side at most
+    assert len(made) == 10 and max(band.right - band.left for band in made) == 384
+    assert len(banded) == len(whole_width) > 10
+    assert torch.equal(banded.labels, whole_width.labels)
+    assert (banded.bboxes - whole_width.bboxes).abs().max() < 1e-3

@@ -27,8 +27,9 @@ from mmdet.structures.bbox import bbox2roi
 from ..inference import det_stream
 from ..inference.det_stream import FeatureWindow
 from ..inference.fpn_data_flow import fpn_in_data_flow_order, fpn_rows, why_not_data_flow_fpn
-from ..inference.row_stream import (LevelByLevelBackbone, NotRowLocal, TensorRows, TokenMaps,
-                                    band_rows_for, check_token_folder, conv_halo, why_not_norms)
+from ..inference.row_stream import (Crop, LevelByLevelBackbone, NotRowLocal, RowMap, TensorRows,
+                                    TokenMaps, band_rows_for, check_token_folder, conv_halo,
+                                    why_not_norms)
 from ..inference.scene_input import preprocessed_rows, stage_reporter, valid_pixels
 from ..inference.settings import DetectorSettings, LeanSettingsMixin
 from ..inference.sharding import EMPTY, Shard, SlabRows, trunk_rows_read
@@ -152,17 +153,19 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
                              "precomputed proposals (data_samples.proposals) need mode='whole'")
         batch_img_metas = [data_sample.metainfo for data_sample in batch_data_samples]
         with torch.no_grad():
-            plan = settings.mode
+            plan, cores = settings.mode, settings.cores_per_window()
             if plan == 'auto':
                 B, _, H, W = batch_inputs.shape
                 what = f'{name} ({B} image{"s" if B > 1 else ""} of {H}x{W} px)'
                 plans = self.memory_plans(batch_inputs, batch_data_samples, rescale)
-                plan = self._choose_memory_plan(plans, settings.max_memory, what).name
+                chosen = self._choose_memory_plan(plans, settings.max_memory, what)
+                plan, cores = chosen.name, chosen.window_cores
             if plan == 'whole':
                 return self._predict_whole(batch_inputs, batch_data_samples, rescale)
             if plan in ('stream', 'stream-disk'):
                 folder = self._token_folder(batch_inputs.shape[2:], plan)
-                results_list = [self.stream_detections(batch_inputs[i:i + 1], meta, folder)
+                results_list = [self.stream_detections(batch_inputs[i:i + 1], meta, folder,
+                                                       cores)
                                 for i, meta in enumerate(batch_img_metas)]
             else:
                 results_list = self._tile_detections(batch_inputs, batch_img_metas)
@@ -363,12 +366,13 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
             first, stop = self.backbone.streamed_rows(slab.grid_rows, (slab.first, slab.stop),
                                                       self._rank_core_rows(shard, image_hw)[1])
             token_rows = stop - first
-        plan = 'stream'  # no budget: the token maps in memory, unless test_cfg says disk
+        # no budget: the token maps in memory unless test_cfg says disk, windows as test_cfg
+        plan = self._stream_plans(image_hw, token_rows)[0]
         if max_memory is not None:
             budget = read_budget_mb(dict(max_memory=max_memory), name)
-            plan = self._choose_memory_plan(self._stream_plans(image_hw, token_rows), budget,
-                                            f'{name} on {image_hw[0]}x{image_hw[1]} px').name
-        folder = self._token_folder(image_hw, plan, token_dir, token_rows)
+            plan = self._choose_memory_plan(self._stream_plans(image_hw, token_rows, budget),
+                                            budget, f'{name} on {image_hw[0]}x{image_hw[1]} px')
+        folder = self._token_folder(image_hw, plan.name, token_dir, token_rows)
         read_pixels = partial(preprocessed_rows, self.data_preprocessor, read_rows, device)
         valid = (None if valid_rows is None else
                  partial(valid_pixels, valid_rows, image_hw[1], device))
@@ -381,7 +385,7 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
             self.eval()
             try:
                 rows = self.stream_cores(read_pixels, image_hw, meta, folder, progress, valid,
-                                         shard)
+                                         shard, plan.window_cores)
                 for dets in rows if shard is not None else self.merge_core_rows(rows):
                     yield dets.cpu()
             finally:
@@ -389,28 +393,49 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
 
         return instances()
 
-    def _stream_plans(self, image_hw: Sequence[int],
-                      token_rows: Optional[int] = None) -> List[Plan]:
+    def _stream_plans(self, image_hw: Sequence[int], token_rows: Optional[int] = None,
+                      budget_mb: Optional[float] = None) -> List[Plan]:
         """The stream's plans, token maps in memory then on disk (docs/lean_detection.md): the
         maps (``token_rows`` rows each, a rank's share; default all), the window of feature
-        rows, the bands' work and the RoI heads' fixed part."""
+        rows, the bands' work and the RoI heads' fixed part. The windows are as wide as
+        ``test_cfg.window_width`` says, else the whole width; then, where a ``budget_mb`` is
+        given and neither plan fits it, a third plan with the maps on disk and windows over the
+        widest bands of core columns that fit (one core at least)."""
         settings, backbone, neck = self.test_settings, self.backbone, self.neck
         H, W = image_hw
         kept, maps_mb = backbone.token_maps_mb(image_hw, token_rows)
         rows = max(b - a for a, b in self._core_rows_and_windows(image_hw)[1])  # one buffer
-        strides = self._stream_strides()
-        window_mb = det_stream.window_mb(W, rows, neck.out_channels, strides)
+        core_cols = det_stream.core_edges(W, settings.tile_size[1])
+        margin = max(settings.feature_margin, det_stream.ALIGN)
         band_mb = settings.band_mb or STREAM_BAND_MB
         num_proposals, num_dets = self._max_boxes()
         # the RoI heads at their most boxes as if whole: an upper bound of their pieces
         roi_mb = 3 * (num_proposals * self._roi_map_bytes('bbox')
                       + num_dets * self._roi_map_bytes('mask')) / MB
-        rest = (window_mb + STREAM_WORK_BANDS * band_mb + roi_mb
-                + STREAM_SLACK_MB)
-        detail = (f'{kept} token maps of {maps_mb / kept:.0f} MB {{}}, windows of {rows} rows: '
-                  f'{window_mb:.0f} MB')
-        return [Plan('stream', maps_mb + rest, '(' + detail.format('in memory') + ')'),
-                Plan('stream-disk', rest, '(' + detail.format('on disk') + ')')]
+        maps = f'{kept} token maps of {maps_mb / kept:.0f} MB'
+
+        def on_disk(cores: Optional[int]) -> Plan:
+            """The plan with the maps on disk and windows of ``cores`` core columns."""
+            groups = det_stream.column_windows(core_cols, cores, margin, W)
+            width = max(group.right - group.left for group in groups)
+            window_mb = det_stream.window_mb(width, rows, neck.out_channels,
+                                             self._stream_strides())
+            columns = '' if len(groups) == 1 else f' x {width} columns ({len(groups)} bands)'
+            return Plan('stream-disk', window_mb + STREAM_WORK_BANDS * band_mb + roi_mb
+                        + STREAM_SLACK_MB,
+                        f'({maps} on disk, windows of {rows} rows{columns}: {window_mb:.0f} MB)',
+                        window_cores=cores)
+
+        cores = settings.cores_per_window()
+        disk = on_disk(cores)
+        plans = [Plan('stream', maps_mb + disk.estimate_mb,
+                      disk.detail.replace('on disk', 'in memory'), window_cores=cores), disk]
+        if (cores is None and budget_mb is not None and disk.estimate_mb > budget_mb
+                and len(core_cols) > 1):
+            narrower = [on_disk(n) for n in range(len(core_cols) - 1, 0, -1)]
+            plans.append(next((plan for plan in narrower if plan.estimate_mb <= budget_mb),
+                              narrower[-1]) if narrower else disk)
+        return plans
 
     def _token_folder(self, image_hw: Sequence[int], plan: str,
                       token_dir: Optional[str] = None,
@@ -427,13 +452,15 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         check_token_folder(folder, (plans[0].estimate_mb - plans[1].estimate_mb) * MB)
         return folder
 
-    def stream_detections(self, image: Tensor, meta: dict,
-                          folder: Optional[str] = None) -> InstanceData:
+    def stream_detections(self, image: Tensor, meta: dict, folder: Optional[str] = None,
+                          window_cores: Optional[int] = None) -> InstanceData:
         """One preprocessed image (1, C, H, W) by :meth:`stream_cores`, all its detections
         (network coordinates, each with its class's mask logits), best scored first; the token
-        maps in ``folder`` if given, else in memory."""
+        maps in ``folder`` if given, else in memory; windows of ``window_cores`` core columns
+        (None: the whole width)."""
         dets = InstanceData.cat(list(self.merge_core_rows(self.stream_cores(
-            lambda a, b: image[:, :, a:b], tuple(image.shape[2:]), meta, folder))))
+            lambda a, b: image[:, :, a:b], tuple(image.shape[2:]), meta, folder,
+            window_cores=window_cores))))
         return dets[dets.scores.argsort(descending=True, stable=True)]
 
     @torch.no_grad()
@@ -441,7 +468,8 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
                      meta: dict, folder: Optional[str] = None,
                      progress: Optional[Callable] = None,
                      valid: Optional[Callable[[int, int], Tensor]] = None,
-                     shard: Optional[Shard] = None) -> Iterator[InstanceData]:
+                     shard: Optional[Shard] = None,
+                     window_cores: Optional[int] = None) -> Iterator[InstanceData]:
         """The detections of a scene read by ``read_pixels(a, b)`` (preprocessed rows a..b-1 of
         the network input, (1, C, b - a, W)), one row of cores after another, not yet merged
         (docs/lean_detection.md): the trunk streamed over the whole scene into token maps (in
@@ -452,8 +480,13 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         (``img_shape`` clips the boxes).
 
         With a ``shard``, the rows of cores whose top lies in this rank's slab, on the trunk
-        sharded as the segmentor's (the rows their windows read made exactly)."""
-        settings, backbone, neck = self.test_settings, self.backbone, self.neck
+        sharded as the segmentor's (the rows their windows read made exactly).
+
+        With ``window_cores``, the windows of a row of cores cover bands of that many core
+        columns (:func:`~..inference.det_stream.column_windows`), one band after the other, so
+        that a window's memory does not grow with the scene's width; each band's rows are made
+        anew from the token maps (the rows two rows of cores share are made twice)."""
+        settings, backbone = self.test_settings, self.backbone
         band_mb = settings.band_mb or STREAM_BAND_MB
         H, W = image_hw
         report = stage_reporter(progress)
@@ -467,6 +500,8 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
 
         all_rows, windows = self._core_rows_and_windows(image_hw)
         core_cols = det_stream.core_edges(W, settings.tile_size[1])
+        bands = det_stream.column_windows(core_cols, window_cores,
+                                          max(settings.feature_margin, det_stream.ALIGN), W)
         mine = range(len(all_rows))
         trunk_kwargs = {} if valid is None else dict(valid_pixels=valid)
         if shard is not None:
@@ -476,23 +511,37 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
             report(0, layers * token_rows, 'trunk')
             trunk = backbone.stream_trunk(read_pixels, image_hw, maps, band_mb, layer_done,
                                           **trunk_kwargs)
-            levels = [backbone.level_rows(trunk_map, i, image_hw)
-                      for i, trunk_map in enumerate(trunk)]
-            window = FeatureWindow(fpn_rows(levels, neck, neck.num_outs - len(levels)),
-                                   self._stream_strides(), band_mb)
-            del trunk, levels
+            whole_width = self._window(trunk, image_hw, bands[0]) if len(bands) == 1 else None
             total = len(mine) * len(core_cols)
             report(0, total, 'cores')
             for done_rows, i in enumerate(mine):
-                window.move(*windows[i])
                 row = []
-                for j, cols in enumerate(core_cols):
-                    row.append(self._core_detections(window, (all_rows[i], cols), meta))
-                    report(done_rows * len(core_cols) + j + 1, total, 'cores')
+                for band in bands:
+                    window = whole_width or self._window(trunk, image_hw, band)
+                    window.move(*windows[i])
+                    for j in band.cores:
+                        row.append(self._core_detections(window, (all_rows[i], core_cols[j]),
+                                                         meta))
+                        report(done_rows * len(core_cols) + j + 1, total, 'cores')
+                    del window  # a band's window goes before the next one's is made
                 dets = InstanceData.cat(row)
                 dets.set_metainfo(dict(
                     next_top=all_rows[i + 1][0] if i + 1 < len(all_rows) else None))
                 yield dets
+
+    def _window(self, trunk: Sequence[RowMap], image_hw: Sequence[int],
+                band: det_stream.ColumnWindow) -> FeatureWindow:
+        """The window over a band of the scene's columns (``band.left:band.right``): the FPN
+        levels as row maps made from those columns of the trunk maps alone."""
+        p, H = self.backbone.patch_size, image_hw[0]
+        if (band.left, band.right) != (0, image_hw[1]):
+            first, stop = band.left // p, -(-band.right // p)
+            trunk = [Crop(m, 0, first, m.height, stop - first) for m in trunk]
+        levels = [self.backbone.level_rows(trunk_map, i, (H, band.right - band.left))
+                  for i, trunk_map in enumerate(trunk)]
+        return FeatureWindow(fpn_rows(levels, self.neck, self.neck.num_outs - len(levels)),
+                             self._stream_strides(), self.test_settings.band_mb or STREAM_BAND_MB,
+                             band.left)
 
     def merge_core_rows(self, rows: Iterable[InstanceData]) -> Iterator[InstanceData]:
         """The rows of cores of :meth:`stream_cores`, in the scene's order (from one process, or
@@ -556,7 +605,7 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         halo = conv_halo(rpn.rpn_conv)
         cls_scores, bbox_preds, priors = [], [], []
         for level, stride in enumerate(self._stream_strides()):
-            size = window.levels[level].height, window.levels[level].width
+            size = window.cells_hw(level)
             (r0, r1) = det_stream.cells(y0, y1, stride, size[0])
             (c0, c1) = det_stream.cells(x0, x1, stride, size[1])
             left = c0 - max(0, c0 - halo)
@@ -607,8 +656,9 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
     def _core_roi(self, window: FeatureWindow, core, proposals: InstanceData,
                   meta: dict) -> InstanceData:
         """The RoI heads on a core's proposals, reading the window's features: all the rows it
-        holds (``feature_margin`` above and below the core) over the scene's whole width, so a
-        box reaching sideways past the core reads the scene's features, not a crop's edge.
+        holds (``feature_margin`` above and below the core) over its width (the scene's, or a
+        band of columns reaching ``feature_margin`` and more past the core), so a box reaching
+        past the core reads the scene's features, not a crop's edge.
 
         The window's tensors are used as they are: mmcv's CPU RoIAlign reads a map's raw memory
         as contiguous NCHW, which they are, and its cost is per RoI, not per pixel of the map,
@@ -617,7 +667,7 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         feats = tuple(window.held[level].contiguous()  # a no-op: each is one tensor already
                       for level in range(len(head.bbox_roi_extractor.featmap_strides)))
         rois = bbox2roi([proposals.bboxes])
-        shift = rois.new_tensor([0, 0, window.top, 0, window.top])
+        shift = rois.new_tensor([0, window.left, window.top, window.left, window.top])
         if rois.shape[0] == 0:
             dets = InstanceData(bboxes=rois.new_zeros((0, 4)), scores=rois.new_zeros((0, )),
                                 labels=rois.new_zeros((0, ), dtype=torch.long))
@@ -688,7 +738,7 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         streams = [Plan(p.name, max(p.estimate_mb + stream_held_mb, stream_paste_mb),
                         p.detail + pasting(p.estimate_mb + stream_held_mb, stream_paste_mb,
                                            cores * max_per_img))
-                   for p in self._stream_plans((H, W))]
+                   for p in self._stream_plans((H, W), budget_mb=settings.max_memory)]
         return [whole] + streams + [tiles]
 
     def _max_boxes(self) -> Tuple[int, int]:

@@ -6,7 +6,8 @@ The XCiT trunk streams over the whole scene (:mod:`.row_stream`), so every featu
 scene's, not a tile's. The scene is cut into *cores*, tiles that do not overlap. Each core's RPN
 proposes from the anchors whose centres lie in it (each anchor belongs to one core), and its RoI
 heads read the scene's feature maps in a window of rows reaching ``margin`` pixels above and below
-the core, over the whole width, so that a box leaving the core is still seen whole, on the
+the core, over the whole width (or over a band of columns reaching ``margin`` beyond the core
+sideways, :func:`column_windows`), so that a box leaving the core is still seen whole, on the
 features the whole image would give it.
 An object near a core's edge may be proposed by the anchors of both cores: the whole image's
 class-wise NMS, applied across the cores (:class:`CoreRowMerge`), keeps it once. Nothing is cut,
@@ -14,9 +15,11 @@ so no fragments need merging.
 
 The window holds whole rows of every FPN level (the level maps are made by rows), from
 ``margin`` above a row of cores to ``margin`` below it; moving down to the next row of cores
-keeps the rows both windows share, moved in place, and makes only the new ones."""
+keeps the rows both windows share, moved in place, and makes only the new ones. On a scene so
+wide that such rows do not fit the memory, each band of core columns gets a window of its own,
+made from those columns of the token maps, one band after the other."""
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from mmcv.ops import batched_nms
 from mmengine.structures import InstanceData
@@ -78,16 +81,20 @@ class CoreRowMerge:
 
 class FeatureWindow:
     """Rows ``[top, bottom)`` (network pixels) of every level of ``levels`` (row maps of strides
-    ``strides``), whole width, held as tensors; :meth:`move` slides it down the scene, making the
-    new rows in bands of about ``band_mb`` of the finest level.
+    ``strides``), their whole width, held as tensors; :meth:`move` slides it down the scene,
+    making the new rows in bands of about ``band_mb`` of the finest level. ``left``: the scene's
+    pixel column where the maps start (a multiple of :data:`ALIGN`), for a window over a band of
+    columns (:func:`column_windows`); 0 for maps of the whole width.
 
     Each level's rows live in one buffer that the window keeps while it moves: the rows two
     windows share are moved to the buffer's front in place, so the window never holds a second
     copy of them (the scene's windows after the first are no taller than it, see
     :func:`window_rows`)."""
 
-    def __init__(self, levels: Sequence[RowMap], strides: Sequence[int], band_mb: float):
+    def __init__(self, levels: Sequence[RowMap], strides: Sequence[int], band_mb: float,
+                 left: int = 0):
         self.levels, self.strides, self.band_mb = list(levels), list(strides), band_mb
+        self.left = left
         self.top = self.bottom = 0
         self.held: List[Tensor] = [None] * len(self.levels)  # views of the buffers, NCHW
         self.buffers: List[Tensor] = [None] * len(self.levels)  # flat, one per level
@@ -166,13 +173,48 @@ class FeatureWindow:
         return max(ALIGN, rows * self.strides[0] // ALIGN * ALIGN)
 
     def crop(self, level: int, rows: Tuple[int, int], cols: Tuple[int, int]) -> Tensor:
-        """Cells ``rows`` x ``cols`` of ``level`` (clipped to the window and the map), a view."""
+        """Cells ``rows`` x ``cols`` (the scene's) of ``level``, clipped to the window, a view."""
         held, first = self.held[level], self.first[level]
         r0, r1 = max(rows[0], first), min(rows[1], first + held.shape[2])
-        return held[:, :, r0 - first:r1 - first, max(0, cols[0]):cols[1]]
+        c = self.left // self.strides[level]
+        return held[:, :, r0 - first:r1 - first, max(0, cols[0] - c):max(0, cols[1] - c)]
+
+    def cells_hw(self, level: int) -> Tuple[int, int]:
+        """The rows and columns of ``level`` on the scene up to the window's right edge."""
+        return (self.levels[level].height,
+                self.left // self.strides[level] + self.levels[level].width)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers if t is not None)
+
+
+class ColumnWindow(NamedTuple):
+    """Windows over a band of the scene's columns (:func:`column_windows`): the core columns
+    they serve (indices), and the pixel columns ``[left, right)`` of the maps they are made
+    from."""
+    cores: range
+    left: int
+    right: int
+
+
+def column_windows(core_cols: Sequence[Tuple[int, int]], cores_per_window: Optional[int],
+                   margin: int, width: int) -> List[ColumnWindow]:
+    """The scene's core columns in groups of ``cores_per_window`` (None: one group, the whole
+    width), each group's windows made from the maps' columns ``margin`` beyond its cores and
+    :data:`ALIGN` more (``margin`` a multiple of it), clipped to the scene.
+
+    The features a core's heads read (its cells and ``margin`` each side) are then the whole
+    scene's: the FPN reads at most a cell of its coarsest level (P6, :data:`ALIGN` px) beyond
+    them, which the extra :data:`ALIGN` columns hold; its convs' zero padding at the band's
+    inner edges falls beyond that. The maps of a band start on a cell of every level."""
+    count = len(core_cols)
+    step = count if cores_per_window is None else max(1, min(count, cores_per_window))
+    if step == count:
+        return [ColumnWindow(range(count), 0, width)]
+    reach = margin + ALIGN
+    return [ColumnWindow(range(i, min(count, i + step)), max(0, core_cols[i][0] - reach),
+                         min(width, core_cols[min(count, i + step) - 1][1] + reach))
+            for i in range(0, count, step)]
 
 
 def window_rows(core_rows: Tuple[int, int], margin: int, height: int,

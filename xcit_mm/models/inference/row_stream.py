@@ -76,6 +76,11 @@ class RowMap:
             self._rows = None
         return kept[:, :, start - first:stop - first]
 
+    def columns(self, start: int, stop: int, first: int, last: int) -> Tensor:
+        """Rows ``start:stop`` of columns ``first:last`` only (a map read from disk reads no
+        other column, see :class:`TokenMap`)."""
+        return self.rows(start, stop)[..., first:last]
+
     def forget(self) -> None:
         """Drop the rows kept: the next request makes its rows again (its inputs changed)."""
         self._rows = None
@@ -113,17 +118,31 @@ class TokenMap(RowMap):
         if self.data is not None:
             return self.data[start:stop]
         out = torch.empty((stop - start, ) + self.shape[1:])
-        view, offset = memoryview(out.numpy()).cast('B'), start * self.file_row_bytes
+        self._read_into(out, start * self.file_row_bytes)
+        return out.to(self.device)
+
+    def rows(self, start: int, stop: int) -> Tensor:
+        return self.read(max(0, start), min(self.height, stop)).permute(2, 0, 1)[None]
+
+    def columns(self, start: int, stop: int, first: int, last: int) -> Tensor:
+        start, stop = max(0, start), min(self.height, stop)
+        if self.data is not None:
+            return self.data[start:stop, first:last].permute(2, 0, 1)[None]
+        out = torch.empty((stop - start, last - first, self.shape[2]))
+        token_bytes = 4 * self.shape[2]
+        for row in range(start, stop):  # each row's span of columns, one read
+            self._read_into(out[row - start], row * self.file_row_bytes + first * token_bytes)
+        return out.to(self.device).permute(2, 0, 1)[None]
+
+    def _read_into(self, out: Tensor, offset: int) -> None:
+        """Fill ``out`` with the file's bytes from ``offset`` (zeros where never written)."""
+        view = memoryview(out.numpy()).cast('B')
         while len(view):
             done = os.preadv(self.fd, [view], offset)
             if done == 0:  # rows never written read as zeros (the file is sparse)
                 view[:] = bytes(len(view))
                 break
             view, offset = view[done:], offset + done
-        return out.to(self.device)
-
-    def rows(self, start: int, stop: int) -> Tensor:
-        return self.read(max(0, start), min(self.height, stop)).permute(2, 0, 1)[None]
 
     def write(self, start: int, tokens: Tensor) -> None:
         if self.data is not None:
@@ -410,8 +429,8 @@ class Crop(RowMap):
         return [(self.source, self.top + max(0, start), self.top + min(self.height, stop))]
 
     def rows(self, start: int, stop: int) -> Tensor:
-        band = self.source.rows(*self.reads(start, stop)[0][1:])
-        return band[..., self.left:self.left + self.width]
+        return self.source.columns(*self.reads(start, stop)[0][1:], self.left,
+                                   self.left + self.width)
 
 
 # ---------------------------------------------------------------------------- modules as rows

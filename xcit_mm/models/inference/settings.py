@@ -13,7 +13,8 @@ from ..utils.memory_budget import MemoryModel, read_budget_mb, read_memory_model
 DEFAULT_TILE_SIZE = (1024, 1024)
 DEFAULT_TILE_OVERLAP = 256
 # How far (network pixels) above and below its core the stream's RoI heads read the scene's
-# features (sideways they read the whole width): an object whose box reaches at most this far
+# features (sideways the window's width: the whole width, or this far for windows over bands of
+# columns, test_cfg.window_width): an object whose box reaches at most this far
 # above or below the core gets the whole image's features (any object up to twice it tall, from
 # the core holding its centre); a multiple of the coarsest FPN
 # stride, so that windows start on a whole cell of every level. The window of feature rows grows
@@ -119,7 +120,8 @@ class DetectorSettings(LeanSettings):
                              feature_margin=('stream', 'auto'), token_maps=('stream', 'auto'),
                              token_dir=('stream', 'auto'), max_memory=('auto', ),
                              memory_model=('auto', ), mask_format=('tiles', 'auto', 'stream'),
-                             band_mb=('stream', 'auto'))  # the stream's bands (once also whole's)
+                             band_mb=('stream', 'auto'),  # the stream's bands (once also whole's)
+                             window_width=('stream', 'auto'))
     OTHER_KEYS: ClassVar = ('rpn', 'rcnn')
     DOCS: ClassVar = 'docs/lean_detection.md'
     OWNER: ClassVar = 'LeanMaskRCNN'
@@ -130,6 +132,14 @@ class DetectorSettings(LeanSettings):
     token_maps: Optional[str] = None
     token_dir: Optional[str] = None
     mask_format: str = 'bitmap'
+    window_width: Optional[int] = None
+
+    def cores_per_window(self) -> Optional[int]:
+        """The stream's core columns per window: ``window_width`` in whole cores, at least one;
+        None (the whole width) without it."""
+        if self.window_width is None:
+            return None
+        return max(1, self.window_width // self.tile_size[1])
 
     @classmethod
     def _read_own(cls, cfg: dict, mode: str, owner: str) -> dict:
@@ -158,9 +168,16 @@ class DetectorSettings(LeanSettings):
                 'far above and below its tile the RoI heads read the scene\'s features; objects up '
                 f'to twice it tall are detected as on the whole image, e.g. feature_margin=256; '
                 f'got {margin!r}')
+        width = cfg.get('window_width')
+        if width is not None and not (_is_int(width) and width > 0):
+            raise ValueError(
+                f'{owner}: test_cfg.window_width must be an int of network-scale pixels (or None, '
+                'the whole width): how wide a band of cores the stream\'s window of features '
+                'serves, rounded down to whole cores (tile_size), at least one; narrower windows '
+                f'hold less memory on wide scenes, e.g. window_width=4096; got {width!r}')
         return dict(tile_size=(int(pair[0]), int(pair[1])), tile_overlap=int(overlap),
                     feature_margin=margin, mask_format=_mask_format(cfg, owner),
-                    **_token_keys(cfg, owner))
+                    window_width=width, **_token_keys(cfg, owner))
 
 
 def _mask_format(cfg: dict, owner: str) -> str:

@@ -141,6 +141,15 @@ class SlabRows(RowMap):
         self.token_map, self.first, self.exact = token_map, first, exact
 
     def rows(self, start: int, stop: int) -> Tensor:
+        start, stop = self._made(start, stop)
+        return self.token_map.rows(start - self.first, stop - self.first)
+
+    def columns(self, start: int, stop: int, first: int, last: int) -> Tensor:
+        start, stop = self._made(start, stop)
+        return self.token_map.columns(start - self.first, stop - self.first, first, last)
+
+    def _made(self, start: int, stop: int) -> Tuple[int, int]:
+        """Rows ``start:stop`` within the map, checked to be rows this rank made exactly."""
         start, stop = max(0, start), min(self.height, stop)
         if self.token_map is None:
             raise RuntimeError('SlabRows: a placeholder has no rows (it sizes the row maps that '
@@ -150,7 +159,7 @@ class SlabRows(RowMap):
                                f'this rank made only rows {self.exact[0]}..{self.exact[1] - 1} '
                                'exactly: the margin given to stream_trunk (read_rows) is too '
                                'small for the maps that read them')
-        return self.token_map.rows(start - self.first, stop - self.first)
+        return start, stop
 
 
 def rows_read(node: RowMap, start: int, stop: int) -> Dict[int, Tuple[RowMap, int, int]]:

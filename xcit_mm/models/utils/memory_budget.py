@@ -256,11 +256,13 @@ def process_budget(device=None) -> Optional[Budget]:
 
 
 class Plan(NamedTuple):
-    """One way to run an image, its peak estimate, its pieces in words, a stream's band size."""
+    """One way to run an image, its peak estimate, its pieces in words, a stream's band size, a
+    detector stream's core columns per window of features (None: the whole width)."""
     name: str
     estimate_mb: float
     detail: str = ''
     band_mb: Optional[float] = None
+    window_cores: Optional[int] = None
 
 
 class MemoryPlanMixin:
