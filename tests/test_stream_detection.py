@@ -387,8 +387,8 @@ def test_windows_over_bands_of_columns_detect_as_whole_width_windows(lean):
     assert (banded.mask_logits - whole_width.mask_logits).abs().max() < 1e-3
 
 
-def test_a_budget_below_whole_width_windows_picks_the_widest_bands_that_fit(lean, tmp_path,
-                                                                           monkeypatch):
+def test_a_budget_below_whole_width_windows_picks_the_widest_bands_that_fit(
+        lean, tmp_path, monkeypatch):
     """With a budget that the whole-width windows exceed, ``stream_instances`` runs windows of
     the most core columns whose plan fits (measured against plans asked for by window_width),
     maps on disk, and finds what whole-width windows find."""
