@@ -434,7 +434,7 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
                 and len(core_cols) > 1):
             narrower = [on_disk(n) for n in range(len(core_cols) - 1, 0, -1)]
             plans.append(next((plan for plan in narrower if plan.estimate_mb <= budget_mb),
-                              narrower[-1]) if narrower else disk)
+                              narrower[-1]))
         return plans
 
     def _token_folder(self, image_hw: Sequence[int], plan: str,
