@@ -82,6 +82,21 @@ def test_each_window_holds_the_whole_images_features_cropped(lean, cores, margin
     assert moves == len(det_stream.core_edges(HW[0], cores))
 
 
+def test_a_window_of_a_scene_whose_rows_exceed_the_band_is_made_a_row_at_a_time(lean):
+    """Where one row of the finest level's maps is more than ``band_mb`` (a very wide scene),
+    the window's bands are one row of it, the first band too: never a coarse level's cell of
+    rows at once, which would hold that many rows of every map."""
+    image = _image()
+    with torch.no_grad(), TokenMaps(torch.device('cpu')) as maps:
+        trunk = lean.backbone.stream_trunk(lambda a, b: image[:, :, a:b], HW, maps, 1)
+        levels = [lean.backbone.level_rows(t, i, HW) for i, t in enumerate(trunk)]
+        outs = fpn_rows(levels, lean.neck, 1)
+        calls, make = [], outs[0].rows
+        outs[0].rows = lambda a, b: calls.append(b - a) or make(a, b)
+        FeatureWindow(outs, lean._stream_strides(), band_mb=1e-6).move(0, HW[0])
+    assert len(calls) == -(-HW[0] // 4) and set(calls) == {1}
+
+
 def test_one_core_on_the_whole_images_features_is_the_whole_path_bit_for_bit(lean):
     """The core's anchors, the RoIs shifted into the window and the boxes decoded on the scene
     are the whole path's: on its features, the very same detections and mask logits."""

@@ -420,9 +420,11 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
             width = max(group.right - group.left for group in groups)
             window_mb = det_stream.window_mb(width, rows, neck.out_channels,
                                              self._stream_strides())
+            # a band is one row of the finest level at least, however wide the window
+            work_mb = STREAM_WORK_BANDS * max(band_mb, self._window_row_bytes_per_px() * width
+                                              / MB)
             columns = '' if len(groups) == 1 else f' x {width} columns ({len(groups)} bands)'
-            return Plan('stream-disk', window_mb + STREAM_WORK_BANDS * band_mb + roi_mb
-                        + STREAM_SLACK_MB,
+            return Plan('stream-disk', window_mb + work_mb + roi_mb + STREAM_SLACK_MB,
                         f'({maps} on disk, windows of {rows} rows{columns}: {window_mb:.0f} MB)',
                         window_cores=cores)
 
@@ -436,6 +438,28 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
             plans.append(next((plan for plan in narrower if plan.estimate_mb <= budget_mb),
                               narrower[-1]))
         return plans
+
+    def _window_row_bytes_per_px(self) -> float:
+        """The bytes of one row of the finest FPN level in every map a window makes it from
+        (``FeatureWindow.row_bytes``), per pixel column of the window: measured once, on zero
+        trunk maps of a small scene, a row made in eval mode."""
+        if getattr(self, '_row_bytes_per_px', None) is None:
+            side, backbone = 4 * det_stream.ALIGN, self.backbone
+            cells = -(-side // backbone.patch_size)
+            zeros = next(self.parameters()).new_zeros
+            trunk = [TensorRows(zeros(1, backbone.embed_dims, cells, cells))
+                     for _ in backbone.out_indices]
+            window = self._window(trunk, (side, side), det_stream.ColumnWindow(range(1), 0, side))
+            window.band_mb = 0  # one row a band
+            was_training = self.training
+            self.eval()
+            try:
+                with torch.no_grad():
+                    window.move(0, self._stream_strides()[0])
+            finally:
+                self.train(was_training)
+            self._row_bytes_per_px = window.row_bytes() / side
+        return self._row_bytes_per_px
 
     def _token_folder(self, image_hw: Sequence[int], plan: str,
                       token_dir: Optional[str] = None,

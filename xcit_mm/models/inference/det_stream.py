@@ -162,15 +162,19 @@ class FeatureWindow:
         return keep
 
     def _band_pixels(self) -> int:
-        """Pixel rows of the next band: :data:`ALIGN` until a band has been made, then as many
-        as keep the finest level's rows in every map it is made from near ``band_mb``."""
+        """Pixel rows of the next band: one row of the finest level until a band has been made
+        (a row of a very wide scene may cost more than a band), then as many as keep the finest
+        level's rows in every map it is made from near ``band_mb`` (one row at least). A coarser
+        level makes its next row once the band reaches into it."""
+        rows = band_rows_for(self.band_mb, self.row_bytes()) if self.row_bytes() else 1
+        return rows * self.strides[0]
+
+    def row_bytes(self) -> int:
+        """The bytes of one row of the finest level in every map it is made from (each map's
+        rows counted in proportion to its height), as measured on the last band; 0 before."""
         finest = self.levels[0]
         maps, _ = _graph(finest)
-        per_row = sum(m.row_bytes * m.height / finest.height for m in maps)
-        if not per_row:
-            return ALIGN
-        rows = band_rows_for(self.band_mb, int(per_row))
-        return max(ALIGN, rows * self.strides[0] // ALIGN * ALIGN)
+        return int(sum(m.row_bytes * m.height / finest.height for m in maps))
 
     def crop(self, level: int, rows: Tuple[int, int], cols: Tuple[int, int]) -> Tensor:
         """Cells ``rows`` x ``cols`` (the scene's) of ``level``, clipped to the window, a view."""
