@@ -387,26 +387,11 @@ def test_windows_over_bands_of_columns_hold_the_whole_images_features(lean, tmp_
     assert windows > 2
 
 
-def test_windows_over_bands_of_columns_detect_as_whole_width_windows(lean):
-    """Windows of one core column each (64 px cores, a margin of 128 px) against windows of the
-    whole width: the same detections, each box within its core's window."""
-    image, meta = _image(1), _meta(HW, HW, HW)
-    _stream(lean, tile_size=64, feature_margin=128)
-    with torch.no_grad():
-        whole_width = lean.stream_detections(image, meta)
-        banded = lean.stream_detections(image, meta, window_cores=1)
-    _whole(lean)
-    assert len(banded) == len(whole_width) > 10
-    assert torch.equal(banded.labels, whole_width.labels)
-    assert (banded.bboxes - whole_width.bboxes).abs().max() < 1e-3
-    assert (banded.mask_logits - whole_width.mask_logits).abs().max() < 1e-3
-
-
 def test_a_budget_below_whole_width_windows_picks_the_widest_bands_that_fit(
         lean, tmp_path, monkeypatch):
     """With a budget that the whole-width windows exceed, ``stream_instances`` runs windows of
     the most core columns whose plan fits (measured against plans asked for by window_width),
-    maps on disk, and finds what whole-width windows find."""
+    maps on disk, and finds what whole-width windows find: the same boxes and mask logits."""
     hw = (128, 640)  # a wide strip: 10 core columns
     img = np.random.RandomState(1).randint(0, 256, hw + (3, ), np.uint8)
     disk = {}
@@ -429,3 +414,4 @@ def test_a_budget_below_whole_width_windows_picks_the_widest_bands_that_fit(
     assert len(banded) == len(whole_width) > 10
     assert torch.equal(banded.labels, whole_width.labels)
     assert (banded.bboxes - whole_width.bboxes).abs().max() < 1e-3
+    assert (banded.mask_logits - whole_width.mask_logits).abs().max() < 1e-3
