@@ -61,6 +61,9 @@ def logged(monkeypatch):
     (dict(mode='tiles', tile_size=512.0), 'tile_size must be'),
     (dict(mode='tiles', tile_size=512, tile_overlap=512), 'less than the smaller tile side 512'),
     (dict(mode='tiles', tile_overlap=-1), 'tile_overlap must be'),
+    (dict(mode='stream', window_width=0), 'window_width must be an int'),
+    (dict(mode='stream', window_width=4096.0), 'window_width must be an int'),
+    (dict(mode='tiles', window_width=4096), r"\['window_width'\] only apply to mode='stream'"),
     (dict(mode='tiles', tile_overlapp=64), r"unknown test_cfg key\(s\) \['tile_overlapp'\]"),
     (dict(mode='tiles', lean=False), 'does not combine with lean=False'),
 ])
@@ -77,6 +80,10 @@ def test_settings_defaults_and_build_time_check():
                                           memory_model=dict(base_mb=10, mb_per_mpix=20)))
     assert auto.tile_size == (512, 768) and auto.max_memory == 6000.0
     assert auto.memory_model == MemoryModel(10.0, 20.0)
+    assert auto.cores_per_window() is None  # the whole width
+    banded = DetectorSettings.from_cfg(dict(mode='stream', tile_size=512, window_width=1300))
+    assert banded.cores_per_window() == 2  # whole cores
+    assert DetectorSettings.from_cfg(dict(mode='stream', window_width=100)).cores_per_window() == 1
     cfg = _model_cfg()
     cfg.test_cfg.max_memory = 6000  # mode 'whole': refused when the model is built
     with pytest.raises(ValueError, match="only apply to mode='auto'"):
