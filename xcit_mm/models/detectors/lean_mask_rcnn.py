@@ -406,7 +406,7 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         kept, maps_mb = backbone.token_maps_mb(image_hw, token_rows)
         rows = max(b - a for a, b in self._core_rows_and_windows(image_hw)[1])  # one buffer
         core_cols = det_stream.core_edges(W, settings.tile_size[1])
-        margin = max(settings.feature_margin, det_stream.ALIGN)
+        margin = self._window_margin()
         band_mb = settings.band_mb or STREAM_BAND_MB
         num_proposals, num_dets = self._max_boxes()
         # the RoI heads at their most boxes as if whole: an upper bound of their pieces
@@ -524,8 +524,7 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
 
         all_rows, windows = self._core_rows_and_windows(image_hw)
         core_cols = det_stream.core_edges(W, settings.tile_size[1])
-        bands = det_stream.column_windows(core_cols, window_cores,
-                                          max(settings.feature_margin, det_stream.ALIGN), W)
+        bands = det_stream.column_windows(core_cols, window_cores, self._window_margin(), W)
         mine = range(len(all_rows))
         trunk_kwargs = {} if valid is None else dict(valid_pixels=valid)
         if shard is not None:
@@ -583,10 +582,15 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         RPN conv's context)."""
         settings, H = self.test_settings, image_hw[0]
         core_rows = det_stream.core_edges(H, settings.tile_size[0])
-        margin = max(settings.feature_margin, det_stream.ALIGN)
+        margin = self._window_margin()
         tallest = max(b - a for a, b in core_rows) + 2 * margin
         return core_rows, [det_stream.window_rows(rows, margin, H, tallest)
                            for rows in core_rows]
+
+    def _window_margin(self) -> int:
+        """How far (pixels) a window reaches past its cores: ``feature_margin``, and at least a
+        cell of every level (the RPN conv's context)."""
+        return max(self.test_settings.feature_margin, det_stream.ALIGN)
 
     def _rank_core_rows(self, shard: Shard, image_hw: Sequence[int]):
         """The rows of cores (indices) that this rank runs: those whose top pixel row lies in
@@ -755,7 +759,7 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         # keeps up to max_per_img of them: predict pastes them all at the image's size
         cores = (len(det_stream.core_edges(H, th)) * len(det_stream.core_edges(W, tw)))
         stream_held_mb = cores * max_per_img * (4 * 4 + 4 + 8 + 4 * side**2) / MB
-        margin = max(settings.feature_margin, det_stream.ALIGN)
+        margin = self._window_margin()
         stream_paste_mb = model.base_mb + tiling.paste_estimate_mb(
             batch_img_metas, rescale, cores * max_per_img, channels, side, fmt,
             box_width=min(W, tw + 2 * margin))

@@ -166,7 +166,8 @@ class FeatureWindow:
         (a row of a very wide scene may cost more than a band), then as many as keep the finest
         level's rows in every map it is made from near ``band_mb`` (one row at least). A coarser
         level makes its next row once the band reaches into it."""
-        rows = band_rows_for(self.band_mb, self.row_bytes()) if self.row_bytes() else 1
+        row_bytes = self.row_bytes()
+        rows = band_rows_for(self.band_mb, row_bytes) if row_bytes else 1
         return rows * self.strides[0]
 
     def row_bytes(self) -> int:
