@@ -127,6 +127,26 @@ def test_bands_follow_the_bytes_of_a_row_of_every_map():
     assert {stop - start for start, stop, _ in stream_rows(pooled, per_row / 2 / MB)} == {1}
 
 
+def test_token_rows_read_from_disk_count_in_a_band(tmp_path):
+    """Rows of a token map read from disk are new memory, which a band counts as it counts the
+    rows a map makes: UperNet's pooling pass over the coarsest level of p8 reads 16 times its
+    bytes in token rows (at 16384 px, 2.1 GB in one 128 MB band). By hand: a max pool of 4 reads
+    4 token rows of 16 columns x 8 channels x 4 bytes an output row, beside its own row (4
+    columns, 8 channels) twice. In memory the token rows are views of the map and count
+    nothing."""
+    tokens = torch.randn(64, 16, 8, generator=torch.Generator().manual_seed(5))
+    per_row = 2 * 4 * 8 * 4 + 4 * 16 * 8 * 4
+    expected = torch.nn.functional.max_pool2d(tokens.permute(2, 0, 1)[None], 4)
+    for folder, sizes in ((str(tmp_path), [1, 4, 4, 4, 3]), (None, [1, 15])):
+        with TokenMaps('cpu', folder) as maps:
+            token_map = maps.new(tokens.shape)
+            token_map.write(0, tokens)
+            pooled = module_rows(torch.nn.MaxPool2d(4, 4), token_map)
+            bands = list(stream_rows(pooled, 4 * per_row / MB))
+        assert [stop - start for start, stop, _ in bands] == sizes, folder
+        torch.testing.assert_close(torch.cat([band for _, _, band in bands], 2), expected)
+
+
 @pytest.mark.parametrize('kwargs', [dict(size=(23, 10)), dict(scale_factor=(2.5, 1.7)),
                                     dict(scale_factor=(1.5, 3), recompute_scale_factor=True)])
 def test_nearest_resize_by_rows_is_the_calls_copy(kwargs):
@@ -360,7 +380,8 @@ def test_the_band_follows_each_call_not_the_last_budget(monkeypatch):
     _predict(model, x, None)
     model.test_cfg.pop('max_memory')
     _predict(model, x, None)
-    assert bands[0] < lean_module.STREAM_BAND_MB['cpu'] == bands[1], bands
+    *_, budgeted, default = bands  # the label stage's measurement (_label_floor) comes first
+    assert budgeted < lean_module.STREAM_BAND_MB['cpu'] == default, bands
 
 
 def test_the_unbudgeted_stream_keeps_its_token_maps_in_memory(monkeypatch, tmp_path):
@@ -501,8 +522,10 @@ def test_a_token_folder_in_memory_is_refused_unless_a_budget_counts_it(tmp_path,
     with pytest.raises(ValueError, match=refusal):
         model.stream_labels(_never_read, (4096, 4096), token_dir=str(folder))
     model.test_cfg.pop('token_maps')  # a budget that fits the maps on disk only: not counted
+    in_memory = model._stream_plans((4096, 4096), held_mb=0, budget_mb=1)[0]  # smallest bands
     with pytest.raises(ValueError, match=refusal):
-        model.stream_labels(_never_read, (4096, 4096), max_memory=170, token_dir=str(folder))
+        model.stream_labels(_never_read, (4096, 4096), max_memory=in_memory.estimate_mb - 1,
+                            token_dir=str(folder))
     assert model.last_memory_plan.name == 'stream-disk'
     assert row_stream.file_system_type(str(tmp_path)) == 'ext4'
     x = torch.randn(1, 3, 64, 64)

@@ -101,7 +101,8 @@ class TokenMap(RowMap):
     channels-last map; in memory or in a file unlinked at once (gone with the process)."""
 
     def __init__(self, shape: Sequence[int], device: torch.device, folder: Optional[str] = None):
-        super().__init__(*shape[:2])  # its RowMap row_bytes stays 0: it keeps no rows it makes
+        # row_bytes: 0 in memory (its rows are views), a row's bytes once read from disk
+        super().__init__(*shape[:2])
         self.shape = tuple(shape)
         self.device = torch.device(device)
         self.file_row_bytes = 4 * self.shape[1] * self.shape[2]
@@ -122,6 +123,8 @@ class TokenMap(RowMap):
         return out.to(self.device)
 
     def rows(self, start: int, stop: int) -> Tensor:
+        if self.data is None:  # rows from disk are new memory a band must count, as made rows
+            self.row_bytes = self.file_row_bytes
         return self.read(max(0, start), min(self.height, stop)).permute(2, 0, 1)[None]
 
     def columns(self, start: int, stop: int, first: int, last: int) -> Tensor:
@@ -130,6 +133,7 @@ class TokenMap(RowMap):
             return self.data[start:stop, first:last].permute(2, 0, 1)[None]
         out = torch.empty((stop - start, last - first, self.shape[2]))
         token_bytes = 4 * self.shape[2]
+        self.row_bytes = (last - first) * token_bytes
         for row in range(start, stop):  # each row's span of columns, one read
             self._read_into(out[row - start], row * self.file_row_bytes + first * token_bytes)
         return out.to(self.device).permute(2, 0, 1)[None]
