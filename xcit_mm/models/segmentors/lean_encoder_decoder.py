@@ -27,8 +27,8 @@ from mmseg.utils import OptSampleList, SampleList
 
 from ..inference.fpn_data_flow import (fpn_in_data_flow_order, uper_head_in_data_flow_order,
                                        why_not_data_flow_fpn)
-from ..inference.row_stream import (Crop, LevelByLevelBackbone, TokenMaps, check_token_folder,
-                                    stream_rows, why_not_norms)
+from ..inference.row_stream import (Crop, LevelByLevelBackbone, TensorRows, TokenMaps,
+                                    check_token_folder, stream_rows, why_not_norms)
 from ..inference.scene_input import preprocessed_rows, stage_reporter, valid_pixels
 from ..inference.seg_stream import (PyramidPooling, labels_rows, logits_rows, run_poolings,
                                     valid_cells_of, why_not_by_rows)
@@ -61,6 +61,12 @@ FLOAT_BYTES = 4
 SLACK_MB = 16
 STREAM_WORK_MB = 64
 STREAM_WORK_BANDS = 2.5
+# The labels' least work, whatever the band: even a band of one row makes a few rows of every
+# level, with the rows of context each conv reads and the rows kept for the next band, all as wide
+# as the image. Measured once per model with bands of one row on a scene of this many pixel rows,
+# at these widths, as a line in the width.
+LABEL_FLOOR_ROWS = 64
+LABEL_FLOOR_WIDTHS = (2048, 4096)
 # Bytes per input element that mmseg's doors hold while predict runs (float batch, uint8 image).
 INPUT_BYTES = 4 + 1
 # The post-processing counted from its shapes, above what is measured (_whole_bound_mb): copies of
@@ -487,11 +493,13 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                       budget_mb: Optional[float] = None,
                       token_rows: Optional[int] = None) -> List[Plan]:
         """The stream's plans, token maps in memory then on disk: the maps (of ``token_rows``
-        rows, a rank's, else the image's), the bands' work, what the caller holds, UperNet's
-        pooled maps and ``SLACK_MB``; the bands ``test_cfg.band_mb``, else the device's default,
+        rows, a rank's, else the image's), the bands' work, the labels' least work at the image's
+        width (:meth:`_label_floor`), what the caller holds, UperNet's pooled maps and
+        ``SLACK_MB``; the bands ``test_cfg.band_mb``, else the device's default,
         shrunk to fit ``budget_mb`` (down to the minimum)."""
         kept, maps_mb = self.backbone.token_maps_mb(image_hw, token_rows)
-        fixed_mb = SLACK_MB + held_mb + STREAM_WORK_MB
+        floor_mb = self._label_floor().estimate_mb(LABEL_FLOOR_ROWS * image_hw[1])
+        fixed_mb = SLACK_MB + held_mb + STREAM_WORK_MB + floor_mb
         head = self.decode_head
         if type(head) is UPerHead:  # the pooled maps of its pyramid pooling
             scales = [scale if isinstance(scale, int) else max(scale)
@@ -507,8 +515,38 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                 band_mb = max(MIN_STREAM_BAND_MB, min(default, room / STREAM_WORK_BANDS))
             plans.append(Plan(name, fixed_mb + maps + STREAM_WORK_BANDS * band_mb,
                               f'({kept} token maps of {maps_mb / kept:.0f} MB {where}, bands of '
-                              f'{band_mb:.0f} MB)', band_mb))
+                              f'{band_mb:.0f} MB, label rows {image_hw[1]} px wide {floor_mb:.0f} '
+                              'MB)', band_mb))
         return plans
+
+    # the label stage's measured lines, per model structure (_label_floor)
+    _label_floor_lines: dict = {}
+
+    def _label_floor(self) -> MemoryModel:
+        """The labels' peak (MB) with bands of one row, as a line in the pixels of a scene of
+        ``LABEL_FLOOR_ROWS`` rows: what the label stage needs however small its bands, which grows
+        with the image's width. Measured on zero token maps in memory (views of maps the plan
+        counts apart), every band and class chunk as small as it goes; once per model structure
+        (memory follows the modules and their shapes, not the weights' values)."""
+        params = next(self.parameters())
+        key = (tuple((name, type(module).__name__) for name, module in self.named_modules()),
+               tuple(tuple(p.shape) for p in self.parameters()), params.dtype, params.device)
+        if key not in self._label_floor_lines:
+            backbone, p, tiny_mb = self.backbone, self.backbone.patch_size, 1e-6
+
+            def labels_of_zeros(h: int, w: int) -> None:
+                grid = (-(-h // p), -(-w // p))
+                trunk = [TensorRows(params.new_zeros((1, backbone.embed_dims) + grid).contiguous(
+                    memory_format=torch.channels_last)) for _ in backbone.out_indices]
+                labels = self._labels_rows(trunk, (h, w), (h, w), (0, 0, 0, 0), (h, w), tiny_mb)
+                for band in stream_rows(labels, tiny_mb):
+                    del band
+
+            with self._eval_no_grad():
+                self._label_floor_lines[key] = measure_line(
+                    labels_of_zeros, [(LABEL_FLOOR_ROWS, w) for w in LABEL_FLOOR_WIDTHS],
+                    params.device)[0]
+        return self._label_floor_lines[key]
 
     # ------------------------------------------------------------------ sliding windows
     def _slide_predict(self, inputs: Tensor, data_samples: OptSampleList) -> SampleList:
