@@ -528,15 +528,16 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         with the image's width. Measured on zero token maps in memory (views of maps the plan
         counts apart), every band and class chunk as small as it goes; once per model structure
         (memory follows the modules and their shapes, not the weights' values)."""
-        params = next(self.parameters())
+        first = next(self.parameters())
         key = (tuple((name, type(module).__name__) for name, module in self.named_modules()),
-               tuple(tuple(p.shape) for p in self.parameters()), params.dtype, params.device)
+               tuple(tuple(param.shape) for param in self.parameters()), first.dtype,
+               first.device)
         if key not in self._label_floor_lines:
             backbone, p, tiny_mb = self.backbone, self.backbone.patch_size, 1e-6
 
             def labels_of_zeros(h: int, w: int) -> None:
                 grid = (-(-h // p), -(-w // p))
-                trunk = [TensorRows(params.new_zeros((1, backbone.embed_dims) + grid).contiguous(
+                trunk = [TensorRows(first.new_zeros((1, backbone.embed_dims) + grid).contiguous(
                     memory_format=torch.channels_last)) for _ in backbone.out_indices]
                 labels = self._labels_rows(trunk, (h, w), (h, w), (0, 0, 0, 0), (h, w), tiny_mb)
                 for band in stream_rows(labels, tiny_mb):
@@ -545,7 +546,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
             with self._eval_no_grad():
                 self._label_floor_lines[key] = measure_line(
                     labels_of_zeros, [(LABEL_FLOOR_ROWS, w) for w in LABEL_FLOOR_WIDTHS],
-                    params.device)[0]
+                    first.device)[0]
         return self._label_floor_lines[key]
 
     # ------------------------------------------------------------------ sliding windows
