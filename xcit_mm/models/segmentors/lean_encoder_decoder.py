@@ -494,11 +494,15 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                       token_rows: Optional[int] = None) -> List[Plan]:
         """The stream's plans, token maps in memory then on disk: the maps (of ``token_rows``
         rows, a rank's, else the image's), the bands' work, the labels' least work at the image's
-        width (:meth:`_label_floor`), what the caller holds, UperNet's pooled maps and
+        width (:meth:`_label_floor`, measured only for a ``budget_mb``: without one nothing is
+        compared with the estimates), what the caller holds, UperNet's pooled maps and
         ``SLACK_MB``; the bands ``test_cfg.band_mb``, else the device's default,
         shrunk to fit ``budget_mb`` (down to the minimum)."""
         kept, maps_mb = self.backbone.token_maps_mb(image_hw, token_rows)
-        floor_mb = self._label_floor().estimate_mb(LABEL_FLOOR_ROWS * image_hw[1])
+        floor_mb, floor = 0.0, ''
+        if budget_mb is not None:
+            floor_mb = self._label_floor().estimate_mb(LABEL_FLOOR_ROWS * image_hw[1])
+            floor = f', label rows {image_hw[1]} px wide {floor_mb:.0f} MB'
         fixed_mb = SLACK_MB + held_mb + STREAM_WORK_MB + floor_mb
         head = self.decode_head
         if type(head) is UPerHead:  # the pooled maps of its pyramid pooling
@@ -515,8 +519,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                 band_mb = max(MIN_STREAM_BAND_MB, min(default, room / STREAM_WORK_BANDS))
             plans.append(Plan(name, fixed_mb + maps + STREAM_WORK_BANDS * band_mb,
                               f'({kept} token maps of {maps_mb / kept:.0f} MB {where}, bands of '
-                              f'{band_mb:.0f} MB, label rows {image_hw[1]} px wide {floor_mb:.0f} '
-                              'MB)', band_mb))
+                              f'{band_mb:.0f} MB{floor})', band_mb))
         return plans
 
     # the label stage's measured lines, per model structure (_label_floor)
