@@ -448,6 +448,50 @@ def test_upernet_stream_peak_within_budget():
     assert run['peak_mb'] <= run['budget_mb'], run
 
 
+# an image of two full trunk bands of the default size for a model as wide as S12 (two layers)
+TRUNK_BOUND_HW = (5280, 2048)
+
+
+def _trunk_bound_child() -> dict:
+    """In a fresh process: the trunk stage alone (``stream_trunk``, token maps in memory) of a
+    384-dims XCiT at the stream's default bands; its peak growth and what the plan counts for
+    it: the maps, ``STREAM_WORK_MB`` and ``TRUNK_WORK_BANDS`` of its bands."""
+    from mmengine.registry import init_default_scope
+    from mmseg.registry import MODELS
+
+    from test_lean_segmentation import BACKBONE
+    from xcit_mm.models.inference.row_stream import TokenMaps
+    from xcit_mm.models.segmentors import lean_encoder_decoder as module
+    from xcit_mm.models.utils.memory_budget import measure_peak_growth_mb
+    init_default_scope('mmseg')
+    backbone = MODELS.build(dict(BACKBONE, arch=dict(embed_dims=384, depth=2,
+                                                     num_heads=8))).eval()
+    band_mb = STREAM_BAND_MB['cpu']
+    image = torch.randn(1, 3, *TRUNK_BOUND_HW, generator=torch.Generator().manual_seed(0))
+
+    def trunk(pixels):
+        with TokenMaps('cpu') as maps, torch.no_grad():
+            backbone.stream_trunk(lambda a, b: pixels[:, :, a:b], tuple(pixels.shape[2:]), maps,
+                                  band_mb)
+
+    trunk(image[:, :, :256, :256])  # one-time allocations are not the trunk's
+    peak_mb = measure_peak_growth_mb(lambda: trunk(image))
+    counted = (backbone.token_maps_mb(TRUNK_BOUND_HW)[1] + module.STREAM_WORK_MB
+               + module.TRUNK_WORK_BANDS * backbone.trunk_band_mb(TRUNK_BOUND_HW, band_mb))
+    return dict(peak_mb=peak_mb, counted_mb=counted,
+                trunk_band_mb=backbone.trunk_band_mb(TRUNK_BOUND_HW, band_mb))
+
+
+def test_the_plan_counts_the_trunks_work_in_bands():
+    """The trunk stage's peak at the default bands within what the stream's plan counts for it:
+    a band's FFN hidden layer is the band, and its tokens, the attention's pieces and the
+    activation's copy come on top of it."""
+    run = _child_report('trunk')
+    print(run)
+    assert run['trunk_band_mb'] > 0.9 * STREAM_BAND_MB['cpu'], run  # full bands
+    assert run['peak_mb'] <= run['counted_mb'], run
+
+
 # ---------------------------------------------------------------- through mmseg's doors
 def test_inference_model_door_auto():
     """mmseg.apis.inference_model on the shapes config at full resolution: mode='auto' gives
@@ -483,4 +527,5 @@ def test_inference_model_door_auto():
 
 
 if __name__ == '__main__':  # the children of the memory-bound tests (_child_report)
-    print(json.dumps(dict(bound=_bound_child, upernet=_uper_bound_child)[sys.argv[1]]()))
+    print(json.dumps(dict(bound=_bound_child, upernet=_uper_bound_child,
+                          trunk=_trunk_bound_child)[sys.argv[1]]()))

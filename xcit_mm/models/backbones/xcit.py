@@ -705,8 +705,7 @@ class XCiTBackbone(BaseModule):
             x.write(start - first, tokens)
             sums.add(start - first, tokens)
             del tokens
-        # the FFN's hidden layer, 4 D floats a token, is a band's largest map
-        band_rows = band_rows_for(band_mb, 4 * 4 * D * grid[1], at_least=2)
+        band_rows = band_rows_for(band_mb, self._hidden_row_bytes(grid[1]), at_least=2)
         kept = {}
         for i, layer in enumerate(layers):
             then = []
@@ -746,6 +745,23 @@ class XCiTBackbone(BaseModule):
         margin = self.stream_margin
         return (max(0, min(lo for lo, _ in spans) - margin),
                 min(grid_rows, max(hi for _, hi in spans) + margin))
+
+    def _hidden_row_bytes(self, grid_width: int) -> int:
+        """The bytes of one token row of the FFN's hidden layer (4 D floats a token), a band's
+        largest map in :meth:`stream_trunk`, which sizes its bands by it."""
+        return 4 * 4 * self.embed_dims * grid_width
+
+    def trunk_band_mb(self, image_hw: Tuple[int, int], band_mb: float,
+                      token_rows: Optional[int] = None) -> float:
+        """The MB of the FFN's hidden layer that a band of :meth:`stream_trunk` holds when asked
+        for ``band_mb``: whole token rows, at least two, at most the map's (``token_rows`` rows,
+        by default the image's), so that a small image's band is the image."""
+        p = self.patch_size
+        grid = [(side + p - 1) // p for side in image_hw]
+        row_bytes = self._hidden_row_bytes(grid[1])
+        rows = min(grid[0] if token_rows is None else token_rows,
+                   band_rows_for(band_mb, row_bytes, at_least=2))
+        return rows * row_bytes / 2**20
 
     def token_maps_mb(self, image_hw: Tuple[int, int],
                       token_rows: Optional[int] = None) -> Tuple[int, float]:

@@ -61,6 +61,10 @@ FLOAT_BYTES = 4
 SLACK_MB = 16
 STREAM_WORK_MB = 64
 STREAM_WORK_BANDS = 2.5
+# The trunk stage's work beyond its token maps, in bands of its FFN hidden layer: the band's
+# tokens, the attention's pieces, the activation's copy and the rows written out come on top of
+# the hidden layer itself (benchmarks/trunk_stage_peak.py, docs/gigapixel.md).
+TRUNK_WORK_BANDS = 6
 # The labels' least work, whatever the band: even a band of one row makes a few rows of every
 # level, with the rows of context each conv reads and the rows kept for the next band, all as wide
 # as the image. Measured once per model with bands of one row on a scene of this many pixel rows,
@@ -493,17 +497,19 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                       budget_mb: Optional[float] = None,
                       token_rows: Optional[int] = None) -> List[Plan]:
         """The stream's plans, token maps in memory then on disk: the maps (of ``token_rows``
-        rows, a rank's, else the image's), the bands' work, the labels' least work at the image's
-        width (:meth:`_label_floor`, measured only for a ``budget_mb``: without one nothing is
-        compared with the estimates), what the caller holds, UperNet's pooled maps and
-        ``SLACK_MB``; the bands ``test_cfg.band_mb``, else the device's default,
-        shrunk to fit ``budget_mb`` (down to the minimum)."""
+        rows, a rank's, else the image's), what the caller holds, UperNet's pooled maps,
+        ``SLACK_MB``, ``STREAM_WORK_MB`` and the larger work of the two stages: the trunk's
+        (``TRUNK_WORK_BANDS`` of its bands, :meth:`XCiTBackbone.trunk_band_mb`) or the labels'
+        (their least work at the image's width, :meth:`_label_floor`, measured only under a
+        ``budget_mb``: without one nothing is compared with the estimates; and
+        ``STREAM_WORK_BANDS`` bands). The bands: ``test_cfg.band_mb``, else the device's
+        default, shrunk to fit ``budget_mb`` (down to the minimum)."""
         kept, maps_mb = self.backbone.token_maps_mb(image_hw, token_rows)
         floor_mb, floor = 0.0, ''
         if budget_mb is not None:
             floor_mb = self._label_floor().estimate_mb(LABEL_FLOOR_ROWS * image_hw[1])
             floor = f', label rows {image_hw[1]} px wide {floor_mb:.0f} MB'
-        fixed_mb = SLACK_MB + held_mb + STREAM_WORK_MB + floor_mb
+        fixed_mb = SLACK_MB + held_mb + STREAM_WORK_MB
         head = self.decode_head
         if type(head) is UPerHead:  # the pooled maps of its pyramid pooling
             scales = [scale if isinstance(scale, int) else max(scale)
@@ -511,13 +517,21 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
             fixed_mb += PyramidPooling.held_bytes(scales, head.in_channels[-1], head.channels,
                                                   -(-image_hw[1] // 32)) / MB
         default = STREAM_BAND_MB.get(next(self.parameters()).device.type, STREAM_BAND_MB['cpu'])
+
+        def work_mb(band_mb: float) -> float:  # the trunk's stage, then the labels'
+            trunk = self.backbone.trunk_band_mb(image_hw, band_mb, token_rows)
+            return max(TRUNK_WORK_BANDS * trunk, floor_mb + STREAM_WORK_BANDS * band_mb)
+
         plans = []
         for name, where, maps in (('stream', 'in memory', maps_mb), ('stream-disk', 'on disk', 0)):
             band_mb = self.test_settings.band_mb
-            if band_mb is None:
+            if band_mb is None:  # the largest bands whose work fits (down to the minimum)
                 room = math.inf if budget_mb is None else budget_mb - (fixed_mb + maps)
-                band_mb = max(MIN_STREAM_BAND_MB, min(default, room / STREAM_WORK_BANDS))
-            plans.append(Plan(name, fixed_mb + maps + STREAM_WORK_BANDS * band_mb,
+                band_mb = min(default, (room - floor_mb) / STREAM_WORK_BANDS)
+                if work_mb(band_mb) > room:  # the trunk's bands, unless the image is smaller
+                    band_mb = room / TRUNK_WORK_BANDS
+                band_mb = max(MIN_STREAM_BAND_MB, band_mb)
+            plans.append(Plan(name, fixed_mb + maps + work_mb(band_mb),
                               f'({kept} token maps of {maps_mb / kept:.0f} MB {where}, bands of '
                               f'{band_mb:.0f} MB{floor})', band_mb))
         return plans
