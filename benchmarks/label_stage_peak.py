@@ -20,8 +20,9 @@ import time
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path[:0] = [ROOT, osp.join(ROOT, 'benchmarks')]
-from xcit_benchmark.fresh_points import (kept_rows, random_segmentor, revision,  # noqa: E402
-                                         run_metadata, write_artifact)
+from xcit_benchmark.fresh_points import (add_artifact_arguments,  # noqa: E402
+                                         random_segmentor, revision, run_metadata,
+                                         write_updated)
 
 
 def measure(config: str, height: int, width: int, bands: int, budget: float,
@@ -70,29 +71,17 @@ def main(argv=None) -> None:
     parser.add_argument('--bands', type=int, default=20, help='label bands measured (20)')
     parser.add_argument('--budget', type=float, default=4000,
                         help='the budget (MB) the plan is made for, as --max-memory (4000)')
-    parser.add_argument('--threads', type=int, default=None)
     parser.add_argument('--token-dir', default=ROOT,
                         help='a folder on disk (default: the checkout)')
-    parser.add_argument('--note', default='')
-    parser.add_argument('--out', required=True, help='FILE (FILE.json and FILE.csv)')
-    parser.add_argument('--update', action='store_true')
+    add_artifact_arguments(parser)
     args = parser.parse_args(argv)
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
     row = measure(args.config, *args.shape, args.bands, args.budget, args.token_dir)
     print(json.dumps(row))
-    meta, rows = run_metadata(), [row]
-    meta['note'] = args.note
-    if args.update and osp.exists(args.out + '.json'):
-        with open(args.out + '.json') as f:
-            earlier = json.load(f)
-        key = (row['config'], row['height'], row['width'], row['revision'])
-        kept, earlier_runs = kept_rows(earlier, lambda r: (
-            r['config'], r['height'], r['width'], r['revision']) == key)
-        rows = kept + rows
-        meta.update(earlier_runs)
-    write_artifact(args.out, meta, rows)
+    write_updated(args.out, dict(run_metadata(), note=args.note), [row], lambda r: (
+        r['config'], r['height'], r['width'], r['revision']), args.update)
 
 
 if __name__ == '__main__':

@@ -16,8 +16,9 @@ import time
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path[:0] = [ROOT, osp.join(ROOT, 'benchmarks')]
-from xcit_benchmark.fresh_points import (kept_rows, random_segmentor, revision,  # noqa: E402
-                                         run_metadata, write_artifact)
+from xcit_benchmark.fresh_points import (add_artifact_arguments,  # noqa: E402
+                                         random_segmentor, revision, run_metadata,
+                                         write_updated)
 
 
 def measure(config: str, height: int, width: int, bands, token_dir) -> list:
@@ -59,25 +60,14 @@ def main(argv=None) -> None:
     parser.add_argument('--shape', type=int, nargs=2, required=True, metavar=('H', 'W'))
     parser.add_argument('--bands', type=float, nargs='+', default=[8, 32, 128])
     parser.add_argument('--token-dir', default=None, help='maps on disk here (default: memory)')
-    parser.add_argument('--threads', type=int, default=None)
-    parser.add_argument('--note', default='')
-    parser.add_argument('--out', required=True, help='FILE (FILE.json and FILE.csv)')
-    parser.add_argument('--update', action='store_true')
+    add_artifact_arguments(parser)
     args = parser.parse_args(argv)
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
     rows = measure(args.config, *args.shape, args.bands, args.token_dir)
-    meta = dict(run_metadata(), note=args.note)
-    if args.update and osp.exists(args.out + '.json'):
-        with open(args.out + '.json') as f:
-            earlier = json.load(f)
-        again = {(r['config'], r['height'], r['width'], r['band_mb'], r['maps']) for r in rows}
-        kept, earlier_runs = kept_rows(earlier, lambda r: (
-            r['config'], r['height'], r['width'], r['band_mb'], r['maps']) in again)
-        rows = kept + rows
-        meta.update(earlier_runs)
-    write_artifact(args.out, meta, rows)
+    write_updated(args.out, dict(run_metadata(), note=args.note), rows, lambda r: (
+        r['config'], r['height'], r['width'], r['band_mb'], r['maps']), args.update)
 
 
 if __name__ == '__main__':

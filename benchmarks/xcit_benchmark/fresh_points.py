@@ -286,3 +286,25 @@ def write_artifact(out: str, meta: dict, rows: list, columns=None, key='rows',
         writer.writeheader()
         writer.writerows(csv_rows)
     return [out + '.csv', out + '.json']
+
+
+def add_artifact_arguments(parser) -> None:
+    """``--threads``, ``--note``, ``--out`` and ``--update``, as a one-artifact benchmark takes
+    them (:func:`write_updated`)."""
+    parser.add_argument('--threads', type=int, default=None, help="torch's threads")
+    parser.add_argument('--note', default='', help='what else ran on the machine')
+    parser.add_argument('--out', required=True, help='FILE (FILE.json and FILE.csv)')
+    parser.add_argument('--update', action='store_true',
+                        help="keep the artifact's rows of the points this run does not measure")
+
+
+def write_updated(out: str, meta: dict, rows: list, point, update: bool) -> list:
+    """:func:`write_artifact`; with ``update``, the rows already at ``out`` whose ``point(row)``
+    no new row has stay, and the meta keeps the earlier commands and notes."""
+    if update and os.path.exists(out + '.json'):
+        with open(out + '.json') as f:
+            earlier = json.load(f)
+        again = {point(row) for row in rows}
+        kept, earlier_runs = kept_rows(earlier, lambda row: point(row) in again)
+        rows, meta = kept + rows, dict(meta, **earlier_runs)
+    return write_artifact(out, meta, rows)
