@@ -448,8 +448,8 @@ def test_upernet_stream_peak_within_budget():
     assert run['peak_mb'] <= run['budget_mb'], run
 
 
-# an image of two full trunk bands of the default size for a model as wide as S12 (two layers)
-TRUNK_BOUND_HW = (5280, 2048)
+# an image of two full trunk bands of the default size for a model as wide as S12/8 (two layers)
+TRUNK_BOUND_HW = (2640, 1024)
 
 
 def _trunk_bound_child() -> dict:
@@ -464,8 +464,8 @@ def _trunk_bound_child() -> dict:
     from xcit_mm.models.segmentors import lean_encoder_decoder as module
     from xcit_mm.models.utils.memory_budget import measure_peak_growth_mb
     init_default_scope('mmseg')
-    backbone = MODELS.build(dict(BACKBONE, arch=dict(embed_dims=384, depth=2,
-                                                     num_heads=8))).eval()
+    backbone = MODELS.build(dict(BACKBONE, patch_size=8,
+                                 arch=dict(embed_dims=384, depth=2, num_heads=8))).eval()
     band_mb = STREAM_BAND_MB['cpu']
     image = torch.randn(1, 3, *TRUNK_BOUND_HW, generator=torch.Generator().manual_seed(0))
 
