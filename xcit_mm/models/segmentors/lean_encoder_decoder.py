@@ -508,7 +508,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         floor_mb, floor = 0.0, ''
         if budget_mb is not None:
             floor_mb = self._label_floor().estimate_mb(LABEL_FLOOR_ROWS * image_hw[1])
-            floor = f', label rows {image_hw[1]} px wide {floor_mb:.0f} MB'
+            floor = f", the labels' floor at {image_hw[1]} px wide: {floor_mb:.0f} MB"
         fixed_mb = SLACK_MB + held_mb + STREAM_WORK_MB
         head = self.decode_head
         if type(head) is UPerHead:  # the pooled maps of its pyramid pooling
