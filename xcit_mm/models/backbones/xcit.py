@@ -678,7 +678,7 @@ class XCiTBackbone(BaseModule):
             raise RuntimeError('XCiTBackbone.stream_trunk is for inference: call .eval() first')
         H, W = image_hw
         p, D = self.patch_size, self.embed_dims
-        grid = ((H + p - 1) // p, (W + p - 1) // p)
+        grid = self._token_grid(image_hw)
         # the largest stem map: D / (p / 2) channels at stride 2, p / 2 of its rows per token row
         stem_rows = band_rows_for(band_mb, 4 * (D * 2 // p) * (grid[1] * p // 2) * (p // 2))
         device = self.pos_embed.proj.weight.device
@@ -746,6 +746,11 @@ class XCiTBackbone(BaseModule):
         return (max(0, min(lo for lo, _ in spans) - margin),
                 min(grid_rows, max(hi for _, hi in spans) + margin))
 
+    def _token_grid(self, image_hw: Tuple[int, int]) -> Tuple[int, int]:
+        """The patch grid (token rows, token columns) of an image: its sides rounded up."""
+        p = self.patch_size
+        return tuple((side + p - 1) // p for side in image_hw)
+
     def _hidden_row_bytes(self, grid_width: int) -> int:
         """The bytes of one token row of the FFN's hidden layer (4 D floats a token), a band's
         largest map in :meth:`stream_trunk`, which sizes its bands by it."""
@@ -756,8 +761,7 @@ class XCiTBackbone(BaseModule):
         """The MB of the FFN's hidden layer that a band of :meth:`stream_trunk` holds when asked
         for ``band_mb``: whole token rows, at least two, at most the map's (``token_rows`` rows,
         by default the image's), so that a small image's band is the image."""
-        p = self.patch_size
-        grid = [(side + p - 1) // p for side in image_hw]
+        grid = self._token_grid(image_hw)
         row_bytes = self._hidden_row_bytes(grid[1])
         rows = min(grid[0] if token_rows is None else token_rows,
                    band_rows_for(band_mb, row_bytes, at_least=2))
@@ -768,11 +772,10 @@ class XCiTBackbone(BaseModule):
         """How many token maps :meth:`stream_trunk` keeps for an image of ``image_hw`` (the
         copies the adapter reads, and the map the layers update), and their MB together; of
         ``token_rows`` rows each (a rank's :meth:`streamed_rows`), by default all the grid's."""
-        p, D = self.patch_size, self.embed_dims
-        grid = [(side + p - 1) // p for side in image_hw]
+        grid = self._token_grid(image_hw)
         rows = grid[0] if token_rows is None else token_rows
         kept = len(set(self.out_indices) - {max(self.out_indices)}) + 1
-        return kept, kept * 4 * D * rows * grid[1] / 2**20
+        return kept, kept * 4 * self.embed_dims * rows * grid[1] / 2**20
 
     def _valid_tokens(self, valid_pixels: Callable[[int, int], torch.Tensor],
                       image_hw: Tuple[int, int], band_rows: int,
@@ -782,7 +785,7 @@ class XCiTBackbone(BaseModule):
         grid is not valid); only the token rows ``rows`` (first, stop) if given."""
         H, W = image_hw
         p = self.patch_size
-        grid = ((H + p - 1) // p, (W + p - 1) // p)
+        grid = self._token_grid(image_hw)
         first, last = (0, grid[0]) if rows is None else rows
         valid = torch.empty((last - first, grid[1]), dtype=torch.bool)
         for start, stop, _, _ in row_bands(last - first, band_rows):

@@ -529,7 +529,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                 room = math.inf if budget_mb is None else budget_mb - (fixed_mb + maps)
                 band_mb = min(default, (room - floor_mb) / STREAM_WORK_BANDS)
                 if work_mb(band_mb) > room:  # the trunk's bands, unless the image is smaller
-                    band_mb = room / TRUNK_WORK_BANDS
+                    band_mb = min(band_mb, room / TRUNK_WORK_BANDS)
                 band_mb = max(MIN_STREAM_BAND_MB, band_mb)
             plans.append(Plan(name, fixed_mb + maps + work_mb(band_mb),
                               f'({kept} token maps of {maps_mb / kept:.0f} MB {where}, bands of '
