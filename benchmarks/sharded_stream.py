@@ -1,6 +1,6 @@
 """One image's stream on 1 process, then sharded over N processes (gloo, one machine): each rank's
-peak RSS and wall time, the bytes it gave to the exchanges per XCA layer, and the share of labels
-that differ from one process's.
+peak RSS (and its peak by the end of the trunk stage) and wall time, the bytes it gave to the
+exchanges per XCA layer, and the share of labels that differ from one process's.
 
     python benchmarks/sharded_stream.py --size 8192 --worlds 1 2 --threads 1 \
         --out docs/results/sharded_stream_cpu
@@ -58,9 +58,15 @@ def rank_main(rank: int, world: int, args, work: str) -> None:
     if shard is not None:
         torch.distributed.barrier()
     start = time.time()
-    rows = 0
+    rows, trunk = 0, {}
+
+    def progress(done, total, stage):  # the trunk stage's peak, read as the labels start
+        if stage == 'labels' and not trunk:
+            trunk.update(peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                         wall=time.time() - start)
+
     for first, stop, band in model.stream_labels(lambda a, b: read_rows(size, a, b),
-                                                 (size, size), shard=shard):
+                                                 (size, size), shard=shard, progress=progress):
         labels[first:stop] = band.numpy().astype(np.uint8)
         rows += stop - first
     wall = time.time() - start
@@ -69,6 +75,7 @@ def rank_main(rank: int, world: int, args, work: str) -> None:
     layer_bytes = sorted({b for what, b in shard.exchanges if what == 'XCA sums'}) if shard else []
     row = dict(world=world, rank=rank, size=size, wall_s=round(wall, 1),
                peak_rss_mb=round(peak), floor_mb=round(floor), growth_mb=round(peak - floor),
+               trunk_peak_rss_mb=round(trunk['peak']), trunk_wall_s=round(trunk['wall'], 1),
                label_rows=rows, xca_sums_bytes_per_layer=layer_bytes,
                exchanges=len(shard.exchanges) if shard else 0,
                bytes_sent=shard.bytes_sent if shard else 0)

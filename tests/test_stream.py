@@ -384,6 +384,24 @@ def test_the_band_follows_each_call_not_the_last_budget(monkeypatch):
     assert budgeted < lean_module.STREAM_BAND_MB['cpu'] == default, bands
 
 
+def test_a_ranks_default_bands_shrink_with_its_share_of_the_rows():
+    """A rank of a sharded stream that makes a share of the image's token rows gets that share
+    of the default bands (not below the minimum), so that its memory beyond the token maps
+    shrinks with its share too; a band_mb set is kept as given."""
+    import xcit_mm.models.segmentors.lean_encoder_decoder as lean_module
+    model = _model(SEM_FPN)
+    model.test_cfg = ConfigDict(mode='stream')
+    rows = 64  # token rows of the image
+    hw = (rows * model.backbone.patch_size, 256)
+    default = lean_module.STREAM_BAND_MB['cpu']
+    for token_rows, band in ((None, default), (rows, default), (rows // 2, default / 2),
+                             (rows // 16, lean_module.MIN_STREAM_BAND_MB)):
+        plans = model._stream_plans(hw, held_mb=0, token_rows=token_rows)
+        assert [plan.band_mb for plan in plans] == [band, band], token_rows
+    model.test_cfg = ConfigDict(mode='stream', band_mb=100)
+    assert model._stream_plans(hw, held_mb=0, token_rows=rows // 2)[0].band_mb == 100
+
+
 def test_the_unbudgeted_stream_keeps_its_token_maps_in_memory(monkeypatch, tmp_path):
     """Without ``max_memory`` the token maps stay in memory unless ``token_maps='disk'``."""
     import xcit_mm.models.segmentors.lean_encoder_decoder as lean_module

@@ -503,7 +503,8 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         (their least work at the image's width, :meth:`_label_floor`, measured only under a
         ``budget_mb``: without one nothing is compared with the estimates; and
         ``STREAM_WORK_BANDS`` bands). The bands: ``test_cfg.band_mb``, else the device's
-        default, shrunk to fit ``budget_mb`` (down to the minimum)."""
+        default (for a rank, its share of the image's token rows of it, so that its work shrinks
+        with its share as its maps do), shrunk to fit ``budget_mb`` (down to the minimum)."""
         kept, maps_mb = self.backbone.token_maps_mb(image_hw, token_rows)
         floor_mb, floor = 0.0, ''
         if budget_mb is not None:
@@ -517,6 +518,9 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
             fixed_mb += PyramidPooling.held_bytes(scales, head.in_channels[-1], head.channels,
                                                   -(-image_hw[1] // 32)) / MB
         default = STREAM_BAND_MB.get(next(self.parameters()).device.type, STREAM_BAND_MB['cpu'])
+        if token_rows is not None:  # a rank: its share of the image's token rows of them
+            share = token_rows / -(-image_hw[0] // self.backbone.patch_size)
+            default = max(MIN_STREAM_BAND_MB, min(default, default * share))
 
         def work_mb(band_mb: float) -> float:  # the trunk's stage, then the labels'
             trunk = self.backbone.trunk_band_mb(image_hw, band_mb, token_rows)
