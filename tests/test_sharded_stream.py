@@ -166,10 +166,16 @@ def _slab_maps(model, x, shard):
         trunk = backbone.stream_trunk(lambda a, b: x[:, :, a:b], image_hw, maps, BAND_MB,
                                       shard=shard, read_rows=read)
         tokens = trunk[-1].rows(slab.first, slab.stop).clone()
+        held = [(m.first, m.first + m.token_map.height) for m in trunk]
+        distinct = {id(m.token_map): m.token_map for m in trunk}.values()  # out_indices repeat
+        held_mb = sum(token_map.data.numel() * 4 for token_map in distinct) / 2**20
         logits = Crop(logits_of(trunk), rows[0], 0, rows[1] - rows[0], logits.width)
         run_poolings(logits)
         logits = materialize(logits, BAND_MB) if logits.height else None
-    return dict(rows=rows, token_rows=(slab.first, slab.stop), tokens=tokens, logits=logits)
+    made, kept = held[-1][1] - held[-1][0], held[0][1] - held[0][0]
+    return dict(rows=rows, token_rows=(slab.first, slab.stop), tokens=tokens, logits=logits,
+                read=read, held=held, held_mb=held_mb,
+                planned_mb=backbone.token_maps_mb(image_hw, made, kept)[1])
 
 
 def _rank(rank, world, folder):
@@ -351,6 +357,15 @@ def check_trunk_and_logits(ranks):
             first, stop = maps['token_rows']
             torch.testing.assert_close(maps['tokens'], expected[index]['tokens'][:, :, first:stop],
                                        **TOLERANCE)
+            # the copies of the maps before the last hold the slab and the rows read, no
+            # margin; the plans count what the maps hold
+            spans = [span for span in ((first, stop), maps['read']) if span[0] < span[1]]
+            wanted = (min(a for a, _ in spans), max(b for _, b in spans)) if spans else None
+            out_indices = expected[index]['model'].backbone.out_indices
+            copies = [span for i, span in zip(out_indices, maps['held']) if i < max(out_indices)]
+            assert copies and all(span == wanted for span in copies) or not spans, (
+                index, maps['held'], wanted)
+            assert maps['held_mb'] == pytest.approx(maps['planned_mb'])
             lo, hi = maps['rows']
             assert lo == covered
             covered = hi

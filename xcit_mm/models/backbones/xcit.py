@@ -259,16 +259,35 @@ class XCiTLayer(nn.Module):
         return self._residual(x, self.gamma1, self.attn.project(self.attn.values(y), mixing))
 
     def _local_residuals(self, x: torch.Tensor, grid_hw: Tuple[int, int],
-                         rows: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+                         rows: Optional[Tuple[int, int]] = None,
+                         in_place: bool = False) -> torch.Tensor:
         """The LPI (norm3, gamma3) then FFN (norm2, gamma2) residuals of the token rows ``rows``
         (first, stop) of x (B, N, C), a map of ``grid_hw`` tokens: all of them by default; the
-        other rows are context that LPI's convs read."""
+        other rows are context that LPI's convs read.
+
+        ``in_place`` (inference only: x is the caller's to overwrite) adds the residuals into x
+        and activates the FFN's hidden layer in place, so that a band of the stream holds no
+        second copy of its tokens or of its largest map; the values are the same."""
         lpi = self.lpi(self.norm3(x), grid_hw)
         if rows is not None:
             W = grid_hw[1]
             x, lpi = x[:, rows[0] * W:rows[1] * W], lpi[:, rows[0] * W:rows[1] * W]
-        x = self._residual(x, self.gamma3, lpi)
-        return self._residual(x, self.gamma2, self.ffn(self.norm2(x)))
+        if not in_place:
+            x = self._residual(x, self.gamma3, lpi)
+            return self._residual(x, self.gamma2, self.ffn(self.norm2(x)))
+        x = x.addcmul_(self.gamma3, lpi)
+        del lpi
+        return x.addcmul_(self.gamma2, self._ffn_in_place(self.norm2(x)))
+
+    def _ffn_in_place(self, x: torch.Tensor) -> torch.Tensor:
+        """``self.ffn(x)`` with fc1's output (the hidden layer, 4 x the tokens) activated in place
+        rather than copied; an activation other than GELU runs as the module does."""
+        act = self.ffn.act
+        if type(act) is not nn.GELU:
+            return self.ffn(x)
+        hidden = self.ffn.fc1(x)
+        torch.ops.aten.gelu_(hidden, approximate=act.approximate)
+        return self.ffn.fc2(hidden)
 
     def xca_sums(self, tokens: torch.Tensor, valid: Optional[torch.Tensor] = None
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -292,19 +311,31 @@ class XCiTLayer(nn.Module):
         mixing = self.attn.mixing(*sums)
         reach = self.lpi.reach
         above = None  # the rows above the band as the attention left them
+        # one buffer for them the whole layer: a copy made anew each band would sit among the
+        # bands' freed memory and keep the allocator from reusing it
+        kept_above = torch.empty((reach, W, C), device=x.device)
         for start, stop, lo, hi in row_bands(H, max(reach, band_rows), reach):
             rows = self._attention_residual(x.read(start, hi).reshape(1, -1, C), mixing=mixing)
             rows = rows.view(-1, W, C)
             block = rows if above is None else torch.cat([above, rows])
-            above = rows[stop - start - reach:stop - start].clone()
+            if stop < H:
+                above = kept_above.copy_(rows[stop - start - reach:stop - start])
             del rows
             out = self._local_residuals(block.view(1, -1, C), (hi - lo, W),
-                                        (start - lo, stop - lo)).view(-1, W, C)
+                                        (start - lo, stop - lo), in_place=True).view(-1, W, C)
             del block
             x.write(start, out)
             for consumer in then:
                 consumer(start, out)
             del out
+
+
+def _write_within(token_map: TokenMap, offset: int, start: int, rows: torch.Tensor) -> None:
+    """Write the rows ``start:start + len(rows)`` of a layer's map into ``token_map``, which
+    holds only that map's rows ``offset:offset + token_map.height``; the others are not kept."""
+    a, b = max(start, offset), min(start + len(rows), offset + token_map.height)
+    if a < b:
+        token_map.write(a - offset, rows[a - start:b - start])
 
 
 class _StreamedSums:
@@ -685,12 +716,13 @@ class XCiTBackbone(BaseModule):
         last = max(self.out_indices)
         layers = self.layers[:last + 1]
         if shard is None:
-            owned, (first, stop_all) = (0, grid[0]), (0, grid[0])
+            owned = kept_rows = (first, stop_all) = (0, grid[0])
         else:
             shard.agree((H, W, p, D, len(layers), valid_pixels is not None),
                         'image sizes, models or masks (height, width, patch, dims, layers, mask)')
             owned = shard.token_rows(grid[0])
             first, stop_all = self.streamed_rows(grid[0], owned, read_rows)
+            kept_rows = self.kept_rows(owned, read_rows)
         valid = (None if valid_pixels is None else self._valid_tokens(
             valid_pixels, image_hw, stem_rows, owned).to(device))
         frame = (_position_frame(valid, grid) if shard is None else
@@ -709,9 +741,9 @@ class XCiTBackbone(BaseModule):
         kept = {}
         for i, layer in enumerate(layers):
             then = []
-            if i in self.out_indices and i != last:
-                kept[i] = maps.new(x.shape)
-                then.append(kept[i].write)
+            if i in self.out_indices and i != last:  # a copy of the rows read after the trunk
+                kept[i] = maps.new((kept_rows[1] - kept_rows[0], ) + x.shape[1:])
+                then.append(partial(_write_within, kept[i], kept_rows[0] - first))
             following = _StreamedSums(layers[i + 1], valid, first, owned) if i < last else None
             if following is not None:
                 then.append(following.add)
@@ -722,10 +754,14 @@ class XCiTBackbone(BaseModule):
         if shard is None:
             return [kept[i] for i in self.out_indices]
         reach = self.layers[0].lpi.reach
-        return [SlabRows(grid[0], grid[1], kept[i], first,
-                         (first + reach * (i + 1) if first > 0 else 0,
-                          stop_all - reach * (i + 1) if stop_all < grid[0] else grid[0]))
-                for i in self.out_indices]
+        slabs = []
+        for i in self.out_indices:
+            lo, hi = (first, stop_all) if i == last else kept_rows  # the rows the map holds
+            exact = (first + reach * (i + 1) if first > 0 else 0,
+                     stop_all - reach * (i + 1) if stop_all < grid[0] else grid[0])
+            slabs.append(SlabRows(grid[0], grid[1], kept[i], lo,
+                                  (max(lo, exact[0]), min(hi, exact[1]))))
+        return slabs
 
     @property
     def stream_margin(self) -> int:
@@ -736,15 +772,25 @@ class XCiTBackbone(BaseModule):
 
     def streamed_rows(self, grid_rows: int, owned: Tuple[int, int],
                       read_rows: Tuple[int, int] = EMPTY) -> Tuple[int, int]:
-        """The token rows (first, stop) a rank of a sharded stream makes: its slab ``owned`` and
-        the rows ``read_rows`` that will be read, with :attr:`stream_margin` rows each side
-        (none where it owns and reads no row)."""
+        """The token rows (first, stop) a rank of a sharded stream makes: its :meth:`kept_rows`
+        with :attr:`stream_margin` rows each side (none where it owns and reads no row)."""
+        lo, hi = self.kept_rows(owned, read_rows)
+        if lo == hi:
+            return lo, lo
+        margin = self.stream_margin
+        return max(0, lo - margin), min(grid_rows, hi + margin)
+
+    @staticmethod
+    def kept_rows(owned: Tuple[int, int],
+                  read_rows: Tuple[int, int] = EMPTY) -> Tuple[int, int]:
+        """The token rows (first, stop) a rank of a sharded stream keeps of the maps at the
+        ``out_indices`` but the last: its slab ``owned`` and the rows ``read_rows`` read after
+        the trunk, as one span. Only the map the layers update holds the margin, which the
+        layers alone read."""
         spans = [span for span in (owned, read_rows) if span[0] < span[1]]
         if not spans:
             return owned[0], owned[0]
-        margin = self.stream_margin
-        return (max(0, min(lo for lo, _ in spans) - margin),
-                min(grid_rows, max(hi for _, hi in spans) + margin))
+        return min(lo for lo, _ in spans), max(hi for _, hi in spans)
 
     def _token_grid(self, image_hw: Tuple[int, int]) -> Tuple[int, int]:
         """The patch grid (token rows, token columns) of an image: its sides rounded up."""
@@ -767,15 +813,18 @@ class XCiTBackbone(BaseModule):
                    band_rows_for(band_mb, row_bytes, at_least=2))
         return rows * row_bytes / 2**20
 
-    def token_maps_mb(self, image_hw: Tuple[int, int],
-                      token_rows: Optional[int] = None) -> Tuple[int, float]:
+    def token_maps_mb(self, image_hw: Tuple[int, int], token_rows: Optional[int] = None,
+                      kept_rows: Optional[int] = None) -> Tuple[int, float]:
         """How many token maps :meth:`stream_trunk` keeps for an image of ``image_hw`` (the
-        copies the adapter reads, and the map the layers update), and their MB together; of
-        ``token_rows`` rows each (a rank's :meth:`streamed_rows`), by default all the grid's."""
+        copies the adapter reads, and the map the layers update), and their MB together: the
+        map the layers update of ``token_rows`` rows (a rank's :meth:`streamed_rows`), the
+        copies of ``kept_rows`` (a rank's :meth:`kept_rows`); by default all the grid's."""
         grid = self._token_grid(image_hw)
         rows = grid[0] if token_rows is None else token_rows
-        kept = len(set(self.out_indices) - {max(self.out_indices)}) + 1
-        return kept, kept * 4 * self.embed_dims * rows * grid[1] / 2**20
+        copy_rows = rows if kept_rows is None else kept_rows
+        copies = len(set(self.out_indices) - {max(self.out_indices)})
+        row_mb = 4 * self.embed_dims * grid[1] / 2**20
+        return copies + 1, (rows + copies * copy_rows) * row_mb
 
     def _valid_tokens(self, valid_pixels: Callable[[int, int], torch.Tensor],
                       image_hw: Tuple[int, int], band_rows: int,

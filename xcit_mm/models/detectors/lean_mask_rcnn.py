@@ -360,19 +360,21 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         if why is not None:
             raise ValueError(f'{name}.stream_instances: cannot stream: {why}')
         device = next(self.parameters()).device
-        token_rows = None  # a rank's token maps hold its share of the rows
+        token_rows = kept_rows = None  # a rank's token maps hold its share of the rows
         if shard is not None:
             slab = shard.slab(image_hw[0], self.backbone.patch_size)
-            first, stop = self.backbone.streamed_rows(slab.grid_rows, (slab.first, slab.stop),
-                                                      self._rank_core_rows(shard, image_hw)[1])
-            token_rows = stop - first
+            owned, read = (slab.first, slab.stop), self._rank_core_rows(shard, image_hw)[1]
+            first, stop = self.backbone.streamed_rows(slab.grid_rows, owned, read)
+            lo, hi = self.backbone.kept_rows(owned, read)
+            token_rows, kept_rows = stop - first, hi - lo
         # no budget: the token maps in memory unless test_cfg says disk, windows as test_cfg
-        plan = self._stream_plans(image_hw, token_rows)[0]
+        plan = self._stream_plans(image_hw, token_rows, kept_rows=kept_rows)[0]
         if max_memory is not None:
             budget = read_budget_mb(dict(max_memory=max_memory), name)
-            plan = self._choose_memory_plan(self._stream_plans(image_hw, token_rows, budget),
-                                            budget, f'{name} on {image_hw[0]}x{image_hw[1]} px')
-        folder = self._token_folder(image_hw, plan.name, token_dir, token_rows)
+            plan = self._choose_memory_plan(
+                self._stream_plans(image_hw, token_rows, budget, kept_rows), budget,
+                f'{name} on {image_hw[0]}x{image_hw[1]} px')
+        folder = self._token_folder(image_hw, plan.name, token_dir, token_rows, kept_rows)
         read_pixels = partial(preprocessed_rows, self.data_preprocessor, read_rows, device)
         valid = (None if valid_rows is None else
                  partial(valid_pixels, valid_rows, image_hw[1], device))
@@ -394,16 +396,18 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         return instances()
 
     def _stream_plans(self, image_hw: Sequence[int], token_rows: Optional[int] = None,
-                      budget_mb: Optional[float] = None) -> List[Plan]:
+                      budget_mb: Optional[float] = None,
+                      kept_rows: Optional[int] = None) -> List[Plan]:
         """The stream's plans, token maps in memory then on disk (docs/lean_detection.md): the
-        maps (``token_rows`` rows each, a rank's share; default all), the window of feature
+        maps (a rank's ``token_rows`` and ``kept_rows``, :meth:`XCiTBackbone.token_maps_mb`;
+        default all), the window of feature
         rows, the bands' work and the RoI heads' fixed part. The windows are as wide as
         ``test_cfg.window_width`` says, else the whole width; then, where a ``budget_mb`` is
         given and neither plan fits it, a third plan with the maps on disk and windows over the
         widest bands of core columns that fit (one core at least)."""
         settings, backbone, neck = self.test_settings, self.backbone, self.neck
         H, W = image_hw
-        kept, maps_mb = backbone.token_maps_mb(image_hw, token_rows)
+        kept, maps_mb = backbone.token_maps_mb(image_hw, token_rows, kept_rows)
         rows = max(b - a for a, b in self._core_rows_and_windows(image_hw)[1])  # one buffer
         core_cols = det_stream.core_edges(W, settings.tile_size[1])
         margin = self._window_margin()
@@ -463,7 +467,8 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
 
     def _token_folder(self, image_hw: Sequence[int], plan: str,
                       token_dir: Optional[str] = None,
-                      token_rows: Optional[int] = None) -> Optional[str]:
+                      token_rows: Optional[int] = None,
+                      kept_rows: Optional[int] = None) -> Optional[str]:
         """Where the stream's token maps go: None (memory) unless ``test_cfg.token_maps`` is
         'disk' or the plan is the disk one; else ``token_dir``, ``test_cfg.token_dir`` or the
         temporary folder, checked for room and refused on tmpfs (memory the budget does not
@@ -472,7 +477,7 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         if not (plan == 'stream-disk' or settings.token_maps == 'disk'):
             return None
         folder = token_dir or settings.token_dir or tempfile.gettempdir()
-        plans = self._stream_plans(image_hw, token_rows)
+        plans = self._stream_plans(image_hw, token_rows, kept_rows=kept_rows)
         check_token_folder(folder, (plans[0].estimate_mb - plans[1].estimate_mb) * MB)
         return folder
 

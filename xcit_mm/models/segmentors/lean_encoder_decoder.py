@@ -355,19 +355,21 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
                                  'mask_xca=False')
             trunk_kwargs['valid_pixels'] = partial(valid_pixels, valid_rows, W, device)
         budget = None if max_memory is None else read_budget_mb(dict(max_memory=max_memory), name)
-        token_rows = None
-        if shard is not None:  # the rows the rank's labels read, then those it makes
+        token_rows = kept_rows = None
+        if shard is not None:  # the rows the rank's labels read, those it keeps and makes
             slab = shard.slab(H, self.backbone.patch_size)
             read = self._slab_trunk_rows(slab, image_hw, confidence)
-            first, stop = self.backbone.streamed_rows(slab.grid_rows, (slab.first, slab.stop),
-                                                      read)
+            owned = (slab.first, slab.stop)
+            first, stop = self.backbone.streamed_rows(slab.grid_rows, owned, read)
+            lo, hi = self.backbone.kept_rows(owned, read)
             trunk_kwargs.update(shard=shard, read_rows=read)
-            token_rows = stop - first
-        plans = self._stream_plans(image_hw, held_mb=0, budget_mb=budget, token_rows=token_rows)
+            token_rows, kept_rows = stop - first, hi - lo
+        plans = self._stream_plans(image_hw, held_mb=0, budget_mb=budget, token_rows=token_rows,
+                                   kept_rows=kept_rows)
         plan = plans[0] if budget is None else self._choose_memory_plan(
             plans, budget, f'{name} on {H}x{W} px')
         folder = self._token_folder(image_hw, plan, token_dir, budgeted=budget is not None,
-                                    token_rows=token_rows)
+                                    token_rows=token_rows, kept_rows=kept_rows)
         read_pixels = partial(preprocessed_rows, self.data_preprocessor, read_rows, device)
 
         def bands() -> Iterator[tuple]:
@@ -407,14 +409,16 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         return self._set_results(data_samples, results)
 
     def _token_folder(self, image_hw: Sequence[int], plan: Plan, token_dir: Optional[str],
-                      budgeted: bool, token_rows: Optional[int] = None) -> Optional[str]:
+                      budgeted: bool, token_rows: Optional[int] = None,
+                      kept_rows: Optional[int] = None) -> Optional[str]:
         """Where the token maps go (None: in memory), checked before any work: a folder with room
-        for them (``token_rows`` rows each, default all), not in memory (tmpfs) unless a budget
-        counted them (the in-memory plan)."""
+        for them (a rank's ``token_rows`` and ``kept_rows``, :meth:`XCiTBackbone.token_maps_mb`;
+        default all), not in memory (tmpfs) unless a budget counted them (the in-memory plan)."""
         if not (self.test_settings.token_maps == 'disk' or plan.name == 'stream-disk'):
             return None
         folder = token_dir or tempfile.gettempdir()
-        check_token_folder(folder, self.backbone.token_maps_mb(image_hw, token_rows)[1] * MB,
+        check_token_folder(folder,
+                           self.backbone.token_maps_mb(image_hw, token_rows, kept_rows)[1] * MB,
                            memory_counted=budgeted and plan.name == 'stream')
         return folder
 
@@ -495,7 +499,8 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
 
     def _stream_plans(self, image_hw: Sequence[int], held_mb: float,
                       budget_mb: Optional[float] = None,
-                      token_rows: Optional[int] = None) -> List[Plan]:
+                      token_rows: Optional[int] = None,
+                      kept_rows: Optional[int] = None) -> List[Plan]:
         """The stream's plans, token maps in memory then on disk: the maps (of ``token_rows``
         rows, a rank's, else the image's), what the caller holds, UperNet's pooled maps,
         ``SLACK_MB``, ``STREAM_WORK_MB`` and the larger work of the two stages: the trunk's
@@ -505,7 +510,7 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         ``STREAM_WORK_BANDS`` bands). The bands: ``test_cfg.band_mb``, else the device's
         default (for a rank, its share of the image's token rows of it, so that its work shrinks
         with its share as its maps do), shrunk to fit ``budget_mb`` (down to the minimum)."""
-        kept, maps_mb = self.backbone.token_maps_mb(image_hw, token_rows)
+        kept, maps_mb = self.backbone.token_maps_mb(image_hw, token_rows, kept_rows)
         floor_mb, floor = 0.0, ''
         if budget_mb is not None:
             floor_mb = self._label_floor().estimate_mb(LABEL_FLOOR_ROWS * image_hw[1])
