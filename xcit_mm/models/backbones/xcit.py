@@ -701,7 +701,8 @@ class XCiTBackbone(BaseModule):
         read, e.g. for the labels of the slab's pixel rows) from the image's pixels of those
         rows and a margin of :meth:`stream_margin` rows each side (:meth:`streamed_rows`): LPI
         reads zeros past the margin, which spoils ``LPI.reach`` more rows inside it with each
-        layer, so that with this margin all the rows asked for come out exact. It returns
+        layer, so that with this margin all the rows asked for come out exact (the copies at
+        the ``out_indices`` hold only the slab and ``read_rows``: :meth:`kept_rows`). It returns
         :class:`~xcit_mm.models.inference.sharding.SlabRows` (whole-image row numbers) that
         refuse rows outside them. The position code, and with ``valid_pixels`` (read for the
         slab's rows only) its frame, are the whole image's."""

@@ -400,11 +400,10 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
                       kept_rows: Optional[int] = None) -> List[Plan]:
         """The stream's plans, token maps in memory then on disk (docs/lean_detection.md): the
         maps (a rank's ``token_rows`` and ``kept_rows``, :meth:`XCiTBackbone.token_maps_mb`;
-        default all), the window of feature
-        rows, the bands' work and the RoI heads' fixed part. The windows are as wide as
-        ``test_cfg.window_width`` says, else the whole width; then, where a ``budget_mb`` is
-        given and neither plan fits it, a third plan with the maps on disk and windows over the
-        widest bands of core columns that fit (one core at least)."""
+        default all), the window of feature rows, the bands' work and the RoI heads' fixed part.
+        The windows are as wide as ``test_cfg.window_width`` says, else the whole width; then,
+        where a ``budget_mb`` is given and neither plan fits it, a third plan with the maps on
+        disk and windows over the widest bands of core columns that fit (one core at least)."""
         settings, backbone, neck = self.test_settings, self.backbone, self.neck
         H, W = image_hw
         kept, maps_mb = backbone.token_maps_mb(image_hw, token_rows, kept_rows)
