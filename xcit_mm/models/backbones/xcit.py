@@ -781,6 +781,14 @@ class XCiTBackbone(BaseModule):
         margin = self.stream_margin
         return max(0, lo - margin), min(grid_rows, hi + margin)
 
+    def rank_token_rows(self, grid_rows: int, owned: Tuple[int, int],
+                        read_rows: Tuple[int, int] = EMPTY) -> Tuple[int, int]:
+        """How many token rows a rank's maps hold, as :meth:`token_maps_mb` takes them: the map
+        the layers update (:meth:`streamed_rows`) and each copy (:meth:`kept_rows`)."""
+        first, stop = self.streamed_rows(grid_rows, owned, read_rows)
+        lo, hi = self.kept_rows(owned, read_rows)
+        return stop - first, hi - lo
+
     @staticmethod
     def kept_rows(owned: Tuple[int, int],
                   read_rows: Tuple[int, int] = EMPTY) -> Tuple[int, int]:

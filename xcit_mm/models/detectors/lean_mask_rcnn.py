@@ -363,10 +363,8 @@ class LeanMaskRCNN(LeanSettingsMixin, MemoryPlanMixin, MaskRCNN):
         token_rows = kept_rows = None  # a rank's token maps hold its share of the rows
         if shard is not None:
             slab = shard.slab(image_hw[0], self.backbone.patch_size)
-            owned, read = (slab.first, slab.stop), self._rank_core_rows(shard, image_hw)[1]
-            first, stop = self.backbone.streamed_rows(slab.grid_rows, owned, read)
-            lo, hi = self.backbone.kept_rows(owned, read)
-            token_rows, kept_rows = stop - first, hi - lo
+            token_rows, kept_rows = self.backbone.rank_token_rows(
+                slab.grid_rows, (slab.first, slab.stop), self._rank_core_rows(shard, image_hw)[1])
         # no budget: the token maps in memory unless test_cfg says disk, windows as test_cfg
         plan = self._stream_plans(image_hw, token_rows, kept_rows=kept_rows)[0]
         if max_memory is not None:

@@ -359,11 +359,9 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
         if shard is not None:  # the rows the rank's labels read, those it keeps and makes
             slab = shard.slab(H, self.backbone.patch_size)
             read = self._slab_trunk_rows(slab, image_hw, confidence)
-            owned = (slab.first, slab.stop)
-            first, stop = self.backbone.streamed_rows(slab.grid_rows, owned, read)
-            lo, hi = self.backbone.kept_rows(owned, read)
+            token_rows, kept_rows = self.backbone.rank_token_rows(
+                slab.grid_rows, (slab.first, slab.stop), read)
             trunk_kwargs.update(shard=shard, read_rows=read)
-            token_rows, kept_rows = stop - first, hi - lo
         plans = self._stream_plans(image_hw, held_mb=0, budget_mb=budget, token_rows=token_rows,
                                    kept_rows=kept_rows)
         plan = plans[0] if budget is None else self._choose_memory_plan(
