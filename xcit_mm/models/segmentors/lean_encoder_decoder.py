@@ -149,6 +149,12 @@ class _RunningArgmax:
         self.step_done()
 
 
+def _whole_kb(mb: float) -> float:
+    """``mb`` rounded down to whole KB: bands fitted to a budget that a plan's own estimate gave
+    come out as that plan's, not a float rounding above them."""
+    return mb if math.isinf(mb) else math.floor(mb * 1024) / 1024
+
+
 @MODELS.register_module()
 class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
     """mmseg's ``EncoderDecoder`` with a lean ``predict``; training is stock's."""
@@ -534,9 +540,9 @@ class LeanEncoderDecoder(LeanSettingsMixin, MemoryPlanMixin, EncoderDecoder):
             band_mb = self.test_settings.band_mb
             if band_mb is None:  # the largest bands whose work fits (down to the minimum)
                 room = math.inf if budget_mb is None else budget_mb - (fixed_mb + maps)
-                band_mb = min(default, (room - floor_mb) / STREAM_WORK_BANDS)
+                band_mb = min(default, _whole_kb((room - floor_mb) / STREAM_WORK_BANDS))
                 if work_mb(band_mb) > room:  # the trunk's bands, unless the image is smaller
-                    band_mb = min(band_mb, room / TRUNK_WORK_BANDS)
+                    band_mb = min(band_mb, _whole_kb(room / TRUNK_WORK_BANDS))
                 band_mb = max(MIN_STREAM_BAND_MB, band_mb)
             plans.append(Plan(name, fixed_mb + maps + work_mb(band_mb),
                               f'({kept} token maps of {maps_mb / kept:.0f} MB {where}, bands of '
